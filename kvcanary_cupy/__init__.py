@@ -1,0 +1,75 @@
+"""kvcanary-cupy: a KV-cache integrity checker (kv-canary) for paged-attention inference engines.
+
+Next to every KV slot the canary keeps a record ``(token, position, prev_hash, real_kv_hash)``
+chained by a hash along each sequence.  Every step, :func:`plan` lists the slots the step reads
+and writes, :func:`write` stamps fresh records for the new tokens and :func:`verify` checks the
+records of every slot read, logging violations into a device-side ring (:class:`ViolationLog`).
+
+NumPy arrays run on the CPU backend; CuPy arrays and CUDA torch tensors run the CUDA kernels;
+both compute the same bytes.  Importing this package needs neither CuPy nor PyTorch.
+"""
+
+from .constants import (
+    CANARY_CHAIN_ANCHOR,
+    CANARY_CHAIN_ANCHOR_HASH,
+    CANARY_FIELD_POSITION,
+    CANARY_FIELD_PREV_HASH,
+    CANARY_FIELD_REAL_KV_HASH,
+    CANARY_FIELD_TOKEN,
+    CANARY_FIELDS_PER_SLOT,
+    CANARY_SLOT_BYTES,
+    MAX_REAL_KV_SOURCES,
+    NUM_LAUNCH_TAGS,
+    REQ_POOL_IDX_PADDING,
+    TOKEN_TO_KV_SLOT_PADDING,
+    VIOLATION_FIELDS,
+    CanaryLaunchTag,
+    FailReason,
+    RealKvHashMode,
+)
+from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
+from .ops import plan, scatter_req_token_ids, verify, write
+from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
+from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
+from .reporting import Violation, ViolationReport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ANCHOR_HASH",
+    "CANARY_CHAIN_ANCHOR",
+    "CANARY_CHAIN_ANCHOR_HASH",
+    "CANARY_FIELD_POSITION",
+    "CANARY_FIELD_PREV_HASH",
+    "CANARY_FIELD_REAL_KV_HASH",
+    "CANARY_FIELD_TOKEN",
+    "CANARY_FIELDS_PER_SLOT",
+    "CANARY_SLOT_BYTES",
+    "MAX_REAL_KV_SOURCES",
+    "NUM_LAUNCH_TAGS",
+    "REQ_POOL_IDX_PADDING",
+    "TOKEN_TO_KV_SLOT_PADDING",
+    "VIOLATION_FIELDS",
+    "CanaryCapacities",
+    "CanaryCapacityWarning",
+    "CanaryLaunchTag",
+    "CanaryPlanner",
+    "FailReason",
+    "RealKvHashMode",
+    "RealKvSource",
+    "VerifyPlan",
+    "Violation",
+    "ViolationLog",
+    "ViolationReport",
+    "WritePlan",
+    "allocate_canary_buffer",
+    "mix3",
+    "plan",
+    "real_kv_fold",
+    "scatter_req_token_ids",
+    "splitmix64",
+    "to_signed",
+    "to_unsigned",
+    "verify",
+    "write",
+]

@@ -1,0 +1,109 @@
+"""Backends compute the canary on validated, normalised views.
+
+The front door (:mod:`kvcanary_cupy.ops`) checks every argument, turns each array into a NumPy
+or CuPy view of the caller's memory and hands one of the argument records below to the backend
+picked by the arrays' device.  Both backends compute the same bytes for the same record
+(spec Part 1, decision 9); only the order of ring rows written by GPU threads may differ.
+
+Views have the dtypes and shapes the records name; 1-D arrays are contiguous; the 2-D tables
+``req_to_token`` and ``expected_token_pool`` have a unit inner stride and any row stride;
+``canary`` is an ``int64 [num_slots, fields_per_row]`` C-contiguous view (fields_per_row >= 4).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+
+class PlanOutputs(NamedTuple):
+    verify_slot_indices: Any  # [vcap] int64
+    verify_expected_tokens: Any  # [vcap] int64
+    verify_expected_positions: Any  # [vcap] int64
+    verify_prev_slot_indices: Any  # [vcap] int64
+    verify_num_valid: Any  # [1] int32
+    enable: Any  # [1] int32
+    out_of_range_count: Any  # [1] int64
+    write_offsets: Any  # [wcap+1] int64
+    write_seed_slot_indices: Any  # [wcap] int64
+    write_num_valid_reqs: Any  # [1] int32
+    verify_offsets: Any  # [wcap+1] int64
+
+
+class PlanArgs(NamedTuple):
+    req_pool_indices: Any  # [bs] int64
+    prefix_lens: Any  # [bs] int64
+    extend_seq_lens: Any  # [bs] int64
+    req_to_token: Any  # [R, L] int32
+    swa_window_size: int  # 0 = FULL group
+    swa_lut: Optional[Any]  # [lut_len > 0] int64 or None
+    expected_token_pool: Optional[Any]  # [PR >= R, PC] int32 or None
+    expected_token_valid_lens: Optional[Any]  # [bs] int64, given iff the pool is
+    token_offset: int  # kv_token_id_vs_position_offset
+    out: PlanOutputs
+
+
+class LogViews(NamedTuple):
+    ring: Any  # [ring_cap, 8] int64
+    write_index: Any  # [1] int32
+    slot_run_counters: Any  # [K] int64
+    kernel_run_counters: Any  # [K] int64
+    out_of_range_counters: Any  # [K] int64
+
+
+class SourceView(NamedTuple):
+    """One real-KV source as bytes: ``data`` is ``uint8 [rows, row_bytes]`` with any row stride."""
+
+    data: Any
+    page_size: int
+    num_bytes_per_token: int
+    read_bytes: int
+
+
+class WriteArgs(NamedTuple):
+    canary: Any  # [N, F] int64
+    write_offsets: Any  # [wcap+1] int64
+    write_seed_slot_indices: Any  # [wcap] int64
+    write_num_valid_reqs: Any  # [1] int32
+    input_ids: Any  # [T] int64
+    positions: Any  # [T] int64
+    out_cache_loc: Any  # [T] int64
+    expected_input_tokens: Optional[Any]  # [T] int64 or None (input assert off)
+    expected_input_positions: Optional[Any]  # [T] int64 or None
+    chain_position_assert: Any  # bool, or [1] int32 array (non-zero = on)
+    kernel_kind: int
+    sources: tuple  # of SourceView
+    real_kv_hash_mode: int
+    log: LogViews
+
+
+class VerifyArgs(NamedTuple):
+    canary: Any  # [N, F] int64
+    verify_slot_indices: Any  # [vcap] int64
+    verify_expected_tokens: Any  # [vcap] int64
+    verify_expected_positions: Any  # [vcap] int64
+    verify_prev_slot_indices: Any  # [vcap] int64
+    verify_num_valid: Any  # [1] int32
+    enable: Any  # [1] int32
+    check_expected_token: bool
+    kernel_kind: int
+    sources: tuple  # of SourceView
+    real_kv_hash_mode: int
+    log: LogViews
+
+
+class ScatterArgs(NamedTuple):
+    flat_in: Any  # [N] int64
+    offsets: Any  # [bs+1] int64
+    req_pool_indices: Any  # [bs] int64
+    pool_out: Any  # [R, C] int32, unit inner stride
+    out_of_range_count: Optional[Any]  # [1] int64 or None
+
+
+def get_backend(name: str):
+    if name == "numpy":
+        from . import numpy_backend
+
+        return numpy_backend
+    from . import cupy_backend
+
+    return cupy_backend

@@ -1,0 +1,357 @@
+"""The canary on the CPU with NumPy: the reference every other backend matches byte for byte.
+
+Plan and verify are vectorised over entries; write is vectorised over requests and walks the
+tokens of all requests in lock-step (the chain hash is serial along a request).
+Out-of-range rules (README "Out-of-range values") are implemented by :func:`plan_row_checks`
+and the masks below; the CUDA kernels apply the same rules.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..constants import (
+    FailReason,
+    RealKvHashMode,
+    REAL_KV_PARTIAL_BYTES,
+    VIOLATION_FIELDS,
+)
+from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_array
+from . import LogViews, PlanArgs, ScatterArgs, SourceView, VerifyArgs, WriteArgs
+
+_ANCHOR_U64 = np.uint64(ANCHOR_HASH)
+_I64 = np.int64
+
+
+def _as_i64(u: np.ndarray) -> np.ndarray:
+    return u.astype(np.uint64, copy=False).view(np.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# plan
+
+
+def plan_row_checks(a: PlanArgs):
+    """Per-request quantities of a plan and the number of out-of-range values per request.
+
+    Returns ``(verify_start, verify_len, write_len, seed_ok, row_errors)``; every array is
+    ``[bs]`` int64 (``seed_ok`` bool).  Only active rows (``req_pool_indices != 0``) count.
+    """
+    rp = np.asarray(a.req_pool_indices, _I64)
+    prefix = np.asarray(a.prefix_lens, _I64)
+    extend = np.asarray(a.extend_seq_lens, _I64)
+    rows, row_len = a.req_to_token.shape
+    active = rp != 0
+    rp_ok = (rp >= 0) & (rp < rows)
+    prefix_ok = (prefix >= 0) & (prefix <= row_len)
+    extend_ok = extend >= 0
+    errors = (~rp_ok).astype(_I64) + ~prefix_ok + ~extend_ok
+    if a.expected_token_pool is not None:
+        lens = np.asarray(a.expected_token_valid_lens, _I64)
+        errors += (lens < 0) | (lens > a.expected_token_pool.shape[1])
+    errors = np.where(active, errors, 0)
+
+    window = a.swa_window_size
+    verify_start = np.maximum(prefix - window, 0) if window > 0 else np.zeros_like(prefix)
+    verify_end = np.clip(prefix, 0, row_len)
+    verify_len = np.where(active & rp_ok, np.maximum(verify_end - verify_start, 0), 0)
+    write_len = np.where(active, np.maximum(extend, 0), 0)
+    seed_ok = active & rp_ok & prefix_ok & (prefix > 0) & (write_len > 0)
+    return verify_start, verify_len, write_len, seed_ok, errors
+
+
+def _translate(values: np.ndarray, lut):
+    """SWA LUT lookup: negatives pass through, indices past the end clamp to the last entry.
+
+    Returns ``(translated, clamped_count)``.
+    """
+    if lut is None:
+        return values, 0
+    n = lut.shape[0]
+    neg = values < 0
+    over = values > n - 1
+    idx = np.where(neg, 0, np.minimum(values, n - 1))
+    return np.where(neg, values, lut[idx]), int(np.count_nonzero(over))
+
+
+def plan(a: PlanArgs) -> None:
+    out = a.out
+    rp = np.asarray(a.req_pool_indices, _I64)
+    bs = rp.shape[0]
+    rtt = a.req_to_token
+    vcap = out.verify_slot_indices.shape[0]
+    verify_start, verify_len, write_len, seed_ok, row_errors = plan_row_checks(a)
+    errors = int(row_errors.sum())
+
+    prefix = np.asarray(a.prefix_lens, _I64)
+    seed_rows = np.nonzero(seed_ok)[0]
+    seeds = np.full(bs, -1, _I64)
+    if seed_rows.size:
+        raw = rtt[rp[seed_rows], prefix[seed_rows] - 1].astype(_I64)
+        seeds[seed_rows], clamped = _translate(raw, a.swa_lut)
+        errors += clamped
+
+    voff = np.zeros(bs + 1, _I64)
+    np.cumsum(verify_len, out=voff[1:])
+    woff = np.zeros(bs + 1, _I64)
+    np.cumsum(write_len, out=woff[1:])
+    total = int(voff[bs])
+    enabled = total <= vcap
+
+    if enabled and total > 0:
+        owner = np.repeat(np.arange(bs), verify_len)
+        pos = verify_start[owner] + (np.arange(total, dtype=_I64) - voff[owner])
+        row = rp[owner]
+        slots, clamped_slots = _translate(rtt[row, pos].astype(_I64), a.swa_lut)
+        has_prev = pos > 0
+        prev_raw = rtt[row[has_prev], pos[has_prev] - 1].astype(_I64)
+        prev_t, clamped_prev = _translate(prev_raw, a.swa_lut)
+        prev = np.full(total, -1, _I64)
+        prev[has_prev] = prev_t
+        errors += clamped_slots + clamped_prev
+        tokens = np.full(total, -1, _I64)
+        if a.expected_token_pool is not None:
+            pool = a.expected_token_pool
+            q = pos + a.token_offset
+            limit = np.minimum(np.asarray(a.expected_token_valid_lens, _I64)[owner], pool.shape[1])
+            ok = (q >= 0) & (q < limit)
+            tokens[ok] = pool[row[ok], q[ok]]
+        out.verify_slot_indices[:total] = slots
+        out.verify_expected_tokens[:total] = tokens
+        out.verify_expected_positions[:total] = pos
+        out.verify_prev_slot_indices[:total] = prev
+
+    out.verify_num_valid[0] = min(total, vcap)
+    out.enable[0] = 1 if enabled else 0
+    out.out_of_range_count[0] += errors
+    out.write_offsets[: bs + 1] = woff
+    out.write_offsets[bs + 1 :] = 0
+    out.verify_offsets[: bs + 1] = voff
+    out.verify_offsets[bs + 1 :] = 0
+    out.write_seed_slot_indices[:bs] = seeds
+    out.write_seed_slot_indices[bs:] = -1
+    out.write_num_valid_reqs[0] = bs
+
+
+# ----------------------------------------------------------------------------------------------
+# real-KV fingerprint and the violation ring
+
+
+def real_kv_hashes(sources: tuple, mode: int, slots: np.ndarray) -> np.ndarray:
+    """``real_kv_hash`` (uint64) of each slot in ``slots`` (all within every source's rows)."""
+    acc = np.zeros(slots.shape[0], np.uint64)
+    if mode == RealKvHashMode.NONE or not sources or slots.size == 0:
+        return acc
+    for src in sources:
+        src: SourceView
+        nbytes = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else src.read_bytes
+        row = slots // src.page_size
+        col = (slots % src.page_size) * src.num_bytes_per_token
+        strip = src.data[row[:, None], col[:, None] + np.arange(nbytes)]
+        words = np.ascontiguousarray(strip).view("<u8")
+        h = np.zeros(slots.shape[0], np.uint64)
+        for w in range(words.shape[1]):
+            h = splitmix64_array(h ^ words[:, w])
+        acc = splitmix64_array(acc ^ h)
+    return acc
+
+
+def append_rows(log: LogViews, rows: np.ndarray) -> None:
+    """Fill-once append: row i takes ticket ``write_index + i`` and is kept if the ticket fits."""
+    n = rows.shape[0]
+    if n == 0:
+        return
+    base = int(log.write_index[0])
+    tickets = base + np.arange(n)
+    keep = (tickets >= 0) & (tickets < log.ring.shape[0])
+    log.ring[tickets[keep]] = rows[keep]
+    log.write_index[0] = np.int32((base + n + 2**31) % 2**32 - 2**31)
+
+
+def _rows(kind, slot, position, stored_token, expected_token, chain, aux, bits) -> np.ndarray:
+    n = slot.shape[0]
+    rows = np.empty((n, VIOLATION_FIELDS), _I64)
+    for col, values in enumerate((kind, slot, position, stored_token, expected_token, chain, aux, bits)):
+        rows[:, col] = values
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# write
+
+
+def write_range_checks(offsets, num_valid_reqs: int, num_tokens: int):
+    """Each request's token range ``[start, end)`` clamped into ``[0, num_tokens]``, and a mask of
+    requests whose raw range was out of range (counted once each)."""
+    start_raw = np.asarray(offsets[:num_valid_reqs], _I64)
+    end_raw = np.asarray(offsets[1 : num_valid_reqs + 1], _I64)
+    start = np.clip(start_raw, 0, num_tokens)
+    end = np.clip(end_raw, start, num_tokens)
+    bad = (start_raw < 0) | (start_raw > num_tokens) | (end_raw < start_raw) | (end_raw > num_tokens)
+    return start, end, bad
+
+
+def _flag_value(flag) -> bool:
+    if isinstance(flag, (bool, np.bool_)):
+        return bool(flag)
+    return int(np.asarray(flag).reshape(-1)[0]) != 0
+
+
+def write(a: WriteArgs) -> None:
+    log, kind = a.log, a.kernel_kind
+    canary = a.canary
+    num_slots = canary.shape[0]
+    cap = a.write_seed_slot_indices.shape[0]
+    num_reqs = min(max(int(a.write_num_valid_reqs[0]), 0), cap)
+    log.kernel_run_counters[kind] += 1
+    if num_reqs == 0:
+        return
+    num_tokens = a.input_ids.shape[0]
+    start, end, bad_range = write_range_checks(a.write_offsets, num_reqs, num_tokens)
+    errors = int(np.count_nonzero(bad_range))
+
+    seed = np.asarray(a.write_seed_slot_indices[:num_reqs], _I64)
+    seed_oob = seed >= num_slots
+    errors += int(np.count_nonzero(seed_oob))
+    seed_ok = (seed >= 0) & ~seed_oob
+    seed_rec = canary[np.where(seed_ok, seed, 0)]
+    running = np.where(
+        seed_ok, mix3_array(seed_rec[:, 2], seed_rec[:, 0], seed_rec[:, 1]), _ANCHOR_U64
+    )
+    pos_assert = seed_ok & _flag_value(a.chain_position_assert)
+    running_pos = seed_rec[:, 1].copy()
+
+    loc = np.asarray(a.out_cache_loc, _I64)
+    input_assert = a.expected_input_tokens is not None
+    written = 0
+    rows, row_keys = [], []
+    length = end - start
+    for k in range(int(length.max(initial=0))):
+        live = np.nonzero(length > k)[0]
+        idx = start[live] + k
+        slot = loc[idx]
+        oob = slot >= num_slots
+        errors += int(np.count_nonzero(oob))
+        ok = (slot >= 0) & ~oob
+        live, idx, slot = live[ok], idx[ok], slot[ok]
+        if live.size == 0:
+            continue
+        token = np.asarray(a.input_ids[idx], _I64)
+        pos = np.asarray(a.positions[idx], _I64)
+        chain = running[live]
+        if input_assert:
+            bits = np.where(token != a.expected_input_tokens[idx], FailReason.WRITE_TOKEN_MISMATCH.value, 0)
+            bits |= np.where(pos != a.expected_input_positions[idx], FailReason.WRITE_POSITION_MISMATCH.value, 0)
+            hit = bits != 0
+            rows.append(_rows(kind, slot[hit], pos[hit], token[hit], a.expected_input_tokens[idx][hit],
+                              _as_i64(chain[hit]), a.expected_input_positions[idx][hit], bits[hit]))
+            row_keys.append(idx[hit] * 2)
+        checked = pos_assert[live]
+        want = running_pos[live] + 1
+        hit = checked & (pos != want)
+        rows.append(_rows(kind, slot[hit], pos[hit], token[hit], token[hit], _as_i64(chain[hit]),
+                          want[hit], FailReason.WRITE_POSITION_MISMATCH.value))
+        row_keys.append(idx[hit] * 2 + 1)
+        running_pos[live] = np.where(checked, pos, running_pos[live])
+        canary[slot, 0] = token
+        canary[slot, 1] = pos
+        canary[slot, 2] = _as_i64(chain)
+        canary[slot, 3] = _as_i64(real_kv_hashes(a.sources, a.real_kv_hash_mode, slot))
+        running[live] = mix3_array(chain, token, pos)
+        written += live.size
+
+    if rows:
+        all_rows = np.concatenate(rows)
+        append_rows(log, all_rows[np.argsort(np.concatenate(row_keys), kind="stable")])
+    log.slot_run_counters[kind] += written
+    log.out_of_range_counters[kind] += errors
+
+
+# ----------------------------------------------------------------------------------------------
+# verify
+
+
+def verify(a: VerifyArgs) -> None:
+    log, kind = a.log, a.kernel_kind
+    canary = a.canary
+    num_slots = canary.shape[0]
+    log.kernel_run_counters[kind] += 1
+    if int(a.enable[0]) == 0:
+        return
+    active = min(max(int(a.verify_num_valid[0]), 0), a.verify_slot_indices.shape[0])
+    log.slot_run_counters[kind] += active
+    slot = np.asarray(a.verify_slot_indices[:active], _I64)
+    slot_oob = (slot < 0) | (slot >= num_slots)
+    errors = int(np.count_nonzero(slot_oob))
+    keep = np.nonzero((slot != 0) & ~slot_oob)[0]
+    slot = slot[keep]
+    prev = np.asarray(a.verify_prev_slot_indices[:active], _I64)[keep]
+    prev_oob = prev >= num_slots
+    errors += int(np.count_nonzero(prev_oob))
+    log.out_of_range_counters[kind] += errors
+    if keep.size == 0:
+        return
+
+    stored = canary[slot, :4]
+    prev_ok = (prev > 0) & ~prev_oob
+    prev_rec = canary[np.where(prev_ok, prev, 0)]
+    expected_chain = np.where(
+        prev < 0, _ANCHOR_U64, mix3_array(prev_rec[:, 2], prev_rec[:, 0], prev_rec[:, 1])
+    )
+    reachable = (prev < 0) | prev_ok
+    stored_chain = stored[:, 2].view(np.uint64)
+    expected_chain = np.where(reachable, expected_chain, stored_chain)
+    expected_pos = np.asarray(a.verify_expected_positions[:active], _I64)[keep]
+    if a.check_expected_token:
+        expected_tok = np.asarray(a.verify_expected_tokens[:active], _I64)[keep]
+    else:
+        expected_tok = np.full(keep.size, -1, _I64)
+    expected_rkv = _as_i64(real_kv_hashes(a.sources, a.real_kv_hash_mode, slot))
+
+    bits = np.where(stored_chain != expected_chain, FailReason.VERIFY_CHAIN_HASH_MISMATCH.value, 0)
+    bits |= np.where(stored[:, 1] != expected_pos, FailReason.VERIFY_POSITION_MISMATCH.value, 0)
+    bits |= np.where(stored[:, 3] != expected_rkv, FailReason.VERIFY_REAL_KV_HASH_MISMATCH.value, 0)
+    if a.check_expected_token:
+        token_bad = (expected_tok != -1) & (stored[:, 0] != expected_tok)
+        bits |= np.where(token_bad, FailReason.VERIFY_TOKEN_MISMATCH.value, 0)
+    hit = bits != 0
+    append_rows(
+        log,
+        _rows(kind, slot[hit], stored[hit, 1], stored[hit, 0], expected_tok[hit], stored[hit, 2],
+              _as_i64(expected_chain[hit]), bits[hit]),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# scatter
+
+
+def scatter_row_checks(a: ScatterArgs):
+    """Per request: pool row, source start, columns to write, and whether a value was out of range."""
+    rp = np.asarray(a.req_pool_indices, _I64)
+    offsets = np.asarray(a.offsets, _I64)
+    rows, cols = a.pool_out.shape
+    n = a.flat_in.shape[0]
+    start = offsets[:-1]
+    length = offsets[1:] - start
+    width = np.clip(length, 0, cols)
+    rp_ok = (rp >= 0) & (rp < rows)
+    bad = ~rp_ok | (length < 0) | ((width > 0) & ((start < 0) | (start + width > n)))
+    width = np.where(rp_ok, width, 0)
+    return rp, start, width, bad
+
+
+def scatter(a: ScatterArgs) -> None:
+    rp, start, width, bad = scatter_row_checks(a)
+    if a.out_of_range_count is not None:
+        a.out_of_range_count[0] += int(np.count_nonzero(bad))
+    total = int(width.sum())
+    if total == 0:
+        return
+    owner = np.repeat(np.arange(rp.shape[0]), width)
+    first = np.zeros(rp.shape[0] + 1, _I64)
+    np.cumsum(width, out=first[1:])
+    col = np.arange(total, dtype=_I64) - first[owner]
+    src = start[owner] + col
+    ok = (src >= 0) & (src < a.flat_in.shape[0])
+    a.pool_out[rp[owner][ok], col[ok]] = a.flat_in[src[ok]].astype(np.int32)

@@ -1,0 +1,98 @@
+"""Constants and enums of the kv-canary format (spec §2.1).
+
+Values are part of the on-device format: canary buffers and violation rows written by
+kvcanary-cupy mean the same thing as those written by SGLang's kv-canary.  The CUDA header
+``kernels/canary_common.cuh`` repeats them; a test keeps both in sync.
+"""
+
+from __future__ import annotations
+
+import enum
+
+CANARY_CHAIN_ANCHOR = 0xC0FFEE1234567890
+REQ_POOL_IDX_PADDING = 0
+TOKEN_TO_KV_SLOT_PADDING = 0
+
+CANARY_FIELDS_PER_SLOT = 4
+CANARY_FIELD_TOKEN = 0
+CANARY_FIELD_POSITION = 1
+CANARY_FIELD_PREV_HASH = 2
+CANARY_FIELD_REAL_KV_HASH = 3
+CANARY_SLOT_BYTES = 32
+
+VIOLATION_FIELDS = 8
+VIOLATION_FIELD_KERNEL_KIND = 0
+VIOLATION_FIELD_SLOT_IDX = 1
+VIOLATION_FIELD_POSITION = 2
+VIOLATION_FIELD_STORED_TOKEN = 3
+VIOLATION_FIELD_EXPECTED_TOKEN = 4
+VIOLATION_FIELD_STORED_CHAIN_HASH = 5
+VIOLATION_FIELD_EXPECTED_AUX = 6
+VIOLATION_FIELD_FAIL_REASON_BITS = 7
+
+MAX_REAL_KV_SOURCES = 4
+REAL_KV_SOURCE_FIELDS_PER_ENTRY = 3
+REAL_KV_SOURCE_FIELD_PAGE_SIZE = 0
+REAL_KV_SOURCE_FIELD_NUM_BYTES_PER_TOKEN = 1
+REAL_KV_SOURCE_FIELD_READ_BYTES = 2
+REAL_KV_PARTIAL_BYTES = 16
+
+SPLITMIX64_MUL1 = 0xBF58476D1CE4E5B9
+SPLITMIX64_MUL2 = 0x94D049BB133111EB
+SPLITMIX64_SHIFT1 = 30
+SPLITMIX64_SHIFT2 = 27
+SPLITMIX64_SHIFT3 = 31
+
+#: ``splitmix64(CANARY_CHAIN_ANCHOR)``: the prev_hash every chain head must carry.
+CANARY_CHAIN_ANCHOR_HASH = 0xDE7FAE23A9A1B716
+
+DEFAULT_RING_CAPACITY = 1024
+
+
+class FailReason(enum.IntFlag):
+    """Bits of the ``fail_reason_bits`` column of a violation row."""
+
+    VERIFY_CHAIN_HASH_MISMATCH = 1 << 0
+    VERIFY_POSITION_MISMATCH = 1 << 1
+    VERIFY_REAL_KV_HASH_MISMATCH = 1 << 2
+    WRITE_TOKEN_MISMATCH = 1 << 3
+    WRITE_POSITION_MISMATCH = 1 << 4
+    VERIFY_TOKEN_MISMATCH = 1 << 5
+
+    @staticmethod
+    def label(bits: int) -> str:
+        """``"verify_chain_hash+verify_position"`` style label; ``"none"`` for 0."""
+        names = [
+            member.name.lower().removesuffix("_mismatch")
+            for member in FailReason
+            if int(bits) & member.value
+        ]
+        return "+".join(names) if names else "none"
+
+
+class RealKvHashMode(enum.IntEnum):
+    """How much of each slot's real KV bytes is folded into ``real_kv_hash``."""
+
+    NONE = 0
+    PARTIAL = 1  # the first 16 bytes of each source strip
+    ALL = 2  # ``read_bytes`` bytes of each source strip
+
+
+class CanaryLaunchTag(enum.IntEnum):
+    """Launch tags: stamped into violation rows and used as counter index (``kernel_kind``)."""
+
+    HEAD_K_FULL = 0
+    HEAD_V_FULL = 1
+    TAIL_K_FULL = 2
+    TAIL_V_FULL = 3
+    SWEEP_K_FULL = 4
+    SWEEP_V_FULL = 5
+    HEAD_K_SWA = 6
+    HEAD_V_SWA = 7
+    TAIL_K_SWA = 8
+    TAIL_V_SWA = 9
+    SWEEP_K_SWA = 10
+    SWEEP_V_SWA = 11
+
+
+NUM_LAUNCH_TAGS = len(CanaryLaunchTag)

@@ -1,0 +1,430 @@
+"""The public operations: plan, write, verify and scatter_req_token_ids.
+
+Each one validates every argument (shapes, dtypes, devices, capacities: no device sync), views
+the caller's arrays without copying, picks the backend from the arrays' device (NumPy on the
+CPU, CUDA kernels through CuPy on the GPU) and launches on the caller's stream.  A rejected
+call changes nothing.  ``strict=True`` adds host-side checks of the values (a device sync).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import strict as strict_checks
+from .backends import (
+    LogViews,
+    PlanArgs,
+    PlanOutputs,
+    ScatterArgs,
+    SourceView,
+    VerifyArgs,
+    WriteArgs,
+    get_backend,
+)
+from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES, RealKvHashMode
+from .errors import fail
+from .interop import (
+    allocate,
+    array_module,
+    backend_view,
+    byte_rows_view,
+    common_placement,
+    launch_stream,
+)
+from .plans import INT32_MAX, RealKvSource, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources
+from .validation import (
+    check_1d,
+    check_2d_rows,
+    check_contiguous_output,
+    check_int,
+    contiguous_input,
+)
+
+I64, I32 = np.int64, np.int32
+
+
+def _check_type(obj, name: str, cls) -> None:
+    if not isinstance(obj, cls):
+        fail(TypeError, f"{name} must be a {cls.__name__}, got {type(obj).__name__}; allocate one with {cls.__name__}.allocate(...)")
+
+
+def _record_arrays(prefix: str, record) -> dict:
+    return {f"{prefix}.{k}": v for k, v in record.arrays().items()}
+
+
+def _output_views(prefix: str, record) -> dict:
+    views = {}
+    for key, arr in record.arrays().items():
+        view = backend_view(arr, f"{prefix}.{key}", writable=True)
+        check_contiguous_output(view, f"{prefix}.{key}")
+        views[key] = view
+    return views
+
+
+def _log_views(log: ViolationLog) -> LogViews:
+    v = _output_views("log", log)
+    check_1d(v["write_index"], "log.write_index", I32, 1)
+    kinds = v["kernel_run_counters"].shape[0]
+    for key in ("slot_run_counters", "kernel_run_counters", "out_of_range_counters"):
+        check_1d(v[key], f"log.{key}", I64, kinds, length_name="num_kinds")
+    ring = v["ring"]
+    if ring.dtype != np.int64 or ring.ndim != 2 or ring.shape[1] != 8:
+        fail(ValueError, f"log.ring must be int64 [capacity, 8], got {ring.dtype} {tuple(ring.shape)}")
+    if ring.shape[0] > INT32_MAX:
+        fail(ValueError, f"log.ring capacity must be at most {INT32_MAX}, got {ring.shape[0]}")
+    return LogViews(**v)
+
+
+def _canary_view(canary_buf):
+    """The canary buffer as ``int64 [num_slots, fields]`` (spec Part 1, decision 7)."""
+    view = backend_view(canary_buf, "canary_buf", writable=True)
+    check_contiguous_output(view, "canary_buf")
+    if view.ndim != 2:
+        fail(ValueError, f"canary_buf must be 2-D, got shape {tuple(view.shape)}")
+    if view.dtype == np.uint8:
+        stride = view.shape[1]
+        if stride < CANARY_SLOT_BYTES or stride % 8:
+            fail(ValueError, f"canary_buf slot stride must hold at least 4 int64 fields (>= 32 bytes, a multiple of 8), got {stride} bytes")
+        view = view.view(np.int64)
+    elif view.dtype == np.int64:
+        if view.shape[1] < CANARY_FIELDS_PER_SLOT:
+            fail(ValueError, f"canary_buf slot stride must hold at least 4 int64 fields, got {view.shape[1]}")
+    else:
+        fail(TypeError, f"canary_buf must be int64 [num_slots, 4] or uint8 [num_slots, >=32], got dtype {view.dtype}")
+    if view.shape[0] < 1:
+        fail(ValueError, "canary_buf must have at least 1 slot (slot 0 is the padding slot), got 0")
+    return view
+
+
+def _kernel_kind(kernel_kind, log: ViolationLog) -> int:
+    kind = check_int(kernel_kind, "kernel_kind")
+    if not 0 <= kind < log.num_kinds:
+        fail(ValueError, f"kernel_kind must be in [0, {log.num_kinds}) (the log's num_kinds), got {kind}")
+    return kind
+
+
+def _hash_mode(mode) -> int:
+    try:
+        return int(RealKvHashMode(mode))
+    except (ValueError, TypeError):
+        fail(ValueError, f"real_kv_hash_mode must be a RealKvHashMode (NONE, PARTIAL or ALL), got {mode!r}")
+
+
+def _source_views(sources: tuple, mode: int, num_slots: int) -> tuple:
+    """Byte views of the real-KV sources; none when the mode is NONE (they are never read)."""
+    if mode == RealKvHashMode.NONE:
+        return ()
+    views = []
+    for i, src in enumerate(sources):
+        name = f"real_kv_sources[{i}].tensor"
+        data = byte_rows_view(src.tensor, name)
+        if data.shape[0] * src.page_size < num_slots:
+            fail(
+                ValueError,
+                f"{name} has {data.shape[0]} rows x page_size={src.page_size} = {data.shape[0] * src.page_size} "
+                f"slots but canary_buf has {num_slots}; every canary slot needs its real-KV bytes",
+            )
+        views.append(SourceView(data, src.page_size, src.num_bytes_per_token, src.read_bytes))
+    return tuple(views)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def plan(
+    req_pool_indices,
+    prefix_lens,
+    extend_seq_lens,
+    req_to_token,
+    *,
+    verify_capacity,
+    write_req_capacity=None,
+    swa_window_size=0,
+    full_to_swa_index_mapping=None,
+    req_to_verify_expected_tokens=None,
+    req_to_verify_expected_tokens_valid_lens=None,
+    kv_token_id_vs_position_offset=0,
+    out=None,
+    strict=False,
+):
+    """Plan one step: the verify entries of every slot the step reads and the write metadata.
+
+    Returns ``(VerifyPlan, WritePlan)`` in the caller's framework and device (``out`` when given).
+    See the README for the array conventions and the out-of-range rules.
+    """
+    window = check_int(swa_window_size, "swa_window_size", minimum=0)
+    lut = full_to_swa_index_mapping
+    if window > 0 and lut is None:
+        fail(ValueError, "plan requires full_to_swa_index_mapping when swa_window_size > 0; pass the full->SWA slot LUT (int64)")
+    pool, lens = req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens
+    if pool is not None and lens is None:
+        fail(ValueError, "plan requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set")
+    if pool is None and lens is not None:
+        fail(ValueError, "req_to_verify_expected_tokens_valid_lens was given without req_to_verify_expected_tokens; pass both or neither")
+    offset = check_int(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
+    vcap = check_count(verify_capacity, "verify_capacity")
+
+    named = {
+        "req_pool_indices": req_pool_indices,
+        "prefix_lens": prefix_lens,
+        "extend_seq_lens": extend_seq_lens,
+        "req_to_token": req_to_token,
+        "full_to_swa_index_mapping": lut,
+        "req_to_verify_expected_tokens": pool,
+        "req_to_verify_expected_tokens_valid_lens": lens,
+    }
+    if out is not None:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            fail(TypeError, f"out must be a (VerifyPlan, WritePlan) tuple, got {type(out).__name__}")
+        _check_type(out[0], "out[0]", VerifyPlan)
+        _check_type(out[1], "out[1]", WritePlan)
+        named.update(_record_arrays("out[0]", out[0]))
+        named.update(_record_arrays("out[1]", out[1]))
+    placement = common_placement(named)
+    xp = array_module(placement)
+
+    with launch_stream(placement):
+        v = {k: backend_view(a, k) for k, a in named.items() if not k.startswith("out")}
+        bs = v["req_pool_indices"].shape[0] if v["req_pool_indices"].ndim == 1 else -1
+        for key in ("req_pool_indices", "prefix_lens", "extend_seq_lens"):
+            check_1d(v[key], key, I64, bs, length_name="bs (len(req_pool_indices))")
+            v[key] = contiguous_input(v[key], key, xp)
+        check_2d_rows(v["req_to_token"], "req_to_token", I32)
+        if lut is not None:
+            check_1d(v["full_to_swa_index_mapping"], "full_to_swa_index_mapping", I64, min_length=1)
+            v["full_to_swa_index_mapping"] = contiguous_input(v["full_to_swa_index_mapping"], "full_to_swa_index_mapping", xp)
+        if pool is not None:
+            check_2d_rows(v["req_to_verify_expected_tokens"], "req_to_verify_expected_tokens", I32)
+            rows = v["req_to_token"].shape[0]
+            if v["req_to_verify_expected_tokens"].shape[0] < rows:
+                fail(ValueError, f"req_to_verify_expected_tokens must have at least req_to_token.shape[0]={rows} rows (one per request pool row), got {v['req_to_verify_expected_tokens'].shape[0]}")
+            key = "req_to_verify_expected_tokens_valid_lens"
+            check_1d(v[key], key, I64, bs, length_name="bs (len(req_pool_indices))")
+            v[key] = contiguous_input(v[key], key, xp)
+
+        if out is None:
+            wcap = bs if write_req_capacity is None else check_count(write_req_capacity, "write_req_capacity")
+        else:
+            wcap = out[1].capacity if write_req_capacity is None else check_count(write_req_capacity, "write_req_capacity")
+            if out[0].capacity != vcap:
+                fail(ValueError, f"plan verify_capacity={vcap} does not match out[0].verify_slot_indices.shape[0]={out[0].capacity}")
+            if out[1].capacity != wcap:
+                fail(ValueError, f"plan write_req_capacity={wcap} does not match out[1].write_seed_slot_indices.shape[0]={out[1].capacity}")
+        if bs > wcap:
+            fail(ValueError, f"bs={bs} exceeds write_req_capacity={wcap}; allocate the WritePlan for the largest batch (e.g. CanaryPlanner)")
+
+        if out is None:
+            vp = VerifyPlan.allocate(vcap, like=req_to_token)
+            wp = WritePlan.allocate(wcap, like=req_to_token)
+        else:
+            vp, wp = out
+        ov = _output_views("out[0]", vp) | _output_views("out[1]", wp)
+        for key in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices"):
+            check_1d(ov[key], f"out[0].{key}", I64, vcap, length_name="verify_capacity")
+        for key in ("verify_num_valid", "enable"):
+            check_1d(ov[key], f"out[0].{key}", I32, 1)
+        check_1d(ov["out_of_range_count"], "out[0].out_of_range_count", I64, 1)
+        check_1d(ov["write_seed_slot_indices"], "out[1].write_seed_slot_indices", I64, wcap, length_name="write_req_capacity")
+        for key in ("write_offsets", "verify_offsets"):
+            check_1d(ov[key], f"out[1].{key}", I64, wcap + 1, length_name="write_req_capacity + 1")
+        check_1d(ov["write_num_valid_reqs"], "out[1].write_num_valid_reqs", I32, 1)
+
+        args = PlanArgs(
+            req_pool_indices=v["req_pool_indices"],
+            prefix_lens=v["prefix_lens"],
+            extend_seq_lens=v["extend_seq_lens"],
+            req_to_token=v["req_to_token"],
+            swa_window_size=window,
+            swa_lut=v["full_to_swa_index_mapping"],
+            expected_token_pool=v["req_to_verify_expected_tokens"],
+            expected_token_valid_lens=v["req_to_verify_expected_tokens_valid_lens"],
+            token_offset=offset,
+            out=PlanOutputs(**ov),
+        )
+        if strict:
+            strict_checks.check_plan(args)
+        get_backend(placement.backend).plan(args)
+    return vp, wp
+
+
+def write(
+    canary_buf,
+    write_plan,
+    input_ids,
+    positions,
+    out_cache_loc,
+    *,
+    log,
+    kernel_kind=0,
+    real_kv_sources=(),
+    real_kv_hash_mode=RealKvHashMode.NONE,
+    expected_input_tokens=None,
+    expected_input_positions=None,
+    chain_position_assert=True,
+    strict=False,
+):
+    """Write fresh canary records for the step's new tokens, chained along each request."""
+    sources = check_num_sources(real_kv_sources)
+    mode = _hash_mode(real_kv_hash_mode)
+    _check_type(write_plan, "write_plan", WritePlan)
+    _check_type(log, "log", ViolationLog)
+    kind = _kernel_kind(kernel_kind, log)
+    if (expected_input_tokens is None) != (expected_input_positions is None):
+        fail(ValueError, "expected_input_tokens and expected_input_positions enable the write-input assert together; pass both or neither")
+    flag = chain_position_assert
+    flag_is_array = not isinstance(flag, (bool, np.bool_))
+    if flag_is_array and isinstance(flag, (int, float, str)):
+        fail(TypeError, f"chain_position_assert must be a bool or a one-element int32 array, got {type(flag).__name__} {flag!r}")
+
+    named = {
+        "canary_buf": canary_buf,
+        "input_ids": input_ids,
+        "positions": positions,
+        "out_cache_loc": out_cache_loc,
+        "expected_input_tokens": expected_input_tokens,
+        "expected_input_positions": expected_input_positions,
+        "chain_position_assert": flag if flag_is_array else None,
+    }
+    named.update(_record_arrays("write_plan", write_plan))
+    named.update(_record_arrays("log", log))
+    named.update({f"real_kv_sources[{i}].tensor": s.tensor for i, s in enumerate(sources)})
+    placement = common_placement(named)
+    xp = array_module(placement)
+
+    with launch_stream(placement):
+        canary = _canary_view(canary_buf)
+        tokens = {}
+        for key in ("input_ids", "positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions"):
+            if named[key] is None:
+                tokens[key] = None
+                continue
+            view = backend_view(named[key], key)
+            check_1d(view, key, I64, tokens["input_ids"].shape[0] if tokens else None, length_name="len(input_ids)")
+            tokens[key] = contiguous_input(view, key, xp)
+        plan_v = {k: backend_view(a, f"write_plan.{k}") for k, a in write_plan.arrays().items()}
+        cap = plan_v["write_seed_slot_indices"].shape[0]
+        check_1d(plan_v["write_seed_slot_indices"], "write_plan.write_seed_slot_indices", I64)
+        check_1d(plan_v["write_offsets"], "write_plan.write_offsets", I64, cap + 1, length_name="write_req_capacity + 1")
+        check_1d(plan_v["write_num_valid_reqs"], "write_plan.write_num_valid_reqs", I32, 1)
+        for key, view in plan_v.items():
+            plan_v[key] = contiguous_input(view, f"write_plan.{key}", xp)
+        if flag_is_array:
+            flag = backend_view(flag, "chain_position_assert")
+            check_1d(flag, "chain_position_assert", I32, 1)
+        else:
+            flag = bool(flag)
+        logv = _log_views(log)
+        args = WriteArgs(
+            canary=canary,
+            write_offsets=plan_v["write_offsets"],
+            write_seed_slot_indices=plan_v["write_seed_slot_indices"],
+            write_num_valid_reqs=plan_v["write_num_valid_reqs"],
+            input_ids=tokens["input_ids"],
+            positions=tokens["positions"],
+            out_cache_loc=tokens["out_cache_loc"],
+            expected_input_tokens=tokens["expected_input_tokens"],
+            expected_input_positions=tokens["expected_input_positions"],
+            chain_position_assert=flag,
+            kernel_kind=kind,
+            sources=_source_views(sources, mode, canary.shape[0]),
+            real_kv_hash_mode=mode,
+            log=logv,
+        )
+        if strict:
+            strict_checks.check_write(args)
+        get_backend(placement.backend).write(args)
+
+
+def verify(
+    canary_buf,
+    verify_plan,
+    *,
+    log,
+    kernel_kind=0,
+    real_kv_sources=(),
+    real_kv_hash_mode=RealKvHashMode.NONE,
+    check_expected_token=False,
+    strict=False,
+):
+    """Verify the canary records of every planned slot; violations go to ``log``'s ring."""
+    sources = check_num_sources(real_kv_sources)
+    mode = _hash_mode(real_kv_hash_mode)
+    _check_type(verify_plan, "verify_plan", VerifyPlan)
+    _check_type(log, "log", ViolationLog)
+    kind = _kernel_kind(kernel_kind, log)
+    if not isinstance(check_expected_token, (bool, np.bool_)):
+        fail(TypeError, f"check_expected_token must be a bool, got {type(check_expected_token).__name__}")
+
+    named = {"canary_buf": canary_buf}
+    named.update(_record_arrays("verify_plan", verify_plan))
+    named.update(_record_arrays("log", log))
+    named.update({f"real_kv_sources[{i}].tensor": s.tensor for i, s in enumerate(sources)})
+    placement = common_placement(named)
+    xp = array_module(placement)
+
+    with launch_stream(placement):
+        canary = _canary_view(canary_buf)
+        pv = {}
+        cap = None
+        for key, arr in verify_plan.arrays().items():
+            if key == "out_of_range_count":
+                continue
+            name = f"verify_plan.{key}"
+            view = backend_view(arr, name)
+            if key in ("verify_num_valid", "enable"):
+                check_1d(view, name, I32, 1)
+            else:
+                check_1d(view, name, I64, cap, length_name="verify_capacity")
+                cap = view.shape[0]
+            pv[key] = contiguous_input(view, name, xp)
+        args = VerifyArgs(
+            canary=canary,
+            **pv,
+            check_expected_token=bool(check_expected_token),
+            kernel_kind=kind,
+            sources=_source_views(sources, mode, canary.shape[0]),
+            real_kv_hash_mode=mode,
+            log=_log_views(log),
+        )
+        if strict:
+            strict_checks.check_verify(args)
+        get_backend(placement.backend).verify(args)
+
+
+def scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out, *, out_of_range_count=None, strict=False):
+    """Fill the expected-token pool: ``pool_out[rp, :n] = flat_in[start:start+n]`` per request.
+
+    ``n = min(offsets[r+1] - offsets[r], pool_out.shape[1])``; rows not addressed are untouched.
+    Out-of-range values are skipped and counted in ``out_of_range_count`` ([1] int64) when given.
+    Returns ``pool_out``.
+    """
+    named = {
+        "flat_in": flat_in,
+        "offsets": offsets,
+        "req_pool_indices": req_pool_indices,
+        "pool_out": pool_out,
+        "out_of_range_count": out_of_range_count,
+    }
+    placement = common_placement(named)
+    xp = array_module(placement)
+    with launch_stream(placement):
+        v = {k: backend_view(a, k, writable=k in ("pool_out", "out_of_range_count")) for k, a in named.items()}
+        for key in ("flat_in", "offsets", "req_pool_indices"):
+            if v[key].dtype != np.int64:
+                fail(TypeError, f"scatter_req_token_ids {key} must be int64, got {v[key].dtype}")
+            if v[key].ndim != 1:
+                fail(ValueError, f"scatter_req_token_ids {key} must be 1-D, got shape {tuple(v[key].shape)}")
+            v[key] = contiguous_input(v[key], key, xp)
+        if v["pool_out"].dtype != np.int32:
+            fail(TypeError, f"scatter_req_token_ids pool_out must be int32, got {v['pool_out'].dtype}")
+        check_2d_rows(v["pool_out"], "scatter_req_token_ids pool_out", I32)
+        bs = v["req_pool_indices"].shape[0]
+        if v["offsets"].shape[0] != bs + 1:
+            fail(ValueError, f"scatter_req_token_ids offsets length {v['offsets'].shape[0]} != bs+1 ({bs + 1})")
+        if out_of_range_count is not None:
+            check_1d(v["out_of_range_count"], "out_of_range_count", I64, 1)
+        args = ScatterArgs(**v)
+        if strict:
+            strict_checks.check_scatter(args)
+        get_backend(placement.backend).scatter(args)
+    return pool_out

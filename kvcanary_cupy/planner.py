@@ -1,0 +1,158 @@
+"""CanaryPlanner: what an engine holds: capacities, buffers allocated once, a plan per step."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import fail
+from .interop import import_cupy, is_torch_tensor, placement_of, to_numpy
+from .ops import plan as plan_step
+from .plans import INT32_MAX, VerifyPlan, WritePlan, check_count
+
+
+class CanaryCapacityWarning(UserWarning):
+    """A capacity was clamped (a negative or too large value) or the verify plan overflowed."""
+
+
+@dataclass(frozen=True)
+class CanaryCapacities:
+    """Capacities of the per-step buffers; always >= 0 (never a -1 sentinel)."""
+
+    verify_capacity: int
+    write_req_capacity: int
+    notes: tuple = ()  # what was clamped, in words
+
+    @classmethod
+    def from_engine(
+        cls,
+        *,
+        kv_pool_size: int,
+        max_running_requests: int,
+        req_to_token_pool_size: int = 0,
+        cuda_graph_max_bs: int = 0,
+        verify_headroom: int = 3,
+    ) -> "CanaryCapacities":
+        """Capacities from an engine's numbers, with every step clamped into ``[0, 2**31 - 1]``.
+
+        ``verify_capacity = verify_headroom * kv_pool_size`` (radix sharing lets the summed
+        prefixes of a batch exceed the pool: 3x is the reference's headroom);
+        ``write_req_capacity = max(max_running_requests, req_to_token_pool_size, cuda_graph_max_bs)``.
+        Any of these may be computed by the engine as a difference (``pool_size - num_running``)
+        and come out negative: it is clamped to 0 and the clamp is reported in ``notes``.
+        """
+        notes = []
+
+        def clamp(name: str, value) -> int:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                fail(TypeError, f"{name} must be an int, got {type(value).__name__} {value!r}")
+            value = int(value)
+            if value < 0:
+                notes.append(f"{name}={value} is negative; clamped to 0")
+                return 0
+            if value > INT32_MAX:
+                notes.append(f"{name}={value} overflows int32; clamped to {INT32_MAX}")
+                return INT32_MAX
+            return value
+
+        pool = clamp("kv_pool_size", kv_pool_size)
+        headroom = clamp("verify_headroom", verify_headroom)
+        verify = clamp("verify_capacity (verify_headroom * kv_pool_size)", headroom * pool)
+        write = clamp(
+            "write_req_capacity",
+            max(
+                clamp("max_running_requests", max_running_requests),
+                clamp("req_to_token_pool_size", req_to_token_pool_size),
+                clamp("cuda_graph_max_bs", cuda_graph_max_bs),
+            ),
+        )
+        return cls(verify, write, tuple(notes))
+
+
+class CanaryPlanner:
+    """Holds one (VerifyPlan, WritePlan) pair at fixed addresses and refills it every step.
+
+    ``like`` picks the framework and device of the buffers (NumPy when None).  Inputs of another
+    framework on the same device are used in place; inputs on another device are copied there
+    (a convenience for notebooks: not capture-safe).  A shrinking batch leaves nothing stale:
+    seeds past the batch are -1 and offsets past it are 0.
+    """
+
+    def __init__(self, capacities: CanaryCapacities, *, like=None, swa_window_size: int = 0,
+                 full_to_swa_index_mapping=None, kv_token_id_vs_position_offset: int = 0):
+        if not isinstance(capacities, CanaryCapacities):
+            fail(TypeError, f"capacities must be a CanaryCapacities, got {type(capacities).__name__}; use CanaryCapacities.from_engine(...)")
+        self.capacities = capacities
+        if capacities.notes:
+            warnings.warn("kv-canary: CanaryPlanner capacities were clamped: " + "; ".join(capacities.notes),
+                          CanaryCapacityWarning, stacklevel=2)
+        self.verify_plan = VerifyPlan.allocate(capacities.verify_capacity, like=like)
+        self.write_plan = WritePlan.allocate(capacities.write_req_capacity, like=like)
+        self._like = self.verify_plan.enable
+        self._placement = placement_of(self._like, "like")
+        self.swa_window_size = swa_window_size
+        self.full_to_swa_index_mapping = full_to_swa_index_mapping
+        self.kv_token_id_vs_position_offset = kv_token_id_vs_position_offset
+        self._overflow_reported = False
+
+    @classmethod
+    def from_engine(cls, *, like=None, swa_window_size=0, full_to_swa_index_mapping=None,
+                    kv_token_id_vs_position_offset=0, **engine_numbers) -> "CanaryPlanner":
+        """``CanaryPlanner(CanaryCapacities.from_engine(**engine_numbers), ...)``."""
+        return cls(CanaryCapacities.from_engine(**engine_numbers), like=like, swa_window_size=swa_window_size,
+                   full_to_swa_index_mapping=full_to_swa_index_mapping,
+                   kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+
+    def _to_buffers(self, x):
+        """``x`` on the buffers' device: used in place when it already is, copied otherwise."""
+        if x is None:
+            return None
+        p = placement_of(x, "input")
+        if p.backend == self._placement.backend and p.device == self._placement.device:
+            return x
+        if self._placement.backend == "numpy":
+            return to_numpy(x)
+        cupy = import_cupy()
+        with cupy.cuda.Device(self._placement.device):
+            host = to_numpy(x)
+            if is_torch_tensor(self._like):
+                return __import__("torch").from_numpy(np.ascontiguousarray(host)).to(self._like.device)
+            return cupy.asarray(host)
+
+    def plan(self, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *,
+             req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
+             strict=False):
+        """Plan one step into the held buffers; returns ``(verify_plan, write_plan)``."""
+        bs = len(req_pool_indices)
+        if bs > self.capacities.write_req_capacity:
+            fail(ValueError, f"batch size {bs} exceeds the planner's write_req_capacity={self.capacities.write_req_capacity}; "
+                             "build the planner with max_running_requests >= the largest batch")
+        conv = self._to_buffers
+        return plan_step(
+            conv(req_pool_indices), conv(prefix_lens), conv(extend_seq_lens), conv(req_to_token),
+            verify_capacity=self.capacities.verify_capacity,
+            write_req_capacity=self.capacities.write_req_capacity,
+            swa_window_size=self.swa_window_size,
+            full_to_swa_index_mapping=conv(self.full_to_swa_index_mapping),
+            req_to_verify_expected_tokens=conv(req_to_verify_expected_tokens),
+            req_to_verify_expected_tokens_valid_lens=conv(req_to_verify_expected_tokens_valid_lens),
+            kv_token_id_vs_position_offset=self.kv_token_id_vs_position_offset,
+            out=(self.verify_plan, self.write_plan),
+            strict=strict,
+        )
+
+    def verify_overflowed(self) -> bool:
+        """Whether the last plan overflowed ``verify_capacity`` (its verify is then skipped).
+
+        Reads one int from the device (a host sync); warns once per planner on the first overflow.
+        """
+        overflowed = int(to_numpy(self.verify_plan.enable)[0]) == 0
+        if overflowed and not self._overflow_reported:
+            self._overflow_reported = True
+            warnings.warn(
+                f"kv-canary: the verify plan overflowed verify_capacity={self.capacities.verify_capacity}: this step's "
+                "verify is skipped; raise verify_headroom or kv_pool_size in CanaryCapacities.from_engine",
+                CanaryCapacityWarning, stacklevel=2)
+        return overflowed

@@ -1,0 +1,240 @@
+"""The buffers a canary step reads and writes: plans, violation log, real-KV sources, canary buffer.
+
+Every class here is a frozen record of arrays of one framework (NumPy, CuPy or PyTorch).  Each
+has an ``allocate`` that creates it once, at fixed addresses, in the framework and on the device
+of ``like`` (NumPy when ``like`` is None), so a whole canary step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from .constants import (
+    CANARY_FIELDS_PER_SLOT,
+    DEFAULT_RING_CAPACITY,
+    MAX_REAL_KV_SOURCES,
+    NUM_LAUNCH_TAGS,
+    VIOLATION_FIELDS,
+)
+from .errors import fail
+from .interop import allocate
+
+INT32_MAX = 2**31 - 1
+
+
+def check_count(value, name: str, *, maximum: int = INT32_MAX) -> int:
+    """A non-negative Python int (bools refused), or a ValueError/TypeError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        fail(TypeError, f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < 0:
+        fail(ValueError, f"{name} must be non-negative, got {value}")
+    if value > maximum:
+        fail(ValueError, f"{name} must be at most {maximum}, got {value}")
+    return value
+
+
+class _ArrayRecord:
+    """Shared helpers of the frozen array records below."""
+
+    def arrays(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class VerifyPlan(_ArrayRecord):
+    """A flat list of self-contained verify entries (spec §2.4).
+
+    ``verify_prev_slot_indices``: -1 = chain head (anchor), 0 = predecessor unknown (chain check
+    skipped), else the slot whose record hashes to this entry's prev_hash.  Entries past
+    ``verify_num_valid`` are unspecified; ``enable == 0`` (overflow) skips the whole verify.
+    ``out_of_range_count`` counts the out-of-range plan inputs that were skipped or clamped
+    (README, "Out-of-range values"); it only ever grows.
+    """
+
+    verify_slot_indices: Any  # [cap] int64
+    verify_expected_tokens: Any  # [cap] int64, -1 = no token check
+    verify_expected_positions: Any  # [cap] int64
+    verify_prev_slot_indices: Any  # [cap] int64
+    verify_num_valid: Any  # [1] int32
+    enable: Any  # [1] int32
+    out_of_range_count: Any  # [1] int64
+
+    @property
+    def capacity(self) -> int:
+        return int(self.verify_slot_indices.shape[0])
+
+    @classmethod
+    def allocate(cls, verify_capacity: int, *, like=None) -> "VerifyPlan":
+        cap = check_count(verify_capacity, "VerifyPlan verify_capacity")
+        entries = [allocate((cap,), np.int64, like=like) for _ in range(4)]
+        return cls(
+            *entries,
+            verify_num_valid=allocate((1,), np.int32, like=like, fill=0),
+            enable=allocate((1,), np.int32, like=like, fill=1),
+            out_of_range_count=allocate((1,), np.int64, like=like, fill=0),
+        )
+
+
+@dataclass(frozen=True)
+class WritePlan(_ArrayRecord):
+    """Per-request metadata of a write (spec §2.5) plus the per-request verify offsets.
+
+    Request r writes flat tokens ``[write_offsets[r], write_offsets[r+1])`` of
+    ``input_ids/positions/out_cache_loc`` and owns verify entries
+    ``[verify_offsets[r], verify_offsets[r+1])``.  After a plan of ``bs`` requests,
+    ``write_seed_slot_indices[r] == -1`` and ``write_offsets[r+1] == verify_offsets[r+1] == 0``
+    for every ``r >= bs``.
+    """
+
+    write_offsets: Any  # [cap+1] int64
+    write_seed_slot_indices: Any  # [cap] int64, -1 = chain starts at the anchor
+    write_num_valid_reqs: Any  # [1] int32
+    verify_offsets: Any  # [cap+1] int64
+
+    @property
+    def capacity(self) -> int:
+        return int(self.write_seed_slot_indices.shape[0])
+
+    @classmethod
+    def allocate(cls, write_req_capacity: int, *, like=None) -> "WritePlan":
+        cap = check_count(write_req_capacity, "WritePlan write_req_capacity")
+        return cls(
+            write_offsets=allocate((cap + 1,), np.int64, like=like, fill=0),
+            write_seed_slot_indices=allocate((cap,), np.int64, like=like, fill=-1),
+            write_num_valid_reqs=allocate((1,), np.int32, like=like, fill=0),
+            verify_offsets=allocate((cap + 1,), np.int64, like=like, fill=0),
+        )
+
+
+@dataclass(frozen=True)
+class ViolationLog(_ArrayRecord):
+    """The device-side violation ring and the per-launch-kind counters (spec Part 1, decision 8).
+
+    ``ring`` is fill-once: row k holds the violation that drew ticket k, if k < capacity.
+    ``write_index`` counts every violation, the dropped ones included.  Each launch adds 1 to
+    ``kernel_run_counters[kernel_kind]``, the entries it scanned or wrote to
+    ``slot_run_counters[kernel_kind]`` and the out-of-range items it skipped to
+    ``out_of_range_counters[kernel_kind]``.
+    """
+
+    ring: Any  # [capacity, 8] int64
+    write_index: Any  # [1] int32
+    slot_run_counters: Any  # [num_kinds] int64
+    kernel_run_counters: Any  # [num_kinds] int64
+    out_of_range_counters: Any  # [num_kinds] int64
+
+    @property
+    def capacity(self) -> int:
+        return int(self.ring.shape[0])
+
+    @property
+    def num_kinds(self) -> int:
+        return int(self.kernel_run_counters.shape[0])
+
+    @classmethod
+    def allocate(cls, ring_capacity: int = DEFAULT_RING_CAPACITY, num_kinds: int = NUM_LAUNCH_TAGS, *, like=None) -> "ViolationLog":
+        ring_capacity = check_count(ring_capacity, "ViolationLog ring_capacity")
+        num_kinds = check_count(num_kinds, "ViolationLog num_kinds")
+        if ring_capacity == 0:
+            fail(ValueError, "ViolationLog ring_capacity must be positive, got 0")
+        if num_kinds == 0:
+            fail(ValueError, "ViolationLog num_kinds must be positive, got 0")
+        return cls(
+            ring=allocate((ring_capacity, VIOLATION_FIELDS), np.int64, like=like, fill=0),
+            write_index=allocate((1,), np.int32, like=like, fill=0),
+            slot_run_counters=allocate((num_kinds,), np.int64, like=like, fill=0),
+            kernel_run_counters=allocate((num_kinds,), np.int64, like=like, fill=0),
+            out_of_range_counters=allocate((num_kinds,), np.int64, like=like, fill=0),
+        )
+
+    def reset(self) -> None:
+        """Zero the ring, the write index and every counter (in place, addresses unchanged)."""
+        for arr in self.arrays().values():
+            arr[...] = 0
+
+    def read(self):
+        """Copy the log to the host and decode it (a host sync): see :class:`ViolationReport`."""
+        from .reporting import ViolationReport
+
+        return ViolationReport.from_log(self)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class RealKvSource:
+    """A view of one live KV pool whose bytes are fingerprinted into ``real_kv_hash``.
+
+    For canary slot ``s`` the bytes ``[(s % page_size) * num_bytes_per_token, ... + read_bytes)``
+    of row ``s // page_size`` of ``tensor`` (viewed as bytes, one row per dim-0 index) are read.
+    ``tensor`` is kept as given, never copied; any dtype works (bfloat16 and fp8 pools too).
+    """
+
+    tensor: Any
+    page_size: int
+    num_bytes_per_token: int
+    read_bytes: int
+
+    def __post_init__(self):
+        p, n, r = self.page_size, self.num_bytes_per_token, self.read_bytes
+        if not _is_int(p) or p < 1:
+            fail(ValueError, f"RealKvSource.page_size must be >= 1, got {p}")
+        if not _is_int(n) or n <= 0 or n % 16:
+            fail(ValueError, f"RealKvSource.num_bytes_per_token must be a positive multiple of 16, got {n}")
+        if not _is_int(r) or r <= 0 or r % 16 or r > n:
+            fail(ValueError, f"RealKvSource.read_bytes must be a positive multiple of 16 in (0, num_bytes_per_token={n}], got {r}")
+        shape = tuple(self.tensor.shape)
+        if len(shape) < 2:
+            fail(ValueError, f"RealKvSource.tensor must be at least 2-D, got shape {shape}")
+        itemsize = _itemsize(self.tensor)
+        row_stride = _strides(self.tensor)[0] * itemsize
+        if row_stride % 16:
+            fail(
+                ValueError,
+                f"RealKvSource.tensor row stride must be a multiple of 16 bytes, got {row_stride} bytes "
+                f"(shape={shape}, strides={_strides(self.tensor)}, dtype={self.tensor.dtype})",
+            )
+        row_bytes = int(np.prod(shape[1:])) * itemsize
+        if row_bytes < p * n:
+            fail(
+                ValueError,
+                f"RealKvSource row is too narrow for its slot layout: dim-1 is {row_bytes} bytes but "
+                f"page_size={p} x num_bytes_per_token={n} needs {p * n}",
+            )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tensor.shape[0])
+
+
+def _itemsize(t) -> int:
+    return t.element_size() if hasattr(t, "element_size") else t.dtype.itemsize
+
+
+def _strides(t) -> tuple:
+    """Strides in elements, for NumPy/CuPy arrays (bytes natively) and torch tensors."""
+    if hasattr(t, "element_size"):
+        return tuple(t.stride())
+    return tuple(s // t.dtype.itemsize for s in t.strides)
+
+
+def allocate_canary_buffer(num_slots: int, *, like=None):
+    """A zeroed canonical canary buffer ``int64 [num_slots, 4]`` (slot 0 is the padding slot)."""
+    num_slots = check_count(num_slots, "num_slots", maximum=2**62)
+    return allocate((num_slots, CANARY_FIELDS_PER_SLOT), np.int64, like=like, fill=0)
+
+
+def check_num_sources(sources) -> tuple:
+    sources = tuple(sources)
+    if len(sources) > MAX_REAL_KV_SOURCES:
+        fail(ValueError, f"at most {MAX_REAL_KV_SOURCES} RealKvSource entries supported by the CUDA ABI, got {len(sources)}")
+    for i, s in enumerate(sources):
+        if not isinstance(s, RealKvSource):
+            fail(TypeError, f"real_kv_sources[{i}] must be a RealKvSource, got {type(s).__name__}")
+    return sources

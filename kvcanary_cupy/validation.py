@@ -1,0 +1,65 @@
+"""Argument checks shared by every public function.
+
+Messages name the argument, what was expected and what came, and say what to pass instead.
+Checks read shapes, dtypes and strides only: nothing here synchronises with a device, except
+the opt-in strict value checks in :mod:`kvcanary_cupy.strict`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import fail
+
+_CONVERT_HINT = {
+    "int64": "convert with .astype(int64) (NumPy/CuPy) or .long() (torch)",
+    "int32": "convert with .astype(int32) (NumPy/CuPy) or .int() (torch)",
+}
+
+
+def check_dtype(x, name: str, dtype) -> None:
+    dtype = np.dtype(dtype)
+    if x.dtype != dtype:
+        fail(TypeError, f"{name} must have dtype {dtype.name}, got {x.dtype}; {_CONVERT_HINT.get(dtype.name, '')}".rstrip("; "))
+
+
+def check_1d(x, name: str, dtype, length=None, *, length_name: str | None = None, min_length=None) -> None:
+    """A 1-D array of ``dtype``; ``length`` exact (named ``length_name`` in the message)."""
+    check_dtype(x, name, dtype)
+    if x.ndim != 1:
+        fail(ValueError, f"{name} must be 1-D, got shape {tuple(x.shape)}")
+    if length is not None and x.shape[0] != length:
+        expected = f"{length_name}={length}" if length_name else str(length)
+        fail(ValueError, f"{name} length must be {expected}, got {x.shape[0]}")
+    if min_length is not None and x.shape[0] < min_length:
+        fail(ValueError, f"{name} length must be >= {min_length}, got {x.shape[0]}")
+
+
+def check_2d_rows(x, name: str, dtype) -> None:
+    """A 2-D table whose rows are contiguous (any row stride): ``req_to_token``-like inputs."""
+    check_dtype(x, name, dtype)
+    if x.ndim != 2:
+        fail(ValueError, f"{name} must be 2-D, got shape {tuple(x.shape)}")
+    itemsize = x.dtype.itemsize
+    if x.shape[1] > 1 and x.strides[1] != itemsize or x.strides[0] < 0 or x.strides[0] % itemsize:
+        fail(ValueError, f"{name} must have contiguous rows, got strides {tuple(x.strides)} bytes for shape {tuple(x.shape)}; pass a C-contiguous array")
+
+
+def check_contiguous_output(x, name: str) -> None:
+    flags = x.flags
+    if not flags.c_contiguous:
+        fail(ValueError, f"{name} must be contiguous: kv-canary writes into it in place; got strides {tuple(x.strides)} for shape {tuple(x.shape)}")
+
+
+def contiguous_input(x, name: str, xp):
+    """Read-only 1-D inputs that are not contiguous are copied (a small array per request)."""
+    return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
+
+
+def check_int(value, name: str, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        fail(TypeError, f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        fail(ValueError, f"{name} must be >= {minimum}, got {value}")
+    return value
