@@ -28,6 +28,7 @@ from .constants import (
     RealKvHashMode,
 )
 from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
+from .jit import warmup
 from .ops import plan, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
@@ -71,5 +72,6 @@ __all__ = [
     "to_signed",
     "to_unsigned",
     "verify",
+    "warmup",
     "write",
 ]

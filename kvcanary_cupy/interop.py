@@ -167,6 +167,11 @@ def launch_stream(placement: Placement, torch_device_hint=None):
             yield
 
 
+def data_ptr(view) -> int:
+    """Address of the first element of a NumPy or CuPy view."""
+    return view.ctypes.data if isinstance(view, np.ndarray) else view.data.ptr
+
+
 def to_numpy(x) -> np.ndarray:
     """A host copy (or view, for CPU arrays) of any supported array; synchronises for device arrays."""
     if isinstance(x, np.ndarray):

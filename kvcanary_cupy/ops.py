@@ -29,6 +29,7 @@ from .interop import (
     backend_view,
     byte_rows_view,
     common_placement,
+    data_ptr,
     launch_stream,
 )
 from .plans import INT32_MAX, RealKvSource, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources
@@ -118,6 +119,8 @@ def _source_views(sources: tuple, mode: int, num_slots: int) -> tuple:
     for i, src in enumerate(sources):
         name = f"real_kv_sources[{i}].tensor"
         data = byte_rows_view(src.tensor, name)
+        if data_ptr(data) % 16:
+            fail(ValueError, f"{name} must start at a 16-byte aligned address (real KV is read 16 bytes at a time)")
         if data.shape[0] * src.page_size < num_slots:
             fail(
                 ValueError,

@@ -213,7 +213,7 @@ def write(a: WriteArgs) -> None:
     seed = np.asarray(a.write_seed_slot_indices[:num_reqs], _I64)
     seed_oob = seed >= num_slots
     errors += int(np.count_nonzero(seed_oob))
-    seed_ok = (seed >= 0) & ~seed_oob
+    seed_ok = (seed > 0) & ~seed_oob  # seed 0 is the padding slot: no predecessor, like -1
     seed_rec = canary[np.where(seed_ok, seed, 0)]
     running = np.where(
         seed_ok, mix3_array(seed_rec[:, 2], seed_rec[:, 0], seed_rec[:, 1]), _ANCHOR_U64
@@ -253,10 +253,13 @@ def write(a: WriteArgs) -> None:
                           want[hit], FailReason.WRITE_POSITION_MISMATCH.value))
         row_keys.append(idx[hit] * 2 + 1)
         running_pos[live] = np.where(checked, pos, running_pos[live])
-        canary[slot, 0] = token
-        canary[slot, 1] = pos
-        canary[slot, 2] = _as_i64(chain)
-        canary[slot, 3] = _as_i64(real_kv_hashes(a.sources, a.real_kv_hash_mode, slot))
+        # The padding slot 0 keeps its bytes: padded tokens of many requests land there at once.
+        stored = slot != 0
+        dst = slot[stored]
+        canary[dst, 0] = token[stored]
+        canary[dst, 1] = pos[stored]
+        canary[dst, 2] = _as_i64(chain[stored])
+        canary[dst, 3] = _as_i64(real_kv_hashes(a.sources, a.real_kv_hash_mode, dst))
         running[live] = mix3_array(chain, token, pos)
         written += live.size
 

@@ -1,0 +1,150 @@
+// kv-canary device primitives shared by every kernel family.
+//
+// Constants mirror kvcanary_cupy/constants.py (tests/test_kernels_compile.py keeps them equal).
+// Everything here is plain CUDA C++17 that NVRTC compiles without any standard header.
+#pragma once
+
+namespace kvcanary {
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+constexpr u64 kCanaryChainAnchor = 0xC0FFEE1234567890ULL;
+constexpr u64 kSplitmix64Mul1 = 0xBF58476D1CE4E5B9ULL;
+constexpr u64 kSplitmix64Mul2 = 0x94D049BB133111EBULL;
+constexpr int kCanaryFieldsPerSlot = 4;
+constexpr int kViolationFields = 8;
+constexpr int kMaxRealKvSources = 4;
+constexpr int kRealKvPartialBytes = 16;
+
+constexpr i64 kVerifyChainHashMismatch = 1 << 0;
+constexpr i64 kVerifyPositionMismatch = 1 << 1;
+constexpr i64 kVerifyRealKvHashMismatch = 1 << 2;
+constexpr i64 kWriteTokenMismatch = 1 << 3;
+constexpr i64 kWritePositionMismatch = 1 << 4;
+constexpr i64 kVerifyTokenMismatch = 1 << 5;
+
+__host__ __device__ constexpr u64 splitmix64(u64 x) {
+  x ^= x >> 30;
+  x *= kSplitmix64Mul1;
+  x ^= x >> 27;
+  x *= kSplitmix64Mul2;
+  x ^= x >> 31;
+  return x;
+}
+
+__host__ __device__ constexpr u64 mix3(u64 a, u64 b, u64 c) {
+  return splitmix64(splitmix64(splitmix64(a) ^ b) ^ c);
+}
+
+constexpr u64 kAnchorHash = splitmix64(kCanaryChainAnchor);
+static_assert(kAnchorHash == 0xDE7FAE23A9A1B716ULL, "anchor hash");
+
+// The real-KV sources of one launch, passed by value (mirrored by a NumPy structured dtype with
+// align=True in kvcanary_cupy/backends/cupy_backend.py).  num_sources is 0 when the mode is NONE;
+// nbytes[i] is already resolved from the mode (16 for PARTIAL, read_bytes for ALL).
+struct RealKvSources {
+  u64 data[kMaxRealKvSources];  // device addresses, 16-byte aligned
+  i64 row_stride[kMaxRealKvSources];  // bytes between dim-0 rows, a multiple of 16
+  int page_size[kMaxRealKvSources];
+  int num_bytes_per_token[kMaxRealKvSources];
+  int nbytes[kMaxRealKvSources];
+  int num_sources;
+};
+
+// Fingerprint of one slot's real KV bytes (spec §3.3).  The host checked that every source
+// covers every canary slot, so `slot` in [0, num_slots) never reads out of bounds.
+__device__ __forceinline__ u64 real_kv_fold(const RealKvSources& s, i64 slot) {
+  u64 acc = 0;
+  for (int i = 0; i < s.num_sources; ++i) {
+    const i64 page = s.page_size[i];
+    const unsigned char* strip = reinterpret_cast<const unsigned char*>(s.data[i]) +
+                                 (slot / page) * s.row_stride[i] + (slot % page) * s.num_bytes_per_token[i];
+    u64 h = 0;
+    for (int b = 0; b < s.nbytes[i]; b += 16) {
+      const ulonglong2 w = *reinterpret_cast<const ulonglong2*>(strip + b);
+      h = splitmix64(h ^ w.x);
+      h = splitmix64(h ^ w.y);
+    }
+    acc = splitmix64(acc ^ h);
+  }
+  return acc;
+}
+
+// The violation log seen by one launch: its ring (fill-once by ticket) and the counters of its
+// kernel kind.  Mirrored by a NumPy structured dtype in kvcanary_cupy/backends/cupy_backend.py.
+struct LaunchLog {
+  i64* ring;  // [capacity, 8]
+  int* write_index;  // [1], counts every violation, the dropped ones too
+  unsigned long long* slot_run_counters;  // [num_kinds]
+  unsigned long long* kernel_run_counters;  // [num_kinds]
+  unsigned long long* out_of_range_counters;  // [num_kinds]
+  int capacity;
+  int kind;  // kernel_kind: stamped into rows, indexes the counters
+
+  __device__ __forceinline__ void record(i64 slot, i64 position, i64 stored_token, i64 expected_token,
+                                         i64 stored_chain, i64 expected_aux, i64 bits) const {
+    const int ticket = atomicAdd(write_index, 1);
+    if (ticket < 0 || ticket >= capacity) return;  // dropped, but counted by write_index
+    i64* row = ring + static_cast<i64>(ticket) * kViolationFields;
+    row[0] = kind;
+    row[1] = slot;
+    row[2] = position;
+    row[3] = stored_token;
+    row[4] = expected_token;
+    row[5] = stored_chain;
+    row[6] = expected_aux;
+    row[7] = bits;
+    __threadfence_system();
+  }
+};
+
+// A canary slot's record: the first four int64 of the slot's row.
+struct CanaryRecord {
+  i64 token, position, prev_hash, real_kv_hash;
+};
+
+// The canary buffer as int64 [num_slots, fields]; vec: every row is 16-byte aligned.
+struct CanaryBuffer {
+  i64* data;
+  i64 num_slots;
+  int fields;
+  int vec;
+};
+
+__device__ __forceinline__ CanaryRecord load_record(const CanaryBuffer& c, i64 slot) {
+  const i64* row = c.data + slot * c.fields;
+  CanaryRecord r;
+  if (c.vec) {  // two 16-byte loads
+    const longlong2 a = *reinterpret_cast<const longlong2*>(row);
+    const longlong2 b = *reinterpret_cast<const longlong2*>(row + 2);
+    r.token = a.x; r.position = a.y; r.prev_hash = b.x; r.real_kv_hash = b.y;
+  } else {
+    r.token = row[0]; r.position = row[1]; r.prev_hash = row[2]; r.real_kv_hash = row[3];
+  }
+  return r;
+}
+
+__device__ __forceinline__ void store_record(const CanaryBuffer& c, i64 slot, const CanaryRecord& r) {
+  i64* row = c.data + slot * c.fields;
+  if (c.vec) {
+    *reinterpret_cast<longlong2*>(row) = make_longlong2(r.token, r.position);
+    *reinterpret_cast<longlong2*>(row + 2) = make_longlong2(r.prev_hash, r.real_kv_hash);
+  } else {
+    row[0] = r.token; row[1] = r.position; row[2] = r.prev_hash; row[3] = r.real_kv_hash;
+  }
+}
+
+// The hash a successor of `r` must carry as its prev_hash.
+__device__ __forceinline__ u64 slot_hash(const CanaryRecord& r) {
+  return mix3(static_cast<u64>(r.prev_hash), static_cast<u64>(r.token), static_cast<u64>(r.position));
+}
+
+// Adds the warp's sum of `value` to *counter with one atomic (all 32 lanes must call).
+__device__ __forceinline__ void warp_add(unsigned long long* counter, i64 value) {
+  __syncwarp();
+  for (int o = 16; o > 0; o >>= 1) value += __shfl_down_sync(0xffffffffu, value, o);
+  if ((threadIdx.x & 31) == 0 && value != 0) atomicAdd(counter, static_cast<unsigned long long>(value));
+}
+
+}  // namespace kvcanary

@@ -1,0 +1,174 @@
+"""The canary on the GPU: launches the CUDA kernels of ``kernels/`` through CuPy.
+
+Every launch goes on CuPy's current stream (the front door makes that torch's current stream
+when torch tensors are involved), allocates nothing, reads nothing back and has a grid fixed by
+host-known shapes, so a whole step can be captured in a CUDA graph and replayed with new batch
+contents.  Scalars are passed as NumPy scalars of the exact C parameter type; the structs of
+``canary_common.cuh`` are passed by value as one-element NumPy structured arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from ..constants import REAL_KV_PARTIAL_BYTES, RealKvHashMode
+from ..interop import import_cupy
+from ..jit import get_function, kernel_name
+from . import LogViews, PlanArgs, ScatterArgs, VerifyArgs, WriteArgs
+
+I64, I32 = np.int64, np.int32
+
+CANARY_BUFFER = np.dtype([("data", "u8"), ("num_slots", "i8"), ("fields", "i4"), ("vec", "i4")], align=True)
+REAL_KV_SOURCES = np.dtype(
+    [("data", "u8", 4), ("row_stride", "i8", 4), ("page_size", "i4", 4), ("num_bytes_per_token", "i4", 4),
+     ("nbytes", "i4", 4), ("num_sources", "i4")],
+    align=True,
+)
+LAUNCH_LOG = np.dtype(
+    [("ring", "u8"), ("write_index", "u8"), ("slot_run_counters", "u8"), ("kernel_run_counters", "u8"),
+     ("out_of_range_counters", "u8"), ("capacity", "i4"), ("kind", "i4")],
+    align=True,
+)
+assert (CANARY_BUFFER.itemsize, REAL_KV_SOURCES.itemsize, LAUNCH_LOG.itemsize) == (24, 120, 48)
+
+
+class LaunchConfig(NamedTuple):
+    grid: int
+    block: int
+
+
+PLAN_ITEMS_PER_THREAD = 4  # kPlanItemsPerThread in plan.cu
+BLOCKS_PER_SM = 8
+THREADS = 256
+WRITE_WARPS_PER_BLOCK = 4
+WRITE_WARPS_PER_SM = 32
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    return import_cupy().cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
+def _device_id() -> int:
+    return import_cupy().cuda.Device().id
+
+
+def plan_offsets_config(bs: int) -> LaunchConfig:
+    threads = -(-bs // PLAN_ITEMS_PER_THREAD)
+    return LaunchConfig(1, min(1024, max(32, -(-threads // 32) * 32)))
+
+
+def persistent_config() -> LaunchConfig:
+    """A fixed grid that fills the device: the kernels loop over a count read on the device."""
+    return LaunchConfig(_sm_count(_device_id()) * BLOCKS_PER_SM, THREADS)
+
+
+def write_config(write_req_capacity: int) -> LaunchConfig:
+    """One warp per request, bounded by the SM count (never sized to an idle capacity)."""
+    warps = max(1, min(write_req_capacity, _sm_count(_device_id()) * WRITE_WARPS_PER_SM))
+    return LaunchConfig(-(-warps // WRITE_WARPS_PER_BLOCK), 32 * WRITE_WARPS_PER_BLOCK)
+
+
+def _ptr(x) -> int:
+    return 0 if x is None else x.data.ptr
+
+
+def _row_stride(x) -> I64:
+    return I64(x.strides[0] // x.dtype.itemsize)
+
+
+def _canary_struct(canary) -> np.ndarray:
+    s = np.zeros(1, CANARY_BUFFER)
+    fields = canary.shape[1]
+    s["data"], s["num_slots"], s["fields"] = canary.data.ptr, canary.shape[0], fields
+    s["vec"] = int(fields % 2 == 0 and canary.data.ptr % 16 == 0)
+    return s
+
+
+def _sources_struct(sources: tuple, mode: int) -> np.ndarray:
+    s = np.zeros(1, REAL_KV_SOURCES)
+    if mode == RealKvHashMode.NONE:
+        return s
+    for i, src in enumerate(sources):
+        s["data"][0, i] = src.data.data.ptr
+        s["row_stride"][0, i] = src.data.strides[0]
+        s["page_size"][0, i] = src.page_size
+        s["num_bytes_per_token"][0, i] = src.num_bytes_per_token
+        s["nbytes"][0, i] = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else src.read_bytes
+    s["num_sources"] = len(sources)
+    return s
+
+
+def _log_struct(log: LogViews, kind: int) -> np.ndarray:
+    s = np.zeros(1, LAUNCH_LOG)
+    for key in ("ring", "write_index", "slot_run_counters", "kernel_run_counters", "out_of_range_counters"):
+        s[key] = getattr(log, key).data.ptr
+    s["capacity"], s["kind"] = log.ring.shape[0], kind
+    return s
+
+
+def _launch(family: str, name: str, config: LaunchConfig, args: tuple) -> None:
+    get_function(family, name)((config.grid,), (config.block,), args)
+
+
+def plan(a: PlanArgs) -> None:
+    o = a.out
+    bs = a.req_pool_indices.shape[0]
+    rows, cols = a.req_to_token.shape
+    has_lut, has_pool = a.swa_lut is not None, a.expected_token_pool is not None
+    lut_len = I64(a.swa_lut.shape[0] if has_lut else 0)
+    pool_cols = I64(a.expected_token_pool.shape[1] if has_pool else 0)
+    _launch("plan", kernel_name("plan_offsets", has_lut, has_pool), plan_offsets_config(bs), (
+        a.req_pool_indices, a.prefix_lens, a.extend_seq_lens, I64(bs), a.req_to_token, I64(rows), I64(cols),
+        _row_stride(a.req_to_token), I64(a.swa_window_size), a.swa_lut, lut_len, a.expected_token_valid_lens,
+        pool_cols, o.verify_offsets, o.write_offsets, o.write_seed_slot_indices,
+        I64(o.write_seed_slot_indices.shape[0]), o.verify_num_valid, o.enable, o.write_num_valid_reqs,
+        I64(o.verify_slot_indices.shape[0]), o.out_of_range_count,
+    ))
+    if o.verify_slot_indices.shape[0] == 0:
+        return  # nothing can be expanded; the offsets kernel already set the counts
+    _launch("plan", kernel_name("plan_entries", has_lut, has_pool), persistent_config(), (
+        a.req_pool_indices, a.prefix_lens, I64(bs), a.req_to_token, _row_stride(a.req_to_token),
+        I64(a.swa_window_size), a.swa_lut, lut_len, a.expected_token_pool,
+        _row_stride(a.expected_token_pool) if has_pool else I64(0), pool_cols, a.expected_token_valid_lens,
+        I64(a.token_offset), o.verify_offsets, o.enable, o.verify_slot_indices, o.verify_expected_tokens,
+        o.verify_expected_positions, o.verify_prev_slot_indices, o.out_of_range_count,
+    ))
+
+
+def write(a: WriteArgs) -> None:
+    input_assert = a.expected_input_tokens is not None
+    has_real_kv = a.real_kv_hash_mode != RealKvHashMode.NONE and len(a.sources) > 0
+    flag = a.chain_position_assert
+    flag_ptr, flag_value = (None, I32(flag)) if isinstance(flag, bool) else (flag, I32(0))
+    cap = a.write_seed_slot_indices.shape[0]
+    _launch("write", kernel_name("canary_write", input_assert, has_real_kv), write_config(cap), (
+        _canary_struct(a.canary), a.write_offsets, a.write_seed_slot_indices, a.write_num_valid_reqs, I64(cap),
+        a.input_ids, a.positions, a.out_cache_loc, I64(a.input_ids.shape[0]), a.expected_input_tokens,
+        a.expected_input_positions, flag_ptr, flag_value, _sources_struct(a.sources, a.real_kv_hash_mode),
+        _log_struct(a.log, a.kernel_kind),
+    ))
+
+
+def verify(a: VerifyArgs) -> None:
+    has_real_kv = a.real_kv_hash_mode != RealKvHashMode.NONE and len(a.sources) > 0
+    _launch("verify", kernel_name("canary_verify", a.check_expected_token, has_real_kv), persistent_config(), (
+        _canary_struct(a.canary), a.verify_slot_indices, a.verify_expected_tokens, a.verify_expected_positions,
+        a.verify_prev_slot_indices, a.verify_num_valid, a.enable, I64(a.verify_slot_indices.shape[0]),
+        _sources_struct(a.sources, a.real_kv_hash_mode), _log_struct(a.log, a.kernel_kind),
+    ))
+
+
+def scatter(a: ScatterArgs) -> None:
+    bs = a.req_pool_indices.shape[0]
+    if bs == 0:
+        return
+    rows, cols = a.pool_out.shape
+    grid = min(bs, _sm_count(_device_id()) * BLOCKS_PER_SM)
+    _launch("scatter", kernel_name("scatter_req_token_ids"), LaunchConfig(grid, THREADS), (
+        a.flat_in, I64(a.flat_in.shape[0]), a.offsets, a.req_pool_indices, I64(bs), a.pool_out, I64(rows),
+        I64(cols), _row_stride(a.pool_out), a.out_of_range_count,
+    ))

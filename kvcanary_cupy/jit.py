@@ -1,0 +1,165 @@
+"""Run-time compilation of the CUDA sources in ``kernels/`` (package data) through CuPy.
+
+One :class:`KernelFamily` per ``.cu`` file lists every template instantiation it compiles.  The
+source handed to NVRTC has its local ``#include "..."`` files inlined, so CuPy's disk-cache key
+(which hashes the source string, not included headers) covers every header; the SHA-256 of that
+text names the variant in :func:`variant_name`.  Modules are compiled once per device, on first
+use or ahead of time with :func:`warmup` (do that before capturing a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.resources
+import itertools
+import re
+import threading
+from typing import NamedTuple
+
+from .interop import import_cupy
+
+NVRTC_OPTIONS = ("--std=c++17",)
+SUPPORTED_ARCHS = ("sm_80", "sm_90")
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+
+def _bools(*names):
+    return [dict(zip(names, combo)) for combo in itertools.product((False, True), repeat=len(names))]
+
+
+class KernelFamily(NamedTuple):
+    """A ``.cu`` file and the kernels it instantiates: ``kernel<flag, ...>`` for every combination."""
+
+    filename: str
+    kernels: tuple  # of (kernel name, tuple of template flag names)
+
+    def instantiations(self) -> list[str]:
+        names = []
+        for kernel, flags in self.kernels:
+            if not flags:
+                names.append(f"kvcanary::{kernel}")
+                continue
+            for combo in _bools(*flags):
+                args = ", ".join("true" if combo[f] else "false" for f in flags)
+                names.append(f"kvcanary::{kernel}<{args}>")
+        return names
+
+
+FAMILIES = {
+    "plan": KernelFamily("plan.cu", (("plan_offsets", ("kHasLut", "kHasPool")), ("plan_entries", ("kHasLut", "kHasPool")))),
+    "write": KernelFamily("write.cu", (("canary_write", ("kInputAssert", "kHasRealKv")),)),
+    "verify": KernelFamily("verify.cu", (("canary_verify", ("kCheckToken", "kHasRealKv")),)),
+    "scatter": KernelFamily("scatter.cu", (("scatter_req_token_ids", ()),)),
+}
+
+
+def kernel_name(kernel: str, *flags: bool) -> str:
+    """The name expression of one instantiation, e.g. ``kvcanary::plan_entries<true, false>``."""
+    if not flags:
+        return f"kvcanary::{kernel}"
+    return f"kvcanary::{kernel}<{', '.join('true' if f else 'false' for f in flags)}>"
+
+
+@functools.lru_cache(maxsize=None)
+def _read(filename: str) -> str:
+    return importlib.resources.files("kvcanary_cupy.kernels").joinpath(filename).read_text(encoding="utf-8")
+
+
+def _inline(filename: str, seen: set) -> str:
+    if filename in seen:  # headers carry #pragma once; inline each at most once
+        return ""
+    seen.add(filename)
+    out = []
+    for lineno, line in enumerate(_read(filename).splitlines(), 1):
+        m = _INCLUDE.match(line)
+        if m:
+            out.append(_inline(m.group(1), seen))
+            out.append(f'#line {lineno + 1} "{filename}"')
+        else:
+            out.append(line)
+    return f'#line 1 "{filename}"\n' + "\n".join(out) + "\n"
+
+
+@functools.lru_cache(maxsize=None)
+def family_source(family: str) -> str:
+    """The full source of a family, every local header inlined."""
+    return _inline(FAMILIES[family].filename, set())
+
+
+def variant_name(family: str) -> str:
+    """Deterministic name of a family's compiled variant: it changes when any compiled byte does."""
+    digest = hashlib.sha256((family_source(family) + "\0" + " ".join(NVRTC_OPTIONS)).encode()).hexdigest()
+    return f"kvcanary_{family}_{digest[:16]}"
+
+
+_lock = threading.Lock()
+_functions: dict = {}
+
+
+def get_function(family: str, name: str):
+    """The compiled kernel ``name`` of ``family`` for the current CUDA device (compiled once)."""
+    cupy = import_cupy()
+    key = (cupy.cuda.Device().id, family, name)
+    fn = _functions.get(key)
+    if fn is None:
+        with _lock:
+            fn = _functions.get(key)
+            if fn is None:
+                fn = _compile(family).get_function(name)
+                _functions[key] = fn
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(family: str):
+    cupy = import_cupy()
+    return cupy.RawModule(
+        code=f"// {variant_name(family)}\n" + family_source(family),
+        options=NVRTC_OPTIONS,
+        name_expressions=FAMILIES[family].instantiations(),
+    )
+
+
+def warmup(device=None) -> None:
+    """Compile and load every kernel variant on ``device`` (default: the current one).
+
+    Call it before capturing a CUDA graph so no compilation happens inside the capture.
+    """
+    cupy = import_cupy()
+    with cupy.cuda.Device(device):
+        for family, spec in FAMILIES.items():
+            for name in spec.instantiations():
+                get_function(family, name)
+
+
+def compile_check(arch: str = "sm_90", family: str | None = None) -> dict:
+    """Compile families with NVRTC for ``arch`` without a GPU; returns ``{family: cubin size}``.
+
+    Uses CuPy's own option assembly (its bundled headers and ``--std``), so it compiles what
+    ``RawModule`` would.  Raises RuntimeError with the NVRTC log on a compile error.
+    """
+    import_cupy()
+    from cupy._core import core  # private: the include paths CuPy adds for RawModule
+    from cupy_backends.cuda.libs import nvrtc
+
+    sizes = {}
+    for fam in [family] if family else FAMILIES:
+        options = list(core.assemble_cupy_compiler_options(NVRTC_OPTIONS))
+        options += ["-ftz=true", f"-arch={arch}", "--device-as-default-execution-space"]
+        filename = FAMILIES[fam].filename
+        prog = nvrtc.createProgram(family_source(fam), filename, [], [])
+        try:
+            for expr in FAMILIES[fam].instantiations():
+                nvrtc.addNameExpression(prog, expr)
+            try:
+                nvrtc.compileProgram(prog, options)
+            except nvrtc.NVRTCError as exc:
+                raise RuntimeError(f"kv-canary: {filename} failed to compile for {arch}:\n{nvrtc.getProgramLog(prog)}") from exc
+            for expr in FAMILIES[fam].instantiations():
+                nvrtc.getLoweredName(prog, expr)
+            sizes[fam] = len(nvrtc.getCUBIN(prog))
+        finally:
+            nvrtc.destroyProgram(prog)
+    return sizes
