@@ -1,0 +1,92 @@
+"""CPU-only checks of the CUDA side: every kernel variant compiles with NVRTC for the supported
+architectures (no GPU needed), the header's constants equal the Python ones, the kernel sources
+ship as package data, and variant names change whenever any compiled byte does."""
+
+import re
+
+import pytest
+
+import kvcanary_cupy as kc
+from kvcanary_cupy import jit
+
+pytest.importorskip("cupy")
+
+
+@pytest.mark.parametrize("arch", jit.SUPPORTED_ARCHS)
+@pytest.mark.parametrize("family", sorted(jit.FAMILIES))
+def test_every_variant_compiles(family, arch):
+    sizes = jit.compile_check(arch, family)
+    assert sizes[family] > 1000
+
+
+def test_compile_errors_name_the_family(monkeypatch):
+    monkeypatch.setitem(jit.FAMILIES, "broken", jit.KernelFamily("plan.cu", (("no_such_kernel", ()),)))
+    with pytest.raises(RuntimeError, match="plan.cu failed to compile for sm_90"):
+        jit.compile_check("sm_90", "broken")
+
+
+def test_instantiation_lists_cover_every_flag_combination():
+    assert jit.FAMILIES["plan"].instantiations() == [
+        "kvcanary::plan_offsets<false, false>", "kvcanary::plan_offsets<false, true>",
+        "kvcanary::plan_offsets<true, false>", "kvcanary::plan_offsets<true, true>",
+        "kvcanary::plan_entries<false, false>", "kvcanary::plan_entries<false, true>",
+        "kvcanary::plan_entries<true, false>", "kvcanary::plan_entries<true, true>",
+    ]
+    assert jit.kernel_name("canary_write", True, False) == "kvcanary::canary_write<true, false>"
+    assert jit.FAMILIES["scatter"].instantiations() == ["kvcanary::scatter_req_token_ids"]
+
+
+def test_sources_inline_their_headers():
+    for family in jit.FAMILIES:
+        src = jit.family_source(family)
+        assert '#include "' not in src
+        assert "struct LaunchLog" in src  # from canary_common.cuh
+
+
+def test_variant_name_covers_included_headers(monkeypatch):
+    before = jit.variant_name("verify")
+    original = jit._read.__wrapped__
+
+    def edited(filename):
+        text = original(filename)
+        return text + "\n// edited\n" if filename == "canary_common.cuh" else text
+
+    monkeypatch.setattr(jit, "_read", edited)
+    jit.family_source.cache_clear()
+    try:
+        assert jit.variant_name("verify") != before
+    finally:
+        monkeypatch.undo()
+        jit.family_source.cache_clear()
+    assert jit.variant_name("verify") == before
+
+
+def _cuh_constant(name):
+    """The value of ``constexpr <type> name = <literal or 1 << n>;`` in canary_common.cuh."""
+    m = re.search(rf"constexpr \w+ {name} = ([^;]+);", jit._read("canary_common.cuh"))
+    assert m, name
+    expr = m.group(1).replace("ULL", "")
+    if "<<" in expr:
+        base, shift = expr.split("<<")
+        return int(base) << int(shift)
+    return int(expr, 0)
+
+
+def test_header_constants_match_python():
+    assert _cuh_constant("kCanaryChainAnchor") == kc.CANARY_CHAIN_ANCHOR
+    assert _cuh_constant("kSplitmix64Mul1") == kc.constants.SPLITMIX64_MUL1
+    assert _cuh_constant("kSplitmix64Mul2") == kc.constants.SPLITMIX64_MUL2
+    assert _cuh_constant("kCanaryFieldsPerSlot") == kc.CANARY_FIELDS_PER_SLOT
+    assert _cuh_constant("kViolationFields") == kc.VIOLATION_FIELDS
+    assert _cuh_constant("kMaxRealKvSources") == kc.MAX_REAL_KV_SOURCES
+    assert _cuh_constant("kRealKvPartialBytes") == kc.constants.REAL_KV_PARTIAL_BYTES
+    for member in kc.FailReason:
+        camel = "k" + "".join(w.capitalize() for w in member.name.lower().split("_"))
+        assert _cuh_constant(camel) == member.value, member
+
+
+def test_kernel_sources_are_package_data():
+    import importlib.resources
+
+    names = {p.name for p in importlib.resources.files("kvcanary_cupy.kernels").iterdir()}
+    assert {"canary_common.cuh", "plan.cu", "write.cu", "verify.cu", "scatter.cu"} <= names
