@@ -51,6 +51,7 @@ struct RealKvSources {
   int nbytes[kMaxRealKvSources];
   int num_sources;
 };
+static_assert(sizeof(RealKvSources) == 120, "mirrored in cupy_backend.py");
 
 // Fingerprint of one slot's real KV bytes (spec §3.3).  The host checked that every source
 // covers every canary slot, so `slot` in [0, num_slots) never reads out of bounds.
@@ -98,6 +99,7 @@ struct LaunchLog {
     __threadfence_system();
   }
 };
+static_assert(sizeof(LaunchLog) == 48, "mirrored in cupy_backend.py");
 
 // A canary slot's record: the first four int64 of the slot's row.
 struct CanaryRecord {
@@ -111,6 +113,7 @@ struct CanaryBuffer {
   int fields;
   int vec;
 };
+static_assert(sizeof(CanaryBuffer) == 24, "mirrored in cupy_backend.py");
 
 __device__ __forceinline__ CanaryRecord load_record(const CanaryBuffer& c, i64 slot) {
   const i64* row = c.data + slot * c.fields;

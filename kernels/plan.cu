@@ -1,14 +1,17 @@
 // Plan kernels (spec §3.4 with the project's out-of-range rules, README "Out-of-range values").
 //
-// plan_offsets: one block scans the whole batch in tiles (no batch-size cap), writes the
-//   per-request offsets, seeds, counts and the overflow flag, and clears everything past bs.
-// plan_entries: a fixed grid expands the verify entries; the total is read on the device, so a
-//   captured graph replays correctly for any batch content.
+// plan_fused (bs <= kFusedMaxBs, one launch): every block scans the batch into shared memory;
+//   block 0 also writes the per-request outputs; then all blocks expand the verify entries.
+// plan_offsets + plan_entries (any bs, two launches): one block scans the batch in tiles and
+//   writes the per-request outputs; then a fixed grid expands the entries, reading the total on
+//   the device.
+// Either way the grid depends only on shapes, so a captured graph replays any batch content.
 #include "canary_common.cuh"
 
 namespace kvcanary {
 
 constexpr int kPlanItemsPerThread = 4;
+constexpr i64 kNoSeed = -(1LL << 62);  // outside the int32 range of req_to_token values
 
 template <bool kHasLut>
 __device__ __forceinline__ i64 swa_translate(i64 value, const i64* lut, i64 lut_len, i64& clamped) {
@@ -51,48 +54,97 @@ __device__ __forceinline__ void block_exclusive_scan2(i64& a, i64& b, i64& total
   __syncthreads();  // warp_a/warp_b are reused by the next tile
 }
 
+constexpr int kPlanMaxThreads = 1024;
+constexpr i64 kFusedMaxBs = 2048;  // plan_fused keeps verify offsets in shared memory
+
+// Everything a plan reads, passed by value (mirrored by PLAN_INPUTS in cupy_backend.py).
+struct PlanInputs {
+  const i64* req_pool_indices;
+  const i64* prefix_lens;
+  const i64* extend_seq_lens;
+  const int* req_to_token;
+  const i64* lut;  // null without an SWA LUT
+  const int* pool;  // expected-token pool, null without one
+  const i64* valid_lens;
+  i64 bs, rtt_rows, rtt_cols, rtt_stride, window, lut_len, pool_stride, pool_cols, token_offset;
+};
+
+// Everything a plan writes (mirrored by PLAN_OUTPUTS in cupy_backend.py).
+struct PlanOutputs {
+  i64* verify_offsets;  // [write_req_capacity + 1]
+  i64* write_offsets;  // [write_req_capacity + 1]
+  i64* seeds;  // [write_req_capacity]
+  int* verify_num_valid;
+  int* enable;
+  int* write_num_valid_reqs;
+  unsigned long long* out_of_range_count;
+  i64* slots;  // the four verify entry arrays, [verify_capacity]
+  i64* tokens;
+  i64* positions;
+  i64* prev;
+  i64 write_req_capacity, verify_capacity;
+};
+static_assert(sizeof(PlanInputs) == 128 && sizeof(PlanOutputs) == 104, "mirrored in cupy_backend.py");
+
+__device__ __forceinline__ i64 window_start(i64 prefix, i64 window) {
+  return window > 0 && prefix - window > 0 ? prefix - window : 0;
+}
+
+// Scans the whole batch with one block, kPlanItemsPerThread rows per thread per tile.  Returns
+// the total number of verify entries (to every thread).  With write_outputs the block writes the
+// per-request outputs, the counts and the out-of-range count; with smem_verify_offsets (bs <=
+// kFusedMaxBs) it also keeps the verify offsets in shared memory.
 template <bool kHasLut, bool kHasPool>
-__global__ void plan_offsets(const i64* __restrict__ req_pool_indices, const i64* __restrict__ prefix_lens,
-                             const i64* __restrict__ extend_seq_lens, i64 bs, const int* __restrict__ req_to_token,
-                             i64 rtt_rows, i64 rtt_cols, i64 rtt_stride, i64 window, const i64* __restrict__ lut,
-                             i64 lut_len, const i64* __restrict__ valid_lens, i64 pool_cols,
-                             i64* __restrict__ verify_offsets, i64* __restrict__ write_offsets,
-                             i64* __restrict__ seeds, i64 write_req_capacity, int* __restrict__ verify_num_valid,
-                             int* __restrict__ enable, int* __restrict__ write_num_valid_reqs, i64 verify_capacity,
-                             unsigned long long* __restrict__ out_of_range_count) {
+__device__ i64 plan_scan(const PlanInputs& in, const PlanOutputs& out, bool write_outputs, i64* smem_verify_offsets) {
   __shared__ i64 carry_v, carry_w;
-  if (threadIdx.x == 0) { carry_v = 0; carry_w = 0; }
+  __shared__ unsigned long long block_errors;
+  if (threadIdx.x == 0) { carry_v = 0; carry_w = 0; block_errors = 0; }
   __syncthreads();
   i64 errors = 0;
+  const i64 bs = in.bs;
   const i64 tile = static_cast<i64>(blockDim.x) * kPlanItemsPerThread;
   for (i64 base = 0; base < bs; base += tile) {
     i64 vlen[kPlanItemsPerThread], wlen[kPlanItemsPerThread];
+    i64 rp[kPlanItemsPerThread], prefix[kPlanItemsPerThread], extend[kPlanItemsPerThread];
+    i64 seed_raw[kPlanItemsPerThread], lens[kPlanItemsPerThread];
     i64 sum_v = 0, sum_w = 0;
     const i64 first = base + static_cast<i64>(threadIdx.x) * kPlanItemsPerThread;
+    // Three phases so that the loads of all items are in flight together: inputs, seed gathers, math.
+#pragma unroll
+    for (int k = 0; k < kPlanItemsPerThread; ++k) {
+      const i64 r = first + k;
+      const bool in_batch = r < bs;
+      rp[k] = in_batch ? in.req_pool_indices[r] : 0;
+      prefix[k] = in_batch ? in.prefix_lens[r] : 0;
+      extend[k] = in_batch ? in.extend_seq_lens[r] : 0;
+      lens[k] = kHasPool && in_batch ? in.valid_lens[r] : 0;
+    }
+#pragma unroll
+    for (int k = 0; k < kPlanItemsPerThread; ++k) {
+      // Active, in range, with a prefix and something to write (rows past bs have rp 0).
+      const bool seeded = write_outputs && rp[k] > 0 && rp[k] < in.rtt_rows && prefix[k] > 0 &&
+                          prefix[k] <= in.rtt_cols && extend[k] > 0;
+      seed_raw[k] = seeded ? in.req_to_token[rp[k] * in.rtt_stride + prefix[k] - 1] : kNoSeed;
+    }
 #pragma unroll
     for (int k = 0; k < kPlanItemsPerThread; ++k) {
       const i64 r = first + k;
       vlen[k] = wlen[k] = 0;
       if (r >= bs) continue;
-      const i64 rp = req_pool_indices[r], prefix = prefix_lens[r], extend = extend_seq_lens[r];
-      const bool active = rp != 0;
-      const bool rp_ok = rp >= 0 && rp < rtt_rows;
-      const bool prefix_ok = prefix >= 0 && prefix <= rtt_cols;
+      const bool active = rp[k] != 0;
+      const bool rp_ok = rp[k] >= 0 && rp[k] < in.rtt_rows;
+      const bool prefix_ok = prefix[k] >= 0 && prefix[k] <= in.rtt_cols;
       i64 seed = -1;
       if (active) {
-        errors += !rp_ok + !prefix_ok + (extend < 0);
-        if (kHasPool) {
-          const i64 vl = valid_lens[r];
-          errors += vl < 0 || vl > pool_cols;
-        }
-        const i64 start = window > 0 ? (prefix - window > 0 ? prefix - window : 0) : 0;
-        const i64 end = clamp64(prefix, 0, rtt_cols);
+        errors += !rp_ok + !prefix_ok + (extend[k] < 0);
+        if (kHasPool) errors += lens[k] < 0 || lens[k] > in.pool_cols;
+        const i64 start = window_start(prefix[k], in.window);
+        const i64 end = clamp64(prefix[k], 0, in.rtt_cols);
         if (rp_ok && end > start) vlen[k] = end - start;
-        wlen[k] = extend > 0 ? extend : 0;
-        if (rp_ok && prefix_ok && prefix > 0 && wlen[k] > 0)
-          seed = swa_translate<kHasLut>(req_to_token[rp * rtt_stride + prefix - 1], lut, lut_len, errors);
+        wlen[k] = extend[k] > 0 ? extend[k] : 0;
+        if (seed_raw[k] != kNoSeed) seed = swa_translate<kHasLut>(seed_raw[k], in.lut, in.lut_len, errors);
       }
-      if (r < write_req_capacity) seeds[r] = seed;
+      if (write_outputs) out.seeds[r] = seed;
       sum_v += vlen[k];
       sum_w += wlen[k];
     }
@@ -103,8 +155,11 @@ __global__ void plan_offsets(const i64* __restrict__ req_pool_indices, const i64
     for (int k = 0; k < kPlanItemsPerThread; ++k) {
       const i64 r = first + k;
       if (r >= bs) break;
-      verify_offsets[r] = off_v;
-      write_offsets[r] = off_w;
+      if (smem_verify_offsets) smem_verify_offsets[r] = off_v;
+      if (write_outputs) {
+        out.verify_offsets[r] = off_v;
+        out.write_offsets[r] = off_w;
+      }
       off_v += vlen[k];
       off_w += wlen[k];
     }
@@ -112,40 +167,35 @@ __global__ void plan_offsets(const i64* __restrict__ req_pool_indices, const i64
     if (threadIdx.x == 0) { carry_v += total_v; carry_w += total_w; }
     __syncthreads();
   }
-  if (threadIdx.x == 0) {
-    const i64 total = carry_v;
-    verify_offsets[bs] = total;
-    write_offsets[bs] = carry_w;
-    *verify_num_valid = static_cast<int>(total < verify_capacity ? total : verify_capacity);
-    *enable = total <= verify_capacity ? 1 : 0;
-    *write_num_valid_reqs = static_cast<int>(bs);
+  const i64 total = carry_v;
+  if (threadIdx.x == 0 && smem_verify_offsets) smem_verify_offsets[bs] = total;
+  if (write_outputs) {
+    if (threadIdx.x == 0) {
+      out.verify_offsets[bs] = total;
+      out.write_offsets[bs] = carry_w;
+      *out.verify_num_valid = static_cast<int>(total < out.verify_capacity ? total : out.verify_capacity);
+      *out.enable = total <= out.verify_capacity ? 1 : 0;
+      *out.write_num_valid_reqs = static_cast<int>(bs);
+    }
+    // Nothing stale past the batch (spec Part 1, decision 4).
+    for (i64 r = bs + threadIdx.x; r < out.write_req_capacity; r += blockDim.x) {
+      out.seeds[r] = -1;
+      out.verify_offsets[r + 1] = 0;
+      out.write_offsets[r + 1] = 0;
+    }
+    if (errors) atomicAdd(&block_errors, static_cast<unsigned long long>(errors));
+    __syncthreads();
+    if (threadIdx.x == 0 && block_errors) atomicAdd(out.out_of_range_count, block_errors);
   }
-  // Nothing stale past the batch (spec Part 1, decision 4).
-  for (i64 r = bs + threadIdx.x; r < write_req_capacity; r += blockDim.x) {
-    seeds[r] = -1;
-    verify_offsets[r + 1] = 0;
-    write_offsets[r + 1] = 0;
-  }
-  __shared__ i64 block_errors;
-  if (threadIdx.x == 0) block_errors = 0;
   __syncthreads();
-  if (errors) atomicAdd(reinterpret_cast<unsigned long long*>(&block_errors), static_cast<unsigned long long>(errors));
-  __syncthreads();
-  if (threadIdx.x == 0 && block_errors) atomicAdd(out_of_range_count, static_cast<unsigned long long>(block_errors));
+  return total;
 }
 
-// Each warp expands a contiguous range of entries, 32 at a time; each lane keeps its owner row and
-// walks it forward, so the binary search runs once per warp lane rather than per entry.
+// Expands verify entries [0, total) over the whole grid.  Each warp takes a contiguous range, 32
+// entries at a time; each lane finds its owner row by binary search once, then walks it forward
+// with the row cached in registers, so consecutive entries cost no search.
 template <bool kHasLut, bool kHasPool>
-__global__ void plan_entries(const i64* __restrict__ req_pool_indices, const i64* __restrict__ prefix_lens, i64 bs,
-                             const int* __restrict__ req_to_token, i64 rtt_stride, i64 window,
-                             const i64* __restrict__ lut, i64 lut_len, const int* __restrict__ pool,
-                             i64 pool_stride, i64 pool_cols, const i64* __restrict__ valid_lens, i64 token_offset,
-                             const i64* __restrict__ verify_offsets, const int* __restrict__ enable,
-                             i64* __restrict__ out_slots, i64* __restrict__ out_tokens, i64* __restrict__ out_positions,
-                             i64* __restrict__ out_prev, unsigned long long* __restrict__ out_of_range_count) {
-  const i64 total = verify_offsets[bs];
-  if (total <= 0 || *enable == 0) return;
+__device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, const i64* verify_offsets, i64 total) {
   const int lane = threadIdx.x & 31;
   const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const i64 num_warps = (static_cast<i64>(gridDim.x) * blockDim.x) >> 5;
@@ -155,35 +205,57 @@ __global__ void plan_entries(const i64* __restrict__ req_pool_indices, const i64
   const i64 end = begin + per_warp < total ? begin + per_warp : total;
 
   i64 t = begin + lane < total ? begin + lane : total - 1;
-  i64 lo = 0, hi = bs;  // largest r with verify_offsets[r] <= t
+  i64 lo = 0, hi = in.bs;  // largest r with verify_offsets[r] <= t
   while (hi - lo > 1) {
     const i64 mid = (lo + hi) >> 1;
     if (verify_offsets[mid] <= t) lo = mid; else hi = mid;
   }
   i64 r = lo;
+  i64 row_begin = verify_offsets[r], row_next = verify_offsets[r + 1];
+  i64 row = in.req_pool_indices[r], start = window_start(in.prefix_lens[r], in.window);
   i64 clamped = 0;
   for (i64 chunk = begin; chunk < end; chunk += 32) {
     t = chunk + lane;
     if (t < end) {
-      while (r + 1 < bs && verify_offsets[r + 1] <= t) ++r;
-      const i64 prefix = prefix_lens[r];
-      const i64 start = window > 0 ? (prefix - window > 0 ? prefix - window : 0) : 0;
-      const i64 p = start + (t - verify_offsets[r]);
-      const i64 row = req_pool_indices[r];
-      const int* rtt_row = req_to_token + row * rtt_stride;
-      out_slots[t] = swa_translate<kHasLut>(rtt_row[p], lut, lut_len, clamped);
-      out_prev[t] = p > 0 ? swa_translate<kHasLut>(rtt_row[p - 1], lut, lut_len, clamped) : -1;
-      out_positions[t] = p;
+      if (t >= row_next) {  // verify_offsets[bs] == total > t ends the walk
+        do row_next = verify_offsets[++r + 1]; while (t >= row_next);
+        row_begin = verify_offsets[r];
+        row = in.req_pool_indices[r];
+        start = window_start(in.prefix_lens[r], in.window);
+      }
+      const i64 p = start + (t - row_begin);
+      const int* rtt_row = in.req_to_token + row * in.rtt_stride;
+      out.slots[t] = swa_translate<kHasLut>(rtt_row[p], in.lut, in.lut_len, clamped);
+      out.prev[t] = p > 0 ? swa_translate<kHasLut>(rtt_row[p - 1], in.lut, in.lut_len, clamped) : -1;
+      out.positions[t] = p;
       i64 token = -1;
       if (kHasPool) {
-        const i64 q = p + token_offset;
-        const i64 limit = valid_lens[r] < pool_cols ? valid_lens[r] : pool_cols;
-        if (q >= 0 && q < limit) token = pool[row * pool_stride + q];
+        const i64 q = p + in.token_offset;
+        const i64 limit = in.valid_lens[r] < in.pool_cols ? in.valid_lens[r] : in.pool_cols;
+        if (q >= 0 && q < limit) token = in.pool[row * in.pool_stride + q];
       }
-      out_tokens[t] = token;
+      out.tokens[t] = token;
     }
   }
-  warp_add(out_of_range_count, clamped);
+  warp_add(out.out_of_range_count, clamped);
+}
+
+template <bool kHasLut, bool kHasPool>
+__global__ void __launch_bounds__(kPlanMaxThreads) plan_fused(PlanInputs in, PlanOutputs out) {
+  __shared__ i64 verify_offsets[kFusedMaxBs + 1];
+  const i64 total = plan_scan<kHasLut, kHasPool>(in, out, blockIdx.x == 0, verify_offsets);
+  if (total > 0 && total <= out.verify_capacity) expand_entries<kHasLut, kHasPool>(in, out, verify_offsets, total);
+}
+
+template <bool kHasLut, bool kHasPool>
+__global__ void __launch_bounds__(kPlanMaxThreads) plan_offsets(PlanInputs in, PlanOutputs out) {
+  plan_scan<kHasLut, kHasPool>(in, out, true, nullptr);
+}
+
+template <bool kHasLut, bool kHasPool>
+__global__ void plan_entries(PlanInputs in, PlanOutputs out) {
+  const i64 total = out.verify_offsets[in.bs];
+  if (total > 0 && *out.enable != 0) expand_entries<kHasLut, kHasPool>(in, out, out.verify_offsets, total);
 }
 
 }  // namespace kvcanary

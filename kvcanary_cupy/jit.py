@@ -48,7 +48,7 @@ class KernelFamily(NamedTuple):
 
 
 FAMILIES = {
-    "plan": KernelFamily("plan.cu", (("plan_offsets", ("kHasLut", "kHasPool")), ("plan_entries", ("kHasLut", "kHasPool")))),
+    "plan": KernelFamily("plan.cu", tuple((k, ("kHasLut", "kHasPool")) for k in ("plan_fused", "plan_offsets", "plan_entries"))),
     "write": KernelFamily("write.cu", (("canary_write", ("kInputAssert", "kHasRealKv")),)),
     "verify": KernelFamily("verify.cu", (("canary_verify", ("kCheckToken", "kHasRealKv")),)),
     "scatter": KernelFamily("scatter.cu", (("scatter_req_token_ids", ()),)),
@@ -134,8 +134,13 @@ def warmup(device=None) -> None:
                 get_function(family, name)
 
 
+class CompileReport(NamedTuple):
+    cubin_bytes: int
+    registers: dict  # name expression -> registers per thread
+
+
 def compile_check(arch: str = "sm_90", family: str | None = None) -> dict:
-    """Compile families with NVRTC for ``arch`` without a GPU; returns ``{family: cubin size}``.
+    """Compile families with NVRTC for ``arch`` without a GPU; returns ``{family: CompileReport}``.
 
     Uses CuPy's own option assembly (its bundled headers and ``--std``), so it compiles what
     ``RawModule`` would.  Raises RuntimeError with the NVRTC log on a compile error.
@@ -147,7 +152,7 @@ def compile_check(arch: str = "sm_90", family: str | None = None) -> dict:
     sizes = {}
     for fam in [family] if family else FAMILIES:
         options = list(core.assemble_cupy_compiler_options(NVRTC_OPTIONS))
-        options += ["-ftz=true", f"-arch={arch}", "--device-as-default-execution-space"]
+        options += ["-ftz=true", f"-arch={arch}", "--device-as-default-execution-space", "--ptxas-options=-v"]
         filename = FAMILIES[fam].filename
         prog = nvrtc.createProgram(family_source(fam), filename, [], [])
         try:
@@ -157,9 +162,9 @@ def compile_check(arch: str = "sm_90", family: str | None = None) -> dict:
                 nvrtc.compileProgram(prog, options)
             except nvrtc.NVRTCError as exc:
                 raise RuntimeError(f"kv-canary: {filename} failed to compile for {arch}:\n{nvrtc.getProgramLog(prog)}") from exc
-            for expr in FAMILIES[fam].instantiations():
-                nvrtc.getLoweredName(prog, expr)
-            sizes[fam] = len(nvrtc.getCUBIN(prog))
+            lowered = {nvrtc.getLoweredName(prog, expr): expr for expr in FAMILIES[fam].instantiations()}
+            usage = re.findall(r"entry function '(\w+)'.*?Used (\d+) registers", nvrtc.getProgramLog(prog), re.S)
+            sizes[fam] = CompileReport(len(nvrtc.getCUBIN(prog)), {lowered[name]: int(regs) for name, regs in usage})
         finally:
             nvrtc.destroyProgram(prog)
     return sizes

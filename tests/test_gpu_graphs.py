@@ -23,7 +23,7 @@ class Engine:
         self.rtt = a(self.rtt_np)
         self.canary = kc.allocate_canary_buffer(self.num_slots, like=ab.like)
         self.log = kc.ViolationLog.allocate(256, like=ab.like)
-        self.vp = kc.VerifyPlan.allocate(bs * cols, like=ab.like)
+        self.vp = kc.VerifyPlan.allocate(bs * cols // 2, like=ab.like)  # the last steps overflow
         self.wp = kc.WritePlan.allocate(bs, like=ab.like)
         z = np.zeros(bs, np.int64)
         self.rp, self.prefix, self.extend = a(z), a(z), a(z)
@@ -73,8 +73,11 @@ def step_inputs(engine, step, rng):
     return rp.astype(np.int64), prefix, extend.astype(np.int64), cat(ids), cat(pos), cat(loc), np.array([int(step > 0)], np.int32)
 
 
-def reference_run(steps):
-    engine = Engine(NUMPY)
+SHAPES = {"fused": dict(bs=16, rows=24, cols=64), "two_kernels": dict(bs=3000, rows=3008, cols=12)}
+
+
+def reference_run(steps, shape):
+    engine = Engine(NUMPY, **shape)
     snaps = []
     for inputs in steps:
         engine.fill(inputs)
@@ -90,20 +93,21 @@ def assert_snapshots_equal(got, want):
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
-def _steps(n=5):
+def _steps(shape, n=4):
     rng = np.random.default_rng(1)
-    probe = Engine(NUMPY)
+    probe = Engine(NUMPY, **shape)
     return [step_inputs(probe, i, rng) for i in range(n)]
 
 
-def test_cupy_graph_capture_and_replay():
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_cupy_graph_capture_and_replay(shape):
     ab = get_backend_or_skip("cupy")
     import cupy
 
     kc.warmup()
-    steps = _steps()
-    want = reference_run(steps)
-    engine = Engine(ab)
+    steps = _steps(SHAPES[shape])
+    want = reference_run(steps, SHAPES[shape])
+    engine = Engine(ab, **SHAPES[shape])
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         engine.fill(steps[0])
@@ -117,14 +121,15 @@ def test_cupy_graph_capture_and_replay():
             assert_snapshots_equal(engine.snapshot(), expected)
 
 
-def test_torch_graph_capture_and_replay():
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_torch_graph_capture_and_replay(shape):
     ab = get_backend_or_skip("torch_cuda")
     import torch
 
     kc.warmup()
-    steps = _steps()
-    want = reference_run(steps)
-    engine = Engine(ab)
+    steps = _steps(SHAPES[shape])
+    want = reference_run(steps, SHAPES[shape])
+    engine = Engine(ab, **SHAPES[shape])
     engine.fill(steps[0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -149,9 +154,9 @@ def test_torch_stream_ordering():
     ab = get_backend_or_skip("torch_cuda")
     import torch
 
-    steps = _steps(2)
-    want = reference_run(steps)
-    engine = Engine(ab)
+    steps = _steps(SHAPES["fused"], 2)
+    want = reference_run(steps, SHAPES["fused"])
+    engine = Engine(ab, **SHAPES["fused"])
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for inputs, expected in zip(steps, want):

@@ -14,9 +14,18 @@ pytest.importorskip("cupy")
 
 @pytest.mark.parametrize("arch", jit.SUPPORTED_ARCHS)
 @pytest.mark.parametrize("family", sorted(jit.FAMILIES))
-def test_every_variant_compiles(family, arch):
-    sizes = jit.compile_check(arch, family)
-    assert sizes[family] > 1000
+def test_every_variant_compiles_and_fits_its_launch(family, arch):
+    """Every instantiation compiles, and its registers fit the block size it is launched with."""
+    from kvcanary_cupy.backends import cupy_backend as cb
+
+    report = jit.compile_check(arch, family)[family]
+    assert report.cubin_bytes > 1000
+    assert set(report.registers) == set(jit.FAMILIES[family].instantiations())
+    block = {"plan_offsets": cb.PLAN_MAX_THREADS, "plan_fused": cb.PLAN_MAX_THREADS,
+             "canary_write": cb.WRITE_WARPS_PER_BLOCK * 32}
+    for name, regs in report.registers.items():
+        threads = block.get(name.split("<")[0].split("::")[1], cb.THREADS)
+        assert 0 < regs and regs * threads <= 65536, (name, regs, threads)
 
 
 def test_compile_errors_name_the_family(monkeypatch):
@@ -27,10 +36,8 @@ def test_compile_errors_name_the_family(monkeypatch):
 
 def test_instantiation_lists_cover_every_flag_combination():
     assert jit.FAMILIES["plan"].instantiations() == [
-        "kvcanary::plan_offsets<false, false>", "kvcanary::plan_offsets<false, true>",
-        "kvcanary::plan_offsets<true, false>", "kvcanary::plan_offsets<true, true>",
-        "kvcanary::plan_entries<false, false>", "kvcanary::plan_entries<false, true>",
-        "kvcanary::plan_entries<true, false>", "kvcanary::plan_entries<true, true>",
+        f"kvcanary::{k}<{a}, {b}>" for k in ("plan_fused", "plan_offsets", "plan_entries")
+        for a in ("false", "true") for b in ("false", "true")
     ]
     assert jit.kernel_name("canary_write", True, False) == "kvcanary::canary_write<true, false>"
     assert jit.FAMILIES["scatter"].instantiations() == ["kvcanary::scatter_req_token_ids"]

@@ -27,12 +27,24 @@ REAL_KV_SOURCES = np.dtype(
      ("nbytes", "i4", 4), ("num_sources", "i4")],
     align=True,
 )
+PLAN_INPUTS = np.dtype(
+    [(k, "u8") for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token", "lut", "pool", "valid_lens")]
+    + [(k, "i8") for k in ("bs", "rtt_rows", "rtt_cols", "rtt_stride", "window", "lut_len", "pool_stride", "pool_cols", "token_offset")],
+    align=True,
+)
+PLAN_OUTPUTS = np.dtype(
+    [(k, "u8") for k in ("verify_offsets", "write_offsets", "seeds", "verify_num_valid", "enable", "write_num_valid_reqs",
+                         "out_of_range_count", "slots", "tokens", "positions", "prev")]
+    + [("write_req_capacity", "i8"), ("verify_capacity", "i8")],
+    align=True,
+)
 LAUNCH_LOG = np.dtype(
     [("ring", "u8"), ("write_index", "u8"), ("slot_run_counters", "u8"), ("kernel_run_counters", "u8"),
      ("out_of_range_counters", "u8"), ("capacity", "i4"), ("kind", "i4")],
     align=True,
 )
 assert (CANARY_BUFFER.itemsize, REAL_KV_SOURCES.itemsize, LAUNCH_LOG.itemsize) == (24, 120, 48)
+assert (PLAN_INPUTS.itemsize, PLAN_OUTPUTS.itemsize) == (128, 104)
 
 
 class LaunchConfig(NamedTuple):
@@ -41,6 +53,8 @@ class LaunchConfig(NamedTuple):
 
 
 PLAN_ITEMS_PER_THREAD = 4  # kPlanItemsPerThread in plan.cu
+PLAN_MAX_THREADS = 1024  # kPlanMaxThreads
+FUSED_PLAN_MAX_BS = 2048  # kFusedMaxBs: up to this batch size the plan is one launch
 BLOCKS_PER_SM = 8
 THREADS = 256
 WRITE_WARPS_PER_BLOCK = 4
@@ -57,8 +71,14 @@ def _device_id() -> int:
 
 
 def plan_offsets_config(bs: int) -> LaunchConfig:
+    """One block, as many threads as the batch needs (tiles loop past 1024 threads)."""
     threads = -(-bs // PLAN_ITEMS_PER_THREAD)
-    return LaunchConfig(1, min(1024, max(32, -(-threads // 32) * 32)))
+    return LaunchConfig(1, min(PLAN_MAX_THREADS, max(32, -(-threads // 32) * 32)))
+
+
+def plan_fused_config() -> LaunchConfig:
+    """A block per SM: each scans the (small) batch, then all expand the entries."""
+    return LaunchConfig(_sm_count(_device_id()), PLAN_MAX_THREADS)
 
 
 def persistent_config() -> LaunchConfig:
@@ -114,29 +134,42 @@ def _launch(family: str, name: str, config: LaunchConfig, args: tuple) -> None:
     get_function(family, name)((config.grid,), (config.block,), args)
 
 
-def plan(a: PlanArgs) -> None:
+def _plan_structs(a: PlanArgs):
     o = a.out
-    bs = a.req_pool_indices.shape[0]
-    rows, cols = a.req_to_token.shape
     has_lut, has_pool = a.swa_lut is not None, a.expected_token_pool is not None
-    lut_len = I64(a.swa_lut.shape[0] if has_lut else 0)
-    pool_cols = I64(a.expected_token_pool.shape[1] if has_pool else 0)
-    _launch("plan", kernel_name("plan_offsets", has_lut, has_pool), plan_offsets_config(bs), (
-        a.req_pool_indices, a.prefix_lens, a.extend_seq_lens, I64(bs), a.req_to_token, I64(rows), I64(cols),
-        _row_stride(a.req_to_token), I64(a.swa_window_size), a.swa_lut, lut_len, a.expected_token_valid_lens,
-        pool_cols, o.verify_offsets, o.write_offsets, o.write_seed_slot_indices,
-        I64(o.write_seed_slot_indices.shape[0]), o.verify_num_valid, o.enable, o.write_num_valid_reqs,
-        I64(o.verify_slot_indices.shape[0]), o.out_of_range_count,
-    ))
-    if o.verify_slot_indices.shape[0] == 0:
-        return  # nothing can be expanded; the offsets kernel already set the counts
-    _launch("plan", kernel_name("plan_entries", has_lut, has_pool), persistent_config(), (
-        a.req_pool_indices, a.prefix_lens, I64(bs), a.req_to_token, _row_stride(a.req_to_token),
-        I64(a.swa_window_size), a.swa_lut, lut_len, a.expected_token_pool,
-        _row_stride(a.expected_token_pool) if has_pool else I64(0), pool_cols, a.expected_token_valid_lens,
-        I64(a.token_offset), o.verify_offsets, o.enable, o.verify_slot_indices, o.verify_expected_tokens,
-        o.verify_expected_positions, o.verify_prev_slot_indices, o.out_of_range_count,
-    ))
+    ins = np.zeros(1, PLAN_INPUTS)
+    for key, arr in (("req_pool_indices", a.req_pool_indices), ("prefix_lens", a.prefix_lens),
+                     ("extend_seq_lens", a.extend_seq_lens), ("req_to_token", a.req_to_token), ("lut", a.swa_lut),
+                     ("pool", a.expected_token_pool), ("valid_lens", a.expected_token_valid_lens)):
+        ins[key] = _ptr(arr)
+    rows, cols = a.req_to_token.shape
+    ins["bs"], ins["rtt_rows"], ins["rtt_cols"] = a.req_pool_indices.shape[0], rows, cols
+    ins["rtt_stride"], ins["window"], ins["token_offset"] = _row_stride(a.req_to_token), a.swa_window_size, a.token_offset
+    ins["lut_len"] = a.swa_lut.shape[0] if has_lut else 0
+    if has_pool:
+        ins["pool_stride"], ins["pool_cols"] = _row_stride(a.expected_token_pool), a.expected_token_pool.shape[1]
+    outs = np.zeros(1, PLAN_OUTPUTS)
+    for key, arr in (("verify_offsets", o.verify_offsets), ("write_offsets", o.write_offsets),
+                     ("seeds", o.write_seed_slot_indices), ("verify_num_valid", o.verify_num_valid),
+                     ("enable", o.enable), ("write_num_valid_reqs", o.write_num_valid_reqs),
+                     ("out_of_range_count", o.out_of_range_count), ("slots", o.verify_slot_indices),
+                     ("tokens", o.verify_expected_tokens), ("positions", o.verify_expected_positions),
+                     ("prev", o.verify_prev_slot_indices)):
+        outs[key] = _ptr(arr)
+    outs["write_req_capacity"] = o.write_seed_slot_indices.shape[0]
+    outs["verify_capacity"] = o.verify_slot_indices.shape[0]
+    return (has_lut, has_pool), (ins, outs)
+
+
+def plan(a: PlanArgs) -> None:
+    flags, args = _plan_structs(a)
+    bs = a.req_pool_indices.shape[0]
+    if bs <= FUSED_PLAN_MAX_BS:
+        _launch("plan", kernel_name("plan_fused", *flags), plan_fused_config(), args)
+        return
+    _launch("plan", kernel_name("plan_offsets", *flags), plan_offsets_config(bs), args)
+    if a.out.verify_slot_indices.shape[0] > 0:  # a zero-capacity plan expands nothing
+        _launch("plan", kernel_name("plan_entries", *flags), persistent_config(), args)
 
 
 def write(a: WriteArgs) -> None:
