@@ -36,10 +36,12 @@ def check_plan(a: PlanArgs) -> None:
         return
     lut_len = h.swa_lut.shape[0]
     window = h.swa_window_size
-    for r in np.nonzero(verify_len | seed_ok)[0]:
+    # verify entries are only translated when the plan fits verify_capacity (else only seeds are)
+    entries = int(verify_len.sum()) <= h.out.verify_slot_indices.shape[0]
+    for r in np.nonzero((verify_len > 0) & entries | seed_ok)[0]:
         rp, prefix = int(h.req_pool_indices[r]), int(h.prefix_lens[r])
         first = max(prefix - window, 0) if window > 0 else 0
-        lo = max(first - 1, 0) if verify_len[r] else prefix - 1
+        lo = max(first - 1, 0) if verify_len[r] and entries else prefix - 1
         values = h.req_to_token[rp, lo:prefix]
         bad = np.nonzero(values >= lut_len)[0]
         if bad.size:

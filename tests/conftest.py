@@ -107,5 +107,5 @@ def gpu_ab(request) -> ArrayBackend:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         callspec = getattr(item, "callspec", None)
-        if callspec and any(v in GPU_BACKENDS for v in callspec.params.values()):
+        if callspec and any(isinstance(v, str) and v in GPU_BACKENDS for v in callspec.params.values()):
             item.add_marker(pytest.mark.gpu)

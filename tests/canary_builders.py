@@ -1,0 +1,399 @@
+"""Shared builders and independent pure-Python oracles for the kv-canary test suite.
+
+Everything here is written from the spec (Part 1 decisions + Part 2 §2-§3), not from the
+library: the hash primitives, the real-KV fold and the plan / write / verify oracles are plain
+per-request / per-entry loops over Python ints.  Tests build their inputs in NumPy, move them
+to the backend under test with ``ab.asarray`` and compare ``ab.to_numpy`` of every output
+against these oracles.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from kvcanary_cupy import VerifyPlan, ViolationLog, WritePlan
+
+# ---------------------------------------------------------------------------------------------
+# hash primitives (spec §3.1), independent of kvcanary_cupy.hashing
+
+MASK64 = (1 << 64) - 1
+ANCHOR = 0xC0FFEE1234567890
+
+
+def sm64(x: int) -> int:
+    x &= MASK64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & MASK64
+    x ^= x >> 31
+    return x
+
+
+def hmix3(a: int, b: int, c: int) -> int:
+    h = sm64(a)
+    h = sm64(h ^ (b & MASK64))
+    return sm64(h ^ (c & MASK64))
+
+
+def signed(u: int) -> int:
+    u &= MASK64
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def unsigned(v: int) -> int:
+    return int(v) & MASK64
+
+
+ANCHOR_H = sm64(ANCHOR)  # 0xDE7FAE23A9A1B716
+ANCHOR_S = signed(ANCHOR_H)
+
+# fail-reason bits as literals (spec §2.1), so tests do not take them from the library
+CHAIN, POSITION, REAL_KV, WRITE_TOKEN, WRITE_POSITION, TOKEN = 1, 2, 4, 8, 16, 32
+
+
+def record_hash(rec) -> int:
+    """slot_hash of a stored record ``(token, position, prev_hash, ...)``: mix3(prev, token, pos)."""
+    return hmix3(int(rec[2]), int(rec[0]), int(rec[1]))
+
+
+def chain(tokens, positions, start_hash: int = ANCHOR_H):
+    """Stored prev_hashes (unsigned) of a chain written in order, and the next running value."""
+    out, running = [], start_hash
+    for t, p in zip(tokens, positions):
+        out.append(running)
+        running = hmix3(running, int(t), int(p))
+    return out, running
+
+
+def fold_strips(strips) -> int:
+    """Real-KV fold (spec §3.3) of one ``bytes`` strip per source, in source order."""
+    acc = 0
+    for strip in strips:
+        strip = bytes(strip)
+        h = 0
+        for i in range(0, len(strip), 8):
+            h = sm64(h ^ int.from_bytes(strip[i : i + 8], "little"))
+        acc = sm64(acc ^ h)
+    return acc
+
+
+class HostSource:
+    """A real-KV source seen from the oracle: ``data`` is ``uint8 [rows, row_bytes]`` (NumPy)."""
+
+    def __init__(self, data: np.ndarray, page_size: int, nbpt: int, read_bytes: int):
+        self.data = np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1)
+        self.page_size, self.nbpt, self.read_bytes = page_size, nbpt, read_bytes
+
+    def strip(self, slot: int, nbytes: int) -> bytes:
+        row, col = slot // self.page_size, (slot % self.page_size) * self.nbpt
+        return self.data[row, col : col + nbytes].tobytes()
+
+
+def real_kv(sources, mode, slot: int) -> int:
+    """Expected real_kv_hash (unsigned) of ``slot``; 0 for NONE or no sources."""
+    mode = int(mode)
+    if mode == 0 or not sources:
+        return 0
+    return fold_strips(s.strip(slot, 16 if mode == 1 else s.read_bytes) for s in sources)
+
+
+# ---------------------------------------------------------------------------------------------
+# array builders
+
+
+def linear_rtt(rows: int, max_seq_len: int) -> np.ndarray:
+    """``req_to_token[rp, p] = rp * max_seq_len + p`` (int32), the spec's "linear" table."""
+    return (np.arange(rows, dtype=np.int64)[:, None] * max_seq_len + np.arange(max_seq_len)).astype(np.int32)
+
+
+def i64(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+def canary(num_slots: int, records=None) -> np.ndarray:
+    """A host canary buffer ``int64 [num_slots, 4]``; ``records`` maps slot -> (tok, pos, prev[, rkv])."""
+    buf = np.zeros((num_slots, 4), np.int64)
+    for slot, rec in (records or {}).items():
+        rec = list(rec) + [0] * (4 - len(rec))
+        buf[slot] = [signed(v) if v > 0 else v for v in rec]
+    return buf
+
+
+def stamp_chain(buf: np.ndarray, slots, tokens, positions, start_hash: int = ANCHOR_H) -> None:
+    """Write a clean chain into a host buffer (in place)."""
+    hashes, _ = chain(tokens, positions, start_hash)
+    for s, t, p, h in zip(slots, tokens, positions, hashes):
+        buf[s, :4] = [t, p, signed(h), 0]
+
+
+def make_log(ab, capacity: int = 1024, num_kinds: int = 12) -> ViolationLog:
+    return ViolationLog.allocate(capacity, num_kinds, like=ab.like)
+
+
+def make_write_plan(ab, offsets, seeds, num_valid=None, capacity=None) -> WritePlan:
+    """A caller-built WritePlan: ``offsets`` has len(seeds)+1 entries (zero-padded to capacity+1)."""
+    cap = len(seeds) if capacity is None else capacity
+    off = np.zeros(cap + 1, np.int64)
+    off[: len(offsets)] = offsets
+    sd = np.full(cap, -1, np.int64)
+    sd[: len(seeds)] = seeds
+    nv = len(seeds) if num_valid is None else num_valid
+    return WritePlan(
+        write_offsets=ab.asarray(off),
+        write_seed_slot_indices=ab.asarray(sd),
+        write_num_valid_reqs=ab.asarray(np.array([nv], np.int32)),
+        verify_offsets=ab.asarray(np.zeros(cap + 1, np.int64)),
+    )
+
+
+def make_verify_plan(ab, slots, positions, prevs, tokens=None, num_valid=None, enable=1, capacity=None) -> VerifyPlan:
+    """A caller-built VerifyPlan (expected tokens default to -1); entries past the list are junk."""
+    n = len(slots)
+    cap = n if capacity is None else capacity
+    cols = []
+    for values in (slots, [-1] * n if tokens is None else tokens, positions, prevs):
+        arr = np.full(cap, 0x5A5A, np.int64)  # junk past the valid entries
+        arr[:n] = values
+        cols.append(ab.asarray(arr))
+    return VerifyPlan(
+        *cols,
+        verify_num_valid=ab.asarray(np.array([n if num_valid is None else num_valid], np.int32)),
+        enable=ab.asarray(np.array([enable], np.int32)),
+        out_of_range_count=ab.asarray(np.zeros(1, np.int64)),
+    )
+
+
+def host(ab, record) -> dict:
+    """Host copies of every array of a plan or log record."""
+    return {k: ab.to_numpy(v) for k, v in record.arrays().items()}
+
+
+def ring_rows(log_host: dict) -> list:
+    """The stored ring rows as a sorted list of tuples (a multiset: GPU threads write in any order)."""
+    n = min(int(log_host["write_index"][0]), log_host["ring"].shape[0])
+    return sorted(tuple(int(x) for x in row) for row in log_host["ring"][:n])
+
+
+def sorted_rows(rows) -> list:
+    return sorted(tuple(int(x) for x in r) for r in rows)
+
+
+def is_sub_multiset(small, big) -> bool:
+    return not (Counter(small) - Counter(big))
+
+
+# ---------------------------------------------------------------------------------------------
+# oracles (spec §3.4-§3.6 plus the Part 1 / project out-of-range decisions)
+
+
+def oracle_plan(rp, prefix, extend, rtt, *, verify_capacity, write_req_capacity=None, window=0, lut=None,
+                pool=None, valid_lens=None, offset=0):
+    """Per-request loop implementing §3.4 and the project's out-of-range rules."""
+    rp, prefix, extend = [[int(x) for x in a] for a in (rp, prefix, extend)]
+    bs = len(rp)
+    wcap = bs if write_req_capacity is None else write_req_capacity
+    rows, row_len = rtt.shape
+    errors = 0
+
+    def tr(v):
+        nonlocal errors
+        v = int(v)
+        if lut is None or v < 0:
+            return v
+        if v > len(lut) - 1:
+            errors += 1
+            v = len(lut) - 1
+        return int(lut[v])
+
+    starts, vlens, wlens, seeds = [], [], [], []
+    for r in range(bs):
+        if rp[r] == 0:
+            starts.append(0), vlens.append(0), wlens.append(0), seeds.append(-1)
+            continue
+        rp_ok = 0 <= rp[r] < rows
+        prefix_ok = 0 <= prefix[r] <= row_len
+        errors += (not rp_ok) + (not prefix_ok) + (extend[r] < 0)
+        if pool is not None:
+            errors += not (0 <= int(valid_lens[r]) <= pool.shape[1])
+        ws = max(prefix[r] - window, 0) if window > 0 else 0
+        end = min(max(prefix[r], 0), row_len)
+        vlens.append(max(end - ws, 0) if rp_ok else 0)
+        starts.append(ws)
+        wlens.append(max(extend[r], 0))
+        if rp_ok and prefix_ok and prefix[r] > 0 and wlens[-1] > 0:
+            seeds.append(tr(rtt[rp[r], prefix[r] - 1]))
+        else:
+            seeds.append(-1)
+    total = sum(vlens)
+    enabled = total <= verify_capacity
+    entries = []  # (slot, expected_token, position, prev)
+    if enabled:
+        for r in range(bs):
+            for p in range(starts[r], starts[r] + vlens[r]):
+                slot = tr(rtt[rp[r], p])
+                prev = tr(rtt[rp[r], p - 1]) if p > 0 else -1
+                tok = -1
+                if pool is not None:
+                    q = p + offset
+                    if 0 <= q < min(int(valid_lens[r]), pool.shape[1]):
+                        tok = int(pool[rp[r], q])
+                entries.append((slot, tok, p, prev))
+    woff = [0] * (wcap + 1)
+    voff = [0] * (wcap + 1)
+    for r in range(bs):
+        woff[r + 1] = woff[r] + wlens[r]
+        voff[r + 1] = voff[r] + vlens[r]
+    return {
+        "entries": entries,
+        "verify_num_valid": min(total, verify_capacity),
+        "enable": int(enabled),
+        "total_verify": total,
+        "write_offsets": woff,
+        "verify_offsets": voff,
+        "write_seed_slot_indices": seeds + [-1] * (wcap - bs),
+        "write_num_valid_reqs": bs,
+        "out_of_range": errors,
+    }
+
+
+def plan_entries(vp_host: dict) -> list:
+    """The valid entries of a host VerifyPlan as (slot, expected_token, position, prev) tuples."""
+    n = int(vp_host["verify_num_valid"][0])
+    cols = [vp_host[k][:n] for k in ("verify_slot_indices", "verify_expected_tokens",
+                                     "verify_expected_positions", "verify_prev_slot_indices")]
+    return [tuple(int(c[i]) for c in cols) for i in range(n)]
+
+
+def oracle_write(buf, offsets, seeds, num_valid, input_ids, positions, out_cache_loc, *, kind=0,
+                 expected_tokens=None, expected_positions=None, pos_assert=True, sources=(), mode=0):
+    """Per-request serial walk (§3.5).  Mutates ``buf`` (host int64 [N, >=4]).
+
+    Returns ``(rows, written, out_of_range)``; rows are in request/entry order.
+    """
+    n_slots = buf.shape[0]
+    cap = len(seeds)
+    t_len = len(input_ids)
+    num_valid = min(max(int(num_valid), 0), cap)
+    rows, written, oor = [], 0, 0
+    for r in range(num_valid):
+        s_raw, e_raw = int(offsets[r]), int(offsets[r + 1])
+        start = min(max(s_raw, 0), t_len)
+        end = min(max(e_raw, start), t_len)
+        oor += s_raw < 0 or s_raw > t_len or e_raw < s_raw or e_raw > t_len
+        seed = int(seeds[r])
+        if seed >= n_slots:
+            oor += 1
+            seed = -1
+        if seed > 0:  # seed 0 is the padding slot: no predecessor, like -1 (README)
+            running = record_hash(buf[seed])
+            running_pos = int(buf[seed, 1])
+        else:
+            running, running_pos = ANCHOR_H, None
+        check_pos = seed > 0 and pos_assert
+        for i in range(start, end):
+            slot = int(out_cache_loc[i])
+            if slot >= n_slots:
+                oor += 1
+                continue
+            if slot < 0:
+                continue
+            tok, pos = int(input_ids[i]), int(positions[i])
+            if expected_tokens is not None:
+                bits = (WRITE_TOKEN if tok != int(expected_tokens[i]) else 0) | (
+                    WRITE_POSITION if pos != int(expected_positions[i]) else 0)
+                if bits:
+                    rows.append((kind, slot, pos, tok, int(expected_tokens[i]), signed(running),
+                                 int(expected_positions[i]), bits))
+            if check_pos:
+                if pos != running_pos + 1:
+                    rows.append((kind, slot, pos, tok, tok, signed(running), running_pos + 1, WRITE_POSITION))
+                running_pos = pos
+            if slot != 0:  # writes to the padding slot are counted and chained but not stored (README)
+                buf[slot, :4] = [tok, pos, signed(running), signed(real_kv(sources, mode, slot))]
+            running = hmix3(running, tok, pos)
+            written += 1
+    return rows, written, oor
+
+
+def oracle_verify(buf, entries, *, kind=0, enable=1, check_token=False, sources=(), mode=0):
+    """Per-entry check (§3.6) of ``entries`` = [(slot, expected_token, position, prev)].
+
+    Returns ``(rows, scanned, out_of_range)``; ``entries`` are the active ones (already clamped).
+    """
+    if not enable:
+        return [], 0, 0
+    n_slots = buf.shape[0]
+    rows, oor = [], 0
+    for slot, exp_tok, exp_pos, prev in entries:
+        if slot < 0 or slot >= n_slots:
+            oor += 1
+            continue
+        if slot == 0:
+            continue
+        if prev >= n_slots:
+            oor += 1
+        rec = [int(x) for x in buf[slot, :4]]
+        stored_chain = unsigned(rec[2])
+        if prev < 0:
+            want = ANCHOR_H
+        elif prev == 0 or prev >= n_slots:
+            want = stored_chain
+        else:
+            want = record_hash(buf[prev])
+        tok = exp_tok if check_token else -1
+        bits = CHAIN if stored_chain != want else 0
+        bits |= POSITION if rec[1] != exp_pos else 0
+        bits |= REAL_KV if unsigned(rec[3]) != real_kv(sources, mode, slot) else 0
+        bits |= TOKEN if check_token and exp_tok != -1 and rec[0] != exp_tok else 0
+        if bits:
+            rows.append((kind, slot, rec[1], rec[0], tok, rec[2], signed(want), bits))
+    return rows, len(entries), oor
+
+
+# ---------------------------------------------------------------------------------------------
+# running the API on a backend
+
+
+def _conv(ab, a, dtype):
+    return None if a is None else ab.asarray(np.asarray(a, dtype=dtype))
+
+
+def run_plan(ab, rp, prefix, extend, rtt, *, lut=None, pool=None, valid_lens=None, **kw):
+    """``kvcanary_cupy.plan`` on backend ``ab``; returns (vp, wp, vp_host, wp_host)."""
+    import kvcanary_cupy
+
+    vp, wp = kvcanary_cupy.plan(
+        _conv(ab, rp, np.int64), _conv(ab, prefix, np.int64), _conv(ab, extend, np.int64),
+        _conv(ab, rtt, np.int32),
+        full_to_swa_index_mapping=_conv(ab, lut, np.int64),
+        req_to_verify_expected_tokens=_conv(ab, pool, np.int32),
+        req_to_verify_expected_tokens_valid_lens=_conv(ab, valid_lens, np.int64),
+        **kw,
+    )
+    return vp, wp, host(ab, vp), host(ab, wp)
+
+
+def assert_plan_equals_oracle(vph: dict, wph: dict, want: dict, *, out_of_range_before: int = 0) -> None:
+    """Every defined output of a plan equals the oracle's (entries past num_valid are unspecified)."""
+    assert int(vph["verify_num_valid"][0]) == want["verify_num_valid"]
+    assert int(vph["enable"][0]) == want["enable"]
+    if want["enable"]:
+        assert plan_entries(vph) == want["entries"]
+    assert wph["write_offsets"].tolist() == want["write_offsets"]
+    assert wph["verify_offsets"].tolist() == want["verify_offsets"]
+    assert wph["write_seed_slot_indices"].tolist() == want["write_seed_slot_indices"]
+    assert int(wph["write_num_valid_reqs"][0]) == want["write_num_valid_reqs"]
+    assert int(vph["out_of_range_count"][0]) == out_of_range_before + want["out_of_range"]
+
+
+def a64(ab, values):
+    """``values`` as a native int64 array of backend ``ab``."""
+    return ab.asarray(np.asarray(values, dtype=np.int64))
+
+
+def kv_bytes(rows: int, row_bytes: int, seed: int = 0) -> np.ndarray:
+    """Random real-KV bytes ``uint8 [rows, row_bytes]``."""
+    return np.random.default_rng(seed).integers(0, 256, size=(rows, row_bytes), dtype=np.uint8)

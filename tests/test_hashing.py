@@ -1,0 +1,165 @@
+"""Hash primitives, constants and enums (spec §2.1, §3.1-§3.3, Appendix A)."""
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from kvcanary_cupy import constants as C
+from kvcanary_cupy.hashing import mix3_array, splitmix64_array
+from canary_builders import ANCHOR_H, chain, fold_strips, hmix3, sm64
+
+SPLITMIX_PINNED = [
+    (0x9E3779B97F4A7C15, 0xE220A8397B1DCDAF),
+    (1, 0x5692161D100B05E5),
+    (0xDEADBEEFCAFEBABE, 0x7AD6664F09FFE52C),
+    (0xFFFFFFFFFFFFFFFF, 0xB4D055FCF2CBBD7B),
+    (0x8000000000000000, 0x25C26EA579CEA98A),
+    (0xC0FFEE1234567890, 0xDE7FAE23A9A1B716),
+    (0, 0),
+]
+
+
+@pytest.mark.parametrize("x, want", SPLITMIX_PINNED)
+def test_splitmix64_pinned_vectors(x, want):
+    assert kc.splitmix64(x) == want
+    assert sm64(x) == want  # the suite's own oracle agrees
+
+
+def test_anchor_constants():
+    assert kc.CANARY_CHAIN_ANCHOR == 0xC0FFEE1234567890
+    assert kc.CANARY_CHAIN_ANCHOR_HASH == 0xDE7FAE23A9A1B716 == kc.ANCHOR_HASH
+    assert kc.to_signed(kc.ANCHOR_HASH) == -2414019407054260458
+
+
+def test_mix3_computed_vectors():
+    assert kc.mix3(ANCHOR_H, 100, 4) == 0x5022670B6356AF64
+    assert kc.mix3(ANCHOR_H, -1, 0) == 0xE5A9A05404A720CF
+    assert kc.mix3(ANCHOR_H, 0xFFFFFFFFFFFFFFFF, 0) == 0xE5A9A05404A720CF  # -1 read as uint64
+    assert kc.mix3(0, 0, 0) == 0  # the zero fixed point (§8.11)
+
+
+def test_mix3_is_ordered_prev_token_position():
+    a, b, c = 0x1234, 7, 9
+    assert kc.mix3(a, b, c) == sm64(sm64(sm64(a) ^ b) ^ c)
+    assert kc.mix3(a, b, c) != kc.mix3(a, c, b)
+
+
+def test_chain_vectors_tokens_101_to_505():
+    hashes, nxt = chain([101, 202, 303, 404, 505], range(5))
+    assert hashes == [0xDE7FAE23A9A1B716, 0x542FE5061275A6AB, 0x9890D56BDE53142E, 0x5213C65EEE8A1DD1,
+                      0xC749AFFE5A5A9634]
+    assert nxt == 0x3A650FCC4023CD13
+
+
+def test_chain_vectors_with_seed_record():
+    start = hmix3(ANCHOR_H, 7, 10)  # seed record (token 7, position 10, prev anchor_hash)
+    hashes, _ = chain([101, 202, 303, 404, 505], range(11, 16), start)
+    assert hashes == [0x5E35681BCFCE7CF6, 0x56D3E7D2989B8E36, 0xDD87E0146C9036A8, 0x1CBB47092FF8336E,
+                      0x3579999BB482D1FC]
+
+
+def test_chain_vectors_golden_ratio_tokens_mix3_not_xor():
+    tokens = [(i * 0x9E3779B97F4A7C15) & 0x7FFFFFFF for i in range(5)]
+    hashes, _ = chain(tokens, range(5))
+    assert hashes == [0xDE7FAE23A9A1B716, 0xF0D7FE5EB92C788F, 0x3DDFEAFEC17352BC, 0xF2A3DB1523A7D509,
+                      0xFCEC3D0431BB9378]
+    assert hashes[1] != 0xF0F807B576DF665D  # the stale XOR-era golden value
+
+
+REAL_KV_PATTERN = bytes([0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80, 0x81, 0x82, 0x84, 0x88, 0x90, 0xA0, 0xC0, 0xFF])
+
+
+@pytest.mark.parametrize("strips, want", [
+    ([REAL_KV_PATTERN], 0x6041580849E6407D),
+    ([bytes(16)], 0),
+    ([bytes([0x11] * 16), bytes([0x22] * 16)], 0x33109C273CC3CC03),
+    ([bytes(range(32))], 0xB44181DFE9420039),
+    ([bytes(range(16))], 0xD6D75024DFD6C30C),
+    ([], 0),
+])
+def test_real_kv_fold_vectors(strips, want):
+    assert kc.real_kv_fold(strips) == want
+    assert fold_strips(strips) == want
+
+
+def test_real_kv_fold_is_order_dependent():
+    a, b = bytes([0x11] * 16), bytes([0x22] * 16)
+    assert kc.real_kv_fold([a, b]) != kc.real_kv_fold([b, a])
+
+
+def test_real_kv_fold_rejects_ragged_strip():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kc.real_kv_fold([bytes(12)])
+
+
+def test_int_and_array_forms_agree():
+    rng = np.random.default_rng(0)
+    a = rng.integers(-(2**63), 2**63 - 1, size=64, dtype=np.int64)
+    b = rng.integers(-(2**63), 2**63 - 1, size=64, dtype=np.int64)
+    c = rng.integers(-(2**63), 2**63 - 1, size=64, dtype=np.int64)
+    sm = kc.splitmix64(a)
+    assert sm.dtype == np.uint64
+    assert [int(v) for v in sm] == [kc.splitmix64(int(x)) for x in a]
+    assert [int(v) for v in splitmix64_array(a.view(np.uint64))] == [sm64(int(x)) for x in a]
+    m = kc.mix3(a, b, c)
+    assert m.dtype == np.uint64
+    assert [int(v) for v in m] == [hmix3(int(x), int(y), int(z)) for x, y, z in zip(a, b, c)]
+    assert np.array_equal(mix3_array(a, b, c), m)
+    assert kc.splitmix64(np.int64(-1)) == sm64(2**64 - 1)  # NumPy scalars take the int path
+
+
+@pytest.mark.parametrize("u, s", [(0, 0), (1, 1), (2**63 - 1, 2**63 - 1), (2**63, -(2**63)), (2**64 - 1, -1),
+                                  (0xDE7FAE23A9A1B716, -2414019407054260458)])
+def test_to_signed_to_unsigned(u, s):
+    assert kc.to_signed(u) == s
+    assert kc.to_unsigned(s) == u
+    assert kc.to_unsigned(kc.to_signed(u)) == u
+
+
+def test_constants_of_spec_2_1():
+    assert (kc.REQ_POOL_IDX_PADDING, kc.TOKEN_TO_KV_SLOT_PADDING) == (0, 0)
+    assert kc.CANARY_FIELDS_PER_SLOT == 4 and kc.CANARY_SLOT_BYTES == 32
+    assert (kc.CANARY_FIELD_TOKEN, kc.CANARY_FIELD_POSITION, kc.CANARY_FIELD_PREV_HASH,
+            kc.CANARY_FIELD_REAL_KV_HASH) == (0, 1, 2, 3)
+    assert kc.VIOLATION_FIELDS == 8
+    assert [C.VIOLATION_FIELD_KERNEL_KIND, C.VIOLATION_FIELD_SLOT_IDX, C.VIOLATION_FIELD_POSITION,
+            C.VIOLATION_FIELD_STORED_TOKEN, C.VIOLATION_FIELD_EXPECTED_TOKEN, C.VIOLATION_FIELD_STORED_CHAIN_HASH,
+            C.VIOLATION_FIELD_EXPECTED_AUX, C.VIOLATION_FIELD_FAIL_REASON_BITS] == list(range(8))
+    assert kc.MAX_REAL_KV_SOURCES == 4
+    assert C.REAL_KV_SOURCE_FIELDS_PER_ENTRY == 3
+    assert (C.REAL_KV_SOURCE_FIELD_PAGE_SIZE, C.REAL_KV_SOURCE_FIELD_NUM_BYTES_PER_TOKEN,
+            C.REAL_KV_SOURCE_FIELD_READ_BYTES) == (0, 1, 2)
+    assert (C.SPLITMIX64_MUL1, C.SPLITMIX64_MUL2) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+    assert (C.SPLITMIX64_SHIFT1, C.SPLITMIX64_SHIFT2, C.SPLITMIX64_SHIFT3) == (30, 27, 31)
+    assert kc.NUM_LAUNCH_TAGS == 12
+
+
+def test_fail_reason_bits():
+    F = kc.FailReason
+    assert [(m.name, m.value) for m in F] == [
+        ("VERIFY_CHAIN_HASH_MISMATCH", 1), ("VERIFY_POSITION_MISMATCH", 2), ("VERIFY_REAL_KV_HASH_MISMATCH", 4),
+        ("WRITE_TOKEN_MISMATCH", 8), ("WRITE_POSITION_MISMATCH", 16), ("VERIFY_TOKEN_MISMATCH", 32)]
+
+
+@pytest.mark.parametrize("bits, label", [
+    (0, "none"),
+    (1, "verify_chain_hash"),
+    (2, "verify_position"),
+    (4, "verify_real_kv_hash"),
+    (8, "write_token"),
+    (16, "write_position"),
+    (32, "verify_token"),
+    (3, "verify_chain_hash+verify_position"),
+    (1 | 4 | 32, "verify_chain_hash+verify_real_kv_hash+verify_token"),
+    (8 | 16, "write_token+write_position"),
+])
+def test_fail_reason_label(bits, label):
+    assert kc.FailReason.label(bits) == label
+
+
+def test_real_kv_hash_mode_and_launch_tags():
+    assert [(m.name, m.value) for m in kc.RealKvHashMode] == [("NONE", 0), ("PARTIAL", 1), ("ALL", 2)]
+    assert [(m.name, m.value) for m in kc.CanaryLaunchTag] == [
+        ("HEAD_K_FULL", 0), ("HEAD_V_FULL", 1), ("TAIL_K_FULL", 2), ("TAIL_V_FULL", 3),
+        ("SWEEP_K_FULL", 4), ("SWEEP_V_FULL", 5), ("HEAD_K_SWA", 6), ("HEAD_V_SWA", 7),
+        ("TAIL_K_SWA", 8), ("TAIL_V_SWA", 9), ("SWEEP_K_SWA", 10), ("SWEEP_V_SWA", 11)]

@@ -1,0 +1,432 @@
+"""plan(): worked examples of spec §3.4, the no-stale-outputs decision and the out-of-range rules."""
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from canary_builders import (
+    assert_plan_equals_oracle,
+    host,
+    linear_rtt,
+    oracle_plan,
+    plan_entries,
+    run_plan,
+)
+
+
+def check(ab, rp, prefix, extend, rtt, *, verify_capacity=4096, **kw):
+    """Run plan on ``ab`` and compare every output with the oracle; returns the host plans."""
+    vp, wp, vph, wph = run_plan(ab, rp, prefix, extend, rtt, verify_capacity=verify_capacity, **kw)
+    oracle_kw = {k: kw[k] for k in ("lut", "pool", "valid_lens", "write_req_capacity") if k in kw}
+    want = oracle_plan(rp, prefix, extend, rtt, verify_capacity=verify_capacity,
+                       window=kw.get("swa_window_size", 0), offset=kw.get("kv_token_id_vs_position_offset", 0),
+                       **oracle_kw)
+    assert_plan_equals_oracle(vph, wph, want)
+    return vph, wph
+
+
+# ---- worked examples (§3.4) -------------------------------------------------------------------
+
+
+def test_prefill_only_request(ab):
+    vph, wph = check(ab, [3], [0], [5], linear_rtt(8, 16))
+    assert int(vph["verify_num_valid"][0]) == 0
+    assert int(wph["write_num_valid_reqs"][0]) == 1
+    assert wph["write_offsets"].tolist() == [0, 5]
+    assert wph["write_seed_slot_indices"].tolist() == [-1]
+
+
+def test_decode_seed_is_last_prefix_slot(ab):
+    vph, wph = check(ab, [2], [7], [1], linear_rtt(4, 16))
+    assert int(vph["verify_num_valid"][0]) == 7
+    assert wph["write_seed_slot_indices"].tolist() == [2 * 16 + 6]
+    assert plan_entries(vph) == [(32 + p, -1, p, 32 + p - 1 if p else -1) for p in range(7)]
+
+
+def test_mixed_batch_offsets(ab):
+    vph, wph = check(ab, [1, 2, 3], [0, 4, 10], [8, 1, 1], linear_rtt(4, 16))
+    assert wph["write_offsets"].tolist() == [0, 8, 9, 10]
+    assert wph["verify_offsets"].tolist() == [0, 0, 4, 14]
+    assert int(vph["verify_num_valid"][0]) == 14
+    assert wph["write_seed_slot_indices"].tolist() == [-1, 2 * 16 + 3, 3 * 16 + 9]
+
+
+@pytest.mark.parametrize("garbage", [99, 99999])
+def test_padding_row_in_the_middle(ab, garbage):
+    vph, wph = check(ab, [1, 0, 2], [5, garbage, 3], [1, garbage, 1], linear_rtt(4, 16))
+    assert int(vph["verify_num_valid"][0]) == 8
+    assert wph["write_offsets"].tolist() == [0, 1, 1, 2]
+    assert wph["write_seed_slot_indices"].tolist() == [16 + 4, -1, 32 + 2]
+    assert int(vph["out_of_range_count"][0]) == 0  # padding rows are never counted
+
+
+def test_trailing_padding_rows(ab):
+    vph, wph = check(ab, [1, 2, 0, 0], [3, 5, 99, 99], [1, 1, 99, 99], linear_rtt(4, 16))
+    assert wph["write_offsets"].tolist() == [0, 1, 2, 2, 2]
+    assert int(wph["write_num_valid_reqs"][0]) == 4  # padding rows included
+    assert wph["write_seed_slot_indices"].tolist() == [18, 36, -1, -1]
+
+
+def test_prev_slots_of_entries(ab):
+    vph, _ = check(ab, [1], [4], [1], linear_rtt(4, 16))
+    assert vph["verify_prev_slot_indices"][:4].tolist() == [-1, 16, 17, 18]
+    vph, _ = check(ab, [2], [4], [1], linear_rtt(4, 16))
+    assert vph["verify_prev_slot_indices"][:4].tolist() == [-1, 32, 33, 34]
+    assert vph["verify_expected_positions"][:4].tolist() == [0, 1, 2, 3]
+
+
+def test_swa_window_clips_verify_range(ab):
+    rtt = linear_rtt(3, 1100)
+    lut = np.arange(3 * 1100, dtype=np.int64)  # identity
+    vph, _ = check(ab, [1], [200], [1], rtt, swa_window_size=128, lut=lut)
+    assert int(vph["verify_num_valid"][0]) == 128
+    assert int(vph["verify_expected_positions"][0]) == 72
+    # the window head's predecessor is the real (translated) one, not the anchor
+    assert int(vph["verify_prev_slot_indices"][0]) == 1100 + 71
+    vph, _ = check(ab, [1], [3], [1], rtt, swa_window_size=128, lut=lut)
+    assert int(vph["verify_num_valid"][0]) == 3
+    prefixes = [50, 128, 200, 1024]
+    vph, wph = check(ab, [1, 2, 1, 2], prefixes, [1, 1, 1, 1], rtt, swa_window_size=128, lut=lut)
+    assert int(vph["verify_num_valid"][0]) == sum(min(p, 128) for p in prefixes)
+
+
+def test_lut_identity_plus_100(ab):
+    rtt = linear_rtt(4, 16)
+    lut = np.arange(64, dtype=np.int64) + 100
+    vph, wph = check(ab, [1], [3], [1], rtt, lut=lut)
+    assert vph["verify_slot_indices"][:3].tolist() == [116, 117, 118]
+    assert vph["verify_prev_slot_indices"][:3].tolist() == [-1, 116, 117]
+    assert wph["write_seed_slot_indices"].tolist() == [118]
+    vph, wph = check(ab, [1], [20], [1], linear_rtt(4, 32), swa_window_size=4, lut=np.arange(200) + 100)
+    assert vph["verify_slot_indices"][:4].tolist() == [148, 149, 150, 151]
+    assert vph["verify_prev_slot_indices"][:4].tolist() == [147, 148, 149, 150]
+
+
+def test_lut_negative_values_pass_through(ab):
+    rtt = linear_rtt(2, 8)
+    rtt[1, :3] = [-5, 9, -1]
+    lut = np.arange(16, dtype=np.int64) * 2
+    vph, wph = check(ab, [1], [3], [1], rtt, lut=lut)
+    assert vph["verify_slot_indices"][:3].tolist() == [-5, 18, -1]
+    assert vph["verify_prev_slot_indices"][:3].tolist() == [-1, -5, 18]
+    assert wph["write_seed_slot_indices"].tolist() == [-1]  # seed -1 passes through the LUT too
+    assert int(vph["out_of_range_count"][0]) == 0
+
+
+def test_extend_all_zero(ab):
+    vph, wph = check(ab, [1, 2], [4, 6], [0, 0], linear_rtt(4, 16))
+    assert int(vph["verify_num_valid"][0]) == 10
+    assert wph["write_offsets"].tolist() == [0, 0, 0]
+    assert wph["write_seed_slot_indices"].tolist() == [-1, -1]
+
+
+def test_only_padding_rows(ab):
+    vph, wph = check(ab, [0, 0, 0], [7, 99999, 5], [3, 99999, 1], linear_rtt(4, 16))
+    assert int(vph["verify_num_valid"][0]) == 0 and int(vph["enable"][0]) == 1
+    assert wph["write_offsets"].tolist() == [0, 0, 0, 0]
+
+
+def test_empty_batch(ab):
+    vph, wph = check(ab, [], [], [], linear_rtt(4, 16), verify_capacity=0)
+    assert int(vph["verify_num_valid"][0]) == 0 and int(vph["enable"][0]) == 1
+    assert wph["write_offsets"].tolist() == [0]
+    assert int(wph["write_num_valid_reqs"][0]) == 0
+
+
+def test_zero_verify_capacity(ab):
+    vph, _ = check(ab, [1], [0], [4], linear_rtt(4, 16), verify_capacity=0)
+    assert (int(vph["verify_num_valid"][0]), int(vph["enable"][0])) == (0, 1)
+    vph, _ = check(ab, [1], [2], [4], linear_rtt(4, 16), verify_capacity=0)
+    assert (int(vph["verify_num_valid"][0]), int(vph["enable"][0])) == (0, 0)
+
+
+def _poisoned_out(ab, vcap, wcap):
+    vp = kc.VerifyPlan.allocate(vcap, like=ab.like)
+    wp = kc.WritePlan.allocate(wcap, like=ab.like)
+    for key in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
+                "verify_prev_slot_indices"):
+        getattr(vp, key)[...] = 777
+    return vp, wp
+
+
+@pytest.mark.parametrize("slack, enable", [(0, 1), (-1, 0), (5, 1)])
+def test_capacity_tight_and_under_by_one(ab, slack, enable):
+    rp, prefix, extend = [1, 2, 3], [5, 0, 9], [1, 4, 1]
+    total = 14
+    cap = total + slack
+    vp, wp = _poisoned_out(ab, cap, 3)
+    _, _, vph, wph = run_plan(ab, rp, prefix, extend, linear_rtt(4, 16), verify_capacity=cap, out=(vp, wp))
+    assert int(vph["enable"][0]) == enable
+    assert int(vph["verify_num_valid"][0]) == min(total, cap)
+    if enable:
+        assert plan_entries(vph) == oracle_plan(rp, prefix, extend, linear_rtt(4, 16), verify_capacity=cap)["entries"]
+    else:  # overflow: not a single verify entry is written
+        for key in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
+                    "verify_prev_slot_indices"):
+            assert (vph[key] == 777).all(), key
+    # the write side is planned either way
+    assert wph["write_offsets"].tolist() == [0, 1, 5, 6]
+    assert wph["write_seed_slot_indices"].tolist() == [16 + 4, -1, 48 + 8]
+
+
+def test_reuse_shrinking_batch_leaves_nothing_stale(ab):
+    rtt = linear_rtt(10, 16)
+    vp, wp = kc.VerifyPlan.allocate(256, like=ab.like), kc.WritePlan.allocate(8, like=ab.like)
+    run_plan(ab, list(range(1, 9)), [3] * 8, [2] * 8, rtt, verify_capacity=256, out=(vp, wp))
+    wph = host(ab, wp)
+    assert wph["write_offsets"].tolist() == list(range(0, 18, 2))
+    assert (wph["write_seed_slot_indices"] >= 0).all()
+    _, _, vph, wph = run_plan(ab, [4, 5, 6], [1, 2, 0], [1, 1, 3], rtt, verify_capacity=256, out=(vp, wp))
+    assert wph["write_offsets"].tolist() == [0, 1, 2, 5, 0, 0, 0, 0, 0]
+    assert wph["verify_offsets"].tolist() == [0, 1, 3, 3, 0, 0, 0, 0, 0]
+    assert wph["write_seed_slot_indices"].tolist() == [64, 81, -1, -1, -1, -1, -1, -1]
+    assert int(wph["write_num_valid_reqs"][0]) == 3
+    assert int(vph["verify_num_valid"][0]) == 3
+
+
+def test_write_req_capacity_defaults(ab):
+    rtt = linear_rtt(4, 16)
+    _, _, _, wph = run_plan(ab, [1, 2], [1, 1], [1, 1], rtt, verify_capacity=8)
+    assert wph["write_seed_slot_indices"].shape == (2,) and wph["write_offsets"].shape == (3,)
+    _, _, _, wph = run_plan(ab, [1, 2], [1, 1], [1, 1], rtt, verify_capacity=8, write_req_capacity=5)
+    assert wph["write_seed_slot_indices"].tolist() == [16, 32, -1, -1, -1]
+    assert wph["write_offsets"].tolist() == [0, 1, 2, 0, 0, 0]
+    out = (kc.VerifyPlan.allocate(8, like=ab.like), kc.WritePlan.allocate(6, like=ab.like))
+    vp, wp, _, wph = run_plan(ab, [1, 2], [1, 1], [1, 1], rtt, verify_capacity=8, out=out)
+    assert vp is out[0] and wp is out[1]
+    assert wph["write_offsets"].shape == (7,)
+
+
+def test_returned_plans_are_in_the_callers_framework(ab):
+    vp, wp, _, _ = run_plan(ab, [1], [2], [1], linear_rtt(2, 4), verify_capacity=4)
+    native = type(ab.like)
+    for rec in (vp, wp):
+        for key, arr in rec.arrays().items():
+            assert type(arr) is native, key
+
+
+def test_replay_is_deterministic(ab):
+    rtt = linear_rtt(6, 32)
+    args = ([1, 0, 3, 5], [7, 99, 31, 0], [1, 99, 1, 6], rtt)
+    _, _, v1, w1 = run_plan(ab, *args, verify_capacity=64)
+    _, _, v2, w2 = run_plan(ab, *args, verify_capacity=64)
+    assert plan_entries(v1) == plan_entries(v2)
+    for key in w1:
+        assert np.array_equal(w1[key], w2[key])
+
+
+# ---- expected tokens ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_expected_tokens_with_offset_and_valid_lens(ab, offset):
+    rtt = linear_rtt(4, 16)
+    pool = (np.arange(4 * 12, dtype=np.int32).reshape(4, 12) + 1000)
+    valid_lens = [5, 12, 3]
+    vph, _ = check(ab, [1, 3, 2], [6, 12, 4], [1, 1, 1], rtt, pool=pool, valid_lens=valid_lens,
+                   kv_token_id_vs_position_offset=offset)
+    entries = plan_entries(vph)
+    tokens = [e[1] for e in entries]
+    req1 = [1000 + 12 + p + offset if p + offset < 5 else -1 for p in range(6)]
+    req3 = [1000 + 36 + p + offset if p + offset < 12 else -1 for p in range(12)]
+    req2 = [1000 + 24 + p + offset if p + offset < 3 else -1 for p in range(4)]
+    assert tokens == req1 + req3 + req2
+
+
+def test_expected_tokens_bounded_by_pool_width(ab):
+    """valid_lens past the pool width counts as out of range and reads only the pool's columns."""
+    rtt = linear_rtt(3, 16)
+    pool = np.arange(3 * 4, dtype=np.int32).reshape(3, 4) + 50
+    vph, _ = check(ab, [1], [6], [0], rtt, pool=pool, valid_lens=[9])
+    assert [e[1] for e in plan_entries(vph)] == [54, 55, 56, 57, -1, -1]
+    assert int(vph["out_of_range_count"][0]) == 1
+
+
+def test_expected_token_pool_may_have_extra_rows(ab):
+    rtt = linear_rtt(3, 8)
+    pool = np.arange(5 * 8, dtype=np.int32).reshape(5, 8)
+    vph, _ = check(ab, [2], [3], [1], rtt, pool=pool, valid_lens=[8])
+    assert [e[1] for e in plan_entries(vph)] == [16, 17, 18]
+
+
+def test_negative_offset_gives_minus_one_before_position_zero(ab):
+    pool = np.arange(2 * 8, dtype=np.int32).reshape(2, 8) + 10
+    vph, _ = check(ab, [1], [3], [1], linear_rtt(2, 8), pool=pool, valid_lens=[8], kv_token_id_vs_position_offset=-1)
+    assert [e[1] for e in plan_entries(vph)] == [-1, 18, 19]
+
+
+# ---- sweeps against the oracle ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bs", [1, 31, 32, 33, 128])
+def test_bs_sweep(ab, bs):
+    rng = np.random.default_rng(bs)
+    rows, max_len = 140, 64
+    rtt = rng.permutation(rows * max_len).astype(np.int32).reshape(rows, max_len) + 1
+    rp = rng.integers(1, rows, size=bs)
+    rp[rng.random(bs) < 0.2] = 0  # interleaved padding rows
+    prefix = rng.integers(0, max_len + 1, size=bs)
+    extend = rng.integers(0, 4, size=bs)
+    check(ab, rp, prefix, extend, rtt, verify_capacity=int(prefix.sum()) + 3)
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 127, 128, 129, 4096])
+@pytest.mark.parametrize("extend", [1, 128, 4096])
+def test_prefix_extend_sweep(ab, prefix, extend):
+    rtt = linear_rtt(3, 4100)
+    check(ab, [2, 1], [prefix, prefix // 2], [extend, 1], rtt, verify_capacity=8192)
+
+
+@pytest.mark.parametrize("window", [1, 4, 129])
+def test_swa_sweep_with_permuted_lut(ab, window):
+    rng = np.random.default_rng(window)
+    rtt = (rng.permutation(6 * 200) + 1).astype(np.int32).reshape(6, 200)
+    lut = np.concatenate([[0], rng.permutation(6 * 200) + 1]).astype(np.int64)
+    check(ab, [1, 0, 3, 5, 2], [150, 9, 0, 200, 129], [1, 9, 3, 2, 0], rtt, verify_capacity=1000,
+          swa_window_size=window, lut=lut)
+
+
+def test_large_batch_above_4096(ab):
+    """No batch-size cap (Part 1, decision 3)."""
+    bs = 5000
+    rng = np.random.default_rng(1)
+    rtt = linear_rtt(bs + 1, 4)
+    rp = np.arange(1, bs + 1)
+    prefix = rng.integers(0, 5, size=bs)
+    check(ab, rp, prefix, np.ones(bs, np.int64), rtt, verify_capacity=4 * bs)
+
+
+# ---- out-of-range values (project decision: skipped, clamped and counted) --------------------
+
+
+def test_out_of_range_pool_index(ab):
+    rtt = linear_rtt(4, 16)
+    vph, wph = check(ab, [4, -1, 2], [3, 3, 2], [2, 1, 1], rtt)
+    assert int(vph["out_of_range_count"][0]) == 2
+    assert plan_entries(vph) == [(32, -1, 0, -1), (33, -1, 1, 32)]
+    assert wph["write_offsets"].tolist() == [0, 2, 3, 4]  # write length still max(extend, 0)
+    assert wph["write_seed_slot_indices"].tolist() == [-1, -1, 33]
+
+
+def test_prefix_longer_than_row(ab):
+    rtt = linear_rtt(3, 8)
+    vph, wph = check(ab, [1, 2], [11, 8], [1, 1], rtt)
+    assert int(vph["out_of_range_count"][0]) == 1  # prefix 8 == row length is in range
+    assert [e[2] for e in plan_entries(vph)] == list(range(8)) + list(range(8))
+    assert wph["write_seed_slot_indices"].tolist() == [-1, 23]
+    vph, wph = check(ab, [1], [11], [1], rtt, swa_window_size=5, lut=np.arange(24))
+    assert [e[2] for e in plan_entries(vph)] == [6, 7]  # [ws, L) only
+    assert wph["write_seed_slot_indices"].tolist() == [-1]
+
+
+def test_negative_prefix_and_extend(ab):
+    rtt = linear_rtt(3, 8)
+    vph, wph = check(ab, [1, 2], [-3, 4], [2, -5], rtt)
+    assert int(vph["out_of_range_count"][0]) == 2
+    assert plan_entries(vph) == [(16 + p, -1, p, 16 + p - 1 if p else -1) for p in range(4)]
+    assert wph["write_offsets"].tolist() == [0, 2, 2]
+    assert wph["write_seed_slot_indices"].tolist() == [-1, -1]
+
+
+def test_valid_lens_out_of_range(ab):
+    rtt = linear_rtt(3, 8)
+    pool = np.arange(24, dtype=np.int32).reshape(3, 8)
+    vph, _ = check(ab, [1, 2, 0], [2, 2, 2], [1, 1, 1], rtt, pool=pool, valid_lens=[-1, 9, -7])
+    assert int(vph["out_of_range_count"][0]) == 2  # the padding row's -7 is not counted
+    assert [e[1] for e in plan_entries(vph)] == [-1, -1, 16, 17]
+
+
+def test_lut_clamp_counts_each_translation(ab):
+    rtt = linear_rtt(3, 16)  # row 1 holds 16..31
+    lut = np.arange(20, dtype=np.int64) * 10  # values >= 20 clamp to lut[19] = 190
+    vph, wph = check(ab, [1], [6], [1], rtt, lut=lut)
+    assert int(vph["out_of_range_count"][0]) == 4  # slots 20, 21; prev 20; seed 21
+    assert vph["verify_slot_indices"][:6].tolist() == [160, 170, 180, 190, 190, 190]
+    assert vph["verify_prev_slot_indices"][:6].tolist() == [-1, 160, 170, 180, 190, 190]
+    assert wph["write_seed_slot_indices"].tolist() == [190]
+    # on overflow only the seed is translated
+    vp, wp = _poisoned_out(ab, 2, 1)
+    _, _, vph, _ = run_plan(ab, [1], [6], [1], rtt, lut=lut, verify_capacity=2, out=(vp, wp))
+    assert int(vph["out_of_range_count"][0]) == 1
+
+
+def test_out_of_range_count_accumulates(ab):
+    rtt = linear_rtt(3, 8)
+    vp, wp = kc.VerifyPlan.allocate(32, like=ab.like), kc.WritePlan.allocate(2, like=ab.like)
+    run_plan(ab, [5, 1], [1, 9], [1, -1], rtt, verify_capacity=32, out=(vp, wp))
+    assert int(ab.to_numpy(vp.out_of_range_count)[0]) == 3
+    _, _, vph, _ = run_plan(ab, [5, 1], [1, 2], [1, 1], rtt, verify_capacity=32, out=(vp, wp))
+    assert int(vph["out_of_range_count"][0]) == 4
+
+
+# ---- strict=True -----------------------------------------------------------------------------
+
+
+STRICT_CASES = [  # (change, message, count without strict)
+    (dict(rp=[1, 7]), r"req_pool_indices\[1\] = 7 is outside \[0, 4\)", 1),
+    (dict(rp=[-2, 1]), r"req_pool_indices\[0\] = -2", 1),
+    (dict(prefix=[3, 17]), r"prefix_lens\[1\] = 17 is outside \[0, 16\]", 1),
+    (dict(prefix=[-1, 3]), r"prefix_lens\[0\] = -1", 1),
+    (dict(extend=[1, -4]), r"extend_seq_lens\[1\] = -4 is negative", 1),
+    (dict(valid_lens=[3, 40]), r"req_to_verify_expected_tokens_valid_lens\[1\] = 40 is outside \[0, 16\]", 1),
+    (dict(lut=np.arange(34)), r"req_to_token\[2, 2\] = 34 \(batch row 1\) is outside full_to_swa_index_mapping of length 34", 2),
+]
+
+
+@pytest.mark.parametrize("change, message, count", STRICT_CASES)
+def test_strict_raises_naming_array_row_and_value(ab, change, message, count):
+    args = dict(rp=[1, 2], prefix=[3, 3], extend=[1, 1], lut=None, valid_lens=None)
+    args.update(change)
+    rtt = linear_rtt(4, 16)
+    pool = np.zeros((4, 16), np.int32) if args["valid_lens"] is not None else None
+    out = (kc.VerifyPlan.allocate(64, like=ab.like), kc.WritePlan.allocate(2, like=ab.like))
+    before = {**host(ab, out[0]), **{"w." + k: v for k, v in host(ab, out[1]).items()}}
+    kw = dict(lut=args["lut"], pool=pool, valid_lens=args["valid_lens"], verify_capacity=64, out=out)
+    with pytest.raises(ValueError, match=message):
+        run_plan(ab, args["rp"], args["prefix"], args["extend"], rtt, strict=True, **kw)
+    after = {**host(ab, out[0]), **{"w." + k: v for k, v in host(ab, out[1]).items()}}
+    for key in before:
+        assert np.array_equal(before[key], after[key]), key
+    # without strict the same call runs and counts
+    _, _, vph, _ = run_plan(ab, args["rp"], args["prefix"], args["extend"], rtt, **kw)
+    assert int(vph["out_of_range_count"][0]) == count
+
+
+def test_strict_accepts_valid_plan_and_ignores_padding_rows(ab):
+    rtt = linear_rtt(4, 16)
+    _, _, vph, _ = run_plan(ab, [1, 0, 2], [3, 99999, 16], [1, -9, 0], rtt, verify_capacity=64, strict=True)
+    assert int(vph["verify_num_valid"][0]) == 19
+    assert int(vph["out_of_range_count"][0]) == 0
+
+
+def test_strict_checks_only_what_the_plan_translates(ab):
+    """On overflow no verify entry is translated, so only the seed's LUT lookup can be out of range."""
+    rtt = linear_rtt(3, 16)  # row 1 holds 16..31
+    lut = np.arange(20, dtype=np.int64)
+    # entries would look up 20 and 21, but 6 entries overflow verify_capacity=2; no seed (extend 0)
+    _, _, vph, _ = run_plan(ab, [1], [6], [0], rtt, lut=lut, verify_capacity=2, strict=True)
+    assert (int(vph["enable"][0]), int(vph["out_of_range_count"][0])) == (0, 0)
+    with pytest.raises(ValueError, match=r"req_to_token\[1, 5\] = 21 \(batch row 0\)"):
+        run_plan(ab, [1], [6], [1], rtt, lut=lut, verify_capacity=2, strict=True)  # the seed is looked up
+    with pytest.raises(ValueError, match=r"req_to_token\[1, 4\] = 20 \(batch row 0\)"):
+        run_plan(ab, [1], [6], [0], rtt, lut=lut, verify_capacity=6, strict=True)  # entries fit: looked up
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_plans_with_out_of_range_values_match_oracle(ab, seed):
+    rng = np.random.default_rng(100 + seed)
+    rows, max_len, bs = 6, 24, int(rng.integers(1, 12))
+    rtt = rng.integers(-3, 140, size=(rows, max_len)).astype(np.int32)
+    rp = rng.integers(-2, rows + 2, size=bs)
+    rp[rng.random(bs) < 0.2] = 0
+    prefix = rng.integers(-3, max_len + 4, size=bs)
+    extend = rng.integers(-2, 5, size=bs)
+    kw = dict(swa_window_size=int(rng.choice([0, 0, 3, 10])))
+    if kw["swa_window_size"] or rng.random() < 0.5:
+        kw["lut"] = rng.integers(0, 1000, size=int(rng.integers(1, 160)))
+    if rng.random() < 0.7:
+        kw["pool"] = rng.integers(0, 5000, size=(rows + 1, int(rng.integers(1, 30)))).astype(np.int32)
+        kw["valid_lens"] = rng.integers(-2, 32, size=bs)
+        kw["kv_token_id_vs_position_offset"] = int(rng.integers(-1, 2))
+    cap = int(rng.integers(0, 80))
+    check(ab, rp, prefix, extend, rtt, verify_capacity=cap, write_req_capacity=bs + int(rng.integers(0, 3)), **kw)

@@ -1,0 +1,544 @@
+"""Bad arguments (spec §4 as it applies to this API): the right exception, a message naming the
+argument, what was expected and what came, and a rejected call that changed nothing."""
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from kvcanary_cupy import RealKvHashMode, RealKvSource, VerifyPlan, ViolationLog, WritePlan
+from canary_builders import a64, canary, linear_rtt, make_log, make_verify_plan, make_write_plan
+
+
+def snapshot(ab, *things) -> list:
+    """Host copies of every array in ``things`` (records or arrays)."""
+    out = []
+    for t in things:
+        arrays = t.arrays().values() if hasattr(t, "arrays") else [t]
+        out += [ab.to_numpy(a).copy() for a in arrays]
+    return out
+
+
+def assert_rejected(ab, exc, match, call, *outputs):
+    """``call()`` raises ``exc`` matching ``match`` and leaves every array of ``outputs`` unchanged."""
+    before = snapshot(ab, *outputs)
+    with pytest.raises(exc, match=match):
+        call()
+    after = snapshot(ab, *outputs)
+    assert len(before) == len(after)
+    for b, a in zip(before, after):
+        assert np.array_equal(b, a)
+
+
+# ---- plan ------------------------------------------------------------------------------------------
+
+
+class PlanCall:
+    """A valid plan call on backend ``ab`` whose pieces a test can replace."""
+
+    def __init__(self, ab):
+        self.ab = ab
+        self.rtt = ab.asarray(linear_rtt(4, 16))
+        self.args = [a64(ab, [1, 2]), a64(ab, [3, 4]), a64(ab, [1, 1]), self.rtt]
+        self.out = (VerifyPlan.allocate(32, like=ab.like), WritePlan.allocate(2, like=ab.like))
+        for arr in self.out[0].arrays().values():
+            arr[...] = 3  # recognisable contents
+        self.kw = dict(verify_capacity=32, out=self.out)
+
+    def __call__(self, *replace, **kw):
+        args = list(self.args)
+        for i, v in replace:
+            args[i] = v
+        return kc.plan(*args, **{**self.kw, **kw})
+
+
+def test_plan_valid_call_works(ab):
+    call = PlanCall(ab)
+    vp, wp = call()
+    assert int(ab.to_numpy(vp.verify_num_valid)[0]) == 7
+
+
+@pytest.mark.parametrize("index, name, bad_dtype, want", [
+    (0, "req_pool_indices", np.int32, "int64"),
+    (1, "prefix_lens", np.float64, "int64"),
+    (2, "extend_seq_lens", np.uint64, "int64"),
+    (3, "req_to_token", np.int64, "int32"),
+])
+def test_plan_input_dtypes(ab, index, name, bad_dtype, want):
+    call = PlanCall(ab)
+    good = [np.array([1, 2]), np.array([3, 4]), np.array([1, 1]), linear_rtt(4, 16)][index]
+    bad = ab.asarray(good.astype(bad_dtype))
+    got = np.dtype(bad_dtype).name
+    assert_rejected(ab, TypeError, rf"kv-canary: {name} must have dtype {want}, got {got}",
+                    lambda: call((index, bad)), *call.out)
+
+
+@pytest.mark.parametrize("kw_name, value, exc, match", [
+    ("full_to_swa_index_mapping", np.arange(64, dtype=np.int32), TypeError,
+     "full_to_swa_index_mapping must have dtype int64, got int32"),
+    ("full_to_swa_index_mapping", np.zeros((2, 32), np.int64), ValueError,
+     r"full_to_swa_index_mapping must be 1-D, got shape \(2, 32\)"),
+    ("full_to_swa_index_mapping", np.zeros(0, np.int64), ValueError,
+     "full_to_swa_index_mapping length must be >= 1, got 0"),
+])
+def test_plan_lut_checks(ab, kw_name, value, exc, match):
+    call = PlanCall(ab)
+    assert_rejected(ab, exc, match, lambda: call(**{kw_name: ab.asarray(value)}), *call.out)
+
+
+def test_plan_window_requires_lut(ab):
+    call = PlanCall(ab)
+    assert_rejected(ab, ValueError, "plan requires full_to_swa_index_mapping when swa_window_size > 0",
+                    lambda: call(swa_window_size=4), *call.out)
+
+
+def test_plan_pool_and_valid_lens_come_together(ab):
+    call = PlanCall(ab)
+    pool = ab.asarray(np.zeros((4, 16), np.int32))
+    lens = a64(ab, [1, 1])
+    assert_rejected(ab, ValueError, "requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set",
+                    lambda: call(req_to_verify_expected_tokens=pool), *call.out)
+    assert_rejected(ab, ValueError, "valid_lens was given without req_to_verify_expected_tokens",
+                    lambda: call(req_to_verify_expected_tokens_valid_lens=lens), *call.out)
+
+
+@pytest.mark.parametrize("pool, lens, exc, match", [
+    (np.zeros((4, 16), np.int64), [1, 1], TypeError, "req_to_verify_expected_tokens must have dtype int32, got int64"),
+    (np.zeros(16, np.int32), [1, 1], ValueError, r"req_to_verify_expected_tokens must be 2-D, got shape \(16,\)"),
+    (np.zeros((3, 16), np.int32), [1, 1], ValueError,
+     r"req_to_verify_expected_tokens must have at least req_to_token.shape\[0\]=4 rows .* got 3"),
+    (np.zeros((4, 16), np.int32), [1, 1, 1], ValueError,
+     r"req_to_verify_expected_tokens_valid_lens length must be bs \(len\(req_pool_indices\)\)=2, got 3"),
+])
+def test_plan_expected_token_pool_checks(ab, pool, lens, exc, match):
+    call = PlanCall(ab)
+    assert_rejected(ab, exc, match, lambda: call(req_to_verify_expected_tokens=ab.asarray(pool),
+                                                 req_to_verify_expected_tokens_valid_lens=a64(ab, lens)), *call.out)
+
+
+def test_plan_shapes(ab):
+    call = PlanCall(ab)
+    assert_rejected(ab, ValueError, r"req_pool_indices must be 1-D, got shape \(2, 1\)",
+                    lambda: call((0, a64(ab, [[1], [2]]))), *call.out)
+    assert_rejected(ab, ValueError, r"prefix_lens length must be bs \(len\(req_pool_indices\)\)=2, got 3",
+                    lambda: call((1, a64(ab, [1, 2, 3]))), *call.out)
+    assert_rejected(ab, ValueError, r"extend_seq_lens length must be bs .*=2, got 1",
+                    lambda: call((2, a64(ab, [1]))), *call.out)
+    assert_rejected(ab, ValueError, r"req_to_token must be 2-D, got shape \(64,\)",
+                    lambda: call((3, ab.asarray(np.zeros(64, np.int32)))), *call.out)
+    strided = ab.asarray(np.zeros((4, 32), np.int32))[:, ::2]
+    assert_rejected(ab, ValueError, "req_to_token must have contiguous rows", lambda: call((3, strided)), *call.out)
+
+
+def test_plan_req_to_token_may_have_a_wider_row_stride(ab):
+    wide = np.zeros((4, 40), np.int32)
+    wide[:, :16] = linear_rtt(4, 16)
+    call = PlanCall(ab)
+    vp, wp = call((3, ab.asarray(wide)[:, :16]))
+    assert ab.to_numpy(vp.verify_slot_indices)[:7].tolist() == [16, 17, 18, 32, 33, 34, 35]
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(verify_capacity=-1, out=None), ValueError, "verify_capacity must be non-negative, got -1"),
+    (dict(verify_capacity=2.0, out=None), TypeError, "verify_capacity must be an int, got float"),
+    (dict(verify_capacity=True, out=None), TypeError, "verify_capacity must be an int, got bool"),
+    (dict(verify_capacity=2**31, out=None), ValueError, "verify_capacity must be at most 2147483647"),
+    (dict(write_req_capacity=-1, out=None), ValueError, "write_req_capacity must be non-negative, got -1"),
+    (dict(write_req_capacity=1, out=None), ValueError, "bs=2 exceeds write_req_capacity=1"),
+    (dict(verify_capacity=31), ValueError,
+     r"plan verify_capacity=31 does not match out\[0\].verify_slot_indices.shape\[0\]=32"),
+    (dict(write_req_capacity=3), ValueError,
+     r"plan write_req_capacity=3 does not match out\[1\].write_seed_slot_indices.shape\[0\]=2"),
+    (dict(swa_window_size=-1), ValueError, "swa_window_size must be >= 0, got -1"),
+    (dict(swa_window_size=1.5), TypeError, "swa_window_size must be an int, got float"),
+    (dict(kv_token_id_vs_position_offset="1"), TypeError, "kv_token_id_vs_position_offset must be an int, got str"),
+])
+def test_plan_scalar_arguments(ab, kw, exc, match):
+    call = PlanCall(ab)
+    assert_rejected(ab, exc, match, lambda: call(**kw), *call.out)
+
+
+def test_plan_bs_above_out_capacity(ab):
+    call = PlanCall(ab)
+    out = (VerifyPlan.allocate(32, like=ab.like), WritePlan.allocate(1, like=ab.like))
+    assert_rejected(ab, ValueError, "bs=2 exceeds write_req_capacity=1", lambda: call(out=out), *out)
+
+
+def test_plan_out_types(ab):
+    call = PlanCall(ab)
+    vp, wp = call.out
+    assert_rejected(ab, TypeError, "out must be a \\(VerifyPlan, WritePlan\\) tuple, got list", lambda: call(out=[vp, wp]), vp, wp)
+    assert_rejected(ab, TypeError, r"out\[0\] must be a VerifyPlan, got WritePlan", lambda: call(out=(wp, vp)), vp, wp)
+    assert_rejected(ab, TypeError, r"out\[1\] must be a WritePlan, got tuple", lambda: call(out=(vp, (1,))), vp, wp)
+
+
+def test_plan_out_array_checks(ab):
+    call = PlanCall(ab)
+    vp, wp = call.out
+    bad_vp = VerifyPlan(**{**vp.arrays(), "verify_expected_tokens": ab.asarray(np.zeros(32, np.int32))})
+    assert_rejected(ab, TypeError, r"out\[0\].verify_expected_tokens must have dtype int64, got int32",
+                    lambda: call(out=(bad_vp, wp)), bad_vp, wp)
+    bad_vp = VerifyPlan(**{**vp.arrays(), "enable": ab.asarray(np.ones(2, np.int32))})
+    assert_rejected(ab, ValueError, r"out\[0\].enable length must be 1, got 2", lambda: call(out=(bad_vp, wp)), bad_vp, wp)
+    bad_wp = WritePlan(**{**wp.arrays(), "verify_offsets": ab.asarray(np.zeros(4, np.int64))})
+    assert_rejected(ab, ValueError, r"out\[1\].verify_offsets length must be write_req_capacity \+ 1=3, got 4",
+                    lambda: call(out=(vp, bad_wp)), vp, bad_wp)
+    strided = ab.asarray(np.zeros(64, np.int64))[::2]
+    bad_vp = VerifyPlan(**{**vp.arrays(), "verify_prev_slot_indices": strided})
+    assert_rejected(ab, ValueError, r"out\[0\].verify_prev_slot_indices must be contiguous",
+                    lambda: call(out=(bad_vp, wp)), bad_vp, wp)
+
+
+def test_plan_negative_stride_outputs(ab):
+    if ab.name not in ("numpy", "cupy"):
+        pytest.skip("torch tensors cannot have negative strides")
+    call = PlanCall(ab)
+    vp, wp = call.out
+    for key, arr in [("write_offsets", np.zeros(3, np.int64)), ("write_num_valid_reqs", np.zeros(1, np.int32))]:
+        bad_wp = WritePlan(**{**wp.arrays(), key: ab.asarray(arr)[::-1]})
+        assert_rejected(ab, ValueError, rf"out\[1\].{key} has negative strides",
+                        lambda: call(out=(vp, bad_wp)), vp, bad_wp)
+
+
+def test_plan_non_contiguous_inputs_are_copied(ab):
+    call = PlanCall(ab)
+    spread = ab.asarray(np.array([3, -9, 4, -9], np.int64))[::2]
+    vp, _ = call((1, spread))
+    assert int(ab.to_numpy(vp.verify_num_valid)[0]) == 7
+    assert ab.to_numpy(spread).tolist() == [3, 4]
+
+
+def test_plan_rejects_non_arrays():
+    with pytest.raises(TypeError, match="req_pool_indices must be a NumPy array, a CuPy array or a PyTorch tensor, got builtins.list"):
+        kc.plan([1], np.array([1]), np.array([1]), linear_rtt(2, 4), verify_capacity=4)
+
+
+# ---- write ---------------------------------------------------------------------------------------
+
+
+class WriteCall:
+    def __init__(self, ab):
+        self.ab = ab
+        self.buf = ab.asarray(canary(16, {5: (1, 2, 3, 4)}))
+        self.wp = make_write_plan(ab, [0, 2], [-1])
+        self.log = make_log(ab)
+        self.ids, self.pos, self.loc = a64(ab, [1, 2]), a64(ab, [0, 1]), a64(ab, [3, 4])
+
+    def __call__(self, **kw):
+        args = dict(canary_buf=self.buf, write_plan=self.wp, input_ids=self.ids, positions=self.pos,
+                    out_cache_loc=self.loc)
+        args.update({k: kw.pop(k) for k in list(kw) if k in args})
+        kw.setdefault("log", self.log)
+        return kc.write(*args.values(), **kw)
+
+    def outputs(self):
+        return self.buf, self.wp, self.log
+
+
+def test_write_valid_call_works(ab):
+    call = WriteCall(ab)
+    call()
+    assert int(ab.to_numpy(call.log.slot_run_counters)[0]) == 2
+
+
+def _source(ab, rows=16):
+    return RealKvSource(ab.asarray(np.zeros((rows, 16), np.uint8)), 1, 16, 16)
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("five_sources", ValueError, "at most 4 RealKvSource entries supported by the CUDA ABI, got 5"),
+    ("not_a_source", TypeError, r"real_kv_sources\[1\] must be a RealKvSource, got tuple"),
+    ("bad_mode", ValueError, "real_kv_hash_mode must be a RealKvHashMode"),
+    ("plan_type", TypeError, "write_plan must be a WritePlan, got VerifyPlan"),
+    ("log_type", TypeError, "log must be a ViolationLog, got dict"),
+    ("kind_high", ValueError, r"kernel_kind must be in \[0, 12\) \(the log's num_kinds\), got 12"),
+    ("kind_negative", ValueError, r"kernel_kind must be in \[0, 12\) .* got -1"),
+    ("kind_type", TypeError, "kernel_kind must be an int, got float"),
+    ("one_expected", ValueError, "pass both or neither"),
+    ("flag_int", TypeError, "chain_position_assert must be a bool or a one-element int32 array, got int 1"),
+    ("flag_dtype", TypeError, "chain_position_assert must have dtype int32, got int64"),
+    ("flag_len", ValueError, "chain_position_assert length must be 1, got 2"),
+    ("ids_dtype", TypeError, "input_ids must have dtype int64, got int32"),
+    ("pos_len", ValueError, r"positions length must be len\(input_ids\)=2, got 3"),
+    ("loc_2d", ValueError, r"out_cache_loc must be 1-D, got shape \(2, 1\)"),
+    ("expected_len", ValueError, r"expected_input_positions length must be len\(input_ids\)=2, got 1"),
+    ("buf_int32", TypeError, "canary_buf must be int64 \\[num_slots, 4\\] or uint8 \\[num_slots, >=32\\], got dtype int32"),
+    ("buf_u8_narrow", ValueError, "canary_buf slot stride must hold at least 4 int64 fields .* got 24 bytes"),
+    ("buf_u8_ragged", ValueError, "canary_buf slot stride .* got 36 bytes"),
+    ("buf_i64_narrow", ValueError, "canary_buf slot stride must hold at least 4 int64 fields, got 3"),
+    ("buf_1d", ValueError, r"canary_buf must be 2-D, got shape \(64,\)"),
+    ("buf_empty", ValueError, "canary_buf must have at least 1 slot"),
+    ("buf_strided", ValueError, "canary_buf must be contiguous"),
+    ("offsets_len", ValueError, r"write_plan.write_offsets length must be write_req_capacity \+ 1=2, got 3"),
+    ("seeds_dtype", TypeError, "write_plan.write_seed_slot_indices must have dtype int64, got int32"),
+    ("num_valid_dtype", TypeError, "write_plan.write_num_valid_reqs must have dtype int32, got int64"),
+    ("ring_shape", ValueError, r"log.ring must be int64 \[capacity, 8\], got int64 \(4, 7\)"),
+    ("counter_len", ValueError, "log.slot_run_counters length must be num_kinds=12, got 11"),
+    ("index_dtype", TypeError, "log.write_index must have dtype int32, got int64"),
+    ("uncovered_source", ValueError, r"real_kv_sources\[0\].tensor has 15 rows x page_size=1 = 15 slots but canary_buf has 16"),
+])
+def test_write_rejections(ab, case, exc, match):
+    call = WriteCall(ab)
+    log = call.log
+    kw = {
+        "five_sources": lambda: dict(real_kv_sources=[_source(ab)] * 5),
+        "not_a_source": lambda: dict(real_kv_sources=[_source(ab), (1, 2)]),
+        "bad_mode": lambda: dict(real_kv_hash_mode=3),
+        "plan_type": lambda: dict(write_plan=make_verify_plan(ab, [1], [0], [-1])),
+        "log_type": lambda: dict(log={}),
+        "kind_high": lambda: dict(kernel_kind=12),
+        "kind_negative": lambda: dict(kernel_kind=-1),
+        "kind_type": lambda: dict(kernel_kind=1.0),
+        "one_expected": lambda: dict(expected_input_tokens=a64(ab, [1, 2])),
+        "flag_int": lambda: dict(chain_position_assert=1),
+        "flag_dtype": lambda: dict(chain_position_assert=a64(ab, [1])),
+        "flag_len": lambda: dict(chain_position_assert=ab.asarray(np.ones(2, np.int32))),
+        "ids_dtype": lambda: dict(input_ids=ab.asarray(np.array([1, 2], np.int32))),
+        "pos_len": lambda: dict(positions=a64(ab, [0, 1, 2])),
+        "loc_2d": lambda: dict(out_cache_loc=a64(ab, [[3], [4]])),
+        "expected_len": lambda: dict(expected_input_tokens=a64(ab, [1, 2]), expected_input_positions=a64(ab, [0])),
+        "buf_int32": lambda: dict(canary_buf=ab.asarray(np.zeros((16, 8), np.int32))),
+        "buf_u8_narrow": lambda: dict(canary_buf=ab.asarray(np.zeros((16, 24), np.uint8))),
+        "buf_u8_ragged": lambda: dict(canary_buf=ab.asarray(np.zeros((16, 36), np.uint8))),
+        "buf_i64_narrow": lambda: dict(canary_buf=ab.asarray(np.zeros((16, 3), np.int64))),
+        "buf_1d": lambda: dict(canary_buf=ab.asarray(np.zeros(64, np.int64))),
+        "buf_empty": lambda: dict(canary_buf=ab.asarray(np.zeros((0, 4), np.int64))),
+        "buf_strided": lambda: dict(canary_buf=ab.asarray(np.zeros((32, 4), np.int64))[::2]),
+        "offsets_len": lambda: dict(write_plan=WritePlan(**{**call.wp.arrays(), "write_offsets": a64(ab, [0, 2, 0])})),
+        "seeds_dtype": lambda: dict(write_plan=WritePlan(**{**call.wp.arrays(),
+                                                             "write_seed_slot_indices": ab.asarray(np.array([-1], np.int32))})),
+        "num_valid_dtype": lambda: dict(write_plan=WritePlan(**{**call.wp.arrays(), "write_num_valid_reqs": a64(ab, [1])})),
+        "ring_shape": lambda: dict(log=ViolationLog(**{**log.arrays(), "ring": ab.asarray(np.zeros((4, 7), np.int64))})),
+        "counter_len": lambda: dict(log=ViolationLog(**{**log.arrays(), "slot_run_counters": ab.asarray(np.zeros(11, np.int64))})),
+        "index_dtype": lambda: dict(log=ViolationLog(**{**log.arrays(), "write_index": a64(ab, [0])})),
+        "uncovered_source": lambda: dict(real_kv_sources=[_source(ab, rows=15)], real_kv_hash_mode=RealKvHashMode.PARTIAL),
+    }[case]()
+    outputs = [v for v in kw.values() if hasattr(v, "arrays") or hasattr(v, "shape")]
+    assert_rejected(ab, exc, match, lambda: call(**kw), *call.outputs(), *outputs)
+
+
+def test_write_torch_out_requires_grad_is_rejected(ab):
+    if not ab.name.startswith("torch"):
+        pytest.skip("requires_grad is a torch thing")
+    call = WriteCall(ab)
+    ring = ab.asarray(np.zeros((4, 8), np.float32)).requires_grad_(True)
+    log = ViolationLog(**{**call.log.arrays(), "ring": ring})
+    with pytest.raises(ValueError, match="log.ring is a torch tensor that requires grad; kv-canary writes into it"):
+        call(log=log)
+    assert (ab.to_numpy(call.buf)[3:5] == 0).all()
+
+
+# ---- verify --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("five_sources", ValueError, "at most 4 RealKvSource entries supported by the CUDA ABI, got 5"),
+    ("plan_type", TypeError, "verify_plan must be a VerifyPlan, got WritePlan"),
+    ("log_type", TypeError, "log must be a ViolationLog, got NoneType"),
+    ("kind", ValueError, r"kernel_kind must be in \[0, 3\) \(the log's num_kinds\), got 3"),
+    ("check_flag", TypeError, "check_expected_token must be a bool, got int"),
+    ("mode", ValueError, "real_kv_hash_mode must be a RealKvHashMode"),
+    ("entries_len", ValueError, r"verify_plan.verify_prev_slot_indices length must be verify_capacity=2, got 3"),
+    ("entries_dtype", TypeError, "verify_plan.verify_expected_positions must have dtype int64, got int32"),
+    ("num_valid_dtype", TypeError, "verify_plan.verify_num_valid must have dtype int32, got int64"),
+    ("enable_len", ValueError, "verify_plan.enable length must be 1, got 2"),
+    ("buf_u8_narrow", ValueError, "canary_buf slot stride must hold at least 4 int64 fields"),
+    ("uncovered_source", ValueError, r"has 2 rows x page_size=4 = 8 slots but canary_buf has 16"),
+])
+def test_verify_rejections(ab, case, exc, match):
+    buf = ab.asarray(canary(16))
+    vp = make_verify_plan(ab, [1, 2], [0, 1], [-1, 1])
+    log = make_log(ab, num_kinds=3)
+    kw = dict(log=log)
+    if case == "five_sources":
+        kw["real_kv_sources"] = [_source(ab)] * 5
+    elif case == "plan_type":
+        vp = make_write_plan(ab, [0, 1], [-1])
+    elif case == "log_type":
+        kw["log"] = None
+    elif case == "kind":
+        kw["kernel_kind"] = 3
+    elif case == "check_flag":
+        kw["check_expected_token"] = 1
+    elif case == "mode":
+        kw["real_kv_hash_mode"] = "all"
+    elif case == "entries_len":
+        vp = VerifyPlan(**{**vp.arrays(), "verify_prev_slot_indices": a64(ab, [-1, 1, 2])})
+    elif case == "entries_dtype":
+        vp = VerifyPlan(**{**vp.arrays(), "verify_expected_positions": ab.asarray(np.zeros(2, np.int32))})
+    elif case == "num_valid_dtype":
+        vp = VerifyPlan(**{**vp.arrays(), "verify_num_valid": a64(ab, [2])})
+    elif case == "enable_len":
+        vp = VerifyPlan(**{**vp.arrays(), "enable": ab.asarray(np.ones(2, np.int32))})
+    elif case == "buf_u8_narrow":
+        buf = ab.asarray(np.zeros((16, 16), np.uint8))
+    elif case == "uncovered_source":
+        kw["real_kv_sources"] = [RealKvSource(ab.asarray(np.zeros((2, 64), np.uint8)), 4, 16, 16)]
+        kw["real_kv_hash_mode"] = RealKvHashMode.ALL
+    assert_rejected(ab, exc, match, lambda: kc.verify(buf, vp, **kw), buf, vp, log)
+
+
+# ---- scatter -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("flat_dtype", TypeError, "scatter_req_token_ids flat_in must be int64, got int32"),
+    ("offsets_dtype", TypeError, "scatter_req_token_ids offsets must be int64, got float64"),
+    ("rp_dtype", TypeError, "scatter_req_token_ids req_pool_indices must be int64, got int32"),
+    ("pool_dtype", TypeError, "scatter_req_token_ids pool_out must be int32, got int64"),
+    ("flat_2d", ValueError, r"scatter_req_token_ids flat_in must be 1-D, got shape \(2, 2\)"),
+    ("offsets_2d", ValueError, r"scatter_req_token_ids offsets must be 1-D, got shape \(3, 1\)"),
+    ("rp_2d", ValueError, r"scatter_req_token_ids req_pool_indices must be 1-D, got shape \(1, 2\)"),
+    ("pool_1d", ValueError, r"scatter_req_token_ids pool_out must be 2-D, got shape \(12,\)"),
+    ("offsets_len", ValueError, r"scatter_req_token_ids offsets length 2 != bs\+1 \(3\)"),
+    ("count_dtype", TypeError, "out_of_range_count must have dtype int64, got int32"),
+    ("count_len", ValueError, "out_of_range_count length must be 1, got 2"),
+])
+def test_scatter_rejections(ab, case, exc, match):
+    args = dict(flat_in=np.array([1, 2, 3, 4], np.int64), offsets=np.array([0, 1, 4], np.int64),
+                req_pool_indices=np.array([1, 2], np.int64), pool_out=np.full((3, 4), -7, np.int32))
+    count = np.zeros(1, np.int64)
+    if case == "flat_dtype":
+        args["flat_in"] = args["flat_in"].astype(np.int32)
+    elif case == "offsets_dtype":
+        args["offsets"] = args["offsets"].astype(np.float64)
+    elif case == "rp_dtype":
+        args["req_pool_indices"] = args["req_pool_indices"].astype(np.int32)
+    elif case == "pool_dtype":
+        args["pool_out"] = args["pool_out"].astype(np.int64)
+    elif case == "flat_2d":
+        args["flat_in"] = args["flat_in"].reshape(2, 2)
+    elif case == "offsets_2d":
+        args["offsets"] = args["offsets"].reshape(3, 1)
+    elif case == "rp_2d":
+        args["req_pool_indices"] = args["req_pool_indices"].reshape(1, 2)
+    elif case == "pool_1d":
+        args["pool_out"] = args["pool_out"].reshape(12)
+    elif case == "offsets_len":
+        args["offsets"] = args["offsets"][:2]
+    elif case == "count_dtype":
+        count = count.astype(np.int32)
+    elif case == "count_len":
+        count = np.zeros(2, np.int64)
+    native = {k: ab.asarray(v) for k, v in args.items()}
+    count = ab.asarray(count)
+    assert_rejected(ab, exc, match, lambda: kc.scatter_req_token_ids(*native.values(), out_of_range_count=count),
+                    native["pool_out"], count)
+
+
+# ---- records ---------------------------------------------------------------------------------------
+
+
+def test_plan_records_allocate_zero_capacity(ab):
+    vp = VerifyPlan.allocate(0, like=ab.like)
+    assert vp.capacity == 0 and ab.to_numpy(vp.verify_slot_indices).shape == (0,)
+    assert ab.to_numpy(vp.enable).tolist() == [1] and ab.to_numpy(vp.verify_num_valid).tolist() == [0]
+    assert ab.to_numpy(vp.out_of_range_count).tolist() == [0]
+    wp = WritePlan.allocate(0, like=ab.like)
+    assert wp.capacity == 0 and ab.to_numpy(wp.write_offsets).tolist() == [0]
+    assert ab.to_numpy(wp.verify_offsets).tolist() == [0]
+    wp = WritePlan.allocate(3, like=ab.like)
+    assert ab.to_numpy(wp.write_seed_slot_indices).tolist() == [-1, -1, -1]
+    assert ab.to_numpy(wp.write_num_valid_reqs).tolist() == [0]
+
+
+def test_plan_records_reject_negative_capacity():
+    with pytest.raises(ValueError, match="kv-canary: VerifyPlan verify_capacity must be non-negative, got -1"):
+        VerifyPlan.allocate(-1)
+    with pytest.raises(ValueError, match="kv-canary: WritePlan write_req_capacity must be non-negative, got -1"):
+        WritePlan.allocate(-1)
+    with pytest.raises(TypeError, match="VerifyPlan verify_capacity must be an int, got float"):
+        VerifyPlan.allocate(1.0)
+
+
+def test_violation_log_allocate(ab):
+    log = ViolationLog.allocate(like=ab.like)
+    shapes = {k: (ab.to_numpy(v).shape, ab.to_numpy(v).dtype.name) for k, v in log.arrays().items()}
+    assert shapes == {"ring": ((1024, 8), "int64"), "write_index": ((1,), "int32"),
+                      "slot_run_counters": ((12,), "int64"), "kernel_run_counters": ((12,), "int64"),
+                      "out_of_range_counters": ((12,), "int64")}
+    assert all((ab.to_numpy(v) == 0).all() for v in log.arrays().values())
+    assert (log.capacity, log.num_kinds) == (1024, 12)
+    small = ViolationLog.allocate(ring_capacity=3, num_kinds=2, like=ab.like)
+    assert ab.to_numpy(small.ring).shape == (3, 8) and small.num_kinds == 2
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(ring_capacity=0), "ViolationLog ring_capacity must be positive, got 0"),
+    (dict(ring_capacity=-1), "ViolationLog ring_capacity must be non-negative, got -1"),
+    (dict(num_kinds=0), "ViolationLog num_kinds must be positive, got 0"),
+])
+def test_violation_log_allocate_rejects(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ViolationLog.allocate(**kw)
+
+
+def test_violation_log_reset(ab):
+    log = make_log(ab)
+    kc.verify(ab.asarray(canary(4)), make_verify_plan(ab, [1], [3], [-1]), log=log)
+    assert int(ab.to_numpy(log.write_index)[0]) == 1
+    log.reset()
+    assert all((ab.to_numpy(v) == 0).all() for v in log.arrays().values())
+
+
+def test_allocate_canary_buffer(ab):
+    buf = kc.allocate_canary_buffer(5, like=ab.like)
+    assert type(buf) is type(ab.like)
+    host = ab.to_numpy(buf)
+    assert host.shape == (5, 4) and host.dtype == np.int64 and (host == 0).all()
+    with pytest.raises(ValueError, match="num_slots must be non-negative, got -1"):
+        kc.allocate_canary_buffer(-1)
+
+
+@pytest.mark.parametrize("shape, page_size, nbpt, read_bytes, match", [
+    ((4, 64), 0, 16, 16, r"RealKvSource.page_size must be >= 1, got 0"),
+    ((4, 64), 1, 0, 16, r"RealKvSource.num_bytes_per_token must be a positive multiple of 16, got 0"),
+    ((4, 64), 1, 24, 16, r"RealKvSource.num_bytes_per_token must be a positive multiple of 16, got 24"),
+    ((4, 64), 1, 32, 0, r"RealKvSource.read_bytes must be a positive multiple of 16 in \(0, num_bytes_per_token=32\], got 0"),
+    ((4, 64), 1, 32, 8, r"RealKvSource.read_bytes .* got 8"),
+    ((4, 64), 1, 32, 48, r"RealKvSource.read_bytes .* got 48"),
+    ((64,), 1, 16, 16, r"RealKvSource.tensor must be at least 2-D, got shape \(64,\)"),
+    ((4, 16), 2, 16, 16, r"RealKvSource row is too narrow for its slot layout: dim-1 is 16 bytes but page_size=2 x num_bytes_per_token=16 needs 32"),
+])
+def test_real_kv_source_checks(ab, shape, page_size, nbpt, read_bytes, match):
+    with pytest.raises(ValueError, match=match):
+        RealKvSource(ab.asarray(np.zeros(shape, np.uint8)), page_size, nbpt, read_bytes)
+
+
+def test_real_kv_source_row_stride(ab):
+    holey = ab.asarray(np.zeros((4, 40), np.uint8))[:, :32]
+    with pytest.raises(ValueError, match=r"RealKvSource.tensor row stride must be a multiple of 16 bytes, got 40 bytes"):
+        RealKvSource(holey, 1, 32, 32)
+    ok = ab.asarray(np.zeros((4, 48), np.uint8))[:, :32]
+    assert RealKvSource(ok, 1, 32, 32).num_rows == 4
+
+
+# ---- devices ------------------------------------------------------------------------------------------
+
+
+def test_mixing_cpu_and_gpu_arrays_is_rejected(gpu_ab):
+    buf = gpu_ab.asarray(canary(8))
+    log = make_log(gpu_ab)
+    vp = make_verify_plan(gpu_ab, [1], [0], [-1])
+    host_vp = VerifyPlan(**{**vp.arrays(), "verify_slot_indices": np.array([1], np.int64)})
+    before = snapshot(gpu_ab, buf, log)
+    with pytest.raises(ValueError, match="pass every array of one call on the same device"):
+        kc.verify(buf, host_vp, log=log)
+    assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(gpu_ab, buf, log)))
+    with pytest.raises(ValueError, match="pass every array of one call on the same device"):
+        kc.plan(np.array([1]), gpu_ab.asarray(np.array([1])), np.array([1]), linear_rtt(2, 4), verify_capacity=4)
+
+
+def test_real_kv_source_must_start_16_byte_aligned(ab):
+    base = ab.asarray(np.zeros(16 * 32 + 16, np.uint8))
+    buf = ab.asarray(canary(16))
+    log = make_log(ab)
+    wp = make_write_plan(ab, [0, 1], [-1])
+    args = (buf, wp, a64(ab, [1]), a64(ab, [0]), a64(ab, [3]))
+    skewed = RealKvSource(base[8: 8 + 16 * 32].reshape(16, 32), 1, 32, 32)
+    assert_rejected(ab, ValueError, r"real_kv_sources\[0\].tensor must start at a 16-byte aligned address",
+                    lambda: kc.write(*args, log=log, real_kv_sources=(skewed,), real_kv_hash_mode=RealKvHashMode.ALL),
+                    buf, wp, log)
+    kc.write(*args, log=log, real_kv_sources=(skewed,))  # NONE never reads the source
+    aligned = RealKvSource(base[16: 16 + 16 * 32].reshape(16, 32), 1, 32, 32)
+    kc.write(*args, log=log, real_kv_sources=(aligned,), real_kv_hash_mode=RealKvHashMode.ALL)
+    assert int(ab.to_numpy(log.kernel_run_counters)[0]) == 2
