@@ -90,34 +90,35 @@ __device__ __forceinline__ i64 window_start(i64 prefix, i64 window) {
   return window > 0 && prefix - window > 0 ? prefix - window : 0;
 }
 
-// Scans the whole batch with one block, kPlanItemsPerThread rows per thread per tile.  Returns
-// the total number of verify entries (to every thread).  With write_outputs the block writes the
-// per-request outputs, the counts and the out-of-range count; with smem_verify_offsets (bs <=
-// kFusedMaxBs) it also keeps the verify offsets in shared memory.
+// Scans the whole batch with one block in tiles of blockDim * kPlanItemsPerThread rows.  Rows are
+// warp-striped (item k of lane l in warp w is row tile + (w * K + k) * 32 + l), so every load and
+// store is coalesced; the scan follows row order.  Returns the total number of verify entries
+// (to every thread).  With write_outputs the block writes the per-request outputs, the counts
+// and the out-of-range count; with smem_verify_offsets (bs <= kFusedMaxBs) it also keeps the
+// verify offsets in shared memory.
 template <bool kHasLut, bool kHasPool>
 __device__ i64 plan_scan(const PlanInputs& in, const PlanOutputs& out, bool write_outputs, i64* smem_verify_offsets) {
   __shared__ i64 carry_v, carry_w;
   __shared__ unsigned long long block_errors;
   if (threadIdx.x == 0) { carry_v = 0; carry_w = 0; block_errors = 0; }
   __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   i64 errors = 0;
   const i64 bs = in.bs;
   const i64 tile = static_cast<i64>(blockDim.x) * kPlanItemsPerThread;
   for (i64 base = 0; base < bs; base += tile) {
     i64 vlen[kPlanItemsPerThread], wlen[kPlanItemsPerThread];
     i64 rp[kPlanItemsPerThread], prefix[kPlanItemsPerThread], extend[kPlanItemsPerThread];
-    i64 seed_raw[kPlanItemsPerThread], lens[kPlanItemsPerThread];
-    i64 sum_v = 0, sum_w = 0;
-    const i64 first = base + static_cast<i64>(threadIdx.x) * kPlanItemsPerThread;
+    i64 seed_raw[kPlanItemsPerThread];
+    const i64 first = base + static_cast<i64>(warp) * kPlanItemsPerThread * 32 + lane;
     // Three phases so that the loads of all items are in flight together: inputs, seed gathers, math.
 #pragma unroll
     for (int k = 0; k < kPlanItemsPerThread; ++k) {
-      const i64 r = first + k;
+      const i64 r = first + 32 * k;
       const bool in_batch = r < bs;
       rp[k] = in_batch ? in.req_pool_indices[r] : 0;
       prefix[k] = in_batch ? in.prefix_lens[r] : 0;
       extend[k] = in_batch ? in.extend_seq_lens[r] : 0;
-      lens[k] = kHasPool && in_batch ? in.valid_lens[r] : 0;
     }
 #pragma unroll
     for (int k = 0; k < kPlanItemsPerThread; ++k) {
@@ -128,40 +129,60 @@ __device__ i64 plan_scan(const PlanInputs& in, const PlanOutputs& out, bool writ
     }
 #pragma unroll
     for (int k = 0; k < kPlanItemsPerThread; ++k) {
-      const i64 r = first + k;
+      const i64 r = first + 32 * k;
       vlen[k] = wlen[k] = 0;
-      if (r >= bs) continue;
-      const bool active = rp[k] != 0;
+      const bool active = rp[k] != 0;  // rows past bs have rp 0
       const bool rp_ok = rp[k] >= 0 && rp[k] < in.rtt_rows;
       const bool prefix_ok = prefix[k] >= 0 && prefix[k] <= in.rtt_cols;
       i64 seed = -1;
       if (active) {
         errors += !rp_ok + !prefix_ok + (extend[k] < 0);
-        if (kHasPool) errors += lens[k] < 0 || lens[k] > in.pool_cols;
+        if (kHasPool) {
+          const i64 lens = in.valid_lens[r];  // loaded late: fewer live registers
+          errors += lens < 0 || lens > in.pool_cols;
+        }
         const i64 start = window_start(prefix[k], in.window);
         const i64 end = clamp64(prefix[k], 0, in.rtt_cols);
         if (rp_ok && end > start) vlen[k] = end - start;
         wlen[k] = extend[k] > 0 ? extend[k] : 0;
         if (seed_raw[k] != kNoSeed) seed = swa_translate<kHasLut>(seed_raw[k], in.lut, in.lut_len, errors);
       }
-      if (write_outputs) out.seeds[r] = seed;
-      sum_v += vlen[k];
-      sum_w += wlen[k];
+      if (write_outputs && r < bs) out.seeds[r] = seed;
     }
-    i64 total_v, total_w;
-    block_exclusive_scan2(sum_v, sum_w, total_v, total_w);
-    i64 off_v = carry_v + sum_v, off_w = carry_w + sum_w;
+    // Inclusive warp scans of the K items, interleaved so that their shuffles overlap.
+    i64 iv[kPlanItemsPerThread], iw[kPlanItemsPerThread];
+#pragma unroll
+    for (int k = 0; k < kPlanItemsPerThread; ++k) { iv[k] = vlen[k]; iw[k] = wlen[k]; }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+      for (int k = 0; k < kPlanItemsPerThread; ++k) {
+        const i64 uv = __shfl_up_sync(0xffffffffu, iv[k], o), uw = __shfl_up_sync(0xffffffffu, iw[k], o);
+        if (lane >= o) { iv[k] += uv; iw[k] += uw; }
+      }
+    }
+    // Rows are ordered item-major within the warp: item k follows all of item k-1.
+    i64 run_v = 0, run_w = 0;
 #pragma unroll
     for (int k = 0; k < kPlanItemsPerThread; ++k) {
-      const i64 r = first + k;
+      vlen[k] = run_v + iv[k] - vlen[k];  // exclusive offset within the warp
+      wlen[k] = run_w + iw[k] - wlen[k];
+      run_v += __shfl_sync(0xffffffffu, iv[k], 31);
+      run_w += __shfl_sync(0xffffffffu, iw[k], 31);
+    }
+    // Offsets of the earlier warps of this tile (every lane contributes its warp's total once).
+    i64 warp_v = lane == 31 ? run_v : 0, warp_w = lane == 31 ? run_w : 0, total_v, total_w;
+    block_exclusive_scan2(warp_v, warp_w, total_v, total_w);
+    const i64 before_v = carry_v + warp_v, before_w = carry_w + warp_w;
+#pragma unroll
+    for (int k = 0; k < kPlanItemsPerThread; ++k) {
+      const i64 r = first + 32 * k;
       if (r >= bs) break;
-      if (smem_verify_offsets) smem_verify_offsets[r] = off_v;
+      if (smem_verify_offsets) smem_verify_offsets[r] = before_v + vlen[k];
       if (write_outputs) {
-        out.verify_offsets[r] = off_v;
-        out.write_offsets[r] = off_w;
+        out.verify_offsets[r] = before_v + vlen[k];
+        out.write_offsets[r] = before_w + wlen[k];
       }
-      off_v += vlen[k];
-      off_w += wlen[k];
     }
     __syncthreads();  // everyone has read the carries
     if (threadIdx.x == 0) { carry_v += total_v; carry_w += total_w; }

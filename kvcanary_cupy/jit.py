@@ -137,6 +137,7 @@ def warmup(device=None) -> None:
 class CompileReport(NamedTuple):
     cubin_bytes: int
     registers: dict  # name expression -> registers per thread
+    spill_bytes: dict  # name expression -> bytes of spill stores + loads
 
 
 def compile_check(arch: str = "sm_90", family: str | None = None) -> dict:
@@ -163,8 +164,11 @@ def compile_check(arch: str = "sm_90", family: str | None = None) -> dict:
             except nvrtc.NVRTCError as exc:
                 raise RuntimeError(f"kv-canary: {filename} failed to compile for {arch}:\n{nvrtc.getProgramLog(prog)}") from exc
             lowered = {nvrtc.getLoweredName(prog, expr): expr for expr in FAMILIES[fam].instantiations()}
-            usage = re.findall(r"entry function '(\w+)'.*?Used (\d+) registers", nvrtc.getProgramLog(prog), re.S)
-            sizes[fam] = CompileReport(len(nvrtc.getCUBIN(prog)), {lowered[name]: int(regs) for name, regs in usage})
+            usage = re.findall(r"entry function '(\w+)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers",
+                               nvrtc.getProgramLog(prog), re.S)
+            sizes[fam] = CompileReport(len(nvrtc.getCUBIN(prog)),
+                                       {lowered[name]: int(regs) for name, _, _, regs in usage},
+                                       {lowered[name]: int(st) + int(ld) for name, st, ld, _ in usage})
         finally:
             nvrtc.destroyProgram(prog)
     return sizes

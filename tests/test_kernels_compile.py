@@ -15,7 +15,7 @@ pytest.importorskip("cupy")
 @pytest.mark.parametrize("arch", jit.SUPPORTED_ARCHS)
 @pytest.mark.parametrize("family", sorted(jit.FAMILIES))
 def test_every_variant_compiles_and_fits_its_launch(family, arch):
-    """Every instantiation compiles, and its registers fit the block size it is launched with."""
+    """Every instantiation compiles, spills nothing, and its registers fit its launch block size."""
     from kvcanary_cupy.backends import cupy_backend as cb
 
     report = jit.compile_check(arch, family)[family]
@@ -26,6 +26,8 @@ def test_every_variant_compiles_and_fits_its_launch(family, arch):
     for name, regs in report.registers.items():
         threads = block.get(name.split("<")[0].split("::")[1], cb.THREADS)
         assert 0 < regs and regs * threads <= 65536, (name, regs, threads)
+    assert set(report.spill_bytes) == set(report.registers)
+    assert not any(report.spill_bytes.values()), report.spill_bytes
 
 
 def test_compile_errors_name_the_family(monkeypatch):
