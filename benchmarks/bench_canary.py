@@ -85,6 +85,8 @@ def op_bytes(d) -> dict:
         "verify": v * (3 * 8 + 32),
         # per token: id, pos, loc read, record written; per request: offsets, seed, seed record.
         "write": t * (3 * 8 + 32) + bs * (2 * 8 + 32),
+        # the batch scan: rp, prefix, extend read; verify/write offsets and seed written.
+        "plan[offsets]": bs * 6 * 8,
     }
 
 
@@ -163,77 +165,86 @@ def baseline_verify(cupy, canary, slot, prev, pos):
     return cupy.nonzero(bits)[0]
 
 
-def run_gpu(names, out):
+def gpu_ops(cupy, d):
+    """The timed calls of one workload, on fixed buffers (plan[offsets]: the batch scan alone,
+    as a plan into a zero-capacity VerifyPlan expands no entry)."""
+    vcap = d["total_verify"]
+    vp = kc.VerifyPlan.allocate(vcap, like=d["rp"])
+    vp_empty = kc.VerifyPlan.allocate(0, like=d["rp"])
+    wp = kc.WritePlan.allocate(d["bs"], like=d["rp"])
+    log = kc.ViolationLog.allocate(1024, like=d["rp"])
+    inputs = (d["rp"], d["prefix"], d["extend"], d["rtt"])
+    ops = {
+        "plan": lambda: kc.plan(*inputs, verify_capacity=vcap, out=(vp, wp)),
+        "plan[offsets]": lambda: kc.plan(*inputs, verify_capacity=0, out=(vp_empty, wp)),
+        "verify": lambda: kc.verify(d["canary"], vp, log=log),
+        "write": lambda: kc.write(d["canary"], wp, d["ids"], d["pos"], d["loc"], log=log),
+    }
+    ops["plan"]()
+    ops["verify"]()
+    if int(log.write_index[0]) != 0:
+        raise RuntimeError("the benchmark's canary must verify clean")
+    return ops
+
+
+def _cell(value, fmt):
+    return "-" if value is None else format(value, fmt)
+
+
+def run_gpu(names):
     import cupy
 
     kc.warmup()
     bw = copy_bandwidth(cupy)
-    rows = []
     tiny = cupy.zeros(1, cupy.int32)
     one_launch = time_graph(cupy, lambda: tiny.fill(0))
-    for key in names:
-        w = WORKLOADS[key]
-        d = build(w, cupy)
-        vcap = d["total_verify"]
-        vp = kc.VerifyPlan.allocate(vcap, like=d["rp"])
-        wp = kc.WritePlan.allocate(w.bs, like=d["rp"])
-        log = kc.ViolationLog.allocate(1024, like=d["rp"])
-        plan = lambda: kc.plan(d["rp"], d["prefix"], d["extend"], d["rtt"], verify_capacity=vcap, out=(vp, wp))
-        plan()
-        verify = lambda: kc.verify(d["canary"], vp, log=log)
-        write = lambda: kc.write(d["canary"], wp, d["ids"], d["pos"], d["loc"], log=log)
-        verify()
-        cupy.cuda.Device().synchronize()
-        assert int(log.write_index[0]) == 0, "benchmark canary must verify clean"
-        bytes_ = op_bytes(d)
-        base_plan = time_eager(cupy, lambda: baseline_plan(cupy, d))
-        slot, prev, pos, _, _ = baseline_plan(cupy, d)
-        base_verify = time_eager(cupy, lambda: baseline_verify(cupy, d["canary"], slot, prev, pos))
-        # The offsets kernel alone: a plan into a zero-capacity VerifyPlan expands no entry.
-        vp0 = kc.VerifyPlan.allocate(0, like=d["rp"])
-        offsets_only = lambda: kc.plan(d["rp"], d["prefix"], d["extend"], d["rtt"], verify_capacity=0, out=(vp0, wp))
-        bytes_["plan[offsets]"] = d["bs"] * 6 * 8
-        for op, fn, base in (("plan", plan, base_plan), ("plan[offsets]", offsets_only, None),
-                             ("verify", verify, base_verify), ("write", write, None)):
-            us = time_graph(cupy, fn)
-            floor = bytes_[op] / bw * 1e6
-            rows.append((w.name, op, us, bytes_[op], floor, us / (floor + one_launch),
-                         bytes_[op] / (us * 1e-6) / 1e9, base, base / us if base else None,
-                         SGLANG_PLAN_US.get(key) if op == "plan" else None))
     lines = [
         f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write); one tiny kernel in a graph {one_launch:.2f} us",
-        f"{'workload':<16} {'op':<13} {'device us':>10} {'MB moved':>9} {'floor us':>9} {'x(floor+1 launch)':>18} "
-        f"{'GB/s':>8} {'baseline us':>12} {'x faster':>9} {'SGLang us':>10}",
+        f"{'workload':<16} {'op':<13} {'device us':>10} {'us-1launch':>10} {'MB moved':>9} {'floor us':>9} "
+        f"{'x(floor+launch)':>15} {'GB/s':>7} {'baseline us':>12} {'x faster':>9} {'SGLang us':>10}",
     ]
-    for name, op, us, b, floor, ratio, gbs, base, speed, ref in rows:
-        lines.append(
-            f"{name:<16} {op:<13} {us:>10.2f} {b / 1e6:>9.2f} {floor:>9.2f} {ratio:>18.2f} {gbs:>8.0f} "
-            f"{base if base else float('nan'):>12.1f} {speed if speed else float('nan'):>9.1f} {ref if ref else float('nan'):>10.1f}"
-        )
+    for key in names:
+        d = build(WORKLOADS[key], cupy)
+        bytes_ = op_bytes(d)
+        baselines = {"plan": time_eager(cupy, lambda: baseline_plan(cupy, d))}
+        slot, prev, pos, _, _ = baseline_plan(cupy, d)
+        baselines["verify"] = time_eager(cupy, lambda: baseline_verify(cupy, d["canary"], slot, prev, pos))
+        for op, fn in gpu_ops(cupy, d).items():
+            us = time_graph(cupy, fn)
+            floor = bytes_[op] / bw * 1e6
+            base = baselines.get(op)
+            lines.append(
+                f"{WORKLOADS[key].name:<16} {op:<13} {us:>10.2f} {us - one_launch:>10.2f} {bytes_[op] / 1e6:>9.2f} "
+                f"{floor:>9.2f} {us / (floor + one_launch):>15.2f} {bytes_[op] / (us * 1e-6) / 1e9:>7.0f} "
+                f"{_cell(base, '12.1f')} {_cell(base and base / us, '9.1f')} "
+                f"{_cell(SGLANG_PLAN_US.get(key) if op == 'plan' else None, '10.1f')}"
+            )
     return lines
 
 
 def run_numpy(names):
-    lines = [f"{'workload':<16} {'op':<13} {'wall ms (median of 5)':>22} {'verify entries':>15}"]
+    lines = [f"{'workload':<16} {'op':<7} {'wall ms (median of 5)':>22} {'verify entries':>15}"]
     for key in names:
-        w = WORKLOADS[key]
-        d = build(w, np)
-        vcap = d["total_verify"]
-        vp, wp = kc.VerifyPlan.allocate(vcap), kc.WritePlan.allocate(w.bs)
-        log = kc.ViolationLog.allocate(1024)
-        ops = {
-            "plan": lambda: kc.plan(d["rp"], d["prefix"], d["extend"], d["rtt"], verify_capacity=vcap, out=(vp, wp)),
-            "verify": lambda: kc.verify(d["canary"], vp, log=log),
-            "write": lambda: kc.write(d["canary"], wp, d["ids"], d["pos"], d["loc"], log=log),
-        }
-        for op, fn in ops.items():
+        d = build(WORKLOADS[key], np)
+        for op, fn in numpy_ops(d).items():
             times = []
             for _ in range(5):
                 t0 = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
-            lines.append(f"{w.name:<16} {op:<13} {statistics.median(times):>22.1f} {vcap:>15}")
+            lines.append(f"{WORKLOADS[key].name:<16} {op:<7} {statistics.median(times):>22.1f} {d['total_verify']:>15}")
     return lines
+
+
+def numpy_ops(d):
+    vcap = d["total_verify"]
+    vp, wp = kc.VerifyPlan.allocate(vcap), kc.WritePlan.allocate(d["bs"])
+    log = kc.ViolationLog.allocate(1024)
+    return {
+        "plan": lambda: kc.plan(d["rp"], d["prefix"], d["extend"], d["rtt"], verify_capacity=vcap, out=(vp, wp)),
+        "verify": lambda: kc.verify(d["canary"], vp, log=log),
+        "write": lambda: kc.write(d["canary"], wp, d["ids"], d["pos"], d["loc"], log=log),
+    }
 
 
 def main():
@@ -243,7 +254,7 @@ def main():
     parser.add_argument("--out")
     args = parser.parse_args()
     names = args.workloads.split(",")
-    lines = run_gpu(names, args.out) if args.backend == "cupy" else run_numpy(names)
+    lines = run_gpu(names) if args.backend == "cupy" else run_numpy(names)
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -24,7 +24,6 @@ from .backends import (
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES, RealKvHashMode
 from .errors import fail
 from .interop import (
-    allocate,
     array_module,
     backend_view,
     byte_rows_view,
@@ -32,7 +31,7 @@ from .interop import (
     data_ptr,
     launch_stream,
 )
-from .plans import INT32_MAX, RealKvSource, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources
+from .plans import INT32_MAX, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources
 from .validation import (
     check_1d,
     check_2d_rows,
@@ -76,10 +75,13 @@ def _log_views(log: ViolationLog) -> LogViews:
     return LogViews(**v)
 
 
-def _canary_view(canary_buf):
+def _canary_view(canary_buf, *, written: bool):
     """The canary buffer as ``int64 [num_slots, fields]`` (spec Part 1, decision 7)."""
-    view = backend_view(canary_buf, "canary_buf", writable=True)
-    check_contiguous_output(view, "canary_buf")
+    view = backend_view(canary_buf, "canary_buf", writable=written)
+    if written:
+        check_contiguous_output(view, "canary_buf")
+    elif not view.flags.c_contiguous:
+        fail(ValueError, f"canary_buf must be contiguous, got strides {tuple(view.strides)} for shape {tuple(view.shape)}")
     if view.ndim != 2:
         fail(ValueError, f"canary_buf must be 2-D, got shape {tuple(view.shape)}")
     if view.dtype == np.uint8:
@@ -109,6 +111,17 @@ def _hash_mode(mode) -> int:
         return int(RealKvHashMode(mode))
     except (ValueError, TypeError):
         fail(ValueError, f"real_kv_hash_mode must be a RealKvHashMode (NONE, PARTIAL or ALL), got {mode!r}")
+
+
+def _launch_context(log, kernel_kind, real_kv_sources, real_kv_hash_mode):
+    """The checks write and verify share: ``(sources, mode, kind, their arrays by name)``."""
+    sources = check_num_sources(real_kv_sources)
+    mode = _hash_mode(real_kv_hash_mode)
+    _check_type(log, "log", ViolationLog)
+    kind = _kernel_kind(kernel_kind, log)
+    named = _record_arrays("log", log)
+    named.update({f"real_kv_sources[{i}].tensor": s.tensor for i, s in enumerate(sources)})
+    return sources, mode, kind, named
 
 
 def _source_views(sources: tuple, mode: int, num_slots: int) -> tuple:
@@ -267,16 +280,13 @@ def write(
     strict=False,
 ):
     """Write fresh canary records for the step's new tokens, chained along each request."""
-    sources = check_num_sources(real_kv_sources)
-    mode = _hash_mode(real_kv_hash_mode)
+    sources, mode, kind, context_arrays = _launch_context(log, kernel_kind, real_kv_sources, real_kv_hash_mode)
     _check_type(write_plan, "write_plan", WritePlan)
-    _check_type(log, "log", ViolationLog)
-    kind = _kernel_kind(kernel_kind, log)
     if (expected_input_tokens is None) != (expected_input_positions is None):
         fail(ValueError, "expected_input_tokens and expected_input_positions enable the write-input assert together; pass both or neither")
     flag = chain_position_assert
     flag_is_array = not isinstance(flag, (bool, np.bool_))
-    if flag_is_array and isinstance(flag, (int, float, str)):
+    if flag_is_array and not hasattr(flag, "shape"):
         fail(TypeError, f"chain_position_assert must be a bool or a one-element int32 array, got {type(flag).__name__} {flag!r}")
 
     named = {
@@ -289,13 +299,12 @@ def write(
         "chain_position_assert": flag if flag_is_array else None,
     }
     named.update(_record_arrays("write_plan", write_plan))
-    named.update(_record_arrays("log", log))
-    named.update({f"real_kv_sources[{i}].tensor": s.tensor for i, s in enumerate(sources)})
+    named.update(context_arrays)
     placement = common_placement(named)
     xp = array_module(placement)
 
     with launch_stream(placement):
-        canary = _canary_view(canary_buf)
+        canary = _canary_view(canary_buf, written=True)
         tokens = {}
         for key in ("input_ids", "positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions"):
             if named[key] is None:
@@ -350,23 +359,19 @@ def verify(
     strict=False,
 ):
     """Verify the canary records of every planned slot; violations go to ``log``'s ring."""
-    sources = check_num_sources(real_kv_sources)
-    mode = _hash_mode(real_kv_hash_mode)
+    sources, mode, kind, context_arrays = _launch_context(log, kernel_kind, real_kv_sources, real_kv_hash_mode)
     _check_type(verify_plan, "verify_plan", VerifyPlan)
-    _check_type(log, "log", ViolationLog)
-    kind = _kernel_kind(kernel_kind, log)
     if not isinstance(check_expected_token, (bool, np.bool_)):
         fail(TypeError, f"check_expected_token must be a bool, got {type(check_expected_token).__name__}")
 
     named = {"canary_buf": canary_buf}
     named.update(_record_arrays("verify_plan", verify_plan))
-    named.update(_record_arrays("log", log))
-    named.update({f"real_kv_sources[{i}].tensor": s.tensor for i, s in enumerate(sources)})
+    named.update(context_arrays)
     placement = common_placement(named)
     xp = array_module(placement)
 
     with launch_stream(placement):
-        canary = _canary_view(canary_buf)
+        canary = _canary_view(canary_buf, written=False)
         pv = {}
         cap = None
         for key, arr in verify_plan.arrays().items():

@@ -10,7 +10,7 @@ import numpy as np
 from .errors import fail
 from .interop import import_cupy, is_torch_tensor, placement_of, to_numpy
 from .ops import plan as plan_step
-from .plans import INT32_MAX, VerifyPlan, WritePlan, check_count
+from .plans import INT32_MAX, VerifyPlan, WritePlan
 
 
 class CanaryCapacityWarning(UserWarning):

@@ -34,6 +34,7 @@ run() {  # run NAME CMD...: tee the output to $OUT/NAME.log, remember a failure
 
 if [ "$what" = all ] || [ "$what" = tests ]; then
   run gpu-tests python3 -m pytest -q -rs tests
+  run quickstart python3 examples/quickstart.py --gpu
 fi
 if [ "$what" = all ] || [ "$what" = sanitizer ]; then
   run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 40

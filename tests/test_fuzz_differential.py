@@ -5,7 +5,6 @@ On the GPU this is the 2,000-case differential of the CUDA kernels against the N
 20,000 requests).  Without a GPU it runs a smaller set on CPU torch tensors.
 """
 
-import numpy as np
 import pytest
 
 from conftest import get_backend_or_skip

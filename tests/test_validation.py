@@ -542,3 +542,20 @@ def test_real_kv_source_must_start_16_byte_aligned(ab):
     aligned = RealKvSource(base[16: 16 + 16 * 32].reshape(16, 32), 1, 32, 32)
     kc.write(*args, log=log, real_kv_sources=(aligned,), real_kv_hash_mode=RealKvHashMode.ALL)
     assert int(ab.to_numpy(log.kernel_run_counters)[0]) == 2
+
+
+def test_read_only_numpy_outputs_are_refused_before_anything_is_written():
+    import kvcanary_cupy as kc
+
+    canary = kc.allocate_canary_buffer(8)
+    canary.flags.writeable = False
+    log = kc.ViolationLog.allocate(4)
+    wp = kc.WritePlan.allocate(1)
+    tokens = np.zeros(1, np.int64)
+    with pytest.raises(ValueError, match="canary_buf is a read-only array"):
+        kc.write(canary, wp, tokens, tokens, tokens + 3, log=log)
+    assert int(log.kernel_run_counters.sum()) == 0
+    vp = kc.VerifyPlan.allocate(1)
+    vp.verify_num_valid[0] = 0
+    kc.verify(canary, vp, log=log)  # verify only reads the canary: a read-only one is fine
+    assert int(log.kernel_run_counters.sum()) == 1
