@@ -188,7 +188,8 @@ def gpu_ops(cupy, d):
 
 
 def _cell(value, fmt):
-    return "-" if value is None else format(value, fmt)
+    """``format(value, fmt)``, or a dash of the same width for a missing value."""
+    return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
 
 
 def run_gpu(names):

@@ -25,16 +25,12 @@ __device__ __forceinline__ i64 swa_translate(i64 value, const i64* lut, i64 lut_
 
 __device__ __forceinline__ i64 clamp64(i64 v, i64 lo, i64 hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-// Exclusive block-wide scan of two sums; returns the block totals through the references.
-__device__ __forceinline__ void block_exclusive_scan2(i64& a, i64& b, i64& total_a, i64& total_b) {
+// Block-wide exclusive scan of the warps' totals (a, b): returns through the references what the
+// earlier warps of the block hold, and the block's totals.  Lane 31 of each warp holds its totals.
+__device__ __forceinline__ void scan_warp_totals(i64 a, i64 b, i64& before_a, i64& before_b, i64& total_a, i64& total_b) {
   __shared__ i64 warp_a[32], warp_b[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-  i64 ia = a, ib = b;
-  for (int o = 1; o < 32; o <<= 1) {
-    const i64 ua = __shfl_up_sync(0xffffffffu, ia, o), ub = __shfl_up_sync(0xffffffffu, ib, o);
-    if (lane >= o) { ia += ua; ib += ub; }
-  }
-  if (lane == 31) { warp_a[warp] = ia; warp_b[warp] = ib; }
+  if (lane == 31) { warp_a[warp] = a; warp_b[warp] = b; }
   __syncthreads();
   if (warp == 0) {
     i64 wa = lane < nwarps ? warp_a[lane] : 0, wb = lane < nwarps ? warp_b[lane] : 0;
@@ -46,11 +42,10 @@ __device__ __forceinline__ void block_exclusive_scan2(i64& a, i64& b, i64& total
     warp_b[lane] = wb;
   }
   __syncthreads();
-  const i64 before_a = warp ? warp_a[warp - 1] : 0, before_b = warp ? warp_b[warp - 1] : 0;
+  before_a = warp ? warp_a[warp - 1] : 0;
+  before_b = warp ? warp_b[warp - 1] : 0;
   total_a = warp_a[nwarps - 1];
   total_b = warp_b[nwarps - 1];
-  a = before_a + ia - a;
-  b = before_b + ib - b;
   __syncthreads();  // warp_a/warp_b are reused by the next tile
 }
 
@@ -149,30 +144,34 @@ __device__ i64 plan_scan(const PlanInputs& in, const PlanOutputs& out, bool writ
       }
       if (write_outputs && r < bs) out.seeds[r] = seed;
     }
-    // Inclusive warp scans of the K items, interleaved so that their shuffles overlap.
-    i64 iv[kPlanItemsPerThread], iw[kPlanItemsPerThread];
+    // Inclusive warp scans of the K items, interleaved so that their shuffles overlap; then the
+    // exclusive offsets within the warp, rows ordered item-major (item k follows all of item k-1).
+    // Warps past the batch (most of the block for a small batch) skip it: their items are all 0,
+    // which already are their offsets, and shuffles are what the scan costs.
+    i64 run_v = 0, run_w = 0;
+    if (first - lane < bs) {
+      i64 iv[kPlanItemsPerThread], iw[kPlanItemsPerThread];
 #pragma unroll
-    for (int k = 0; k < kPlanItemsPerThread; ++k) { iv[k] = vlen[k]; iw[k] = wlen[k]; }
+      for (int k = 0; k < kPlanItemsPerThread; ++k) { iv[k] = vlen[k]; iw[k] = wlen[k]; }
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
+      for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+        for (int k = 0; k < kPlanItemsPerThread; ++k) {
+          const i64 uv = __shfl_up_sync(0xffffffffu, iv[k], o), uw = __shfl_up_sync(0xffffffffu, iw[k], o);
+          if (lane >= o) { iv[k] += uv; iw[k] += uw; }
+        }
+      }
 #pragma unroll
       for (int k = 0; k < kPlanItemsPerThread; ++k) {
-        const i64 uv = __shfl_up_sync(0xffffffffu, iv[k], o), uw = __shfl_up_sync(0xffffffffu, iw[k], o);
-        if (lane >= o) { iv[k] += uv; iw[k] += uw; }
+        vlen[k] = run_v + iv[k] - vlen[k];
+        wlen[k] = run_w + iw[k] - wlen[k];
+        run_v += __shfl_sync(0xffffffffu, iv[k], 31);
+        run_w += __shfl_sync(0xffffffffu, iw[k], 31);
       }
     }
-    // Rows are ordered item-major within the warp: item k follows all of item k-1.
-    i64 run_v = 0, run_w = 0;
-#pragma unroll
-    for (int k = 0; k < kPlanItemsPerThread; ++k) {
-      vlen[k] = run_v + iv[k] - vlen[k];  // exclusive offset within the warp
-      wlen[k] = run_w + iw[k] - wlen[k];
-      run_v += __shfl_sync(0xffffffffu, iv[k], 31);
-      run_w += __shfl_sync(0xffffffffu, iw[k], 31);
-    }
-    // Offsets of the earlier warps of this tile (every lane contributes its warp's total once).
-    i64 warp_v = lane == 31 ? run_v : 0, warp_w = lane == 31 ? run_w : 0, total_v, total_w;
-    block_exclusive_scan2(warp_v, warp_w, total_v, total_w);
+    // Add what the earlier warps of this tile and the earlier tiles hold.
+    i64 warp_v, warp_w, total_v, total_w;
+    scan_warp_totals(run_v, run_w, warp_v, warp_w, total_v, total_w);
     const i64 before_v = carry_v + warp_v, before_w = carry_w + warp_w;
 #pragma unroll
     for (int k = 0; k < kPlanItemsPerThread; ++k) {

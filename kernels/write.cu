@@ -8,6 +8,23 @@
 
 namespace kvcanary {
 
+// One lane's token of a chunk: slot -1 past the request's range.
+template <bool kInputAssert>
+struct TokenInputs {
+  i64 slot, token, pos, expected_token, expected_pos;
+
+  __device__ __forceinline__ void load(i64 i, i64 end, const i64* input_ids, const i64* positions,
+                                       const i64* out_cache_loc, const i64* expected_tokens,
+                                       const i64* expected_positions) {
+    const bool in_range = i < end;
+    slot = in_range ? out_cache_loc[i] : -1;
+    token = in_range ? input_ids[i] : 0;
+    pos = in_range ? positions[i] : 0;
+    expected_token = kInputAssert && in_range ? expected_tokens[i] : 0;
+    expected_pos = kInputAssert && in_range ? expected_positions[i] : 0;
+  }
+};
+
 template <bool kInputAssert, bool kHasRealKv>
 __global__ void canary_write(CanaryBuffer canary, const i64* __restrict__ write_offsets,
                              const i64* __restrict__ seeds, const int* __restrict__ write_num_valid_reqs,
@@ -45,13 +62,15 @@ __global__ void canary_write(CanaryBuffer canary, const i64* __restrict__ write_
     }
     const bool check_pos = seed_ok && pos_assert_on;
 
+    // Token and position are loaded with the slot, not after it, and each chunk's loads are issued
+    // before the previous chunk's hash chain runs: a prefill waits on memory once, not per chunk.
+    TokenInputs<kInputAssert> next;
+    next.load(start + lane, end, input_ids, positions, out_cache_loc, expected_tokens, expected_positions);
     for (i64 chunk = start; chunk < end; chunk += 32) {
       const i64 i = chunk + lane;
-      const bool in_range = i < end;
-      // Token and position are loaded with the slot, not after it: one memory round trip less.
-      const i64 slot = in_range ? out_cache_loc[i] : -1;
-      const i64 token = in_range ? input_ids[i] : 0;
-      const i64 pos = in_range ? positions[i] : 0;
+      const TokenInputs<kInputAssert> cur = next;
+      next.load(i + 32, end, input_ids, positions, out_cache_loc, expected_tokens, expected_positions);
+      const i64 slot = cur.slot, token = cur.token, pos = cur.pos;
       errors += slot >= canary.num_slots;
       const bool valid = slot >= 0 && slot < canary.num_slots;
       u64 real_kv = 0;
@@ -79,7 +98,7 @@ __global__ void canary_write(CanaryBuffer canary, const i64* __restrict__ write_
       }
       if (valid) {
         if (kInputAssert) {
-          const i64 want_token = expected_tokens[i], want_pos = expected_positions[i];
+          const i64 want_token = cur.expected_token, want_pos = cur.expected_pos;
           const i64 bits = (token != want_token ? kWriteTokenMismatch : 0) | (pos != want_pos ? kWritePositionMismatch : 0);
           if (bits) log.record(slot, pos, token, want_token, static_cast<i64>(my_chain), want_pos, bits);
         }
