@@ -227,7 +227,8 @@ def plan(
             if out[1].capacity != wcap:
                 fail(ValueError, f"plan write_req_capacity={wcap} does not match out[1].write_seed_slot_indices.shape[0]={out[1].capacity}")
         if bs > wcap:
-            fail(ValueError, f"bs={bs} exceeds write_req_capacity={wcap}; allocate the WritePlan for the largest batch (e.g. CanaryPlanner)")
+            fail(ValueError, f"bs={bs} exceeds write_req_capacity={wcap}; size the WritePlan for the largest batch "
+                             "(CanaryCapacities.from_engine(max_running_requests=...) for a CanaryPlanner)")
 
         if out is None:
             vp = VerifyPlan.allocate(vcap, like=req_to_token)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -118,17 +119,13 @@ class CanaryPlanner:
         with cupy.cuda.Device(self._placement.device):
             host = to_numpy(x)
             if is_torch_tensor(self._like):
-                return __import__("torch").from_numpy(np.ascontiguousarray(host)).to(self._like.device)
+                return sys.modules["torch"].from_numpy(np.ascontiguousarray(host)).to(self._like.device)
             return cupy.asarray(host)
 
     def plan(self, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *,
              req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
              strict=False):
         """Plan one step into the held buffers; returns ``(verify_plan, write_plan)``."""
-        bs = len(req_pool_indices)
-        if bs > self.capacities.write_req_capacity:
-            fail(ValueError, f"batch size {bs} exceeds the planner's write_req_capacity={self.capacities.write_req_capacity}; "
-                             "build the planner with max_running_requests >= the largest batch")
         conv = self._to_buffers
         return plan_step(
             conv(req_pool_indices), conv(prefix_lens), conv(extend_seq_lens), conv(req_to_token),

@@ -99,15 +99,18 @@ def _steps(shape, n=4):
     return [step_inputs(probe, i, rng) for i in range(n)]
 
 
+def _prepare(ab, shape, n=4):
+    """Compiled kernels, the steps, NumPy's snapshots after each, and an engine on ``ab``."""
+    kc.warmup()
+    steps = _steps(SHAPES[shape], n)
+    return steps, reference_run(steps, SHAPES[shape]), Engine(ab, **SHAPES[shape])
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_cupy_graph_capture_and_replay(shape):
-    ab = get_backend_or_skip("cupy")
     import cupy
 
-    kc.warmup()
-    steps = _steps(SHAPES[shape])
-    want = reference_run(steps, SHAPES[shape])
-    engine = Engine(ab, **SHAPES[shape])
+    steps, want, engine = _prepare(get_backend_or_skip("cupy"), shape)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         engine.fill(steps[0])
@@ -123,13 +126,9 @@ def test_cupy_graph_capture_and_replay(shape):
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_torch_graph_capture_and_replay(shape):
-    ab = get_backend_or_skip("torch_cuda")
     import torch
 
-    kc.warmup()
-    steps = _steps(SHAPES[shape])
-    want = reference_run(steps, SHAPES[shape])
-    engine = Engine(ab, **SHAPES[shape])
+    steps, want, engine = _prepare(get_backend_or_skip("torch_cuda"), shape)
     engine.fill(steps[0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -151,12 +150,9 @@ def test_torch_graph_capture_and_replay(shape):
 
 def test_torch_stream_ordering():
     """Kernels run on torch's current stream, ordered after torch work queued before them."""
-    ab = get_backend_or_skip("torch_cuda")
     import torch
 
-    steps = _steps(SHAPES["fused"], 2)
-    want = reference_run(steps, SHAPES["fused"])
-    engine = Engine(ab, **SHAPES["fused"])
+    steps, want, engine = _prepare(get_backend_or_skip("torch_cuda"), "fused", n=2)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for inputs, expected in zip(steps, want):

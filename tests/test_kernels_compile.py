@@ -70,9 +70,9 @@ def test_variant_name_covers_included_headers(monkeypatch):
     assert jit.variant_name("verify") == before
 
 
-def _cuh_constant(name):
-    """The value of ``constexpr <type> name = <literal or 1 << n>;`` in canary_common.cuh."""
-    m = re.search(rf"constexpr \w+ {name} = ([^;]+);", jit._read("canary_common.cuh"))
+def _cuh_constant(name, filename="canary_common.cuh"):
+    """The value of ``constexpr <type> name = <literal or 1 << n>;`` in a kernel source."""
+    m = re.search(rf"constexpr \w+ {name} = ([^;]+);", jit._read(filename))
     assert m, name
     expr = m.group(1).replace("ULL", "")
     if "<<" in expr:
@@ -99,3 +99,11 @@ def test_kernel_sources_are_package_data():
 
     names = {p.name for p in importlib.resources.files("kvcanary_cupy.kernels").iterdir()}
     assert {"canary_common.cuh", "plan.cu", "write.cu", "verify.cu", "scatter.cu"} <= names
+
+
+def test_launch_constants_match_the_kernels():
+    from kvcanary_cupy.backends import cupy_backend as cb
+
+    assert _cuh_constant("kPlanItemsPerThread", "plan.cu") == cb.PLAN_ITEMS_PER_THREAD
+    assert _cuh_constant("kPlanMaxThreads", "plan.cu") == cb.PLAN_MAX_THREADS
+    assert _cuh_constant("kFusedMaxBs", "plan.cu") == cb.FUSED_PLAN_MAX_BS

@@ -126,7 +126,7 @@ def test_planner_swa_and_expected_tokens(ab):
 def test_planner_rejects_batches_above_capacity(ab):
     planner = CanaryPlanner.from_engine(kv_pool_size=64, max_running_requests=2, like=ab.like)
     before = {k: ab.to_numpy(v).copy() for k, v in _buffers(ab, planner).items()}
-    with pytest.raises(ValueError, match="batch size 3 exceeds the planner's write_req_capacity=2"):
+    with pytest.raises(ValueError, match="bs=3 exceeds write_req_capacity=2"):
         planner.plan(i64([1, 2, 3]), i64([1, 1, 1]), i64([1, 1, 1]), linear_rtt(4, 16))
     for k, v in _buffers(ab, planner).items():
         assert np.array_equal(ab.to_numpy(v), before[k]), k
