@@ -223,6 +223,31 @@ def run_gpu(names):
     return lines
 
 
+def host_overhead(cupy, key="W3", calls=200):
+    """Host microseconds per eager call (validation, views, launch), CuPy inputs vs torch tensors."""
+    lines = [f"host us per eager call at {key} (validation, views, launch; device work overlaps):"]
+    frameworks = [("cupy", lambda d: d)]
+    try:
+        import torch
+
+        frameworks.append(("torch", lambda d: {k: torch.from_dlpack(v) if hasattr(v, "__dlpack__") else v for k, v in d.items()}))
+    except ImportError:
+        pass
+    for name, convert in frameworks:
+        ops = gpu_ops(cupy, convert(build(WORKLOADS[key], cupy)))
+        row = []
+        for op in ("plan", "verify", "write"):
+            ops[op]()
+            cupy.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                ops[op]()
+            cupy.cuda.Device().synchronize()
+            row.append(f"{op} {(time.perf_counter() - t0) / calls * 1e6:.0f}")
+        lines.append(f"  {name:<6} " + ", ".join(row))
+    return lines
+
+
 def run_numpy(names):
     lines = [f"{'workload':<16} {'op':<7} {'wall ms (median of 5)':>22} {'verify entries':>15}"]
     for key in names:
@@ -255,7 +280,12 @@ def main():
     parser.add_argument("--out")
     args = parser.parse_args()
     names = args.workloads.split(",")
-    lines = run_gpu(names) if args.backend == "cupy" else run_numpy(names)
+    if args.backend == "cupy":
+        import cupy
+
+        lines = run_gpu(names) + host_overhead(cupy)
+    else:
+        lines = run_numpy(names)
     text = "\n".join(lines)
     print(text)
     if args.out:
