@@ -29,6 +29,7 @@ from .interop import (
     byte_rows_view,
     common_placement,
     data_ptr,
+    is_torch_tensor,
     launch_stream,
 )
 from .plans import INT32_MAX, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources
@@ -52,17 +53,33 @@ def _record_arrays(prefix: str, record) -> dict:
     return {f"{prefix}.{k}": v for k, v in record.arrays().items()}
 
 
-def _output_views(prefix: str, record) -> dict:
+def _record_views(prefix: str, record, *, writable: bool) -> dict:
+    """NumPy/CuPy views of a record's arrays.
+
+    Records are long-lived (allocated once, reused every step), so the DLPack view of each of
+    their torch tensors (about 20 us on a GPU) is made once and kept on the record, as long as
+    the tensor's address, shape and strides stay the same.
+    """
+    cache = record.__dict__.setdefault("_kvcanary_views", {})
     views = {}
     for key, arr in record.arrays().items():
-        view = backend_view(arr, f"{prefix}.{key}", writable=True)
-        check_contiguous_output(view, f"{prefix}.{key}")
+        name = f"{prefix}.{key}"
+        if is_torch_tensor(arr) and not (writable and arr.requires_grad):
+            stamp = (arr.data_ptr(), tuple(arr.shape), tuple(arr.stride()), str(arr.device))
+            hit = cache.get(key)
+            if hit is None or hit[0] != stamp:
+                hit = cache[key] = (stamp, backend_view(arr, name))
+            view = hit[1]
+        else:
+            view = backend_view(arr, name, writable=writable)
+        if writable:
+            check_contiguous_output(view, name)
         views[key] = view
     return views
 
 
 def _log_views(log: ViolationLog) -> LogViews:
-    v = _output_views("log", log)
+    v = _record_views("log", log, writable=True)
     check_1d(v["write_index"], "log.write_index", I32, 1)
     kinds = v["kernel_run_counters"].shape[0]
     for key in ("slot_run_counters", "kernel_run_counters", "out_of_range_counters"):
@@ -235,7 +252,7 @@ def plan(
             wp = WritePlan.allocate(wcap, like=req_to_token)
         else:
             vp, wp = out
-        ov = _output_views("out[0]", vp) | _output_views("out[1]", wp)
+        ov = _record_views("out[0]", vp, writable=True) | _record_views("out[1]", wp, writable=True)
         for key in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices"):
             check_1d(ov[key], f"out[0].{key}", I64, vcap, length_name="verify_capacity")
         for key in ("verify_num_valid", "enable"):
@@ -314,7 +331,7 @@ def write(
             view = backend_view(named[key], key)
             check_1d(view, key, I64, tokens["input_ids"].shape[0] if tokens else None, length_name="len(input_ids)")
             tokens[key] = contiguous_input(view, key, xp)
-        plan_v = {k: backend_view(a, f"write_plan.{k}") for k, a in write_plan.arrays().items()}
+        plan_v = _record_views("write_plan", write_plan, writable=False)
         cap = plan_v["write_seed_slot_indices"].shape[0]
         check_1d(plan_v["write_seed_slot_indices"], "write_plan.write_seed_slot_indices", I64)
         check_1d(plan_v["write_offsets"], "write_plan.write_offsets", I64, cap + 1, length_name="write_req_capacity + 1")
@@ -375,11 +392,10 @@ def verify(
         canary = _canary_view(canary_buf, written=False)
         pv = {}
         cap = None
-        for key, arr in verify_plan.arrays().items():
+        for key, view in _record_views("verify_plan", verify_plan, writable=False).items():
             if key == "out_of_range_count":
                 continue
             name = f"verify_plan.{key}"
-            view = backend_view(arr, name)
             if key in ("verify_num_valid", "enable"):
                 check_1d(view, name, I32, 1)
             else:

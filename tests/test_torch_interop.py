@@ -158,3 +158,22 @@ def test_mixed_plan_without_out_allocates_like_req_to_token():
     vp, wp = kc.plan(i64([1]), i64([2]), i64([1]), torch.from_numpy(linear_rtt(3, 8)), verify_capacity=4)
     assert isinstance(vp.verify_slot_indices, torch.Tensor) and isinstance(wp.write_offsets, torch.Tensor)
     assert vp.verify_slot_indices[:2].tolist() == [8, 9] and wp.write_seed_slot_indices.tolist() == [9]
+
+
+def test_record_views_follow_a_tensor_whose_storage_changed(tab):
+    """Views of a record's tensors are reused across calls, but never once the tensor moved."""
+    log = kc.ViolationLog.allocate(4, like=tab.like)
+    buf = tab.asarray(canary(8))
+    # slot 3 is empty: expecting position 5 there is a position violation (chain head: anchor too)
+    vp = make_verify_plan(tab, slots=[3], positions=[5], prevs=[-1])
+    kc.verify(buf, vp, log=log)
+    kc.verify(buf, vp, log=log)
+    assert tab.to_numpy(log.write_index)[0] == 2
+    old_ring = log.ring.clone()
+    log.ring.set_(torch.zeros_like(old_ring))  # the same tensor object on new storage
+    kept = log.ring.data_ptr()
+    log.write_index.zero_()
+    kc.verify(buf, vp, log=log)
+    assert log.ring.data_ptr() == kept
+    np.testing.assert_array_equal(tab.to_numpy(log.ring)[0], tab.to_numpy(old_ring)[0])  # the row landed anew
+    np.testing.assert_array_equal(tab.to_numpy(log.ring)[1:], 0)
