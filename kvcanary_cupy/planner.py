@@ -12,6 +12,7 @@ from .errors import fail
 from .interop import import_cupy, is_torch_tensor, placement_of, to_numpy
 from .ops import plan as plan_step
 from .plans import INT32_MAX, VerifyPlan, WritePlan
+from .validation import check_int
 
 
 class CanaryCapacityWarning(UserWarning):
@@ -47,9 +48,7 @@ class CanaryCapacities:
         notes = []
 
         def clamp(name: str, value) -> int:
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                fail(TypeError, f"{name} must be an int, got {type(value).__name__} {value!r}")
-            value = int(value)
+            value = check_int(value, name)
             if value < 0:
                 notes.append(f"{name}={value} is negative; clamped to 0")
                 return 0

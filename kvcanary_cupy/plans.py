@@ -21,15 +21,14 @@ from .constants import (
 )
 from .errors import fail
 from .interop import allocate
+from .validation import check_int
 
 INT32_MAX = 2**31 - 1
 
 
 def check_count(value, name: str, *, maximum: int = INT32_MAX) -> int:
     """A non-negative Python int (bools refused), or a ValueError/TypeError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        fail(TypeError, f"{name} must be an int, got {type(value).__name__} {value!r}")
-    value = int(value)
+    value = check_int(value, name)
     if value < 0:
         fail(ValueError, f"{name} must be non-negative, got {value}")
     if value > maximum:
