@@ -76,17 +76,24 @@ __device__ __forceinline__ u64 real_kv_fold(const RealKvSources& s, i64 slot) {
 // kernel kind.  Mirrored by a NumPy structured dtype in kvcanary_cupy/backends/cupy_backend.py.
 struct LaunchLog {
   i64* ring;  // [capacity, 8]
-  int* write_index;  // [1], counts every violation, the dropped ones too
+  int* write_index;  // [1], tickets drawn: saturates at capacity, never wraps
+  unsigned long long* violation_counters;  // [num_kinds], every violation (exact)
   unsigned long long* slot_run_counters;  // [num_kinds]
   unsigned long long* kernel_run_counters;  // [num_kinds]
   unsigned long long* out_of_range_counters;  // [num_kinds]
   int capacity;
   int kind;  // kernel_kind: stamped into rows, indexes the counters
 
+  // Counts the violation and stores it if the ring has room.  Tickets are drawn only while
+  // write_index < capacity; a draw that overshoots clamps write_index back to capacity, so it ends
+  // at min(before + violations, capacity) whatever the thread timing (the NumPy backend's rule).
   __device__ __forceinline__ void record(i64 slot, i64 position, i64 stored_token, i64 expected_token,
                                          i64 stored_chain, i64 expected_aux, i64 bits) const {
+    atomicAdd(violation_counters + kind, 1ULL);
+    if (*reinterpret_cast<volatile int*>(write_index) >= capacity) return;  // full: dropped, counted
     const int ticket = atomicAdd(write_index, 1);
-    if (ticket < 0 || ticket >= capacity) return;  // dropped, but counted by write_index
+    if (ticket >= capacity) atomicMin(write_index, capacity);
+    if (ticket < 0 || ticket >= capacity) return;
     i64* row = ring + static_cast<i64>(ticket) * kViolationFields;
     row[0] = kind;
     row[1] = slot;
@@ -99,7 +106,7 @@ struct LaunchLog {
     __threadfence_system();
   }
 };
-static_assert(sizeof(LaunchLog) == 48, "mirrored in cupy_backend.py");
+static_assert(sizeof(LaunchLog) == 56, "mirrored in cupy_backend.py");
 
 // A canary slot's record: the first four int64 of the slot's row.
 struct CanaryRecord {

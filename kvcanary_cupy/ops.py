@@ -82,7 +82,7 @@ def _log_views(log: ViolationLog) -> LogViews:
     v = _record_views("log", log, writable=True)
     check_1d(v["write_index"], "log.write_index", I32, 1)
     kinds = v["kernel_run_counters"].shape[0]
-    for key in ("slot_run_counters", "kernel_run_counters", "out_of_range_counters"):
+    for key in ("violation_counters", "slot_run_counters", "kernel_run_counters", "out_of_range_counters"):
         check_1d(v[key], f"log.{key}", I64, kinds, length_name="num_kinds")
     ring = v["ring"]
     if ring.dtype != np.int64 or ring.ndim != 2 or ring.shape[1] != 8:

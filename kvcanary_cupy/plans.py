@@ -113,15 +113,18 @@ class WritePlan(_ArrayRecord):
 class ViolationLog(_ArrayRecord):
     """The device-side violation ring and the per-launch-kind counters (spec Part 1, decision 8).
 
-    ``ring`` is fill-once: row k holds the violation that drew ticket k, if k < capacity.
-    ``write_index`` counts every violation, the dropped ones included.  Each launch adds 1 to
-    ``kernel_run_counters[kernel_kind]``, the entries it scanned or wrote to
-    ``slot_run_counters[kernel_kind]`` and the out-of-range items it skipped to
+    ``ring`` is fill-once: row k holds the violation that drew ticket k.  Tickets are drawn from
+    ``write_index`` only while the ring has room, so ``write_index`` ends at
+    ``min(violations since the last reset, capacity)`` and never wraps or goes negative.
+    ``violation_counters[kernel_kind]`` counts every violation exactly (64-bit), the dropped ones
+    included.  Each launch adds 1 to ``kernel_run_counters[kernel_kind]``, the entries it scanned
+    or wrote to ``slot_run_counters[kernel_kind]`` and the out-of-range items it skipped to
     ``out_of_range_counters[kernel_kind]``.
     """
 
     ring: Any  # [capacity, 8] int64
-    write_index: Any  # [1] int32
+    write_index: Any  # [1] int32, tickets drawn (at most capacity)
+    violation_counters: Any  # [num_kinds] int64, every violation
     slot_run_counters: Any  # [num_kinds] int64
     kernel_run_counters: Any  # [num_kinds] int64
     out_of_range_counters: Any  # [num_kinds] int64
@@ -145,6 +148,7 @@ class ViolationLog(_ArrayRecord):
         return cls(
             ring=allocate((ring_capacity, VIOLATION_FIELDS), np.int64, like=like, fill=0),
             write_index=allocate((1,), np.int32, like=like, fill=0),
+            violation_counters=allocate((num_kinds,), np.int64, like=like, fill=0),
             slot_run_counters=allocate((num_kinds,), np.int64, like=like, fill=0),
             kernel_run_counters=allocate((num_kinds,), np.int64, like=like, fill=0),
             out_of_range_counters=allocate((num_kinds,), np.int64, like=like, fill=0),

@@ -61,8 +61,9 @@ class ViolationReport:
     """A host snapshot of a :class:`~kvcanary_cupy.ViolationLog`."""
 
     violations: tuple  # of Violation, in ring order (ticket order)
-    total_violations: int  # write_index: every violation, the dropped ones included
+    total_violations: int  # sum of violation_counters: every violation, the dropped ones included
     ring_capacity: int
+    violation_counters: np.ndarray  # [num_kinds] int64, exact per launch kind
     slot_run_counters: np.ndarray
     kernel_run_counters: np.ndarray
     out_of_range_counters: np.ndarray
@@ -70,12 +71,13 @@ class ViolationReport:
     @classmethod
     def from_log(cls, log) -> "ViolationReport":
         ring = to_numpy(log.ring)
-        total = int(to_numpy(log.write_index)[0])
-        kept = min(max(total, 0), ring.shape[0])
+        kept = min(max(int(to_numpy(log.write_index)[0]), 0), ring.shape[0])
+        counters = to_numpy(log.violation_counters).copy()
         return cls(
             violations=tuple(Violation.from_row(r) for r in ring[:kept]),
-            total_violations=total,
+            total_violations=int(counters.sum()),
             ring_capacity=ring.shape[0],
+            violation_counters=counters,
             slot_run_counters=to_numpy(log.slot_run_counters).copy(),
             kernel_run_counters=to_numpy(log.kernel_run_counters).copy(),
             out_of_range_counters=to_numpy(log.out_of_range_counters).copy(),
@@ -84,7 +86,7 @@ class ViolationReport:
     @property
     def dropped(self) -> int:
         """Violations counted but not stored because the ring was full."""
-        return max(self.total_violations - self.ring_capacity, 0)
+        return max(self.total_violations - len(self.violations), 0)
 
     def format(self) -> str:
         lines = [v.format() for v in self.violations]

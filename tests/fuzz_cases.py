@@ -265,7 +265,7 @@ def assert_same(ref: dict, got: dict, *, context: str = "") -> None:
             np.testing.assert_array_equal(g[key], r[key], err_msg=f"{context} step {step}: {key}")
         written = int(r["log.write_index"][0])
         cap = r["log.ring"].shape[0]
-        if written <= cap:
+        if int(r["log.violation_counters"].sum()) <= cap:  # which rows an overflowing ring keeps is timing-dependent
             np.testing.assert_array_equal(_sorted_rows(g["log.ring"][:written]), _sorted_rows(r["log.ring"][:written]),
                                           err_msg=f"{context} step {step}: ring rows")
         np.testing.assert_array_equal(g["log.ring"][min(written, cap):], r["log.ring"][min(written, cap):],

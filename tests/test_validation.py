@@ -454,7 +454,7 @@ def test_violation_log_allocate(ab):
     log = ViolationLog.allocate(like=ab.like)
     shapes = {k: (ab.to_numpy(v).shape, ab.to_numpy(v).dtype.name) for k, v in log.arrays().items()}
     assert shapes == {"ring": ((1024, 8), "int64"), "write_index": ((1,), "int32"),
-                      "slot_run_counters": ((12,), "int64"), "kernel_run_counters": ((12,), "int64"),
+                      "violation_counters": ((12,), "int64"), "slot_run_counters": ((12,), "int64"), "kernel_run_counters": ((12,), "int64"),
                       "out_of_range_counters": ((12,), "int64")}
     assert all((ab.to_numpy(v) == 0).all() for v in log.arrays().values())
     assert (log.capacity, log.num_kinds) == (1024, 12)

@@ -197,13 +197,28 @@ def test_ring_fill_once_overflow(ab):
     slots = list(range(1, 11))
     expected, _, _ = oracle_verify(canary(16), [(s, -1, 7, -1) for s in slots])
     lg = verify(ab, canary(16), slots, [7] * 10, [-1] * 10, log=log)
-    assert int(lg["write_index"][0]) == 10
+    assert int(lg["write_index"][0]) == 4 and int(lg["violation_counters"][0]) == 10
     stored = ring_rows(lg)
     assert len(stored) == 4 and is_sub_multiset(stored, sorted_rows(expected))
-    assert kc.ViolationLog.read(log).dropped == 6
-    # a full ring keeps its rows; later violations are only counted
+    report = kc.ViolationLog.read(log)
+    assert (report.total_violations, len(report.violations), report.dropped) == (10, 4, 6)
+    # a full ring keeps its rows and write_index; later violations are only counted
     lg = verify(ab, canary(16), [1], [3], [-1], log=log)
-    assert int(lg["write_index"][0]) == 11 and ring_rows(lg) == stored
+    assert int(lg["write_index"][0]) == 4 and int(lg["violation_counters"][0]) == 11 and ring_rows(lg) == stored
+
+
+def test_write_index_never_wraps(ab):
+    """A write_index already at or past the capacity is left alone; a negative one keeps its rows out."""
+    log = make_log(ab, capacity=4)
+    log.write_index[...] = 2**31 - 1
+    lg = verify(ab, canary(16), [1, 2, 3], [7] * 3, [-1] * 3, log=log)
+    assert int(lg["write_index"][0]) == 2**31 - 1 and int(lg["violation_counters"][0]) == 3
+    assert (lg["ring"] == 0).all()
+    log = make_log(ab, capacity=4)
+    log.write_index[...] = -2
+    lg = verify(ab, canary(16), [1, 2, 3], [7] * 3, [-1] * 3, log=log)
+    assert int(lg["write_index"][0]) == 1 and int(lg["violation_counters"][0]) == 3
+    assert len(ring_rows(lg)) == 1
 
 
 def test_fifty_simultaneous_violations(ab):
@@ -249,7 +264,8 @@ def test_corruption_matrix(ab, corruption, where, ring_full):
         assert got_bits == {target: CHAIN, **({slots[where + 1]: CHAIN} if where < 4 else {})}
     else:
         assert got_bits == {target: REAL_KV}
-    assert int(lg["write_index"][0]) == len(want) + (2 if ring_full else 0)
+    assert int(lg["violation_counters"][0]) == len(want) + (2 if ring_full else 0)
+    assert int(lg["write_index"][0]) == min(len(want) + (2 if ring_full else 0), 2)
     if ring_full:
         assert all(r[1] in (1, 2) and r[7] == POSITION for r in ring_rows(lg))
     else:

@@ -45,6 +45,7 @@ class PlanArgs(NamedTuple):
 class LogViews(NamedTuple):
     ring: Any  # [ring_cap, 8] int64
     write_index: Any  # [1] int32
+    violation_counters: Any  # [K] int64
     slot_run_counters: Any  # [K] int64
     kernel_run_counters: Any  # [K] int64
     out_of_range_counters: Any  # [K] int64

@@ -39,11 +39,11 @@ PLAN_OUTPUTS = np.dtype(
     align=True,
 )
 LAUNCH_LOG = np.dtype(
-    [("ring", "u8"), ("write_index", "u8"), ("slot_run_counters", "u8"), ("kernel_run_counters", "u8"),
+    [("ring", "u8"), ("write_index", "u8"), ("violation_counters", "u8"), ("slot_run_counters", "u8"), ("kernel_run_counters", "u8"),
      ("out_of_range_counters", "u8"), ("capacity", "i4"), ("kind", "i4")],
     align=True,
 )
-assert (CANARY_BUFFER.itemsize, REAL_KV_SOURCES.itemsize, LAUNCH_LOG.itemsize) == (24, 120, 48)
+assert (CANARY_BUFFER.itemsize, REAL_KV_SOURCES.itemsize, LAUNCH_LOG.itemsize) == (24, 120, 56)
 assert (PLAN_INPUTS.itemsize, PLAN_OUTPUTS.itemsize) == (128, 104)
 
 
@@ -124,7 +124,7 @@ def _sources_struct(sources: tuple, mode: int) -> np.ndarray:
 
 def _log_struct(log: LogViews, kind: int) -> np.ndarray:
     s = np.zeros(1, LAUNCH_LOG)
-    for key in ("ring", "write_index", "slot_run_counters", "kernel_run_counters", "out_of_range_counters"):
+    for key in ("ring", "write_index", "violation_counters", "slot_run_counters", "kernel_run_counters", "out_of_range_counters"):
         s[key] = getattr(log, key).data.ptr
     s["capacity"], s["kind"] = log.ring.shape[0], kind
     return s

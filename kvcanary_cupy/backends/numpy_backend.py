@@ -156,16 +156,26 @@ def real_kv_hashes(sources: tuple, mode: int, slots: np.ndarray) -> np.ndarray:
     return acc
 
 
-def append_rows(log: LogViews, rows: np.ndarray) -> None:
-    """Fill-once append: row i takes ticket ``write_index + i`` and is kept if the ticket fits."""
+def append_rows(log: LogViews, kind: int, rows: np.ndarray) -> None:
+    """Count ``rows`` in ``violation_counters[kind]`` and append them to the fill-once ring.
+
+    Row i takes ticket ``write_index + i`` and is kept if the ticket is in ``[0, capacity)``.
+    Tickets are drawn only while the ring has room: ``write_index`` becomes
+    ``min(write_index + n, capacity)`` when it was below the capacity and is left alone otherwise,
+    so it never wraps; the exact totals live in ``violation_counters``.
+    """
     n = rows.shape[0]
     if n == 0:
         return
+    log.violation_counters[kind] += n
+    capacity = log.ring.shape[0]
     base = int(log.write_index[0])
+    if base >= capacity:
+        return
     tickets = base + np.arange(n)
-    keep = (tickets >= 0) & (tickets < log.ring.shape[0])
+    keep = (tickets >= 0) & (tickets < capacity)
     log.ring[tickets[keep]] = rows[keep]
-    log.write_index[0] = np.int32((base + n + 2**31) % 2**32 - 2**31)
+    log.write_index[0] = min(base + n, capacity)
 
 
 def _rows(kind, slot, position, stored_token, expected_token, chain, aux, bits) -> np.ndarray:
@@ -265,7 +275,7 @@ def write(a: WriteArgs) -> None:
 
     if rows:
         all_rows = np.concatenate(rows)
-        append_rows(log, all_rows[np.argsort(np.concatenate(row_keys), kind="stable")])
+        append_rows(log, kind, all_rows[np.argsort(np.concatenate(row_keys), kind="stable")])
     log.slot_run_counters[kind] += written
     log.out_of_range_counters[kind] += errors
 
@@ -320,6 +330,7 @@ def verify(a: VerifyArgs) -> None:
     hit = bits != 0
     append_rows(
         log,
+        kind,
         _rows(kind, slot[hit], stored[hit, 1], stored[hit, 0], expected_tok[hit], stored[hit, 2],
               _as_i64(expected_chain[hit]), bits[hit]),
     )
