@@ -1,7 +1,7 @@
 """A fuzz subset for compute-sanitizer: random steps (a third with out-of-range values) on CuPy,
 each compared with NumPy, then a whole step captured in a CUDA graph and replayed with new batch
-contents (both plan paths).  CuPy's memory pool is turned off so every array is its own
-cudaMalloc and memcheck sees any access past it.
+contents (both plan paths), then random scatters with repeated pool rows.  CuPy's memory pool is
+turned off so every array is its own cudaMalloc and memcheck sees any access past it.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 40
 """
@@ -10,10 +10,13 @@ import argparse
 import os
 import sys
 
+import numpy as np
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import cupy  # noqa: E402
 
+import kvcanary_cupy as kc  # noqa: E402
 from conftest import get_backend_or_skip  # noqa: E402
 from fuzz_cases import assert_same, make_case, run_case  # noqa: E402
 from test_gpu_graphs import SHAPES, _prepare, assert_snapshots_equal  # noqa: E402
@@ -39,10 +42,28 @@ def replay_graphs(cupy_ab) -> int:
     return replays
 
 
+def scatter_case(seed: int) -> None:
+    """Batch rows racing for a few pool rows, some sources outside flat_in: CuPy writes NumPy's bytes."""
+    rng = np.random.default_rng(seed)
+    bs, rows, cols = int(rng.integers(1, 3000)), int(rng.integers(1, 6)), int(rng.integers(1, 300))
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(0, 2 * cols, size=bs))])
+    offsets[rng.integers(0, bs + 1, size=3)] -= int(rng.integers(0, 20))
+    flat = rng.integers(-(2**31), 2**31, size=max(int(offsets.max()), 0) + 1)
+    rp = rng.integers(-1, rows + 1, size=bs)
+    outs = []
+    for xp in (np, cupy):
+        pool, count = xp.zeros((rows, cols), np.int32), xp.zeros(1, np.int64)
+        kc.scatter_req_token_ids(xp.asarray(flat), xp.asarray(offsets), xp.asarray(rp), pool, out_of_range_count=count)
+        outs.append((cupy.asnumpy(pool), cupy.asnumpy(count)))
+    for want, got in zip(outs[0], outs[1]):
+        np.testing.assert_array_equal(got, want, err_msg=f"scatter seed {seed}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", type=int, default=40)
     parser.add_argument("--first", type=int, default=5000)
+    parser.add_argument("--scatter-cases", type=int, default=6)
     args = parser.parse_args()
     cupy.cuda.set_allocator(None)
     numpy_ab, cupy_ab = get_backend_or_skip("numpy"), get_backend_or_skip("cupy")
@@ -54,9 +75,11 @@ def main():
         last = ref["snapshots"][-1]
         injected += int(last["vp.out_of_range_count"][0] + last["log.out_of_range_counters"].sum() > 0)
     replays = replay_graphs(cupy_ab)
+    for seed in range(args.first, args.first + args.scatter_cases):
+        scatter_case(seed)
     cupy.cuda.Device().synchronize()
     print(f"sanitizer fuzz: {args.cases} cases passed, {injected} with out-of-range values; "
-          f"{replays} graph replays matched NumPy")
+          f"{replays} graph replays and {args.scatter_cases} scatters matched NumPy")
 
 
 if __name__ == "__main__":

@@ -107,3 +107,4 @@ def test_launch_constants_match_the_kernels():
     assert _cuh_constant("kPlanItemsPerThread", "plan.cu") == cb.PLAN_ITEMS_PER_THREAD
     assert _cuh_constant("kPlanMaxThreads", "plan.cu") == cb.PLAN_MAX_THREADS
     assert _cuh_constant("kFusedMaxBs", "plan.cu") == cb.FUSED_PLAN_MAX_BS
+    assert _cuh_constant("kScatterMaxGroupRows", "scatter.cu") == cb.SCATTER_MAX_GROUP_ROWS

@@ -5,6 +5,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from canary_builders import a64, i64, linear_rtt, plan_entries, run_plan
+from conftest import get_backend_or_skip
 
 POISON = -7
 
@@ -101,6 +102,66 @@ def test_random_batches_match_oracle(ab, seed):
     want = poisoned(rows, cols)
     assert oracle_scatter(flat, offsets, rp, want) == bad == 0
     assert np.array_equal(got, want)
+
+
+# ---- batch rows sharing a pool row: per column, the largest batch row writing it wins -----------
+
+
+def test_repeated_pool_rows_last_writer_wins_per_column(ab):
+    #        row 0 -> 1    row 1 -> 2  row 2 -> 1  row 3 -> 2    row 4 -> 1  row 5 -> 3       row 6 -> 3
+    flat = [1, 2, 3] + [20, 21] + [9] + [30, 31, 32] + [] + list(range(40, 47)) + [50, 51]
+    lens = [3, 2, 1, 3, 0, 7, 2]
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    got, bad = scatter(ab, flat, offsets, [1, 2, 1, 2, 1, 3, 3], poisoned(4, 5))
+    want = poisoned(4, 5)
+    want[1, :3] = [9, 2, 3]  # row 2 takes column 0 only; the empty row 4 takes nothing
+    want[2, :3] = [30, 31, 32]  # row 3 covers all of row 1's columns
+    want[3] = [50, 51, 42, 43, 44]  # row 5 was truncated to 5 columns; row 6 takes two
+    assert np.array_equal(got, want) and bad == 0
+
+
+def test_repeated_pool_rows_with_a_source_before_flat_in(ab):
+    """A later row whose source starts before flat_in takes only the columns it writes."""
+    flat = [1, 2, 3, 4, 5, 6, 7]
+    # row 0: flat[0:5] -> pool row 1, columns 0-4; row 1: negative length, writes nothing;
+    # row 2: start -2, length 4 -> columns 2, 3 get flat[0], flat[1]; row 3: flat[2] -> column 0
+    got, bad = scatter(ab, flat, [0, 5, -2, 2, 3], [1, 0, 1, 1], poisoned(2, 6))
+    assert got[1].tolist() == [3, 2, 1, 2, 5, POISON]
+    assert (got[0] == POISON).all() and bad == 2
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_batches_with_repeated_pool_rows_match_the_oracle(ab, seed):
+    """The oracle loops over batch rows in order, so its last write is the rule's winner."""
+    rng = np.random.default_rng(100 + seed)
+    rows, cols, bs = 3, int(rng.integers(1, 12)), int(rng.integers(1, 16))
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(0, 14, size=bs))]) - int(rng.integers(0, 3))
+    flat = rng.integers(-(2**31), 2**31 - 1, size=int(offsets[-1]) + 1)
+    rp = rng.integers(0, rows, size=bs)
+    got, bad = scatter(ab, flat, offsets, rp, poisoned(rows, cols))
+    want = poisoned(rows, cols)
+    assert oracle_scatter(flat, offsets, rp, want) == bad
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("bs", [3000, 20_000])
+def test_repeated_pool_rows_match_numpy_on_the_gpu(gpu_ab, bs):
+    """Thousands of batch rows racing for 7 pool rows, with earlier rows longer than later ones and
+    a few sources starting before flat_in: the GPU writes NumPy's bytes, twice in a row.  20,000
+    rows exceed the device's resident blocks, so blocks take several rows each."""
+    rng = np.random.default_rng(bs)
+    rows, cols = 7, 512
+    lens = np.maximum(0, 700 - np.arange(bs) * 700 // bs + rng.integers(-50, 50, size=bs)) if bs < 10_000 else rng.integers(0, 40, size=bs)
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    offsets[rng.integers(0, bs, size=8)] = -5  # sources before flat_in (counted, written in part)
+    flat = rng.integers(-(2**31), 2**31 - 1, size=int(offsets[-1]))
+    rp = rng.integers(0, rows, size=bs)
+    pool0 = rng.integers(-(2**31), 2**31 - 1, size=(rows, cols)).astype(np.int32)
+    want, want_bad = scatter(get_backend_or_skip("numpy"), flat, offsets, rp, pool0)
+    for _ in range(2):
+        got, bad = scatter(gpu_ab, flat, offsets, rp, pool0)
+        assert bad == want_bad
+        np.testing.assert_array_equal(got, want)
 
 
 # ---- out-of-range values ------------------------------------------------------------------------

@@ -59,6 +59,7 @@ BLOCKS_PER_SM = 8
 THREADS = 256
 WRITE_WARPS_PER_BLOCK = 4
 WRITE_WARPS_PER_SM = 32
+SCATTER_MAX_GROUP_ROWS = 32  # kScatterMaxGroupRows in scatter.cu
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,13 +196,21 @@ def verify(a: VerifyArgs) -> None:
     ))
 
 
+def scatter_config(bs: int) -> tuple[LaunchConfig, int]:
+    """``(launch, rows per group)``: a group per block while the batch fits the device, then
+    groups of up to SCATTER_MAX_GROUP_ROWS rows so one scan of the later rows serves many."""
+    blocks = _sm_count(_device_id()) * BLOCKS_PER_SM
+    group_rows = max(1, min(SCATTER_MAX_GROUP_ROWS, -(-bs // blocks)))
+    return LaunchConfig(max(1, min(blocks, -(-bs // group_rows))), THREADS), group_rows
+
+
 def scatter(a: ScatterArgs) -> None:
     bs = a.req_pool_indices.shape[0]
     if bs == 0:
         return
     rows, cols = a.pool_out.shape
-    grid = min(bs, _sm_count(_device_id()) * BLOCKS_PER_SM)
-    _launch("scatter", kernel_name("scatter_req_token_ids"), LaunchConfig(grid, THREADS), (
+    config, group_rows = scatter_config(bs)
+    _launch("scatter", kernel_name("scatter_req_token_ids"), config, (
         a.flat_in, I64(a.flat_in.shape[0]), a.offsets, a.req_pool_indices, I64(bs), a.pool_out, I64(rows),
-        I64(cols), _row_stride(a.pool_out), a.out_of_range_count,
+        I64(cols), _row_stride(a.pool_out), I64(group_rows), a.out_of_range_count,
     ))

@@ -341,31 +341,42 @@ def verify(a: VerifyArgs) -> None:
 
 
 def scatter_row_checks(a: ScatterArgs):
-    """Per request: pool row, source start, columns to write, and whether a value was out of range."""
+    """Per request: pool row (-1 when it writes nothing), source start, the pool columns
+    ``[lo, hi)`` it writes (those below ``min(length, cols)`` with a source inside ``flat_in``),
+    and whether a value was out of range.  The kernel's ``scatter_row`` computes the same."""
     rp = np.asarray(a.req_pool_indices, _I64)
     offsets = np.asarray(a.offsets, _I64)
     rows, cols = a.pool_out.shape
     n = a.flat_in.shape[0]
     start = offsets[:-1]
-    length = offsets[1:] - start
+    length = offsets[1:] - start  # wraps on overflow, like the kernel's unsigned difference
     width = np.clip(length, 0, cols)
+    none = (start >= n) | (start < -width)
+    lo = np.where(none | (start >= 0), 0, -start)
+    hi = np.where(none, 0, np.minimum(width, n - start))
     rp_ok = (rp >= 0) & (rp < rows)
-    bad = ~rp_ok | (length < 0) | ((width > 0) & ((start < 0) | (start + width > n)))
-    width = np.where(rp_ok, width, 0)
-    return rp, start, width, bad
+    bad = ~rp_ok | (length < 0) | (hi - lo < width)
+    return np.where(rp_ok & (lo < hi), rp, -1), start, lo, hi, bad
 
 
 def scatter(a: ScatterArgs) -> None:
-    rp, start, width, bad = scatter_row_checks(a)
+    rp, start, lo, hi, bad = scatter_row_checks(a)
     if a.out_of_range_count is not None:
         a.out_of_range_count[0] += int(np.count_nonzero(bad))
+    width = np.where(rp >= 0, hi - lo, 0)
     total = int(width.sum())
     if total == 0:
         return
-    owner = np.repeat(np.arange(rp.shape[0]), width)
+    owner = np.repeat(np.arange(rp.shape[0]), width)  # batch rows in increasing order
     first = np.zeros(rp.shape[0] + 1, _I64)
     np.cumsum(width, out=first[1:])
-    col = np.arange(total, dtype=_I64) - first[owner]
-    src = start[owner] + col
-    ok = (src >= 0) & (src < a.flat_in.shape[0])
-    a.pool_out[rp[owner][ok], col[ok]] = a.flat_in[src[ok]].astype(np.int32)
+    col = lo[owner] + np.arange(total, dtype=_I64) - first[owner]
+    writers = rp[width > 0]
+    if np.unique(writers).size < writers.size:
+        # Rows share a pool row: per (pool row, column) the largest batch row writing it wins.
+        # NumPy leaves the winner of a repeated fancy-index assignment unspecified, so keep it alone.
+        key = rp[owner] * a.pool_out.shape[1] + col
+        _, last = np.unique(key[::-1], return_index=True)
+        keep = total - 1 - last
+        owner, col = owner[keep], col[keep]
+    a.pool_out[rp[owner], col] = a.flat_in[start[owner] + col].astype(np.int32)
