@@ -1,9 +1,46 @@
-"""One place for the ``kv-canary:`` prefix of every error this library raises."""
+"""One place for the ``kv-canary:`` prefix of every argument error, and for where it points.
+
+Argument checks live in shared helpers (validation, interop, the records); a traceback ending in
+one of them shows the reader kv-canary's internals instead of the call they made.  Public entry
+points are decorated with :func:`public_api`, which cuts the traceback of the errors raised by
+:func:`fail` at the entry point's own frame.
+"""
 
 from __future__ import annotations
 
+import functools
 from typing import NoReturn
+
+_MARK = "_kvcanary_argument_error"
 
 
 def fail(exc_type: type[Exception], message: str) -> NoReturn:
-    raise exc_type(f"kv-canary: {message}")
+    exc = exc_type(f"kv-canary: {message}")
+    setattr(exc, _MARK, True)
+    raise exc
+
+
+def public_api(fn):
+    """Make the argument errors raised inside ``fn`` end their traceback at ``fn``'s frame.
+
+    Other exceptions (bugs, CUDA errors) keep their whole traceback.  Nested entry points (a
+    planner calling :func:`kvcanary_cupy.plan`) cut at the outermost one.
+    """
+    code = fn.__code__
+
+    @functools.wraps(fn)
+    def entry_point(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (TypeError, ValueError) as exc:
+            if not getattr(exc, _MARK, False):
+                raise
+            tb = exc.__traceback__
+            while tb is not None and tb.tb_frame.f_code is not code:
+                tb = tb.tb_next
+            if tb is None:
+                raise
+            tb.tb_next = None
+            raise exc.with_traceback(tb)  # noqa: B904 - the same exception, trimmed
+
+    return entry_point

@@ -9,6 +9,7 @@ Neither CuPy nor PyTorch is imported unless the caller already passed one of the
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -101,6 +102,7 @@ def backend_view(x, name: str, *, writable: bool = False):
 
     Negative strides are refused for written arrays (a view cannot be written back) and copied
     for read-only ones, because DLPack exports of them are broken (cupy#10172, pytorch#188023).
+    Every array must start aligned to its item size: the kernels read whole items.
     """
     if x is None:
         return None
@@ -111,17 +113,94 @@ def backend_view(x, name: str, *, writable: bool = False):
             x = x.detach()
         if x.is_conj() or x.layout != sys.modules["torch"].strided:
             fail(TypeError, f"{name} must be a plain strided torch tensor, got layout {x.layout}")
+        if _numpy_dtype(x.dtype) is None:  # DLPack would fail with a bare RuntimeError
+            fail(TypeError, f"{name} is a torch tensor of dtype {x.dtype}, which kv-canary cannot read: it takes integer "
+                            "tensors here (see the array conventions); convert with .long() or .int()")
         if x.device.type == "cpu":
-            return np.from_dlpack(x)
-        cupy = import_cupy()
-        with cupy.cuda.Device(x.device.index):
-            return cupy.from_dlpack(x)
+            view = np.from_dlpack(x)
+        else:
+            cupy = import_cupy()
+            with cupy.cuda.Device(x.device.index):
+                view = cupy.from_dlpack(x)
+        check_aligned(view, name)
+        return view
+    check_aligned(x, name)
     if any(s < 0 for s in x.strides):
         if writable:
             fail(ValueError, f"{name} has negative strides; kv-canary writes into it, pass a contiguous array")
         xp = np if isinstance(x, np.ndarray) else import_cupy()
+        refuse_view_copy_during_capture(x, f"kv-canary would copy {name} (it has negative strides)",
+                                        f"pass {name} contiguous (copy it before capturing)")
         return xp.ascontiguousarray(x)
     return x
+
+
+@functools.lru_cache(maxsize=None)
+def _numpy_dtype(torch_dtype):
+    """The NumPy dtype of a torch dtype, or None (bfloat16, the fp8 kinds, quantised types)."""
+    try:
+        return np.dtype(str(torch_dtype).removeprefix("torch."))
+    except TypeError:
+        return None
+
+
+def check_aligned(view, name: str, alignment: int | None = None, why: str | None = None) -> None:
+    """``view`` starts at a multiple of ``alignment`` bytes (its item size by default).
+
+    Misaligned typed loads fault the GPU (cudaErrorMisalignedAddress, which ends the process);
+    the NumPy backend refuses the same arrays so every backend accepts the same inputs.
+    """
+    alignment = alignment or view.dtype.itemsize
+    if alignment == 1 or (isinstance(view, np.ndarray) and alignment <= view.dtype.alignment and view.flags.aligned):
+        return  # NumPy's flag is ~40 ns where reading the address is ~1.4 us
+    offset = data_ptr(view) % alignment
+    if offset:
+        why = why or f"its {view.dtype} items are read whole"
+        fail(ValueError, f"{name} must start at a multiple of {alignment} bytes ({why}), got an address {offset} "
+                         "bytes past one; pass a freshly allocated array or a copy")
+
+
+# ---- CUDA graph capture ----------------------------------------------------------------------
+
+
+def is_capturing(placement: Placement) -> bool:
+    """Whether the stream kv-canary launches on for ``placement`` is capturing a CUDA graph.
+
+    A driver query: ask only right before a copy or an allocation, never on the plain path.
+    """
+    if placement.backend != "cupy":
+        return False
+    if placement.framework == "torch":
+        torch = sys.modules["torch"]
+        with torch.cuda.device(placement.device):
+            return torch.cuda.is_current_stream_capturing()
+    cupy = import_cupy()
+    try:
+        return cupy.cuda.get_current_stream(placement.device).is_capturing()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return True  # the legacy stream cannot be queried while another stream captures in global mode
+
+
+def refuse_during_capture(placement: Placement, what: str, fix: str) -> None:
+    """Refuse a copy or an allocation while the launch stream captures a CUDA graph.
+
+    The graph would record the copy into (or the kernels' reads of) memory that goes back to
+    CuPy's or torch's pool when the call returns: a replay would then write into whatever array
+    gets that memory next.
+    """
+    if is_capturing(placement):
+        fail(ValueError, f"{what}, but the current stream is capturing a CUDA graph and the graph would keep using "
+                         f"memory it does not own; {fix}")
+
+
+def refuse_view_copy_during_capture(view, what: str, fix: str) -> None:
+    """:func:`refuse_during_capture` for a NumPy/CuPy view made inside :func:`launch_stream`.
+
+    There CuPy's current stream is the launch stream (torch's current stream when torch tensors
+    are involved), so CuPy's query covers torch graphs too.
+    """
+    if not isinstance(view, np.ndarray):
+        refuse_during_capture(Placement("cupy", "cupy", view.device.id), what, fix)
 
 
 def array_module(placement: Placement):

@@ -22,15 +22,16 @@ from .backends import (
     get_backend,
 )
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES, RealKvHashMode
-from .errors import fail
+from .errors import fail, public_api
 from .interop import (
     array_module,
     backend_view,
     byte_rows_view,
+    check_aligned,
     common_placement,
-    data_ptr,
     is_torch_tensor,
     launch_stream,
+    refuse_during_capture,
 )
 from .plans import INT32_MAX, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources
 from .validation import (
@@ -58,14 +59,14 @@ def _record_views(prefix: str, record, *, writable: bool) -> dict:
 
     Records are long-lived (allocated once, reused every step), so the DLPack view of each of
     their torch tensors (about 20 us on a GPU) is made once and kept on the record, as long as
-    the tensor's address, shape and strides stay the same.
+    the tensor's address, dtype, shape and strides stay the same.
     """
     cache = record.__dict__.setdefault("_kvcanary_views", {})
     views = {}
     for key, arr in record.arrays().items():
         name = f"{prefix}.{key}"
         if is_torch_tensor(arr) and not (writable and arr.requires_grad):
-            stamp = (arr.data_ptr(), tuple(arr.shape), tuple(arr.stride()), str(arr.device))
+            stamp = (arr.data_ptr(), arr.dtype, tuple(arr.shape), tuple(arr.stride()), str(arr.device))
             hit = cache.get(key)
             if hit is None or hit[0] != stamp:
                 hit = cache[key] = (stamp, backend_view(arr, name))
@@ -111,6 +112,7 @@ def _canary_view(canary_buf, *, written: bool):
             fail(ValueError, f"canary_buf slot stride must hold at least 4 int64 fields, got {view.shape[1]}")
     else:
         fail(TypeError, f"canary_buf must be int64 [num_slots, 4] or uint8 [num_slots, >=32], got dtype {view.dtype}")
+    check_aligned(view, "canary_buf", 8, "its slots are read as int64 fields")
     if view.shape[0] < 1:
         fail(ValueError, "canary_buf must have at least 1 slot (slot 0 is the padding slot), got 0")
     return view
@@ -149,8 +151,7 @@ def _source_views(sources: tuple, mode: int, num_slots: int) -> tuple:
     for i, src in enumerate(sources):
         name = f"real_kv_sources[{i}].tensor"
         data = byte_rows_view(src.tensor, name)
-        if data_ptr(data) % 16:
-            fail(ValueError, f"{name} must start at a 16-byte aligned address (real KV is read 16 bytes at a time)")
+        check_aligned(data, name, 16, "real KV is read 16 bytes at a time")
         if data.shape[0] * src.page_size < num_slots:
             fail(
                 ValueError,
@@ -164,6 +165,7 @@ def _source_views(sources: tuple, mode: int, num_slots: int) -> tuple:
 # ----------------------------------------------------------------------------------------------
 
 
+@public_api
 def plan(
     req_pool_indices,
     prefix_lens,
@@ -248,6 +250,8 @@ def plan(
                              "(CanaryCapacities.from_engine(max_running_requests=...) for a CanaryPlanner)")
 
         if out is None:
+            refuse_during_capture(placement, "plan with out=None allocates its VerifyPlan and WritePlan",
+                                  "pass out=(VerifyPlan, WritePlan) allocated before capturing (a CanaryPlanner holds such a pair)")
             vp = VerifyPlan.allocate(vcap, like=req_to_token)
             wp = WritePlan.allocate(wcap, like=req_to_token)
         else:
@@ -281,6 +285,7 @@ def plan(
     return vp, wp
 
 
+@public_api
 def write(
     canary_buf,
     write_plan,
@@ -365,6 +370,7 @@ def write(
         get_backend(placement.backend).write(args)
 
 
+@public_api
 def verify(
     canary_buf,
     verify_plan,
@@ -416,10 +422,12 @@ def verify(
         get_backend(placement.backend).verify(args)
 
 
+@public_api
 def scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out, *, out_of_range_count=None, strict=False):
     """Fill the expected-token pool: ``pool_out[rp, :n] = flat_in[start:start+n]`` per request.
 
     ``n = min(offsets[r+1] - offsets[r], pool_out.shape[1])``; rows not addressed are untouched.
+    Batch rows sharing a pool row: for each column, the largest batch row writing it wins.
     Out-of-range values are skipped and counted in ``out_of_range_count`` ([1] int64) when given.
     Returns ``pool_out``.
     """

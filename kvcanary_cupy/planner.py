@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import fail
-from .interop import import_cupy, is_torch_tensor, placement_of, to_numpy
+from .errors import fail, public_api
+from .interop import import_cupy, is_torch_tensor, placement_of, refuse_during_capture, to_numpy
 from .ops import plan as plan_step
 from .plans import INT32_MAX, VerifyPlan, WritePlan
 from .validation import check_int
@@ -28,6 +28,7 @@ class CanaryCapacities:
     notes: tuple = ()  # what was clamped, in words
 
     @classmethod
+    @public_api
     def from_engine(
         cls,
         *,
@@ -80,6 +81,7 @@ class CanaryPlanner:
     seeds past the batch are -1 and offsets past it are 0.
     """
 
+    @public_api
     def __init__(self, capacities: CanaryCapacities, *, like=None, swa_window_size: int = 0,
                  full_to_swa_index_mapping=None, kv_token_id_vs_position_offset: int = 0):
         if not isinstance(capacities, CanaryCapacities):
@@ -87,7 +89,7 @@ class CanaryPlanner:
         self.capacities = capacities
         if capacities.notes:
             warnings.warn("kv-canary: CanaryPlanner capacities were clamped: " + "; ".join(capacities.notes),
-                          CanaryCapacityWarning, stacklevel=2)
+                          CanaryCapacityWarning, stacklevel=3)  # past public_api's wrapper
         self.verify_plan = VerifyPlan.allocate(capacities.verify_capacity, like=like)
         self.write_plan = WritePlan.allocate(capacities.write_req_capacity, like=like)
         self._like = self.verify_plan.enable
@@ -98,6 +100,7 @@ class CanaryPlanner:
         self._overflow_reported = False
 
     @classmethod
+    @public_api
     def from_engine(cls, *, like=None, swa_window_size=0, full_to_swa_index_mapping=None,
                     kv_token_id_vs_position_offset=0, **engine_numbers) -> "CanaryPlanner":
         """``CanaryPlanner(CanaryCapacities.from_engine(**engine_numbers), ...)``."""
@@ -105,13 +108,17 @@ class CanaryPlanner:
                    full_to_swa_index_mapping=full_to_swa_index_mapping,
                    kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
 
-    def _to_buffers(self, x):
+    def _to_buffers(self, x, name: str):
         """``x`` on the buffers' device: used in place when it already is, copied otherwise."""
         if x is None:
             return None
-        p = placement_of(x, "input")
+        p = placement_of(x, name)
         if p.backend == self._placement.backend and p.device == self._placement.device:
             return x
+        for where in (p, self._placement):
+            refuse_during_capture(where, f"{name} is a {p.describe()} array and the planner's buffers are "
+                                         f"{self._placement.describe()} arrays: kv-canary would copy it there",
+                                  f"pass {name} on the buffers' device (copy it there before capturing)")
         if self._placement.backend == "numpy":
             return to_numpy(x)
         cupy = import_cupy()
@@ -121,19 +128,22 @@ class CanaryPlanner:
                 return sys.modules["torch"].from_numpy(np.ascontiguousarray(host)).to(self._like.device)
             return cupy.asarray(host)
 
+    @public_api
     def plan(self, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *,
              req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
              strict=False):
         """Plan one step into the held buffers; returns ``(verify_plan, write_plan)``."""
         conv = self._to_buffers
         return plan_step(
-            conv(req_pool_indices), conv(prefix_lens), conv(extend_seq_lens), conv(req_to_token),
+            conv(req_pool_indices, "req_pool_indices"), conv(prefix_lens, "prefix_lens"),
+            conv(extend_seq_lens, "extend_seq_lens"), conv(req_to_token, "req_to_token"),
             verify_capacity=self.capacities.verify_capacity,
             write_req_capacity=self.capacities.write_req_capacity,
             swa_window_size=self.swa_window_size,
-            full_to_swa_index_mapping=conv(self.full_to_swa_index_mapping),
-            req_to_verify_expected_tokens=conv(req_to_verify_expected_tokens),
-            req_to_verify_expected_tokens_valid_lens=conv(req_to_verify_expected_tokens_valid_lens),
+            full_to_swa_index_mapping=conv(self.full_to_swa_index_mapping, "full_to_swa_index_mapping"),
+            req_to_verify_expected_tokens=conv(req_to_verify_expected_tokens, "req_to_verify_expected_tokens"),
+            req_to_verify_expected_tokens_valid_lens=conv(req_to_verify_expected_tokens_valid_lens,
+                                                          "req_to_verify_expected_tokens_valid_lens"),
             kv_token_id_vs_position_offset=self.kv_token_id_vs_position_offset,
             out=(self.verify_plan, self.write_plan),
             strict=strict,

@@ -19,21 +19,27 @@ from .constants import (
     NUM_LAUNCH_TAGS,
     VIOLATION_FIELDS,
 )
-from .errors import fail
-from .interop import allocate
+from .errors import fail, public_api
+from .interop import allocate, placement_of, refuse_during_capture
 from .validation import check_int
 
 INT32_MAX = 2**31 - 1
 
 
-def check_count(value, name: str, *, maximum: int = INT32_MAX) -> int:
-    """A non-negative Python int (bools refused), or a ValueError/TypeError naming ``name``."""
+def check_count(value, name: str, *, positive: bool = False, maximum: int = INT32_MAX) -> int:
+    """A non-negative (or ``positive``) Python int (bools refused), or an error naming ``name``."""
     value = check_int(value, name)
-    if value < 0:
-        fail(ValueError, f"{name} must be non-negative, got {value}")
+    if value < int(positive):
+        fail(ValueError, f"{name} must be {'positive' if positive else 'non-negative'}, got {value}")
     if value > maximum:
         fail(ValueError, f"{name} must be at most {maximum}, got {value}")
     return value
+
+
+def _refuse_allocation_during_capture(like, owner: str) -> None:
+    if like is not None:
+        refuse_during_capture(placement_of(like, "like"), f"{owner} allocates new arrays",
+                              f"call {owner} before capturing and reuse what it returns")
 
 
 class _ArrayRecord:
@@ -67,8 +73,10 @@ class VerifyPlan(_ArrayRecord):
         return int(self.verify_slot_indices.shape[0])
 
     @classmethod
+    @public_api
     def allocate(cls, verify_capacity: int, *, like=None) -> "VerifyPlan":
         cap = check_count(verify_capacity, "VerifyPlan verify_capacity")
+        _refuse_allocation_during_capture(like, "VerifyPlan.allocate")
         entries = [allocate((cap,), np.int64, like=like) for _ in range(4)]
         return cls(
             *entries,
@@ -99,8 +107,10 @@ class WritePlan(_ArrayRecord):
         return int(self.write_seed_slot_indices.shape[0])
 
     @classmethod
+    @public_api
     def allocate(cls, write_req_capacity: int, *, like=None) -> "WritePlan":
         cap = check_count(write_req_capacity, "WritePlan write_req_capacity")
+        _refuse_allocation_during_capture(like, "WritePlan.allocate")
         return cls(
             write_offsets=allocate((cap + 1,), np.int64, like=like, fill=0),
             write_seed_slot_indices=allocate((cap,), np.int64, like=like, fill=-1),
@@ -138,13 +148,11 @@ class ViolationLog(_ArrayRecord):
         return int(self.kernel_run_counters.shape[0])
 
     @classmethod
+    @public_api
     def allocate(cls, ring_capacity: int = DEFAULT_RING_CAPACITY, num_kinds: int = NUM_LAUNCH_TAGS, *, like=None) -> "ViolationLog":
-        ring_capacity = check_count(ring_capacity, "ViolationLog ring_capacity")
-        num_kinds = check_count(num_kinds, "ViolationLog num_kinds")
-        if ring_capacity == 0:
-            fail(ValueError, "ViolationLog ring_capacity must be positive, got 0")
-        if num_kinds == 0:
-            fail(ValueError, "ViolationLog num_kinds must be positive, got 0")
+        ring_capacity = check_count(ring_capacity, "ViolationLog ring_capacity", positive=True)
+        num_kinds = check_count(num_kinds, "ViolationLog num_kinds", positive=True)
+        _refuse_allocation_during_capture(like, "ViolationLog.allocate")
         return cls(
             ring=allocate((ring_capacity, VIOLATION_FIELDS), np.int64, like=like, fill=0),
             write_index=allocate((1,), np.int32, like=like, fill=0),
@@ -184,6 +192,7 @@ class RealKvSource:
     num_bytes_per_token: int
     read_bytes: int
 
+    @public_api
     def __post_init__(self):
         p, n, r = self.page_size, self.num_bytes_per_token, self.read_bytes
         if not _is_int(p) or p < 1:
@@ -227,16 +236,18 @@ def _strides(t) -> tuple:
     return tuple(s // t.dtype.itemsize for s in t.strides)
 
 
+@public_api
 def allocate_canary_buffer(num_slots: int, *, like=None):
     """A zeroed canonical canary buffer ``int64 [num_slots, 4]`` (slot 0 is the padding slot)."""
     num_slots = check_count(num_slots, "num_slots", maximum=2**62)
+    _refuse_allocation_during_capture(like, "allocate_canary_buffer")
     return allocate((num_slots, CANARY_FIELDS_PER_SLOT), np.int64, like=like, fill=0)
 
 
 def check_num_sources(sources) -> tuple:
     sources = tuple(sources)
     if len(sources) > MAX_REAL_KV_SOURCES:
-        fail(ValueError, f"at most {MAX_REAL_KV_SOURCES} RealKvSource entries supported by the CUDA ABI, got {len(sources)}")
+        fail(ValueError, f"real_kv_sources must hold at most {MAX_REAL_KV_SOURCES} RealKvSource entries (the CUDA ABI's limit), got {len(sources)}")
     for i, s in enumerate(sources):
         if not isinstance(s, RealKvSource):
             fail(TypeError, f"real_kv_sources[{i}] must be a RealKvSource, got {type(s).__name__}")

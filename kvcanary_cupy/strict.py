@@ -11,10 +11,14 @@ import numpy as np
 from .backends import PlanArgs, ScatterArgs, VerifyArgs, WriteArgs
 from .backends.numpy_backend import plan_row_checks, scatter_row_checks, write_range_checks
 from .errors import fail
-from .interop import to_numpy
+from .interop import refuse_view_copy_during_capture, to_numpy
 
 
 def _host(args):
+    arrays = [x for x in args if hasattr(x, "shape")]
+    if arrays:
+        refuse_view_copy_during_capture(arrays[0], "strict=True copies the arguments to the host (a device sync)",
+                                        "pass strict=False while capturing")
     return type(args)(*[to_numpy(x) if hasattr(x, "shape") else x for x in args])
 
 

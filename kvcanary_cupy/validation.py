@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import fail
+from .interop import refuse_view_copy_during_capture
 
 _CONVERT_HINT = {
     "int64": "convert with .astype(int64) (NumPy/CuPy) or .long() (torch)",
@@ -54,8 +55,15 @@ def check_contiguous_output(x, name: str) -> None:
 
 
 def contiguous_input(x, name: str, xp):
-    """Read-only 1-D inputs that are not contiguous are copied (a small array per request)."""
-    return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
+    """Read-only 1-D inputs that are not contiguous are copied (a small array per request).
+
+    Never inside a CUDA graph capture: the copy would be captured into memory the graph does not own.
+    """
+    if x.flags.c_contiguous:
+        return x
+    refuse_view_copy_during_capture(x, f"kv-canary would copy {name} (it is not contiguous: strides {tuple(x.strides)} "
+                                       f"for shape {tuple(x.shape)})", f"make {name} contiguous before capturing")
+    return xp.ascontiguousarray(x)
 
 
 def check_int(value, name: str, *, minimum: int | None = None) -> int:

@@ -174,3 +174,112 @@ def test_warmup_compiles_every_variant():
     for family, spec in jit.FAMILIES.items():
         for name in spec.instantiations():
             assert (dev, family, name) in jit._functions
+
+
+# ---- nothing is copied or allocated inside a capture ----------------------------------------------
+
+
+def capture_refusals(engine):
+    """``(expected message, call)`` for every copy or allocation a call could need during a capture.
+
+    Every array the calls use is made here, before the capture.
+    """
+    e = engine
+    xp_zeros = lambda n: e.ab.asarray(np.zeros(n, np.int64))
+    spread_ids = xp_zeros(2 * e.tokens)[::2]  # not contiguous: write would copy it
+    spread_flat, offsets, rows = xp_zeros(8)[::2], xp_zeros(2), xp_zeros(1)
+    pool = e.ab.asarray(np.zeros((4, 4), np.int32))
+    planner = kc.CanaryPlanner.from_engine(kv_pool_size=e.num_slots, max_running_requests=e.bs, like=e.canary)
+    host_inputs = [e.ab.to_numpy(x) for x in (e.rp, e.prefix, e.extend, e.rtt)]
+    return [
+        (r"kv-canary would copy input_ids \(it is not contiguous.*make input_ids contiguous before capturing",
+         lambda: kc.write(e.canary, e.wp, spread_ids, e.pos, e.loc, log=e.log)),
+        (r"kv-canary would copy flat_in \(it is not contiguous",
+         lambda: kc.scatter_req_token_ids(spread_flat, offsets, rows, pool)),
+        (r"plan with out=None allocates its VerifyPlan and WritePlan.*pass out=",
+         lambda: kc.plan(e.rp, e.prefix, e.extend, e.rtt, verify_capacity=8)),
+        (r"ViolationLog.allocate allocates new arrays.*call ViolationLog.allocate before capturing",
+         lambda: kc.ViolationLog.allocate(4, like=e.canary)),
+        (r"VerifyPlan.allocate allocates new arrays", lambda: kc.VerifyPlan.allocate(4, like=e.canary)),
+        (r"WritePlan.allocate allocates new arrays", lambda: kc.WritePlan.allocate(4, like=e.canary)),
+        (r"allocate_canary_buffer allocates new arrays", lambda: kc.allocate_canary_buffer(4, like=e.canary)),
+        (r"req_pool_indices is a numpy array and the planner's buffers are .* arrays: kv-canary would copy it there",
+         lambda: planner.plan(*host_inputs)),
+        (r"strict=True copies the arguments to the host",
+         lambda: kc.verify(e.canary, e.vp, log=e.log, strict=True)),
+    ]
+
+
+def _assert_refused(refusals):
+    for match, call in refusals:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_cupy_capture_refuses_copies_and_allocations():
+    """The measured corruption: a non-contiguous input_ids was copied inside a CuPy capture, the
+    copy's memory went back to the pool, and replays overwrote the array that got it next.  Now
+    every such call is refused, the capture stays valid, and replays write NumPy's bytes only."""
+    import cupy
+
+    steps, want, engine = _prepare(get_backend_or_skip("cupy"), "fused", n=3)
+    refusals = capture_refusals(engine)
+    refusals.append((r"kv-canary would copy input_ids \(it has negative strides\)",
+                     lambda: kc.write(engine.canary, engine.wp, engine.ids[::-1], engine.pos, engine.loc, log=engine.log)))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        engine.fill(steps[0])
+        stream.begin_capture()
+        engine.step()
+        _assert_refused(refusals)
+        assert stream.is_capturing()
+        graph = stream.end_capture()
+        bystanders = [cupy.full(n, 7, cupy.int64) for n in (engine.tokens, 2 * engine.tokens, 64, 4096)]
+        for inputs, expected in zip(steps, want):
+            engine.fill(inputs)
+            graph.launch(stream)
+            stream.synchronize()
+            assert_snapshots_equal(engine.snapshot(), expected)
+    assert all(bool((b == 7).all()) for b in bystanders)
+
+
+def test_torch_capture_refuses_copies_and_allocations():
+    import torch
+
+    steps, want, engine = _prepare(get_backend_or_skip("torch_cuda"), "fused", n=3)
+    refusals = capture_refusals(engine)
+    engine.fill(steps[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        engine.step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    engine.log.reset()
+    engine.canary.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        engine.step()
+        _assert_refused(refusals)
+        assert torch.cuda.is_current_stream_capturing()
+    bystanders = [torch.full((n,), 7, dtype=torch.int64, device="cuda") for n in (engine.tokens, 64, 4096)]
+    for inputs, expected in zip(steps, want):
+        engine.fill(inputs)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_snapshots_equal(engine.snapshot(), expected)
+    assert all(bool((b == 7).all()) for b in bystanders)
+
+
+def test_eager_calls_still_copy_outside_a_capture(gpu_ab):
+    """The refusals are for captures only: the same non-contiguous input works eagerly."""
+    steps, want, engine = _prepare(gpu_ab, "fused", n=1)
+    engine.fill(steps[0])
+    spread = gpu_ab.asarray(np.repeat(steps[0][3], 2))[::2]
+    kc.plan(engine.rp, engine.prefix, engine.extend, engine.rtt, verify_capacity=engine.vp.capacity, out=(engine.vp, engine.wp))
+    kc.verify(engine.canary, engine.vp, log=engine.log, kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL)
+    kc.write(engine.canary, engine.wp, spread, engine.pos, engine.loc, log=engine.log,
+             kernel_kind=kc.CanaryLaunchTag.TAIL_K_FULL, chain_position_assert=engine.flag)
+    kc.verify(engine.canary, engine.vp, log=engine.log, kernel_kind=kc.CanaryLaunchTag.TAIL_K_FULL)
+    gpu_ab.synchronize()
+    assert_snapshots_equal(engine.snapshot(), want[0])

@@ -177,3 +177,38 @@ def test_record_views_follow_a_tensor_whose_storage_changed(tab):
     assert log.ring.data_ptr() == kept
     np.testing.assert_array_equal(tab.to_numpy(log.ring)[0], tab.to_numpy(old_ring)[0])  # the row landed anew
     np.testing.assert_array_equal(tab.to_numpy(log.ring)[1:], 0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+def test_torch_dtypes_numpy_lacks_are_type_errors_naming_the_argument(tab, dtype):
+    """bf16 / fp8 where integers are expected: a TypeError naming the argument, not DLPack's RuntimeError."""
+    dt = getattr(torch, dtype)
+    odd = lambda a: tab.asarray(np.asarray(a, np.float32)).to(dt)
+    log = make_log(tab)
+    with pytest.raises(TypeError, match=rf"^kv-canary: prefix_lens is a torch tensor of dtype torch.{dtype}, which kv-canary cannot read"):
+        kc.plan(a64(tab, [1]), odd([1]), a64(tab, [1]), tab.asarray(linear_rtt(2, 4)), verify_capacity=4)
+    wp = make_write_plan(tab, [0, 1], [-1])
+    with pytest.raises(TypeError, match=rf"^kv-canary: input_ids is a torch tensor of dtype torch.{dtype}"):
+        kc.write(tab.asarray(canary(8)), wp, odd([7]), a64(tab, [0]), a64(tab, [3]), log=log)
+    with pytest.raises(TypeError, match=rf"^kv-canary: canary_buf is a torch tensor of dtype torch.{dtype}"):
+        kc.verify(odd(np.zeros((8, 4))), make_verify_plan(tab, [1], [0], [-1]), log=log)
+    log.write_index.data = log.write_index.data.to(dt)  # a record's tensor too
+    with pytest.raises(TypeError, match=rf"^kv-canary: log.write_index is a torch tensor of dtype torch.{dtype}"):
+        kc.verify(tab.asarray(canary(8)), make_verify_plan(tab, [1], [0], [-1]), log=log)
+
+
+def test_record_views_follow_a_tensor_reviewed_with_another_dtype(tab):
+    """The kept view of a record's tensor is keyed by its dtype too: the same address re-viewed as
+    another dtype is checked again instead of reusing the stale int32 view."""
+    log = kc.ViolationLog.allocate(4, like=tab.like)
+    buf = tab.asarray(canary(8))
+    vp = make_verify_plan(tab, slots=[3], positions=[5], prevs=[-1])
+    kc.verify(buf, vp, log=log)
+    ptr = log.write_index.data_ptr()
+    log.write_index.data = log.write_index.data.view(torch.float32)  # same tensor, address, shape and strides
+    assert log.write_index.data_ptr() == ptr
+    with pytest.raises(TypeError, match="^kv-canary: log.write_index must have dtype int32, got float32"):
+        kc.verify(buf, vp, log=log)
+    log.write_index.data = log.write_index.data.view(torch.int32)
+    kc.verify(buf, vp, log=log)
+    assert tab.to_numpy(log.write_index)[0] == 2

@@ -245,7 +245,7 @@ def _source(ab, rows=16):
 
 
 @pytest.mark.parametrize("case, exc, match", [
-    ("five_sources", ValueError, "at most 4 RealKvSource entries supported by the CUDA ABI, got 5"),
+    ("five_sources", ValueError, r"real_kv_sources must hold at most 4 RealKvSource entries \(the CUDA ABI's limit\), got 5"),
     ("not_a_source", TypeError, r"real_kv_sources\[1\] must be a RealKvSource, got tuple"),
     ("bad_mode", ValueError, "real_kv_hash_mode must be a RealKvHashMode"),
     ("plan_type", TypeError, "write_plan must be a WritePlan, got VerifyPlan"),
@@ -331,7 +331,7 @@ def test_write_torch_out_requires_grad_is_rejected(ab):
 
 
 @pytest.mark.parametrize("case, exc, match", [
-    ("five_sources", ValueError, "at most 4 RealKvSource entries supported by the CUDA ABI, got 5"),
+    ("five_sources", ValueError, r"real_kv_sources must hold at most 4 RealKvSource entries \(the CUDA ABI's limit\), got 5"),
     ("plan_type", TypeError, "verify_plan must be a VerifyPlan, got WritePlan"),
     ("log_type", TypeError, "log must be a ViolationLog, got NoneType"),
     ("kind", ValueError, r"kernel_kind must be in \[0, 3\) \(the log's num_kinds\), got 3"),
@@ -464,8 +464,9 @@ def test_violation_log_allocate(ab):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(ring_capacity=0), "ViolationLog ring_capacity must be positive, got 0"),
-    (dict(ring_capacity=-1), "ViolationLog ring_capacity must be non-negative, got -1"),
+    (dict(ring_capacity=-1), "ViolationLog ring_capacity must be positive, got -1"),
     (dict(num_kinds=0), "ViolationLog num_kinds must be positive, got 0"),
+    (dict(num_kinds=-2), "ViolationLog num_kinds must be positive, got -2"),
 ])
 def test_violation_log_allocate_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -535,7 +536,7 @@ def test_real_kv_source_must_start_16_byte_aligned(ab):
     wp = make_write_plan(ab, [0, 1], [-1])
     args = (buf, wp, a64(ab, [1]), a64(ab, [0]), a64(ab, [3]))
     skewed = RealKvSource(base[8: 8 + 16 * 32].reshape(16, 32), 1, 32, 32)
-    assert_rejected(ab, ValueError, r"real_kv_sources\[0\].tensor must start at a 16-byte aligned address",
+    assert_rejected(ab, ValueError, r"real_kv_sources\[0\].tensor must start at a multiple of 16 bytes \(real KV is read 16 bytes at a time\), got an address 8 bytes past one",
                     lambda: kc.write(*args, log=log, real_kv_sources=(skewed,), real_kv_hash_mode=RealKvHashMode.ALL),
                     buf, wp, log)
     kc.write(*args, log=log, real_kv_sources=(skewed,))  # NONE never reads the source
