@@ -189,8 +189,7 @@ def refuse_during_capture(placement: Placement, what: str, fix: str) -> None:
     gets that memory next.
     """
     if is_capturing(placement):
-        fail(ValueError, f"{what}, but the current stream is capturing a CUDA graph and the graph would keep using "
-                         f"memory it does not own; {fix}")
+        fail(ValueError, f"{what}, but the current stream is capturing a CUDA graph; {fix}")
 
 
 def refuse_view_copy_during_capture(view, what: str, fix: str) -> None:
