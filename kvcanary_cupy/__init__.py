@@ -7,6 +7,7 @@ records of every slot read, logging violations into a device-side ring (:class:`
 
 NumPy arrays run on the CPU backend; CuPy arrays and CUDA torch tensors run the CUDA kernels;
 both compute the same bytes.  Importing this package needs neither CuPy nor PyTorch.
+:class:`CanarySession` runs all of it inside an engine's step loop and reports what it finds.
 """
 
 from .constants import (
@@ -27,12 +28,14 @@ from .constants import (
     FailReason,
     RealKvHashMode,
 )
+from .errors import CanaryHealthError, CanaryViolationError
 from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
 from .jit import warmup
 from .ops import plan, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
 from .reporting import Violation, ViolationReport
+from .session import CanarySession
 
 __version__ = "0.1.0"
 
@@ -52,9 +55,12 @@ __all__ = [
     "TOKEN_TO_KV_SLOT_PADDING",
     "VIOLATION_FIELDS",
     "CanaryCapacities",
+    "CanaryHealthError",
     "CanaryCapacityWarning",
     "CanaryLaunchTag",
     "CanaryPlanner",
+    "CanarySession",
+    "CanaryViolationError",
     "FailReason",
     "RealKvHashMode",
     "RealKvSource",

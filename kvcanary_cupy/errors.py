@@ -1,4 +1,5 @@
-"""One place for the ``kv-canary:`` prefix of every argument error, and for where it points.
+"""One place for the errors this library raises: the ``kv-canary:`` prefix of every argument
+error (and where its traceback points), and the session's own exceptions.
 
 Argument checks live in shared helpers (validation, interop, the records); a traceback ending in
 one of them shows the reader kv-canary's internals instead of the call they made.  Public entry
@@ -44,3 +45,15 @@ def public_api(fn):
             raise exc.with_traceback(tb)  # noqa: B904 - the same exception, trimmed
 
     return entry_point
+
+
+class CanaryViolationError(RuntimeError):
+    """New KV-canary violations under ``on_violation="raise"``; ``report`` lists them."""
+
+    def __init__(self, message: str, report):
+        super().__init__(message)
+        self.report = report
+
+
+class CanaryHealthError(RuntimeError):
+    """The canary did not run: no canary kernel of a launch tag ran between two ``end_step`` calls."""

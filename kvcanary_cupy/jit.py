@@ -52,6 +52,7 @@ FAMILIES = {
     "write": KernelFamily("write.cu", (("canary_write", ("kInputAssert", "kHasRealKv")),)),
     "verify": KernelFamily("verify.cu", (("canary_verify", ("kCheckToken", "kHasRealKv")),)),
     "scatter": KernelFamily("scatter.cu", (("scatter_req_token_ids", ()),)),
+    "session": KernelFamily("session.cu", (("session_stage", ()), ("session_attribute", ()))),
 }
 
 

@@ -1,8 +1,17 @@
-"""Decoding a violation log on the host: what went wrong, where, and how much was dropped."""
+"""Decoding a violation log on the host: what went wrong, where, and how much was dropped.
+
+A :class:`ViolationReport` comes from :meth:`ViolationLog.read` (one entry per ring row) or from
+:meth:`CanarySession.report` (one entry per distinct violation, with its repeat count and the
+batch rows that read the slot).  It exports to dicts, JSON, JSON lines, pandas and HTML; the
+JSON schema is documented in ``docs/guide.md`` ("Report schema") and produced by
+:meth:`Violation.to_dict` alone.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import html
+import json
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -12,17 +21,49 @@ from .interop import to_numpy
 
 _WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH
 
+REPORT_SCHEMA = "kvcanary-cupy/violation-report/1"
 
-def _tag_name(kind: int) -> str:
+#: What each fail reason means, in words (docs/guide.md explains which slot each one names).
+REASON_WORDS = {
+    FailReason.VERIFY_CHAIN_HASH_MISMATCH: "chain hash mismatch",
+    FailReason.VERIFY_POSITION_MISMATCH: "position mismatch",
+    FailReason.VERIFY_REAL_KV_HASH_MISMATCH: "real KV bytes changed",
+    FailReason.WRITE_TOKEN_MISMATCH: "written token is not the expected input",
+    FailReason.WRITE_POSITION_MISMATCH: "written position is not the expected one",
+    FailReason.VERIFY_TOKEN_MISMATCH: "stored token is not the expected token",
+}
+
+HTML_MAX_ROWS = 200
+
+
+def tag_name(kind: int) -> str:
+    """The launch tag's name, or ``KIND_<n>`` for a kind past the 12 tags."""
     try:
         return CanaryLaunchTag(kind).name
     except ValueError:
         return f"KIND_{kind}"
 
 
+def _reason_members(bits: int) -> list:
+    return [member for member in FailReason if int(bits) & member.value]
+
+
+def reason_name(member: FailReason) -> str:
+    """``"verify_chain_hash"`` for VERIFY_CHAIN_HASH_MISMATCH: the names of ``FailReason.label``."""
+    return FailReason.label(member.value)
+
+
 @dataclass(frozen=True)
 class Violation:
-    """One decoded ring row (spec §2.6); hashes are unsigned."""
+    """One decoded ring row (spec §2.6); hashes are unsigned.
+
+    The first eight fields are the row.  The others are filled by a :class:`CanarySession`:
+    ``expected_position`` (verify rows: the position the step's plan expected; write rows: the
+    expected position the row carries in ``expected_aux``), ``prev_slot_idx`` (chain failures:
+    the predecessor slot the chain was checked against; -1 = chain head), ``batch_rows`` (the
+    batch rows whose verify entries read the slot in the step it was first seen), ``repeats``
+    (ring rows with this violation's key) and the session steps it was first and last seen in.
+    """
 
     kernel_kind: int
     slot_idx: int
@@ -32,6 +73,17 @@ class Violation:
     stored_chain_hash: int
     expected_aux: int
     fail_reason_bits: int
+    expected_position: int | None = None
+    prev_slot_idx: int | None = None
+    batch_rows: tuple = ()
+    repeats: int = 1
+    first_step: int | None = None
+    last_step: int | None = None
+
+    def __post_init__(self):
+        if self.is_write and self.expected_position is None:
+            object.__setattr__(self, "expected_position", self.expected_aux)
+        object.__setattr__(self, "batch_rows", tuple(int(r) for r in self.batch_rows))
 
     @classmethod
     def from_row(cls, row) -> "Violation":
@@ -40,33 +92,72 @@ class Violation:
         return cls(v[0], v[1], v[2], v[3], v[4], to_unsigned(v[5]), v[6] if is_write else to_unsigned(v[6]), v[7])
 
     @property
+    def key(self) -> tuple:
+        """What makes two rows the same violation: ``(kernel_kind, slot_idx, position, fail_reason_bits)``."""
+        return (self.kernel_kind, self.slot_idx, self.position, self.fail_reason_bits)
+
+    @property
     def is_write(self) -> bool:
         return bool(self.fail_reason_bits & _WRITE_BITS)
+
+    @property
+    def launch_tag(self) -> str:
+        return tag_name(self.kernel_kind)
 
     @property
     def reasons(self) -> str:
         return FailReason.label(self.fail_reason_bits)
 
+    @property
+    def reason_words(self) -> str:
+        return ", ".join(REASON_WORDS[m] for m in _reason_members(self.fail_reason_bits)) or "none"
+
+    @property
+    def expected_chain_hash(self) -> int | None:
+        return None if self.is_write else self.expected_aux
+
     def format(self) -> str:
         aux = f"expected_position={self.expected_aux}" if self.is_write else f"expected_chain_hash={self.expected_aux:#018x}"
         return (
-            f"kv_canary violation: launch_tag={_tag_name(self.kernel_kind)} fail_reason={self.reasons} "
+            f"kv_canary violation: launch_tag={tag_name(self.kernel_kind)} fail_reason={self.reasons} "
             f"slot_idx={self.slot_idx} position={self.position} stored_token={self.stored_token} "
             f"expected_token={self.expected_token} stored_chain_hash={self.stored_chain_hash:#018x} {aux}"
         )
 
+    def to_dict(self) -> dict:
+        """The JSON-ready record: ``launch_tag``, ``reasons`` (names), then every field by name."""
+        out = {"launch_tag": self.launch_tag, "reasons": [reason_name(m) for m in _reason_members(self.fail_reason_bits)]}
+        for f in fields(self):
+            out[f.name] = getattr(self, f.name)
+        out["batch_rows"] = list(self.batch_rows)
+        return out
 
-@dataclass(frozen=True)
+    @classmethod
+    def from_dict(cls, d: dict) -> "Violation":
+        """Inverse of :meth:`to_dict` (derived keys are ignored)."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+_ROW_FIELDS = tuple(f.name for f in fields(Violation))
+
+
+@dataclass(frozen=True, repr=False)
 class ViolationReport:
-    """A host snapshot of a :class:`~kvcanary_cupy.ViolationLog`."""
+    """A host snapshot of a :class:`~kvcanary_cupy.ViolationLog` or of a session's violations."""
 
-    violations: tuple  # of Violation, in ring order (ticket order)
+    violations: tuple  # of Violation: ring order for a log, first-seen order for a session
     total_violations: int  # sum of violation_counters: every violation, the dropped ones included
     ring_capacity: int
     violation_counters: np.ndarray  # [num_kinds] int64, exact per launch kind
     slot_run_counters: np.ndarray
     kernel_run_counters: np.ndarray
     out_of_range_counters: np.ndarray
+    rows_read: int | None = None  # ring rows decoded (a log: len(violations); a session: over all steps)
+    steps: int | None = None  # a session's steps so far
+
+    def __post_init__(self):
+        if self.rows_read is None:
+            object.__setattr__(self, "rows_read", len(self.violations))
 
     @classmethod
     def from_log(cls, log) -> "ViolationReport":
@@ -85,8 +176,8 @@ class ViolationReport:
 
     @property
     def dropped(self) -> int:
-        """Violations counted but not stored because the ring was full."""
-        return max(self.total_violations - len(self.violations), 0)
+        """Violations counted but never read, because the ring was full when they happened."""
+        return max(self.total_violations - self.rows_read, 0)
 
     def format(self) -> str:
         lines = [v.format() for v in self.violations]
@@ -98,3 +189,98 @@ class ViolationReport:
 
     def __str__(self) -> str:
         return self.format()
+
+    def __repr__(self) -> str:
+        return f"<ViolationReport {self.summary()}>"
+
+    # -- summaries and exports ------------------------------------------------------------------
+
+    def rows_by_reason(self) -> dict:
+        """Ring rows read per fail reason (a row with two reasons counts under both)."""
+        out = {}
+        for v in self.violations:
+            for m in _reason_members(v.fail_reason_bits):
+                out[reason_name(m)] = out.get(reason_name(m), 0) + v.repeats
+        return out
+
+    def counts_by_tag(self) -> dict:
+        """Every violation per launch tag (exact, the dropped ones included); nonzero tags only."""
+        return {tag_name(k): int(n) for k, n in enumerate(self.violation_counters) if n}
+
+    def summary(self) -> str:
+        """One line: how many, read and dropped, then rows by reason and violations by tag."""
+        by_reason = " ".join(f"{k}={n}" for k, n in self.rows_by_reason().items()) or "-"
+        by_tag = " ".join(f"{k}={n}" for k, n in self.counts_by_tag().items()) or "-"
+        return (f"kv_canary summary: {len(self.violations)} violations listed, {self.total_violations} counted, "
+                f"{self.rows_read} read, {self.dropped} dropped; by reason: {by_reason}; by tag: {by_tag}")
+
+    def to_dicts(self) -> list:
+        """One :meth:`Violation.to_dict` per violation."""
+        return [v.to_dict() for v in self.violations]
+
+    def to_json(self, *, lines: bool = False, indent=None) -> str:
+        """The report as one JSON document, or (``lines=True``) one JSON object per violation per line.
+
+        Document keys: ``schema`` (``"kvcanary-cupy/violation-report/1"``), ``total_violations``,
+        ``rows_read``, ``dropped``, ``ring_capacity``, ``steps``, the four counter lists (indexed by
+        kernel kind) and ``violations`` (the :meth:`to_dicts` records).  Hashes are unsigned
+        64-bit integers.
+        """
+        if lines:
+            return "".join(json.dumps(d) + "\n" for d in self.to_dicts())
+        doc = {
+            "schema": REPORT_SCHEMA,
+            "total_violations": self.total_violations,
+            "rows_read": self.rows_read,
+            "dropped": self.dropped,
+            "ring_capacity": self.ring_capacity,
+            "steps": self.steps,
+            "violation_counters": [int(x) for x in self.violation_counters],
+            "slot_run_counters": [int(x) for x in self.slot_run_counters],
+            "kernel_run_counters": [int(x) for x in self.kernel_run_counters],
+            "out_of_range_counters": [int(x) for x in self.out_of_range_counters],
+            "violations": self.to_dicts(),
+        }
+        return json.dumps(doc, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ViolationReport":
+        """Inverse of :meth:`to_json` (the document form)."""
+        doc = json.loads(text)
+        if doc.get("schema") != REPORT_SCHEMA:
+            raise ValueError(f"kv-canary: not a {REPORT_SCHEMA} document (schema={doc.get('schema')!r})")
+        counters = {k: np.asarray(doc[k], np.int64) for k in
+                    ("violation_counters", "slot_run_counters", "kernel_run_counters", "out_of_range_counters")}
+        return cls(violations=tuple(Violation.from_dict(d) for d in doc["violations"]),
+                   total_violations=doc["total_violations"], ring_capacity=doc["ring_capacity"],
+                   rows_read=doc["rows_read"], steps=doc["steps"], **counters)
+
+    def to_pandas(self):
+        """A ``pandas.DataFrame``, one row per violation, columns named as :meth:`to_dict`'s keys."""
+        try:
+            import pandas
+        except ImportError as exc:
+            raise ImportError("kv-canary: ViolationReport.to_pandas needs pandas: "
+                              "pip install kvcanary-cupy[pandas]") from exc
+        return pandas.DataFrame(self.to_dicts(), columns=["launch_tag", "reasons", *_ROW_FIELDS])
+
+    def _repr_html_(self) -> str:
+        """A table for Jupyter: every value HTML-escaped; a dash where a value does not apply."""
+        head = ("tag", "reasons", "slot", "position", "expected position", "stored token", "expected token",
+                "stored chain hash", "expected chain hash", "batch rows", "predecessor slot", "repeats", "first step")
+        hex_or_none = lambda h: None if h is None else f"{h:#018x}"
+        body = []
+        for v in self.violations[:HTML_MAX_ROWS]:
+            cells = (
+                v.launch_tag, v.reason_words, v.slot_idx, v.position, v.expected_position, v.stored_token,
+                "not checked" if v.expected_token == -1 and not v.is_write else v.expected_token,
+                hex_or_none(v.stored_chain_hash), hex_or_none(v.expected_chain_hash),
+                ", ".join(map(str, v.batch_rows)) or None, v.prev_slot_idx, v.repeats, v.first_step,
+            )
+            body.append("<tr>" + "".join(f"<td>{'&ndash;' if c is None else html.escape(str(c))}</td>" for c in cells) + "</tr>")
+        more = len(self.violations) - HTML_MAX_ROWS
+        if more > 0:
+            body.append(f'<tr><td colspan="{len(head)}">&hellip; {more} more (see to_pandas())</td></tr>')
+        table = ("<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>"
+                 + "".join(body) + "</tbody></table>") if self.violations else "<p>No violations.</p>"
+        return f'<div class="kvcanary-report"><p>{html.escape(self.summary())}</p>{table}</div>'

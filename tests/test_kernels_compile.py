@@ -98,7 +98,7 @@ def test_kernel_sources_are_package_data():
     import importlib.resources
 
     names = {p.name for p in importlib.resources.files("kvcanary_cupy.kernels").iterdir()}
-    assert {"canary_common.cuh", "plan.cu", "write.cu", "verify.cu", "scatter.cu"} <= names
+    assert {"canary_common.cuh", "plan.cu", "write.cu", "verify.cu", "scatter.cu", "session.cu"} <= names
 
 
 def test_launch_constants_match_the_kernels():
@@ -108,3 +108,12 @@ def test_launch_constants_match_the_kernels():
     assert _cuh_constant("kPlanMaxThreads", "plan.cu") == cb.PLAN_MAX_THREADS
     assert _cuh_constant("kFusedMaxBs", "plan.cu") == cb.FUSED_PLAN_MAX_BS
     assert _cuh_constant("kScatterMaxGroupRows", "scatter.cu") == cb.SCATTER_MAX_GROUP_ROWS
+
+
+def test_session_record_layout_matches_python():
+    from kvcanary_cupy.backends import ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS
+
+    assert _cuh_constant("kStageHeaderFields", "session.cu") == STAGE_HEADER_FIELDS >= len(STAGE_HEADER)
+    assert _cuh_constant("kAttributionFields", "session.cu") == len(ATTRIBUTION)
+    for index, name in enumerate(STAGE_HEADER):
+        assert _cuh_constant("kStage" + "".join(w.capitalize() for w in name.split("_")), "session.cu") == index, name

@@ -72,3 +72,86 @@ def test_report_is_a_snapshot(ab):
     log.reset()
     assert report.out_of_range_counters.tolist() == [0, 1] + [0] * 10  # a copy, not a view
     assert report.kernel_run_counters.tolist() == [0, 1] + [0] * 10
+
+
+# -- exports: dicts, JSON, JSON lines, pandas, HTML, summary ------------------------------------------
+
+import dataclasses
+import json
+import sys
+
+import pytest
+
+from kvcanary_cupy import reporting
+
+VERIFY_V = Violation(2, 17, 4, 204, -1, 0xFEDCBA9876543210, 0x0123456789ABCDEF, 1 | 2, expected_position=2,
+                     prev_slot_idx=34, batch_rows=(3, 0), repeats=5, first_step=4, last_step=8)
+WRITE_V = Violation(0, 9, 7, 11, 12, 5, 6, 8 | 16, batch_rows=[], first_step=1, last_step=1)
+
+
+def _hand_report():
+    counters = np.zeros(12, np.int64)
+    counters[0], counters[2] = 3, 5
+    return ViolationReport(violations=(VERIFY_V, WRITE_V), total_violations=8, ring_capacity=16,
+                           violation_counters=counters, slot_run_counters=np.arange(12),
+                           kernel_run_counters=np.full(12, 7), out_of_range_counters=np.zeros(12, np.int64),
+                           rows_read=6, steps=9)
+
+
+def test_session_fields_keep_the_sglang_line():
+    assert VERIFY_V.format() == Violation(*[getattr(VERIFY_V, f) for f in (
+        "kernel_kind", "slot_idx", "position", "stored_token", "expected_token", "stored_chain_hash", "expected_aux",
+        "fail_reason_bits")]).format()
+    assert WRITE_V.expected_position == 6 and WRITE_V.batch_rows == () and WRITE_V.expected_chain_hash is None
+    assert VERIFY_V.key == (2, 17, 4, 3) and VERIFY_V.expected_chain_hash == 0x0123456789ABCDEF
+    assert VERIFY_V.reason_words == "chain hash mismatch, position mismatch"
+
+
+def test_dicts_json_and_json_lines_round_trip():
+    report = _hand_report()
+    d = report.to_dicts()[0]
+    assert list(d)[:4] == ["launch_tag", "reasons", "kernel_kind", "slot_idx"]
+    assert (d["launch_tag"], d["reasons"], d["batch_rows"], d["stored_chain_hash"]) == (
+        "TAIL_K_FULL", ["verify_chain_hash", "verify_position"], [3, 0], 0xFEDCBA9876543210)
+    doc = json.loads(report.to_json())
+    assert doc["schema"] == "kvcanary-cupy/violation-report/1"
+    assert {k: doc[k] for k in ("total_violations", "rows_read", "dropped", "ring_capacity", "steps")} == dict(
+        total_violations=8, rows_read=6, dropped=2, ring_capacity=16, steps=9)
+    assert doc["violation_counters"][:3] == [3, 0, 5] and doc["violations"] == report.to_dicts()
+    back = ViolationReport.from_json(report.to_json(indent=2))
+    assert back.violations == report.violations and (back.total_violations, back.dropped, back.steps) == (8, 2, 9)
+    np.testing.assert_array_equal(back.slot_run_counters, report.slot_run_counters)
+    lines = report.to_json(lines=True).splitlines()
+    assert [Violation.from_dict(json.loads(line)) for line in lines] == list(report.violations)
+    with pytest.raises(ValueError, match="not a kvcanary-cupy/violation-report/1 document"):
+        ViolationReport.from_json('{"schema": "other"}')
+
+
+def test_to_pandas_has_a_column_per_field(monkeypatch):
+    pytest.importorskip("pandas")
+    frame = _hand_report().to_pandas()
+    assert list(frame.columns) == ["launch_tag", "reasons"] + [f.name for f in dataclasses.fields(Violation)]
+    assert frame["slot_idx"].tolist() == [17, 9] and frame["repeats"].tolist() == [5, 1]
+    assert int(frame["stored_chain_hash"][0]) == 0xFEDCBA9876543210
+    assert frame["batch_rows"][0] == [3, 0]
+    monkeypatch.setitem(sys.modules, "pandas", None)  # as if pandas were not installed
+    with pytest.raises(ImportError, match=r"pip install kvcanary-cupy\[pandas\]"):
+        _hand_report().to_pandas()
+
+
+def test_summary_and_html(monkeypatch):
+    report = _hand_report()
+    assert report.summary() == (
+        "kv_canary summary: 2 violations listed, 8 counted, 6 read, 2 dropped; by reason: verify_chain_hash=5 "
+        "verify_position=5 write_token=1 write_position=1; by tag: HEAD_K_FULL=3 TAIL_K_FULL=5")
+    assert repr(report) == f"<ViolationReport {report.summary()}>"
+    monkeypatch.setitem(reporting.REASON_WORDS, kc.FailReason.WRITE_TOKEN_MISMATCH, "<b>token</b> & co")
+    page = report._repr_html_()
+    assert "&lt;b&gt;token&lt;/b&gt; &amp; co" in page and "<b>" not in page
+    assert page.count("<tr>") == 3  # header + 2 rows
+    row = page.split("<tr>")[2]
+    for cell in ("TAIL_K_FULL", "chain hash mismatch, position mismatch", "<td>17</td>", "<td>2</td>", "not checked",
+                 "0xfedcba9876543210", "0x0123456789abcdef", "<td>3, 0</td>", "<td>34</td>", "<td>5</td>"):
+        assert cell in row, cell
+    empty = ViolationReport((), 0, 4, *(np.zeros(12, np.int64),) * 4)
+    assert "No violations." in empty._repr_html_()

@@ -100,6 +100,56 @@ class ScatterArgs(NamedTuple):
     out_of_range_count: Optional[Any]  # [1] int64 or None
 
 
+# Session staging (CanarySession.end_step).  One int64 record holds a snapshot of the violation
+# log taken at the end of a step, the step's plan scalars and the verify entries that read a
+# violating slot; its layout is :class:`StageLayout` (mirrored by kernels/session.cu).
+STAGE_HEADER = ("rows", "stamp", "matches", "enable", "verify_num_valid", "batch_size", "plan_out_of_range")
+STAGE_HEADER_FIELDS = 8  # the header above, padded
+ATTRIBUTION = ("slot", "batch_row", "entry", "expected_position", "prev_slot", "expected_token")
+
+
+class StageLayout(NamedTuple):
+    """Offsets (in int64) of the parts of one staged record."""
+
+    num_kinds: int
+    ring_capacity: int
+    attribution_capacity: int
+
+    @property
+    def counters(self) -> int:  # violation, slot-run, kernel-run, out-of-range counters: [4, num_kinds]
+        return STAGE_HEADER_FIELDS
+
+    @property
+    def ring(self) -> int:  # the ring rows read this step: [ring_capacity, 8]
+        return self.counters + 4 * self.num_kinds
+
+    @property
+    def attribution(self) -> int:  # [attribution_capacity, len(ATTRIBUTION)]
+        return self.ring + self.ring_capacity * 8
+
+    @property
+    def size(self) -> int:
+        return self.attribution + self.attribution_capacity * len(ATTRIBUTION)
+
+
+class StageArgs(NamedTuple):
+    """What one staging reads and writes: the log, one plan and the session's marks and record."""
+
+    log: LogViews
+    verify_slot_indices: Any  # [vcap] int64
+    verify_expected_tokens: Any  # [vcap] int64
+    verify_expected_positions: Any  # [vcap] int64
+    verify_prev_slot_indices: Any  # [vcap] int64
+    verify_num_valid: Any  # [1] int32
+    enable: Any  # [1] int32
+    plan_out_of_range_count: Any  # [1] int64
+    verify_offsets: Any  # [wcap+1] int64
+    write_num_valid_reqs: Any  # [1] int32
+    marks: Any  # [num_slots] int64: the stamp of the last staging whose ring named the slot
+    staging: Any  # [layout.size] int64
+    layout: StageLayout
+
+
 def get_backend(name: str):
     if name == "numpy":
         from . import numpy_backend

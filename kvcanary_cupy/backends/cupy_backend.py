@@ -17,7 +17,7 @@ import numpy as np
 from ..constants import REAL_KV_PARTIAL_BYTES, RealKvHashMode
 from ..interop import import_cupy
 from ..jit import get_function, kernel_name
-from . import LogViews, PlanArgs, ScatterArgs, VerifyArgs, WriteArgs
+from . import LogViews, PlanArgs, ScatterArgs, StageArgs, VerifyArgs, WriteArgs
 
 I64, I32 = np.int64, np.int32
 
@@ -43,7 +43,17 @@ LAUNCH_LOG = np.dtype(
      ("out_of_range_counters", "u8"), ("capacity", "i4"), ("kind", "i4")],
     align=True,
 )
+SESSION_STAGE = np.dtype(
+    [(k, "u8") for k in ("ring", "write_index", "violation_counters", "slot_run_counters", "kernel_run_counters",
+                         "out_of_range_counters", "slots", "expected_tokens", "expected_positions", "prev_slots",
+                         "verify_num_valid", "enable", "plan_out_of_range", "verify_offsets", "write_num_valid_reqs",
+                         "marks", "staging")]
+    + [(k, "i8") for k in ("num_slots", "ring_capacity", "verify_capacity", "write_req_capacity",
+                           "attribution_capacity", "num_kinds")],
+    align=True,
+)
 assert (CANARY_BUFFER.itemsize, REAL_KV_SOURCES.itemsize, LAUNCH_LOG.itemsize) == (24, 120, 56)
+assert SESSION_STAGE.itemsize == 184
 assert (PLAN_INPUTS.itemsize, PLAN_OUTPUTS.itemsize) == (128, 104)
 
 
@@ -60,6 +70,7 @@ THREADS = 256
 WRITE_WARPS_PER_BLOCK = 4
 WRITE_WARPS_PER_SM = 32
 SCATTER_MAX_GROUP_ROWS = 32  # kScatterMaxGroupRows in scatter.cu
+ATTRIBUTE_BLOCKS_PER_SM = 2  # the attribution grid: small, since it usually exits at once
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,3 +225,36 @@ def scatter(a: ScatterArgs) -> None:
         a.flat_in, I64(a.flat_in.shape[0]), a.offsets, a.req_pool_indices, I64(bs), a.pool_out, I64(rows),
         I64(cols), _row_stride(a.pool_out), I64(group_rows), a.out_of_range_count,
     ))
+
+
+def prepare_stage(a: StageArgs):
+    """``stage(stamp, stream)``: session_stage (one block) then session_attribute on ``stream``.
+
+    The argument struct is packed once: every address is fixed for the life of a session.
+    """
+    cupy = import_cupy()
+    s = np.zeros(1, SESSION_STAGE)
+    for key, arr in (("ring", a.log.ring), ("write_index", a.log.write_index),
+                     ("violation_counters", a.log.violation_counters), ("slot_run_counters", a.log.slot_run_counters),
+                     ("kernel_run_counters", a.log.kernel_run_counters),
+                     ("out_of_range_counters", a.log.out_of_range_counters), ("slots", a.verify_slot_indices),
+                     ("expected_tokens", a.verify_expected_tokens), ("expected_positions", a.verify_expected_positions),
+                     ("prev_slots", a.verify_prev_slot_indices), ("verify_num_valid", a.verify_num_valid),
+                     ("enable", a.enable), ("plan_out_of_range", a.plan_out_of_range_count),
+                     ("verify_offsets", a.verify_offsets), ("write_num_valid_reqs", a.write_num_valid_reqs),
+                     ("marks", a.marks), ("staging", a.staging)):
+        s[key] = _ptr(arr)
+    s["num_slots"], s["ring_capacity"] = a.marks.shape[0], a.log.ring.shape[0]
+    s["verify_capacity"], s["write_req_capacity"] = a.verify_slot_indices.shape[0], a.verify_offsets.shape[0] - 1
+    s["attribution_capacity"], s["num_kinds"] = a.layout.attribution_capacity, a.layout.num_kinds
+    with cupy.cuda.Device(a.staging.device.id):
+        stage_fn = get_function("session", kernel_name("session_stage"))
+        attribute_fn = get_function("session", kernel_name("session_attribute"))
+        grid = (_sm_count(a.staging.device.id) * ATTRIBUTE_BLOCKS_PER_SM,)
+    block = (THREADS,)
+
+    def stage(stamp: int, stream) -> None:
+        stage_fn((1,), block, (s, I64(stamp)), stream=stream)
+        attribute_fn(grid, block, (s,), stream=stream)
+
+    return stage

@@ -17,7 +17,7 @@ from ..constants import (
     VIOLATION_FIELDS,
 )
 from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_array
-from . import LogViews, PlanArgs, ScatterArgs, SourceView, VerifyArgs, WriteArgs
+from . import STAGE_HEADER, STAGE_HEADER_FIELDS, LogViews, PlanArgs, ScatterArgs, SourceView, StageArgs, VerifyArgs, WriteArgs
 
 _ANCHOR_U64 = np.uint64(ANCHOR_HASH)
 _I64 = np.int64
@@ -380,3 +380,59 @@ def scatter(a: ScatterArgs) -> None:
         keep = total - 1 - last
         owner, col = owner[keep], col[keep]
     a.pool_out[rp[owner], col] = a.flat_in[start[owner] + col].astype(np.int32)
+    col = np.arange(total, dtype=_I64) - first[owner]
+    src = start[owner] + col
+    ok = (src >= 0) & (src < a.flat_in.shape[0])
+    a.pool_out[rp[owner][ok], col[ok]] = a.flat_in[src[ok]].astype(np.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# session staging (kernels/session.cu)
+
+_WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH.value | FailReason.WRITE_POSITION_MISMATCH.value
+
+
+def session_stage(a: StageArgs, stamp: int) -> None:
+    """Snapshot the log into ``a.staging``, reset ``write_index`` and attribute verify rows.
+
+    The record (layout ``a.layout``) gets the header, the four counter arrays and the ring rows
+    ``[0, min(write_index, capacity))``; every slot named by a verify row gets ``marks[slot] =
+    stamp``; then the plan's active verify entries that read a marked slot are listed (the first
+    ``attribution_capacity`` of them; ``matches`` counts them all) with their batch row.
+    """
+    layout, log, out = a.layout, a.log, a.staging
+    kinds, ring_capacity = layout.num_kinds, log.ring.shape[0]
+    n = min(max(int(log.write_index[0]), 0), ring_capacity)
+    header = dict(rows=n, stamp=stamp, matches=0, enable=int(a.enable[0]), verify_num_valid=int(a.verify_num_valid[0]),
+                  batch_size=int(a.write_num_valid_reqs[0]), plan_out_of_range=int(a.plan_out_of_range_count[0]))
+    out[:STAGE_HEADER_FIELDS] = [header[k] for k in STAGE_HEADER] + [0] * (STAGE_HEADER_FIELDS - len(STAGE_HEADER))
+    for i, counters in enumerate((log.violation_counters, log.slot_run_counters, log.kernel_run_counters,
+                                  log.out_of_range_counters)):
+        out[layout.counters + i * kinds : layout.counters + (i + 1) * kinds] = counters
+    rows = log.ring[:n]
+    out[layout.ring : layout.ring + n * VIOLATION_FIELDS] = rows.reshape(-1)
+    num_slots = a.marks.shape[0]
+    slots = rows[:, 1]
+    a.marks[slots[((rows[:, 7] & _WRITE_BITS) == 0) & (slots > 0) & (slots < num_slots)]] = stamp
+    log.write_index[0] = 0
+    if n == 0 or header["enable"] == 0:
+        return
+
+    active = min(max(header["verify_num_valid"], 0), a.verify_slot_indices.shape[0])
+    bs = min(max(header["batch_size"], 0), a.verify_offsets.shape[0] - 1)
+    entry_slots = np.asarray(a.verify_slot_indices[:active], _I64)
+    in_range = (entry_slots > 0) & (entry_slots < num_slots)
+    entries = np.nonzero(in_range)[0]
+    entries = entries[a.marks[entry_slots[entries]] == stamp]
+    out[STAGE_HEADER.index("matches")] = entries.size
+    entries = entries[: layout.attribution_capacity]
+    rows_before = np.searchsorted(np.asarray(a.verify_offsets[1 : bs + 1], _I64), entries, side="right")
+    batch_row = np.where(rows_before < bs, rows_before, -1)
+    records = np.stack([entry_slots[entries], batch_row, entries, a.verify_expected_positions[entries],
+                        a.verify_prev_slot_indices[entries], a.verify_expected_tokens[entries]], axis=1)
+    out[layout.attribution : layout.attribution + records.size] = records.reshape(-1)
+
+
+def prepare_stage(a: StageArgs):
+    """``stage(stamp, stream)``: :func:`session_stage` on fixed arguments (``stream`` unused)."""
+    return lambda stamp, stream=None: session_stage(a, stamp)

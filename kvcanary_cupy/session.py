@@ -1,0 +1,560 @@
+"""CanarySession: the KV canary inside an engine's step loop.
+
+Per step, an engine calls :meth:`CanarySession.pre_forward` before the model reads the KV cache
+(plan, HEAD verify, HEAD write), :meth:`~CanarySession.post_forward` after it (TAIL verify and
+write, with real-KV fingerprints) and :meth:`~CanarySession.end_step` outside any CUDA graph.
+``end_step`` stages the step's log on the device (one block copies the counters and the new ring
+rows into a record, resets the ring and lists the verify entries that read a violating slot),
+copies the record to pinned host memory on a side stream behind an event, and handles every
+earlier record whose copy has completed: no host sync anywhere.  Violations are deduplicated by
+``(kernel_kind, slot_idx, position, fail_reason_bits)`` and handed to the ``on_violation``
+policy.  docs/guide.md ("Using the canary in an engine") explains every choice.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import warnings
+from dataclasses import replace
+from typing import NamedTuple
+
+import numpy as np
+
+from .backends import ATTRIBUTION, STAGE_HEADER, LogViews, StageArgs, StageLayout, get_backend
+from .constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
+from .errors import CanaryHealthError, CanaryViolationError, fail
+from .interop import allocate, backend_view, import_cupy, placement_of
+from .ops import verify, write
+from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
+from .plans import ViolationLog, allocate_canary_buffer, check_count, check_num_sources
+from .reporting import Violation, ViolationReport, reason_name, tag_name
+from .validation import check_int
+
+logger = logging.getLogger("kvcanary_cupy")
+
+#: ``verify_capacity`` defaults to this many times ``num_slots`` (``CanaryCapacities.from_engine``'s
+#: headroom: radix sharing lets a batch's summed prefixes exceed the pool).
+VERIFY_HEADROOM = 3
+#: Distinct violations kept per session; rows of further new ones are counted in ``stats``.
+MAX_DISTINCT_VIOLATIONS = 65536
+#: Under ``on_violation="log"``, this many new violations at once add a summary line.
+LOG_SUMMARY_AT = 5
+#: Pinned host records a GPU session allocates up front (more are added while the host runs ahead).
+PINNED_RECORDS = 4
+#: The violations an error message lists (the rest are in its ``report``).
+MESSAGE_MAX_LINES = 20
+POLICIES = ("raise", "log", "ignore")
+
+_WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH
+_TAGS = {  # (head, tail, sweep) launch tags of a FULL and of an SWA session
+    False: (CanaryLaunchTag.HEAD_K_FULL, CanaryLaunchTag.TAIL_K_FULL, CanaryLaunchTag.SWEEP_K_FULL),
+    True: (CanaryLaunchTag.HEAD_K_SWA, CanaryLaunchTag.TAIL_K_SWA, CanaryLaunchTag.SWEEP_K_SWA),
+}
+_ATTRIBUTION = {name: i for i, name in enumerate(ATTRIBUTION)}
+
+
+class _Copy:
+    """A host record and the event that says when its copy from the device has landed."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, host, event):
+        self.host, self.event = host, event
+
+
+class _Pending(NamedTuple):
+    kind: str  # "step" or "sweep"
+    step: int  # 0-based index of the step it belongs to (a sweep: of the last step ended before it)
+    copy: _Copy
+
+
+class _HostTransport:
+    """NumPy sessions: the record is host memory and every copy has landed when it returns."""
+
+    def __init__(self, staging):
+        self._staging = staging
+        self._free = []
+
+    def capturing(self) -> bool:
+        return False
+
+    def stage(self, stager, stamp: int) -> _Copy:
+        stager(stamp, None)
+        copy = self._free.pop() if self._free else _Copy(np.empty_like(self._staging), None)
+        np.copyto(copy.host, self._staging)
+        return copy
+
+    def done(self, copy: _Copy) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def release(self, copy: _Copy) -> None:
+        self._free.append(copy)
+
+
+class _CudaTransport:
+    """GPU sessions: staging kernels on the step's stream, then a copy to pinned host memory on a
+    side stream behind an event; the next staging waits (on the device) until that copy is done."""
+
+    def __init__(self, placement, staging):
+        self._cupy = cupy = import_cupy()
+        import cupyx
+
+        self._empty_pinned = cupyx.empty_pinned
+        self._device = placement.device
+        self._torch = sys.modules["torch"] if placement.framework == "torch" else None
+        with cupy.cuda.Device(self._device):
+            self._side = cupy.cuda.Stream(non_blocking=True)
+            self._staged = cupy.cuda.Event(disable_timing=True)
+        self._src, self._nbytes, self._shape = staging.data.ptr, staging.nbytes, staging.shape
+        self._free = [self._new_copy() for _ in range(PINNED_RECORDS)]
+        self._last_copy = None
+        self._external = {}  # torch stream handle -> CuPy view of it
+
+    def _main_stream(self):
+        if self._torch is None:
+            return self._cupy.cuda.get_current_stream()
+        stream = self._torch.cuda.current_stream(self._device)
+        ours = self._external.get(stream.cuda_stream)
+        if ours is None:
+            ours = self._external[stream.cuda_stream] = self._cupy.cuda.Stream.from_external(stream)
+        return ours
+
+    def capturing(self) -> bool:
+        if self._torch is not None:
+            return self._torch.cuda.is_current_stream_capturing()
+        with self._cupy.cuda.Device(self._device):
+            return self._cupy.cuda.get_current_stream().is_capturing()
+
+    def stage(self, stager, stamp: int) -> _Copy:
+        cupy = self._cupy
+        with cupy.cuda.Device(self._device):
+            main = self._main_stream()
+            if self._last_copy is not None:
+                main.wait_event(self._last_copy)  # the device record is read out before it is rewritten
+            stager(stamp, main)
+            self._staged.record(main)
+            self._side.wait_event(self._staged)
+            copy = self._free.pop() if self._free else self._new_copy()
+            cupy.cuda.runtime.memcpyAsync(copy.host.ctypes.data, self._src, self._nbytes,
+                                          cupy.cuda.runtime.memcpyDeviceToHost, self._side.ptr)
+            copy.event.record(self._side)
+            self._last_copy = copy.event
+        return copy
+
+    def _new_copy(self) -> _Copy:
+        with self._cupy.cuda.Device(self._device):
+            return _Copy(self._empty_pinned(self._shape, np.int64), self._cupy.cuda.Event(disable_timing=True))
+
+    def done(self, copy: _Copy) -> bool:
+        return copy.event.done
+
+    def synchronize(self) -> None:
+        self._side.synchronize()
+
+    def release(self, copy: _Copy) -> None:
+        self._free.append(copy)
+
+
+def _length(x, name: str) -> int:
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        fail(TypeError, f"{name} must be a NumPy array, a CuPy array or a PyTorch tensor, got {type(x).__name__}")
+    if len(shape) != 1:
+        fail(ValueError, f"{name} must be 1-D, got shape {tuple(shape)}")
+    return int(shape[0])
+
+
+class CanarySession:
+    """The canary of one KV pool group inside an engine's step loop.
+
+    ``num_slots`` canary slots (slot 0 is the padding slot) in a HEAD buffer (chain-only, checked
+    and written before the forward) and a TAIL buffer (after it, with real-KV fingerprints of
+    ``real_kv_sources``).  ``like`` picks NumPy (None), CuPy or torch and the device of every
+    buffer.  ``verify_capacity`` bounds a step's verify entries (default ``VERIFY_HEADROOM *
+    num_slots``); ``max_batch_size`` bounds its requests.  ``on_violation`` is ``"raise"``
+    (:class:`CanaryViolationError` from ``end_step``/``check``), ``"log"`` (a WARNING per distinct
+    violation to the ``"kvcanary_cupy"`` logger), ``"ignore"`` (only recorded) or a callable that
+    receives the :class:`ViolationReport` of the new violations.  ``swa_window_size > 0`` makes it
+    a sliding-window group (SWA launch tags, the LUT translates slots).  ``sweep_every=N`` with
+    ``sweep_source`` (a callable returning ``(req_pool_indices, seq_lens, table)`` or None) runs
+    :meth:`sweep` from every N-th ``end_step``.
+    """
+
+    def __init__(self, num_slots, *, max_batch_size, verify_capacity=None, like=None,
+                 ring_capacity=DEFAULT_RING_CAPACITY, on_violation="raise", swa_window_size=0,
+                 full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
+                 real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
+                 sweep_source=None):
+        num_slots = check_count(num_slots, "num_slots", maximum=2**62)
+        if num_slots == 0:
+            fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
+        self.max_batch_size = check_count(max_batch_size, "max_batch_size")
+        ring_capacity = check_count(ring_capacity, "ring_capacity")
+        if ring_capacity == 0:
+            fail(ValueError, "ring_capacity must be positive, got 0")
+        if not (callable(on_violation) or (isinstance(on_violation, str) and on_violation in POLICIES)):
+            fail(ValueError, f"on_violation must be one of {POLICIES} or a callable taking a ViolationReport, got {on_violation!r}")
+        window = check_int(swa_window_size, "swa_window_size", minimum=0)
+        if window > 0 and full_to_swa_index_mapping is None:
+            fail(ValueError, "a session with swa_window_size > 0 needs full_to_swa_index_mapping (the full->SWA slot LUT, int64)")
+        self.real_kv_sources = check_num_sources(real_kv_sources)
+        try:
+            self.real_kv_hash_mode = RealKvHashMode(real_kv_hash_mode)
+        except (ValueError, TypeError):
+            fail(ValueError, f"real_kv_hash_mode must be a RealKvHashMode (NONE, PARTIAL or ALL), got {real_kv_hash_mode!r}")
+        if not isinstance(check_expected_tokens, (bool, np.bool_)):
+            fail(TypeError, f"check_expected_tokens must be a bool, got {type(check_expected_tokens).__name__}")
+        self.sweep_every = check_int(sweep_every, "sweep_every", minimum=0)
+        if self.sweep_every and not callable(sweep_source):
+            fail(ValueError, "sweep_every > 0 needs sweep_source: a callable returning (req_pool_indices, seq_lens, table) or None")
+        if like is not None:
+            placement_of(like, "like")
+
+        if verify_capacity is None:
+            capacities = CanaryCapacities.from_engine(kv_pool_size=num_slots, max_running_requests=self.max_batch_size,
+                                                      verify_headroom=VERIFY_HEADROOM)
+        else:
+            capacities = CanaryCapacities(check_count(verify_capacity, "verify_capacity"), self.max_batch_size)
+        self.num_slots = num_slots
+        self.on_violation = on_violation
+        self.check_expected_tokens = bool(check_expected_tokens)
+        self.sweep_source = sweep_source
+        self.head_tag, self.tail_tag, self.sweep_tag = _TAGS[window > 0]
+        self._like = like
+        self._planner_options = dict(swa_window_size=window, full_to_swa_index_mapping=full_to_swa_index_mapping,
+                                     kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+        self.planner = CanaryPlanner(capacities, like=like, **self._planner_options)
+        self.head_canary = allocate_canary_buffer(num_slots, like=like)
+        self.tail_canary = allocate_canary_buffer(num_slots, like=like)
+        self.log = ViolationLog.allocate(ring_capacity, like=like)
+        self._layout = StageLayout(self.log.num_kinds, ring_capacity, attribution_capacity=ring_capacity)
+        self._marks = allocate((num_slots,), np.int64, like=like, fill=0)
+        self._staging = allocate((self._layout.size,), np.int64, like=like, fill=0)
+        placement = placement_of(self.log.ring, "like")
+        self._backend = get_backend(placement.backend)
+        staging_view = backend_view(self._staging, "staging", writable=True)
+        self._transport = (_HostTransport(staging_view) if placement.backend == "numpy"
+                           else _CudaTransport(placement, staging_view))
+        self._step_stager = self._stager(self.planner)
+        self._sweep_planner = self._sweep_stager = self._sweep_zeros = None
+
+        self._pending = collections.deque()
+        self._stamp = 0
+        self._step_inputs = None  # (input_ids, positions, out_cache_loc) between pre_ and post_forward
+        self._step_open = False
+        self._distinct = {}  # key -> [Violation, repeats, last step]
+        self._counters = [0] * (4 * self.log.num_kinds)  # the latest handled record's four counter arrays, flat
+        self._runs_at_last_step = [0, 0]  # kernel runs of the HEAD and TAIL tags at the last step handled
+        self._rows_by_reason = {reason_name(m): 0 for m in FailReason}
+        self._plan_out_of_range = {"step": 0, "sweep": 0, "sweep_before": 0}
+        self._capacity_warned = False
+        self._stats = dict(steps=0, verified_entries=0, verify_skipped_steps=0, verify_skipped_sweeps=0, sweeps=0,
+                           rows_read=0, health_failures=0, untracked_rows=0, unattributed_entries=0)
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def pre_forward(self, req_pool_indices, prefix_lens, extend_seq_lens, table, input_ids, positions, out_cache_loc,
+                    *, expected_tokens=None, expected_tokens_valid_lens=None):
+        """Before the model reads the KV cache: plan the step, verify the HEAD buffer, write it.
+
+        Capture-safe: allocates nothing, reads nothing back, never synchronises.  Pass the
+        per-step arrays contiguous (they are used in place); ``table`` is anything ``plan``
+        accepts.  ``expected_tokens``/``expected_tokens_valid_lens`` are the expected-token pool
+        and its valid lengths (checked when ``check_expected_tokens``).
+        """
+        bs = _length(req_pool_indices, "req_pool_indices")
+        if bs > self.max_batch_size:
+            fail(ValueError, f"bs={bs} (len(req_pool_indices)) exceeds the session's max_batch_size={self.max_batch_size}")
+        tokens = _length(input_ids, "input_ids")
+        for name, x in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
+            if _length(x, name) != tokens:
+                fail(ValueError, f"{name} length must be len(input_ids)={tokens}, got {_length(x, name)}")
+            if str(x.dtype) not in ("int64", "torch.int64"):
+                fail(TypeError, f"{name} must have dtype int64, got {x.dtype}")
+        vp, wp = self.planner.plan(req_pool_indices, prefix_lens, extend_seq_lens, table,
+                                   req_to_verify_expected_tokens=expected_tokens,
+                                   req_to_verify_expected_tokens_valid_lens=expected_tokens_valid_lens)
+        verify(self.head_canary, vp, log=self.log, kernel_kind=self.head_tag, check_expected_token=self.check_expected_tokens)
+        write(self.head_canary, wp, input_ids, positions, out_cache_loc, log=self.log, kernel_kind=self.head_tag)
+        self._step_inputs = (input_ids, positions, out_cache_loc)
+        self._step_open = True
+
+    def post_forward(self):
+        """After the forward: verify the TAIL buffer (real KV included) and write it, on this step's plan.
+
+        Capture-safe like :meth:`pre_forward`.
+        """
+        if self._step_inputs is None:
+            fail(RuntimeError, "post_forward() needs a pre_forward() of the same step before it")
+        vp, wp = self.planner.verify_plan, self.planner.write_plan
+        kv = dict(real_kv_sources=self.real_kv_sources, real_kv_hash_mode=self.real_kv_hash_mode)
+        verify(self.tail_canary, vp, log=self.log, kernel_kind=self.tail_tag, check_expected_token=self.check_expected_tokens, **kv)
+        write(self.tail_canary, wp, *self._step_inputs, log=self.log, kernel_kind=self.tail_tag, **kv)
+        self._step_inputs = None
+
+    def end_step(self):
+        """Outside CUDA graphs, once per step: stage this step's log and handle earlier steps.
+
+        Never blocks.  Raises :class:`CanaryViolationError` / :class:`CanaryHealthError` under
+        ``on_violation="raise"`` when a handled step brought new violations / ran no canary kernel.
+        """
+        self._refuse_in_capture("end_step")
+        self._step_open = False
+        earlier = len(self._pending)
+        self._stage("step", self._stats["steps"], self._step_stager)
+        self._stats["steps"] += 1
+        if self.sweep_every and self._stats["steps"] % self.sweep_every == 0:
+            source = self.sweep_source()
+            if source is not None:
+                self.sweep(*source)
+        self._handle(earlier)
+
+    def check(self):
+        """Block until every staged step and sweep is handled, then apply the policy."""
+        self._refuse_in_capture("check")
+        self._transport.synchronize()
+        self._handle(None)
+
+    def sweep(self, req_pool_indices, seq_lens, table):
+        """Verify (TAIL buffer, real KV, no token check) every slot of the given cached sequences.
+
+        Sequence i covers positions ``[0, seq_lens[i])`` of table row ``req_pool_indices[i]`` (the
+        window's end only, for SWA).  Outside graphs, between ``end_step`` and the next
+        ``pre_forward``; staged like a step and handled by the next ``end_step``/``check``.  A
+        violation's ``batch_rows`` are indices into these sequences.
+        """
+        self._refuse_in_capture("sweep")
+        if self._step_open:
+            fail(RuntimeError, "sweep() between pre_forward() and end_step() would mix the sweep's violations with the "
+                               "step's; call it after end_step()")
+        planner = self._sweep_planner_for(_length(req_pool_indices, "req_pool_indices"))
+        vp, _ = planner.plan(req_pool_indices, seq_lens, self._sweep_zeros[: req_pool_indices.shape[0]], table)
+        verify(self.tail_canary, vp, log=self.log, kernel_kind=self.sweep_tag, real_kv_sources=self.real_kv_sources,
+               real_kv_hash_mode=self.real_kv_hash_mode)
+        self._stats["sweeps"] += 1
+        self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager)
+
+    # -- results -----------------------------------------------------------------------------------
+
+    def report(self) -> ViolationReport:
+        """Every distinct violation handled so far, in first-seen order, with the session's totals."""
+        return self._report(self._distinct)
+
+    @property
+    def stats(self) -> dict:
+        """Counts of what the session did and found, over the steps handled so far.
+
+        ``steps`` (ended), ``pending_steps`` (staged, not handled yet), ``verified_entries`` (plan
+        entries verified by steps and sweeps), ``violations`` (exact total),
+        ``distinct_violations``, ``violations_by_reason`` (rows read), ``violations_by_tag``
+        (exact), ``verify_skipped_steps`` / ``verify_skipped_sweeps`` (capacity overflow),
+        ``dropped_rows`` (never read: the ring filled within one step), ``rows_read``, ``sweeps``,
+        ``health_failures``, ``out_of_range_skipped``, ``untracked_rows`` (rows of new violations
+        past ``MAX_DISTINCT_VIOLATIONS``), ``unattributed_entries`` (verify entries of violating
+        slots past the attribution capacity).
+        """
+        s = dict(self._stats)
+        counters = self._counter_arrays()
+        total = int(counters[0].sum())
+        oor = self._plan_out_of_range
+        s.update(
+            pending_steps=sum(p.kind == "step" for p in self._pending),
+            violations=total,
+            distinct_violations=len(self._distinct),
+            violations_by_reason={k: n for k, n in self._rows_by_reason.items() if n},
+            violations_by_tag={tag_name(k): int(n) for k, n in enumerate(counters[0]) if n},
+            dropped_rows=total - s["rows_read"],
+            out_of_range_skipped=int(counters[3].sum()) + oor["step"] + oor["sweep"] + oor["sweep_before"],
+        )
+        return s
+
+    def __repr__(self) -> str:
+        s = self.stats
+        return (f"CanarySession(num_slots={self.num_slots}, on={placement_of(self.log.ring, 'log').describe()}, "
+                f"steps={s['steps']}, violations={s['violations']}, distinct={s['distinct_violations']})")
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _refuse_in_capture(self, what: str) -> None:
+        if self._transport.capturing():
+            fail(RuntimeError, f"{what}() must run outside CUDA graph capture (it stages copies and reads host "
+                               "memory); capture only pre_forward() and post_forward()")
+
+    def _stager(self, planner: CanaryPlanner):
+        """The backend's staging of the log against ``planner``'s plan, its arguments viewed once."""
+        view = lambda x, name: backend_view(x, name, writable=True)
+        vp, wp = planner.verify_plan, planner.write_plan
+        args = StageArgs(
+            log=LogViews(**{k: view(v, f"log.{k}") for k, v in self.log.arrays().items()}),
+            verify_slot_indices=view(vp.verify_slot_indices, "verify_slot_indices"),
+            verify_expected_tokens=view(vp.verify_expected_tokens, "verify_expected_tokens"),
+            verify_expected_positions=view(vp.verify_expected_positions, "verify_expected_positions"),
+            verify_prev_slot_indices=view(vp.verify_prev_slot_indices, "verify_prev_slot_indices"),
+            verify_num_valid=view(vp.verify_num_valid, "verify_num_valid"),
+            enable=view(vp.enable, "enable"),
+            plan_out_of_range_count=view(vp.out_of_range_count, "out_of_range_count"),
+            verify_offsets=view(wp.verify_offsets, "verify_offsets"),
+            write_num_valid_reqs=view(wp.write_num_valid_reqs, "write_num_valid_reqs"),
+            marks=view(self._marks, "marks"),
+            staging=view(self._staging, "staging"),
+            layout=self._layout,
+        )
+        return self._backend.prepare_stage(args)
+
+    def _sweep_planner_for(self, bs: int) -> CanaryPlanner:
+        """The sweep's own plan buffers, grown (to a power of two) when a sweep has more sequences."""
+        planner = self._sweep_planner
+        if planner is None or planner.capacities.write_req_capacity < bs:
+            if planner is not None:  # a fresh plan counts its out-of-range inputs from 0
+                self._plan_out_of_range["sweep_before"] += self._plan_out_of_range["sweep"]
+                self._plan_out_of_range["sweep"] = 0
+            capacity = max(64, 1 << max(bs - 1, 0).bit_length())
+            capacities = CanaryCapacities(self.planner.capacities.verify_capacity, capacity)
+            planner = self._sweep_planner = CanaryPlanner(capacities, like=self._like, **self._planner_options)
+            self._sweep_zeros = allocate((capacity,), np.int64, like=self._like, fill=0)
+            self._sweep_stager = self._stager(planner)
+        return planner
+
+    def _stage(self, kind: str, step: int, stager) -> None:
+        self._stamp += 1
+        copy = self._transport.stage(stager, self._stamp)
+        self._pending.append(_Pending(kind, step, copy))
+
+    def _handle(self, limit) -> None:
+        """Handle up to ``limit`` (None: all) staged records, oldest first, whose copy has landed."""
+        new, problems = [], []
+        handled = 0
+        while self._pending and (limit is None or handled < limit) and self._transport.done(self._pending[0].copy):
+            pending = self._pending.popleft()
+            handled += 1
+            try:
+                self._process(pending, new, problems)
+            finally:
+                self._transport.release(pending.copy)
+        self._apply_policy(new, problems)
+
+    def _process(self, pending: _Pending, new: list, problems: list) -> None:
+        layout, host = self._layout, pending.copy.host
+        rows, _, matches, enable, num_valid, _, plan_out_of_range = host[: len(STAGE_HEADER)].tolist()
+        self._counters = host[layout.counters : layout.ring].tolist()  # host totals, exact int64 counts
+        self._plan_out_of_range[pending.kind] = plan_out_of_range
+        if enable == 0:
+            self._stats[f"verify_skipped_{pending.kind}s"] += 1
+            self._warn_capacity(pending.kind)
+        else:
+            self._stats["verified_entries"] += max(num_valid, 0)
+        if pending.kind == "step":
+            runs = self._counters[2 * layout.num_kinds :]
+            runs = [runs[self.head_tag], runs[self.tail_tag]]
+            stalled = [tag.name for tag, now, before in zip((self.head_tag, self.tail_tag), runs, self._runs_at_last_step)
+                       if now <= before]
+            self._runs_at_last_step = runs
+            if stalled:
+                self._stats["health_failures"] += 1
+                problems.append(f"kv-canary: no canary kernel ran for launch tags {stalled} in step {pending.step} "
+                                "(between two end_step calls); is pre_forward()/post_forward() part of the graph you replay?")
+        if rows:
+            self._collect(pending, host, rows, matches, new)
+
+    def _warn_capacity(self, kind: str) -> None:
+        if self._capacity_warned:
+            return
+        self._capacity_warned = True
+        warnings.warn(
+            f"kv-canary: a {kind}'s verify plan overflowed verify_capacity={self.planner.capacities.verify_capacity}, so "
+            "its verify was skipped; further skips are counted in session.stats['verify_skipped_steps'/'_sweeps']. "
+            "Raise verify_capacity.", CanaryCapacityWarning, stacklevel=4)
+
+    def _collect(self, pending: _Pending, host, n: int, matches: int, new: list) -> None:
+        """Decode the ring rows of one record into distinct violations (attributed when new)."""
+        layout = self._layout
+        rows = host[layout.ring : layout.ring + 8 * n].reshape(n, 8)
+        rows = rows[np.lexsort((rows[:, 7], rows[:, 2], rows[:, 1], rows[:, 0]))]  # a fixed order on every backend
+        self._stats["rows_read"] += n
+        for m in FailReason:
+            self._rows_by_reason[reason_name(m)] += int(np.count_nonzero(rows[:, 7] & m.value))
+        kept = min(matches, layout.attribution_capacity)
+        self._stats["unattributed_entries"] += matches - kept
+        width = len(ATTRIBUTION)
+        attribution = host[layout.attribution : layout.attribution + width * kept].reshape(kept, width)
+        by_slot = None
+        for row in rows.tolist():
+            key = (row[0], row[1], row[2], row[7])
+            seen = self._distinct.get(key)
+            if seen is not None:
+                seen[1] += 1
+                seen[2] = pending.step
+                continue
+            if len(self._distinct) >= MAX_DISTINCT_VIOLATIONS:
+                self._stats["untracked_rows"] += 1
+                continue
+            v = Violation.from_row(row)
+            if not v.is_write:
+                if by_slot is None:
+                    by_slot = collections.defaultdict(list)
+                    for entry in attribution[np.argsort(attribution[:, _ATTRIBUTION["entry"]], kind="stable")].tolist():
+                        by_slot[entry[_ATTRIBUTION["slot"]]].append(entry)
+                v = _attribute(v, by_slot.get(v.slot_idx, ()))
+            self._distinct[key] = [replace(v, first_step=pending.step), 1, pending.step]
+            new.append(key)
+
+    def _counter_arrays(self) -> np.ndarray:
+        """The latest handled record's violation, slot-run, kernel-run and out-of-range counters."""
+        return np.array(self._counters, np.int64).reshape(4, self.log.num_kinds)
+
+    def _report(self, keys) -> ViolationReport:
+        c = self._counter_arrays()
+        violations = tuple(replace(v, repeats=n, last_step=last) for v, n, last in (self._distinct[k] for k in keys))
+        return ViolationReport(violations=violations, total_violations=int(c[0].sum()), ring_capacity=self.log.capacity,
+                               violation_counters=c[0], slot_run_counters=c[1], kernel_run_counters=c[2],
+                               out_of_range_counters=c[3],
+                               rows_read=self._stats["rows_read"], steps=self._stats["steps"])
+
+    def _apply_policy(self, new: list, problems: list) -> None:
+        report = self._report(new) if new else None
+        policy = self.on_violation
+        if policy == "raise":
+            if report is not None:
+                for problem in problems:
+                    logger.error(problem)
+                lines = [v.format() for v in report.violations[:MESSAGE_MAX_LINES]]
+                if len(report.violations) > MESSAGE_MAX_LINES:
+                    lines.append(f"... {len(report.violations) - MESSAGE_MAX_LINES} more in the error's .report")
+                raise CanaryViolationError(f"kv-canary: {len(new)} new violation(s):\n" + "\n".join(lines)
+                                           + "\n" + report.summary(), report)
+            if problems:
+                raise CanaryHealthError("\n".join(problems))
+            return
+        for problem in problems:
+            logger.error(problem)
+        if report is None:
+            return
+        if policy == "log":
+            for v in report.violations:
+                logger.warning(v.format())
+            if len(new) >= LOG_SUMMARY_AT:
+                logger.warning(report.summary())
+        elif callable(policy):
+            policy(report)
+
+
+def _attribute(v: Violation, entries) -> Violation:
+    """``v`` with the batch rows, expected position and predecessor of the verify entries that
+    read its slot and could have produced it (same position verdict, same expected token)."""
+    position_failed = bool(v.fail_reason_bits & FailReason.VERIFY_POSITION_MISMATCH)
+    a = _ATTRIBUTION
+    matching = [e for e in entries
+                if (e[a["expected_position"]] != v.position) == position_failed
+                and (v.expected_token == -1 or e[a["expected_token"]] == v.expected_token)]
+    if not matching:
+        return v
+    first = matching[0]
+    chain_failed = bool(v.fail_reason_bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+    return replace(v, batch_rows=tuple(sorted({e[a["batch_row"]] for e in matching if e[a["batch_row"]] >= 0})),
+                   expected_position=first[a["expected_position"]],
+                   prev_slot_idx=first[a["prev_slot"]] if chain_failed else None)

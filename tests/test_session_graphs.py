@@ -1,0 +1,148 @@
+"""CanarySession inside CUDA graphs: pre_forward/post_forward captured once (cupy.cuda.Graph and
+torch.cuda.graph), replayed with changing batches and a stale table entry, end_step outside the
+graph reading each step one step late; the final report equals the eager NumPy session's."""
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from conftest import get_backend_or_skip
+from session_engine import ToyEngine
+
+NUMPY = get_backend_or_skip("numpy")
+SCHEDULE = [[1, 2], [1, 2, 3], [2, 1, 3, 4], [1, 2, 4], [3, 1, 2], [1, 2, 5, 4], [2, 1], [1, 2, 3, 6, 7], [1, 2]]
+FAULT_STEP = 4
+
+
+def _steps():
+    """Each step's arrays and table (NumPy), with a stale table entry of row 1 from FAULT_STEP on."""
+    engine = ToyEngine()
+    out = []
+    for step, rows in enumerate(SCHEDULE):
+        arrays = engine.step(rows)
+        if step == FAULT_STEP:
+            engine.rtt[1, 2] = engine.rtt[2, 4]
+        out.append((arrays, engine.rtt.copy()))
+    return engine, out
+
+
+def _numpy_reference(engine, steps):
+    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, on_violation="ignore")
+    for arrays, table in steps:
+        a = arrays
+        session.pre_forward(a["rp"], a["prefix"], a["extend"], table, a["ids"], a["pos"], a["loc"])
+        session.post_forward()
+        session.end_step()
+    session.check()
+    return session
+
+
+class _Buffers:
+    """Fixed-address step inputs on the GPU, refilled in place before every replay."""
+
+    def __init__(self, ab, arrays, table):
+        self.ab = ab
+        self.arrays = {k: ab.asarray(v) for k, v in arrays.items()}
+        self.table = ab.asarray(table)
+
+    def fill(self, arrays, table):
+        for k, v in arrays.items():
+            self.arrays[k][...] = self.ab.asarray(v)
+        self.table[...] = self.ab.asarray(table)
+
+    def pre_forward(self, session):
+        a = self.arrays
+        session.pre_forward(a["rp"], a["prefix"], a["extend"], self.table, a["ids"], a["pos"], a["loc"])
+
+
+def _device_sync():
+    import cupy
+
+    cupy.cuda.Device().synchronize()
+
+
+def _end_step_one_step_late(session, step):
+    """end_step handles every earlier step (the device finished them) and never the current one."""
+    _device_sync()
+    session.end_step()
+    first_steps = {v.first_step for v in session.report().violations}
+    assert session.stats["pending_steps"] == 1
+    assert first_steps == (set() if step <= FAULT_STEP else {FAULT_STEP})
+
+
+def _assert_same_as_numpy(session, reference):
+    got, want = session.report(), reference.report()
+    assert len(want.violations) == 4
+    assert got.to_dicts() == want.to_dicts()
+    assert session.stats == reference.stats
+
+
+def test_cupy_graph_capture_replay_read_one_step_late():
+    import cupy
+
+    ab = get_backend_or_skip("cupy")
+    kc.warmup()
+    engine, steps = _steps()
+    reference = _numpy_reference(engine, steps)
+    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        bufs = _Buffers(ab, *steps[0])
+        stream.synchronize()
+        stream.begin_capture()
+        bufs.pre_forward(session)
+        session.post_forward()
+        with pytest.raises(RuntimeError, match="end_step\\(\\) must run outside CUDA graph capture"):
+            session.end_step()
+        graph = stream.end_capture()
+        for step, (arrays, table) in enumerate(steps):
+            bufs.fill(arrays, table)
+            graph.launch(stream)
+            _end_step_one_step_late(session, step)
+        session.check()
+    _assert_same_as_numpy(session, reference)
+
+
+def test_torch_graph_capture_replay_read_one_step_late():
+    import torch
+
+    ab = get_backend_or_skip("torch_cuda")
+    kc.warmup()
+    engine, steps = _steps()
+    reference = _numpy_reference(engine, steps)
+    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore")
+    bufs = _Buffers(ab, *steps[0])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bufs.pre_forward(session)
+        session.post_forward()
+        with pytest.raises(RuntimeError, match="check\\(\\) must run outside CUDA graph capture"):
+            session.check()
+    for step, (arrays, table) in enumerate(steps):
+        bufs.fill(arrays, table)
+        graph.replay()
+        _end_step_one_step_late(session, step)
+    session.check()
+    _assert_same_as_numpy(session, reference)
+
+
+def test_end_step_does_not_wait_for_the_device():
+    """With the stream busy for about a second, end_step returns and leaves the step pending."""
+    import torch
+
+    ab = get_backend_or_skip("torch_cuda")
+    engine, steps = _steps()
+    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore")
+    bufs = _Buffers(ab, *steps[0])
+    for arrays, table in steps[:2]:
+        bufs.fill(arrays, table)
+        bufs.pre_forward(session)
+        session.post_forward()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of device time before the staging of this step
+        session.end_step()
+        assert not torch.cuda.current_stream().query()  # end_step returned while the device was busy
+        assert session.stats["pending_steps"] >= 1
+    session.check()
+    assert session.stats["pending_steps"] == 0 and session.stats["steps"] == 2
+    assert session.report().violations == ()
