@@ -42,5 +42,6 @@ if [ "$what" = all ] || [ "$what" = sanitizer ]; then
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   run bench python3 benchmarks/bench_canary.py --out "$OUT/bench.txt"
+  run bench-session python3 benchmarks/bench_session.py --out "$OUT/bench-session.txt"
 fi
 exit $status

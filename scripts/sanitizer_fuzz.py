@@ -1,7 +1,8 @@
 """A fuzz subset for compute-sanitizer: random steps (a third with out-of-range values) on CuPy,
 each compared with NumPy, then a whole step captured in a CUDA graph and replayed with new batch
-contents (both plan paths), then random scatters with repeated pool rows.  CuPy's memory pool is
-turned off so every array is its own cudaMalloc and memcheck sees any access past it.
+contents (both plan paths), then random scatters with repeated pool rows, then a CanarySession
+loop.  CuPy's memory pool is turned off so every array is its own cudaMalloc and memcheck sees
+any access past it.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 40
 """
@@ -80,6 +81,13 @@ def main():
     cupy.cuda.Device().synchronize()
     print(f"sanitizer fuzz: {args.cases} cases passed, {injected} with out-of-range values; "
           f"{replays} graph replays and {args.scatter_cases} scatters matched NumPy")
+    # A CanarySession loop with a stale table entry: its staging and attribution kernels too.
+    from test_session import run_fault_loop
+
+    session = run_fault_loop(cupy_ab, "ignore")[0]
+    assert session.report().to_dicts() == run_fault_loop(numpy_ab, "ignore")[0].report().to_dicts()
+    cupy.cuda.Device().synchronize()
+    print(f"sanitizer session loop: {session.stats['distinct_violations']} distinct violations, as NumPy")
 
 
 if __name__ == "__main__":
