@@ -3,12 +3,12 @@
 - ``end_step us``: host time of ``end_step`` when nothing happened (median and 90th percentile
   over 500 steps; the step itself is a graph replay of pre_forward + post_forward); target <= 30 us.
 - ``step device us``: device time of a whole session step (pre_forward + post_forward: plan, HEAD
-  verify + write, TAIL verify + write) from a CUDA graph of K steps, median replay / K.
+  verify + write, TAIL verify + write): a CUDA graph of K = 50 steps, median synchronised replay / K.
 - ``step eager us``: host wall time per eager step (pre_forward + post_forward + end_step) over
   200 back-to-back steps, one sync at the end.
 
-GPU (``--backend cupy``, the default) for CuPy arrays and CUDA torch tensors; ``--backend numpy``
-times the NumPy session (no graphs).
+GPU (``--backend cupy``, the default) for CuPy arrays (graphs captured on a CuPy stream) and CUDA
+torch tensors (torch.cuda.graph); ``--backend numpy`` times the NumPy session (no graphs).
 
     python benchmarks/bench_session.py [--backend cupy|numpy] [--workloads W1,W3] [--out FILE]
 """
@@ -16,13 +16,14 @@ times the NumPy session (no graphs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import numpy as np
 
 import kvcanary_cupy as kc
-from bench_canary import WORKLOADS, build, time_graph
+from bench_canary import WORKLOADS, build
 
 
 def make_session(d):
@@ -47,16 +48,53 @@ def percentiles(values_s) -> tuple:
     return statistics.median(us), us[int(0.9 * (len(us) - 1))]
 
 
-def end_step_cost(cupy, session, step, steps=500):
-    """end_step host time with each step a graph replay of pre_forward + post_forward."""
+def capture(framework: str, fn, k: int = 1):
+    """``(replay, stream context)``: a CUDA graph of ``k`` calls of ``fn`` (after one eager call)
+    and the context whose current stream replays it (torch.cuda.graph for torch tensors)."""
+    import cupy
+
+    fn()
+    cupy.cuda.Device().synchronize()
+    if framework == "torch":
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(k):
+                fn()
+        return graph.replay, contextlib.nullcontext()
     stream = cupy.cuda.Stream(non_blocking=True)
-    times = []
     with stream:
         stream.begin_capture()
-        step()
+        for _ in range(k):
+            fn()
         graph = stream.end_capture()
+    return (lambda: graph.launch(stream)), stream
+
+
+def device_us(cupy, framework, session, step, k=50, replays=20) -> float:
+    """Median wall time of one replay of a graph of ``k`` steps, synchronised, divided by ``k``."""
+    replay, stream = capture(framework, step, k)
+    times = []
+    with stream:
+        for _ in range(replays):
+            cupy.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            replay()
+            cupy.cuda.Device().synchronize()
+            times.append((time.perf_counter() - t0) / k)
+        session.end_step()  # every replay above as one step
+    return statistics.median(times) * 1e6
+
+
+def end_step_cost(framework, session, step, steps=500):
+    """end_step host time, each step a graph replay of pre_forward + post_forward."""
+    replay, stream = capture(framework, step)
+    times = []
+    with stream:
+        session.end_step()  # the eager warm-up step of capture()
         for _ in range(steps):
-            graph.launch(stream)
+            replay()
             t0 = time.perf_counter()
             session.end_step()
             times.append(time.perf_counter() - t0)
@@ -93,9 +131,8 @@ def run_gpu(names):
             d = convert(build(WORKLOADS[key], cupy))
             session = make_session(d)
             step = step_fn(session, d)
-            median, p90 = end_step_cost(cupy, session, step)
-            device = time_graph(cupy, step)  # also captured on a side stream; end_step below reads it all
-            session.end_step()
+            median, p90 = end_step_cost(name, session, step)
+            device = device_us(cupy, name, session, step)
             eager = eager_step_us(cupy.cuda.Device().synchronize, session, step)
             session.check()
             s = session.stats

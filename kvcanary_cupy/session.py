@@ -47,7 +47,6 @@ PINNED_RECORDS = 4
 MESSAGE_MAX_LINES = 20
 POLICIES = ("raise", "log", "ignore")
 
-_WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH
 _TAGS = {  # (head, tail, sweep) launch tags of a FULL and of an SWA session
     False: (CanaryLaunchTag.HEAD_K_FULL, CanaryLaunchTag.TAIL_K_FULL, CanaryLaunchTag.SWEEP_K_FULL),
     True: (CanaryLaunchTag.HEAD_K_SWA, CanaryLaunchTag.TAIL_K_SWA, CanaryLaunchTag.SWEEP_K_SWA),
@@ -251,7 +250,7 @@ class CanarySession:
         self._counters = [0] * (4 * self.log.num_kinds)  # the latest handled record's four counter arrays, flat
         self._runs_at_last_step = [0, 0]  # kernel runs of the HEAD and TAIL tags at the last step handled
         self._rows_by_reason = {reason_name(m): 0 for m in FailReason}
-        self._plan_out_of_range = {"step": 0, "sweep": 0, "sweep_before": 0}
+        self._plan_out_of_range = {"step": 0, "sweep": 0}  # the plans' cumulative counts, as last handled
         self._capacity_warned = False
         self._stats = dict(steps=0, verified_entries=0, verify_skipped_steps=0, verify_skipped_sweeps=0, sweeps=0,
                            rows_read=0, health_failures=0, untracked_rows=0, unattributed_entries=0)
@@ -369,7 +368,7 @@ class CanarySession:
             violations_by_reason={k: n for k, n in self._rows_by_reason.items() if n},
             violations_by_tag={tag_name(k): int(n) for k, n in enumerate(counters[0]) if n},
             dropped_rows=total - s["rows_read"],
-            out_of_range_skipped=int(counters[3].sum()) + oor["step"] + oor["sweep"] + oor["sweep_before"],
+            out_of_range_skipped=int(counters[3].sum()) + oor["step"] + oor["sweep"],
         )
         return s
 
@@ -410,12 +409,12 @@ class CanarySession:
         """The sweep's own plan buffers, grown (to a power of two) when a sweep has more sequences."""
         planner = self._sweep_planner
         if planner is None or planner.capacities.write_req_capacity < bs:
-            if planner is not None:  # a fresh plan counts its out-of-range inputs from 0
-                self._plan_out_of_range["sweep_before"] += self._plan_out_of_range["sweep"]
-                self._plan_out_of_range["sweep"] = 0
             capacity = max(64, 1 << max(bs - 1, 0).bit_length())
             capacities = CanaryCapacities(self.planner.capacities.verify_capacity, capacity)
-            planner = self._sweep_planner = CanaryPlanner(capacities, like=self._like, **self._planner_options)
+            grown = CanaryPlanner(capacities, like=self._like, **self._planner_options)
+            if planner is not None:  # the out-of-range count carries on (on the device, in stream order)
+                grown.verify_plan.out_of_range_count[...] = planner.verify_plan.out_of_range_count
+            planner = self._sweep_planner = grown
             self._sweep_zeros = allocate((capacity,), np.int64, like=self._like, fill=0)
             self._sweep_stager = self._stager(planner)
         return planner
@@ -468,7 +467,7 @@ class CanarySession:
         warnings.warn(
             f"kv-canary: a {kind}'s verify plan overflowed verify_capacity={self.planner.capacities.verify_capacity}, so "
             "its verify was skipped; further skips are counted in session.stats['verify_skipped_steps'/'_sweeps']. "
-            "Raise verify_capacity.", CanaryCapacityWarning, stacklevel=4)
+            "Raise verify_capacity.", CanaryCapacityWarning, stacklevel=5)  # the caller of end_step or check
 
     def _collect(self, pending: _Pending, host, n: int, matches: int, new: list) -> None:
         """Decode the ring rows of one record into distinct violations (attributed when new)."""

@@ -127,6 +127,51 @@ def test_clean_loop_reports_nothing_and_counts_entries(ab):
     assert runs[HEAD] == runs[TAIL] == 2 * len(SCHEDULE) and runs.sum() == 4 * len(SCHEDULE)  # verify + write each
 
 
+def test_a_slot_read_by_two_batch_rows_names_both(ab):
+    """Batch row 2 re-reads row 1's sequence (extend 0, as a shared prefix would): both are named."""
+    engine = ToyEngine()
+    session = make_session(ab, engine, on_violation="ignore")
+    steps = 5
+    for step in range(steps):
+        arrays = engine.step([1, 2])
+        arrays["rp"][2], arrays["prefix"][2] = 1, arrays["prefix"][0]
+        if step == 2:
+            bad, successor = int(engine.rtt[2, 4]), int(engine.rtt[1, 3])
+            engine.rtt[1, 2] = bad
+        run_step(session, ab, arrays, engine.rtt)
+    session.check()
+    report = session.report()
+    assert {v.key for v in report.violations} == {(t, bad, 4, CHAIN | POSITION) for t in (HEAD, TAIL)} | {
+        (t, successor, 3, CHAIN) for t in (HEAD, TAIL)}
+    assert all(v.batch_rows == (0, 2) and v.repeats == 2 * (steps - 2) for v in report.violations)
+
+
+def test_many_new_violations_log_a_summary_and_past_the_cap_are_counted(monkeypatch, caplog):
+    monkeypatch.setattr(kc.session, "MAX_DISTINCT_VIOLATIONS", 6)
+    caplog.set_level(logging.WARNING, logger="kvcanary_cupy")
+    engine = ToyEngine()
+    session = make_session(NUMPY, engine, ring_capacity=8, on_violation="log")
+
+    def flood():
+        session.tail_canary[:, 3] = 1
+
+    for step in range(3):
+        arrays = engine.step([1, 2])
+        arrays["rp"][2], arrays["prefix"][2] = 1, arrays["prefix"][0]  # row 1's prefix is read twice
+        run_step(session, NUMPY, arrays, engine.rtt, before_post=flood if step == 1 else None)
+    session.check()
+    s = session.stats
+    # Steps 1 and 2: 6 + 6 + 6 prefix entries fail (row 1 twice, row 2; the records stay flooded). The ring
+    # keeps the first 8 rows (row 1's six, two of row 2's): 6 tracked keys and 2 past the cap, each step.
+    assert (s["violations"], s["rows_read"], s["dropped_rows"]) == (36, 16, 20)
+    assert (s["distinct_violations"], s["untracked_rows"]) == (6, 4)
+    # the 8 marked slots are read by 6 * 2 + 2 = 14 entries; 8 are kept
+    assert s["unattributed_entries"] == 2 * (14 - 8)
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 7  # 6 new violations, then the summary, once
+    assert logged[-1].startswith("kv_canary summary: 6 violations listed, 18 counted, 8 read, 10 dropped; ")
+
+
 def test_one_step_late(ab):
     """A step's violations are handled by the next end_step, never by its own."""
     engine = ToyEngine()
@@ -230,6 +275,20 @@ def test_sweep_finds_a_cached_sequence_no_request_reads(ab):
     assert (v.batch_rows, v.expected_position, v.prev_slot_idx) == ((1,), 6, None)  # sequence 1 of the sweep
     assert (v.first_step, v.repeats) == (3, 3)  # sweeps after steps 3 and 5, then the explicit one
     assert session.stats["sweeps"] == 4
+
+
+def test_sweep_plan_grows_and_keeps_counting_out_of_range_inputs(ab):
+    engine = ToyEngine()
+    session = make_session(ab, engine, on_violation="raise")
+    run_step(session, ab, engine.step([1, 2]), engine.rtt)  # both rows prefill 6 tokens
+    a = lambda v: ab.asarray(np.asarray(v, np.int64))
+    session.sweep(a([1, 99]), a([6, 3]), ab.asarray(engine.rtt))  # pool row 99 does not exist: skipped, counted
+    many = [1, 2] * 40
+    session.sweep(a(many), a(engine.lens[many]), ab.asarray(engine.rtt))  # 80 sequences: the plan grows
+    session.check()
+    assert session._sweep_planner.capacities.write_req_capacity == 128
+    s = session.stats
+    assert (s["sweeps"], s["out_of_range_skipped"], s["violations"], s["verified_entries"]) == (2, 1, 0, 6 + 80 * 6)
 
 
 def test_expected_token_check_catches_a_rewritten_newest_record(ab):

@@ -2,14 +2,12 @@
 torch.cuda.graph), replayed with changing batches and a stale table entry, end_step outside the
 graph reading each step one step late; the final report equals the eager NumPy session's."""
 
-import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
 from conftest import get_backend_or_skip
 from session_engine import ToyEngine
 
-NUMPY = get_backend_or_skip("numpy")
 SCHEDULE = [[1, 2], [1, 2, 3], [2, 1, 3, 4], [1, 2, 4], [3, 1, 2], [1, 2, 5, 4], [2, 1], [1, 2, 3, 6, 7], [1, 2]]
 FAULT_STEP = 4
 
