@@ -24,8 +24,8 @@ import numpy as np
 
 from .backends import ATTRIBUTION, STAGE_HEADER, LogViews, StageArgs, StageLayout, get_backend
 from .constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
-from .errors import CanaryHealthError, CanaryViolationError, fail
-from .interop import allocate, backend_view, import_cupy, placement_of
+from .errors import CanaryHealthError, CanaryViolationError, fail, public_api
+from .interop import allocate, backend_view, import_cupy, is_capturing, placement_of
 from .ops import verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import ViolationLog, allocate_canary_buffer, check_count, check_num_sources
@@ -76,9 +76,6 @@ class _HostTransport:
         self._staging = staging
         self._free = []
 
-    def capturing(self) -> bool:
-        return False
-
     def stage(self, stager, stamp: int) -> _Copy:
         stager(stamp, None)
         copy = self._free.pop() if self._free else _Copy(np.empty_like(self._staging), None)
@@ -122,12 +119,6 @@ class _CudaTransport:
         if ours is None:
             ours = self._external[stream.cuda_stream] = self._cupy.cuda.Stream.from_external(stream)
         return ours
-
-    def capturing(self) -> bool:
-        if self._torch is not None:
-            return self._torch.cuda.is_current_stream_capturing()
-        with self._cupy.cuda.Device(self._device):
-            return self._cupy.cuda.get_current_stream().is_capturing()
 
     def stage(self, stager, stamp: int) -> _Copy:
         cupy = self._cupy
@@ -184,6 +175,7 @@ class CanarySession:
     :meth:`sweep` from every N-th ``end_step``.
     """
 
+    @public_api
     def __init__(self, num_slots, *, max_batch_size, verify_capacity=None, like=None,
                  ring_capacity=DEFAULT_RING_CAPACITY, on_violation="raise", swa_window_size=0,
                  full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
@@ -234,7 +226,7 @@ class CanarySession:
         self._layout = StageLayout(self.log.num_kinds, ring_capacity, attribution_capacity=ring_capacity)
         self._marks = allocate((num_slots,), np.int64, like=like, fill=0)
         self._staging = allocate((self._layout.size,), np.int64, like=like, fill=0)
-        placement = placement_of(self.log.ring, "like")
+        self._placement = placement = placement_of(self.log.ring, "like")
         self._backend = get_backend(placement.backend)
         staging_view = backend_view(self._staging, "staging", writable=True)
         self._transport = (_HostTransport(staging_view) if placement.backend == "numpy"
@@ -257,6 +249,7 @@ class CanarySession:
 
     # -- the step ----------------------------------------------------------------------------------
 
+    @public_api
     def pre_forward(self, req_pool_indices, prefix_lens, extend_seq_lens, table, input_ids, positions, out_cache_loc,
                     *, expected_tokens=None, expected_tokens_valid_lens=None):
         """Before the model reads the KV cache: plan the step, verify the HEAD buffer, write it.
@@ -319,6 +312,7 @@ class CanarySession:
         self._transport.synchronize()
         self._handle(None)
 
+    @public_api
     def sweep(self, req_pool_indices, seq_lens, table):
         """Verify (TAIL buffer, real KV, no token check) every slot of the given cached sequences.
 
@@ -374,13 +368,13 @@ class CanarySession:
 
     def __repr__(self) -> str:
         s = self.stats
-        return (f"CanarySession(num_slots={self.num_slots}, on={placement_of(self.log.ring, 'log').describe()}, "
+        return (f"CanarySession(num_slots={self.num_slots}, on={self._placement.describe()}, "
                 f"steps={s['steps']}, violations={s['violations']}, distinct={s['distinct_violations']})")
 
     # -- internals ---------------------------------------------------------------------------------
 
     def _refuse_in_capture(self, what: str) -> None:
-        if self._transport.capturing():
+        if is_capturing(self._placement):
             fail(RuntimeError, f"{what}() must run outside CUDA graph capture (it stages copies and reads host "
                                "memory); capture only pre_forward() and post_forward()")
 

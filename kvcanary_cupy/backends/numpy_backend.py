@@ -380,10 +380,6 @@ def scatter(a: ScatterArgs) -> None:
         keep = total - 1 - last
         owner, col = owner[keep], col[keep]
     a.pool_out[rp[owner], col] = a.flat_in[start[owner] + col].astype(np.int32)
-    col = np.arange(total, dtype=_I64) - first[owner]
-    src = start[owner] + col
-    ok = (src >= 0) & (src < a.flat_in.shape[0])
-    a.pool_out[rp[owner][ok], col[ok]] = a.flat_in[src[ok]].astype(np.int32)
 
 
 # ----------------------------------------------------------------------------------------------
