@@ -119,7 +119,7 @@ class Violation:
     def format(self) -> str:
         aux = f"expected_position={self.expected_aux}" if self.is_write else f"expected_chain_hash={self.expected_aux:#018x}"
         return (
-            f"kv_canary violation: launch_tag={tag_name(self.kernel_kind)} fail_reason={self.reasons} "
+            f"kv_canary violation: launch_tag={self.launch_tag} fail_reason={self.reasons} "
             f"slot_idx={self.slot_idx} position={self.position} stored_token={self.stored_token} "
             f"expected_token={self.expected_token} stored_chain_hash={self.stored_chain_hash:#018x} {aux}"
         )
@@ -138,7 +138,7 @@ class Violation:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
-_ROW_FIELDS = tuple(f.name for f in fields(Violation))
+_FIELDS = tuple(f.name for f in fields(Violation))
 
 
 @dataclass(frozen=True, repr=False)
@@ -262,7 +262,7 @@ class ViolationReport:
         except ImportError as exc:
             raise ImportError("kv-canary: ViolationReport.to_pandas needs pandas: "
                               "pip install kvcanary-cupy[pandas]") from exc
-        return pandas.DataFrame(self.to_dicts(), columns=["launch_tag", "reasons", *_ROW_FIELDS])
+        return pandas.DataFrame(self.to_dicts(), columns=["launch_tag", "reasons", *_FIELDS])
 
     def _repr_html_(self) -> str:
         """A table for Jupyter: every value HTML-escaped; a dash where a value does not apply."""

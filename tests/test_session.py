@@ -75,7 +75,7 @@ def test_persistent_fault_is_reported_once_with_a_growing_repeat_count(ab, polic
     for v in report.violations:
         assert (v.expected_position, v.prev_slot_idx) == tuple(expected[v.key].values())
         assert (v.batch_rows, v.repeats, v.first_step, v.last_step) == ((batch_row,), repeats, FAULT_STEP, len(SCHEDULE) - 1)
-        assert v.stored_token == token_id(2, 4) if v.position == 4 else token_id(1, 3)
+        assert v.stored_token == (token_id(2, 4) if v.position == 4 else token_id(1, 3))
     stats = session.stats
     assert (stats["violations"], stats["rows_read"], stats["dropped_rows"]) == (4 * repeats, 4 * repeats, 0)
     assert stats["distinct_violations"] == 4 and stats["steps"] == len(SCHEDULE) and stats["pending_steps"] == 0
