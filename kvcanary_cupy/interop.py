@@ -136,12 +136,19 @@ def backend_view(x, name: str, *, writable: bool = False):
 
 
 @functools.lru_cache(maxsize=None)
+# torch dtypes that DLPack hands to NumPy and CuPy as the NumPy dtype of the same name.  A name
+# lookup in NumPy is not enough: with ml_dtypes installed NumPy knows bfloat16 and the fp8 kinds,
+# but DLPack still refuses them.
+_DLPACK_DTYPES = frozenset(
+    ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+     "float16", "float32", "float64", "complex64", "complex128")
+)
+
+
 def _numpy_dtype(torch_dtype):
-    """The NumPy dtype of a torch dtype, or None (bfloat16, the fp8 kinds, quantised types)."""
-    try:
-        return np.dtype(str(torch_dtype).removeprefix("torch."))
-    except TypeError:
-        return None
+    """The NumPy dtype of a torch dtype DLPack can export, or None (bfloat16, fp8, quantised)."""
+    name = str(torch_dtype).removeprefix("torch.")
+    return np.dtype(name) if name in _DLPACK_DTYPES else None
 
 
 def check_aligned(view, name: str, alignment: int | None = None, why: str | None = None) -> None:
