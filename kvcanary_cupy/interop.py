@@ -135,7 +135,6 @@ def backend_view(x, name: str, *, writable: bool = False):
     return x
 
 
-@functools.lru_cache(maxsize=None)
 # torch dtypes that DLPack hands to NumPy and CuPy as the NumPy dtype of the same name.  A name
 # lookup in NumPy is not enough: with ml_dtypes installed NumPy knows bfloat16 and the fp8 kinds,
 # but DLPack still refuses them.
@@ -145,6 +144,7 @@ _DLPACK_DTYPES = frozenset(
 )
 
 
+@functools.lru_cache(maxsize=None)
 def _numpy_dtype(torch_dtype):
     """The NumPy dtype of a torch dtype DLPack can export, or None (bfloat16, fp8, quantised)."""
     name = str(torch_dtype).removeprefix("torch.")
