@@ -8,10 +8,12 @@ then reports it.  Runs on the CPU (NumPy) by default; ``--gpu`` runs the same on
 """
 
 import argparse
+import sys
 
 import numpy as np
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.interop import cuda_unavailable_reason
 
 
 def main():
@@ -19,6 +21,10 @@ def main():
     parser.add_argument("--gpu", action="store_true", help="use CuPy arrays (the CUDA kernels)")
     args = parser.parse_args()
     if args.gpu:
+        reason = cuda_unavailable_reason()
+        if reason:
+            print(f"quickstart --gpu: {reason}", file=sys.stderr)
+            return 2
         import cupy as xp
     else:
         xp = np
@@ -64,4 +70,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

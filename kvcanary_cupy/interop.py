@@ -18,8 +18,8 @@ import numpy as np
 from .errors import fail
 
 GPU_EXTRAS_HINT = (
-    "install CuPy with `pip install kvcanary-cupy[cu13]` (CUDA 13 driver) or "
-    "`pip install kvcanary-cupy[cu12]` (CUDA 12 driver)"
+    "install CuPy with `pip install kvcanary-cupy[cu12]` (CUDA 12 driver) or "
+    "`pip install kvcanary-cupy[cu13]` (CUDA 13 driver)"
 )
 
 
@@ -30,6 +30,20 @@ def import_cupy():
     except ImportError as exc:  # pragma: no cover - exercised only without CuPy
         raise ImportError(f"kv-canary: this needs CuPy, which is not installed: {GPU_EXTRAS_HINT}") from exc
     return cupy
+
+
+def cuda_unavailable_reason() -> str | None:
+    """None when CuPy is installed and sees a CUDA GPU; otherwise one line saying what is missing."""
+    try:
+        import cupy
+    except ImportError:
+        return f"CuPy is not installed: {GPU_EXTRAS_HINT}"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError without a driver or device
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"no CUDA GPU found (CuPy {cupy.__version__}: {detail})"
+    return None if count > 0 else f"no CUDA GPU found (CuPy {cupy.__version__} sees 0 devices)"
 
 
 def _module_name(x) -> str:
