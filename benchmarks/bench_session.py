@@ -1,4 +1,4 @@
-"""Benchmark of CanarySession on the workloads of bench_canary.py; prints one row per workload.
+"""Benchmark of CanarySession on the workloads of `kvcanary bench`; prints one row per workload.
 
 - ``end_step us``: host time of ``end_step`` when nothing happened (median and 90th percentile
   over 500 steps; the step itself is a graph replay of pre_forward + post_forward); target <= 30 us.
@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 import kvcanary_cupy as kc
-from bench_canary import WORKLOADS, build
+from kvcanary_cupy.bench import WORKLOADS, build
 
 
 def make_session(d):

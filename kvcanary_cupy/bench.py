@@ -1,0 +1,333 @@
+"""``kvcanary bench``: plan, verify and write on four serving workloads; prints a table of ratios.
+
+GPU (``--backend cupy``, the default): device time per call = one CUDA graph holding K calls,
+replayed R times, median replay / K (METHOD: one replay per event pair measures the host).  The
+floor of each op is the bytes it must move over the device-to-device copy bandwidth measured in
+the same run; the baseline is the same plan/verify written with vectorised CuPy ops (cumsum,
+searchsorted, gathers), eager, as a user would without this library.
+CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend.
+
+    kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4] [--out FILE] [--json FILE]
+
+``benchmarks/bench_canary.py`` runs the same from a source checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import kvcanary_cupy as kc
+from kvcanary_cupy.hashing import ANCHOR_HASH
+from kvcanary_cupy.interop import cuda_unavailable_reason
+
+# SGLang's plan measured on an H200, whole plan in microseconds (for comparison only).
+SGLANG_PLAN_US = {"W1": 19.4, "W3": 12.4}
+
+
+@dataclass
+class Workload:
+    name: str
+    bs: int
+    prefix_lo: int
+    prefix_hi: int  # exclusive
+    new_tokens: int
+
+
+WORKLOADS = {
+    "W1": Workload("W1 decode", 256, 1024, 3072, 1),
+    "W2": Workload("W2 prefill", 8, 0, 4096, 4096),
+    "W3": Workload("W3 small decode", 32, 512, 513, 1),
+    "W4": Workload("W4 wide batch", 20000, 16, 256, 1),
+}
+
+
+def build(w: Workload, xp, seed=0):
+    """Inputs of one step on a pool whose slots are a random permutation (realistic scatter)."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(w.prefix_lo, w.prefix_hi, w.bs).astype(np.int64)
+    cols = int(prefix.max()) + w.new_tokens
+    rows = w.bs + 1
+    need = int((prefix + w.new_tokens).sum())
+    slots = rng.permutation(np.arange(1, need + 1))
+    rtt = np.zeros((rows, cols), np.int32)
+    cursor = 0
+    for r in range(w.bs):
+        n = int(prefix[r]) + w.new_tokens
+        rtt[r + 1, :n] = slots[cursor:cursor + n]
+        cursor += n
+    rp = np.arange(1, w.bs + 1, dtype=np.int64)
+    extend = np.full(w.bs, w.new_tokens, np.int64)
+    pos = np.concatenate([prefix[r] + np.arange(w.new_tokens) for r in range(w.bs)]).astype(np.int64)
+    loc = np.concatenate([rtt[r + 1, prefix[r]:prefix[r] + w.new_tokens] for r in range(w.bs)]).astype(np.int64)
+    ids = rng.integers(0, 32000, loc.size).astype(np.int64)
+    # The canary of the prefixes, stamped as earlier steps would have (so verify finds nothing).
+    canary = np.zeros((need + 1, 4), np.int64)
+    pre_prefix = np.zeros(w.bs, np.int64)
+    vp, wp = kc.plan(rp, pre_prefix, prefix, rtt, verify_capacity=0)
+    pre_pos = np.concatenate([np.arange(p) for p in prefix]).astype(np.int64)
+    pre_loc = np.concatenate([rtt[r + 1, :prefix[r]] for r in range(w.bs)]).astype(np.int64)
+    log = kc.ViolationLog.allocate(16)
+    kc.write(canary, wp, rng.integers(0, 32000, pre_loc.size).astype(np.int64), pre_pos, pre_loc, log=log)
+    a = xp.asarray
+    return dict(rp=a(rp), prefix=a(prefix), extend=a(extend), rtt=a(rtt), ids=a(ids), pos=a(pos), loc=a(loc),
+                canary=a(canary), total_verify=int(prefix.sum()), bs=w.bs, tokens=int(loc.size))
+
+
+def op_bytes(d) -> dict:
+    """Fewest bytes each op must move through device memory (each input once, each output once)."""
+    v, bs, t = d["total_verify"], d["bs"], d["tokens"]
+    return {
+        # rp, prefix, extend read; req_to_token read once per entry; 4 int64 written per entry; per-request outputs.
+        "plan": bs * 3 * 8 + v * 4 + v * 4 * 8 + bs * (8 * 3),
+        # slot, position, prev read per entry; each slot's 32-byte record read once.
+        "verify": v * (3 * 8 + 32),
+        # per token: id, pos, loc read, record written; per request: offsets, seed, seed record.
+        "write": t * (3 * 8 + 32) + bs * (2 * 8 + 32),
+        # the batch scan: rp, prefix, extend read; verify/write offsets and seed written.
+        "plan[offsets]": bs * 6 * 8,
+    }
+
+
+def time_graph(cupy, fn, k=50, replays=20) -> float:
+    """Median device microseconds of one ``fn()`` from a graph of ``k`` calls."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(k):
+            fn()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(replays):
+            start.record(stream)
+            graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1000 / k)
+    return statistics.median(times)
+
+
+def time_eager(cupy, fn, reps=20) -> float:
+    """Median microseconds of an eager ``fn()`` (host syncs included: that is how it runs)."""
+    fn()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        cupy.cuda.Device().synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def copy_bandwidth(cupy) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    n = 1 << 30
+    a = cupy.ones(n, cupy.uint8)
+    b = cupy.empty_like(a)
+    us = time_graph(cupy, lambda: cupy.copyto(b, a), k=5, replays=10)
+    return 2 * n / (us * 1e-6)
+
+
+def baseline_plan(cupy, d):
+    """The plan as vectorised CuPy ops: cumsum, a host read of the total, searchsorted, gathers."""
+    rp, prefix, rtt = d["rp"], d["prefix"], d["rtt"]
+    vlen = cupy.where(rp != 0, prefix, 0)
+    incl = cupy.cumsum(vlen)
+    total = int(incl[-1])
+    t = cupy.arange(total)
+    owner = cupy.searchsorted(incl, t, side="right")
+    pos = t - (incl[owner] - vlen[owner])
+    row = rp[owner]
+    slot = rtt[row, pos].astype(cupy.int64)
+    prev = cupy.where(pos > 0, rtt[row, cupy.maximum(pos - 1, 0)], -1).astype(cupy.int64)
+    woff = cupy.concatenate([cupy.zeros(1, cupy.int64), cupy.cumsum(d["extend"])])
+    seed = rtt[rp, cupy.maximum(prefix - 1, 0)]
+    return slot, prev, pos, woff, seed
+
+
+def baseline_verify(cupy, canary, slot, prev, pos):
+    """The verify as vectorised CuPy ops (uint64 SplitMix64 elementwise), rows via nonzero."""
+    def sm(x):
+        x = x ^ (x >> 30); x = x * cupy.uint64(0xBF58476D1CE4E5B9)
+        x = x ^ (x >> 27); x = x * cupy.uint64(0x94D049BB133111EB)
+        return x ^ (x >> 31)
+    u = canary.view(cupy.uint64)
+    rec, pr = u[slot], u[cupy.maximum(prev, 0)]
+    expected = cupy.where(prev < 0, cupy.uint64(ANCHOR_HASH), sm(sm(sm(pr[:, 2]) ^ pr[:, 0]) ^ pr[:, 1]))
+    bits = (rec[:, 2] != expected).astype(cupy.int64) | ((canary[slot, 1] != pos).astype(cupy.int64) << 1)
+    return cupy.nonzero(bits)[0]
+
+
+def gpu_ops(cupy, d):
+    """The timed calls of one workload, on fixed buffers (plan[offsets]: the batch scan alone,
+    as a plan into a zero-capacity VerifyPlan expands no entry)."""
+    vcap = d["total_verify"]
+    vp = kc.VerifyPlan.allocate(vcap, like=d["rp"])
+    vp_empty = kc.VerifyPlan.allocate(0, like=d["rp"])
+    wp = kc.WritePlan.allocate(d["bs"], like=d["rp"])
+    log = kc.ViolationLog.allocate(1024, like=d["rp"])
+    inputs = (d["rp"], d["prefix"], d["extend"], d["rtt"])
+    ops = {
+        "plan": lambda: kc.plan(*inputs, verify_capacity=vcap, out=(vp, wp)),
+        "plan[offsets]": lambda: kc.plan(*inputs, verify_capacity=0, out=(vp_empty, wp)),
+        "verify": lambda: kc.verify(d["canary"], vp, log=log),
+        "write": lambda: kc.write(d["canary"], wp, d["ids"], d["pos"], d["loc"], log=log),
+    }
+    ops["plan"]()
+    ops["verify"]()
+    if int(log.write_index[0]) != 0:
+        raise RuntimeError("the benchmark's canary must verify clean")
+    return ops
+
+
+def _cell(value, fmt):
+    """``format(value, fmt)``, or a dash of the same width for a missing value."""
+    return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
+
+
+def run_gpu(names, rows: list):
+    import cupy
+
+    kc.warmup()
+    bw = copy_bandwidth(cupy)
+    tiny = cupy.zeros(1, cupy.int32)
+    one_launch = time_graph(cupy, lambda: tiny.fill(0))
+    rows.append({"copy_bandwidth_tb_s": round(bw / 1e12, 3), "one_launch_us": round(one_launch, 3)})
+    lines = [
+        f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write); one tiny kernel in a graph {one_launch:.2f} us",
+        f"{'workload':<16} {'op':<13} {'device us':>10} {'us-1launch':>10} {'MB moved':>9} {'floor us':>9} "
+        f"{'x(floor+launch)':>15} {'GB/s':>7} {'baseline us':>12} {'x faster':>9} {'SGLang us':>10}",
+    ]
+    for key in names:
+        d = build(WORKLOADS[key], cupy)
+        bytes_ = op_bytes(d)
+        baselines = {"plan": time_eager(cupy, lambda: baseline_plan(cupy, d))}
+        slot, prev, pos, _, _ = baseline_plan(cupy, d)
+        baselines["verify"] = time_eager(cupy, lambda: baseline_verify(cupy, d["canary"], slot, prev, pos))
+        for op, fn in gpu_ops(cupy, d).items():
+            us = time_graph(cupy, fn)
+            floor = bytes_[op] / bw * 1e6
+            base = baselines.get(op)
+            sglang = SGLANG_PLAN_US.get(key) if op == "plan" else None
+            rows.append({"workload": key, "op": op, "device_us": round(us, 3), "bytes": bytes_[op],
+                         "floor_us": round(floor, 3), "x_floor_plus_launch": round(us / (floor + one_launch), 3),
+                         "baseline_us": base and round(base, 1), "sglang_us": sglang})
+            lines.append(
+                f"{WORKLOADS[key].name:<16} {op:<13} {us:>10.2f} {us - one_launch:>10.2f} {bytes_[op] / 1e6:>9.2f} "
+                f"{floor:>9.2f} {us / (floor + one_launch):>15.2f} {bytes_[op] / (us * 1e-6) / 1e9:>7.0f} "
+                f"{_cell(base, '12.1f')} {_cell(base and base / us, '9.1f')} {_cell(sglang, '10.1f')}"
+            )
+    return lines
+
+
+def host_overhead(cupy, rows: list, key="W3", calls=200):
+    """Host microseconds per eager call (validation, views, launch), CuPy inputs vs torch tensors."""
+    lines = [f"host us per eager call at {key} (validation, views, launch; device work overlaps):"]
+    frameworks = [("cupy", lambda d: d)]
+    try:
+        import torch
+
+        frameworks.append(("torch", lambda d: {k: torch.from_dlpack(v) if hasattr(v, "__dlpack__") else v for k, v in d.items()}))
+    except ImportError:
+        pass
+    for name, convert in frameworks:
+        ops = gpu_ops(cupy, convert(build(WORKLOADS[key], cupy)))
+        row = []
+        for op in ("plan", "verify", "write"):
+            ops[op]()
+            cupy.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                ops[op]()
+            cupy.cuda.Device().synchronize()
+            us = (time.perf_counter() - t0) / calls * 1e6
+            rows.append({"workload": key, "op": op, "framework": name, "host_us_per_eager_call": round(us, 1)})
+            row.append(f"{op} {us:.0f}")
+        lines.append(f"  {name:<6} " + ", ".join(row))
+    return lines
+
+
+def run_numpy(names, rows: list):
+    lines = [f"{'workload':<16} {'op':<7} {'wall ms (median of 5)':>22} {'verify entries':>15}"]
+    for key in names:
+        d = build(WORKLOADS[key], np)
+        for op, fn in numpy_ops(d).items():
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            ms = statistics.median(times)
+            rows.append({"workload": key, "op": op, "wall_ms": round(ms, 2), "verify_entries": d["total_verify"]})
+            lines.append(f"{WORKLOADS[key].name:<16} {op:<7} {ms:>22.1f} {d['total_verify']:>15}")
+    return lines
+
+
+def numpy_ops(d):
+    vcap = d["total_verify"]
+    vp, wp = kc.VerifyPlan.allocate(vcap), kc.WritePlan.allocate(d["bs"])
+    log = kc.ViolationLog.allocate(1024)
+    return {
+        "plan": lambda: kc.plan(d["rp"], d["prefix"], d["extend"], d["rtt"], verify_capacity=vcap, out=(vp, wp)),
+        "verify": lambda: kc.verify(d["canary"], vp, log=log),
+        "write": lambda: kc.write(d["canary"], wp, d["ids"], d["pos"], d["loc"], log=log),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
+                        help="cupy: this machine's GPU (default); numpy: the CPU backend")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of W1,W2,W3,W4")
+    parser.add_argument("--out", metavar="FILE", help="also write the table to FILE")
+    parser.add_argument("--json", metavar="FILE", help="also write the measurements as JSON to FILE")
+
+
+def run(args) -> int:
+    names = args.workloads.split(",")
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        print(f"kvcanary bench: unknown workload {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)
+        return 2
+    rows: list = []
+    if args.backend == "cupy":
+        reason = cuda_unavailable_reason()
+        if reason:
+            print(f"kvcanary bench: {reason} (or run --backend numpy)", file=sys.stderr)
+            return 2
+        import cupy
+
+        lines = run_gpu(names, rows) + host_overhead(cupy, rows)
+    else:
+        lines = run_numpy(names, rows)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": args.backend, "workloads": names, "rows": rows}, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kvcanary bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
