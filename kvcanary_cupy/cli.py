@@ -1,0 +1,97 @@
+"""The ``kvcanary`` command (also ``python -m kvcanary_cupy``): ``sim`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .interop import cuda_unavailable_reason
+
+
+def _fault_list(text: str) -> tuple:
+    from .sim import FAULTS
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown fault class {', '.join(unknown) or '(none given)'}; "
+                                         f"choose from: {', '.join(FAULTS)}")
+    return names
+
+
+def _add_sim(sub) -> None:
+    from .sim import SimConfig
+    from .sim.runner import DEVICES
+    from .sim.tables import ADDRESSING_MODES
+
+    defaults = SimConfig()
+    p = sub.add_parser("sim", help="fault-injection simulator of a paged-KV serving engine with the canary in its loop",
+                       description="Run a small continuous-batching engine over paged KV pools with the canary in its "
+                                   "loop, inject KV faults one at a time and measure what the canary catches (then a "
+                                   "clean run of as many steps: false positives) and what it costs per step.")
+    p.add_argument("--steps", type=int, default=defaults.steps, help=f"engine steps per run (default {defaults.steps})")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="same seed, same result (default 0)")
+    p.add_argument("--faults", type=_fault_list, default=defaults.faults, metavar="A,B,...",
+                   help="fault classes to inject (default: all; see --list-faults)")
+    p.add_argument("--rate", type=float, default=defaults.rate,
+                   help=f"probability per step of injecting a fault when none is live (default {defaults.rate})")
+    p.add_argument("--addressing", choices=ADDRESSING_MODES, default=defaults.addressing,
+                   help="engine tables handed to the canary: SGLang req_to_token, vLLM block table or FlashInfer CSR")
+    p.add_argument("--device", choices=DEVICES, default=defaults.device, help="cpu: NumPy; cuda: CuPy on the GPU")
+    p.add_argument("--json", default="kvcanary-sim.json", metavar="PATH", help="report file ('' for none)")
+    p.add_argument("--plot", default="kvcanary-sim.png", metavar="PATH", help="PNG plot ('' for none; needs matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+    p.add_argument("--list-faults", action="store_true", help="print the fault classes and exit")
+
+
+def _run_sim(args) -> int:
+    from .sim import FAULTS, SimConfig, run
+    from .sim.report import format_table, write_json, write_plot
+
+    if args.list_faults:
+        for name, cls in FAULTS.items():
+            print(f"{name}: {cls.description}" + ("" if cls.detectable else f" [blind by design: {cls.why_not_detectable}]"))
+        return 0
+    if args.device == "cuda":
+        reason = cuda_unavailable_reason()
+        if reason:
+            print(f"kvcanary sim: --device cuda: {reason}", file=sys.stderr)
+            return 2
+    try:
+        config = SimConfig(steps=args.steps, seed=args.seed, faults=args.faults, rate=args.rate,
+                           addressing=args.addressing, device=args.device)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    with tqdm(total=2 * config.steps, desc="kvcanary sim (faults, then clean)", unit="step", disable=args.quiet,
+              leave=False) as bar:
+        result = run(config, progress=bar.update)
+    if not args.quiet:
+        print(format_table(result))
+    if args.json:
+        write_json(result, args.json)
+    if args.plot:
+        note = write_plot(result, args.plot)
+        if note:
+            print(note)
+    return 0
+
+
+def main(argv=None) -> int:
+    from . import bench
+
+    parser = argparse.ArgumentParser(prog="kvcanary", description="KV-cache canary for paged-attention engines: "
+                                     "a fault-injection simulator and the kernel benchmarks.")
+    sub = parser.add_subparsers(dest="command", metavar="{sim,bench}")
+    _add_sim(sub)
+    bench.add_arguments(sub.add_parser("bench", help="benchmark plan, verify and write (GPU, or --backend numpy)",
+                                       description=bench.__doc__.splitlines()[0]))
+    args = parser.parse_args(argv)
+    if args.command == "sim":
+        return _run_sim(args)
+    if args.command == "bench":
+        return bench.run(args)
+    parser.print_help()
+    return 2

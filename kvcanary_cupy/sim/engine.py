@@ -1,0 +1,646 @@
+"""A small continuous-batching serving engine over paged KV pools, with the canary in its loop.
+
+Two pools, each with its own KV bytes, block allocator and canary session: pool ``prefill``
+admits requests (prefix-cache lookup), runs chunked prefill and, for colocated requests, decode;
+a finished prefill of a disaggregated request is transferred (KV bytes and canary rows) to pool
+``decode``, which decodes it.  Requests may decode speculatively (several draft tokens per step,
+rejected ones rolled back), may be aborted, and blocks may be moved by compaction (with their
+canary rows).  The engine is correct by construction: a clean run reports no violation.
+
+Faults (``faults.py``) act through the hook object ``Engine.hook`` (the live episode) and by
+editing the engine's structures; :meth:`Engine.repair` restores a consistent state afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .kvpool import KvPool
+from .session import canary_buffers, copy_canary_rows, make_session, move_canary_rows
+from .tables import NULL_BLOCK, session_table
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 320  # per pool; block 0 is the null block (its slot 0 is the padding slot)
+    max_running: int = 16  # per pool
+    prefill_chunk: int = 16  # prefill tokens of one request per step (chunked prefill)
+    prefill_budget: int = 64  # prefill tokens per step
+    arrival_rate: float = 0.45  # mean new requests per step
+    max_waiting: int = 16
+    shared_prompts: int = 4  # system prompts shared by many requests (prefix-cache hits)
+    shared_prompt_fraction: float = 0.7
+    shared_prompt_blocks: tuple = (1, 4)
+    suffix_tokens: tuple = (1, 48)
+    new_tokens: tuple = (4, 40)
+    spec_fraction: float = 0.3  # requests that decode speculatively
+    spec_tokens: int = 4  # tokens per speculative step (the real next token and 3 drafts)
+    disagg_fraction: float = 0.5  # requests prefilled in one pool and decoded in the other
+    abort_rate: float = 0.02  # probability per step that one running request is aborted
+    compact_every: int = 16  # steps between block moves (compaction)
+    sweep_every: int = 8  # steps between sweeps of the prefix cache
+    num_layers: int = 2
+    kv_row_bytes: int = 16  # bytes of one token's K (and V) row per layer
+    vocab: int = 32000
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    """Reference-counted blocks and a free list used as a stack (the last freed is reused first)."""
+
+    def __init__(self, num_blocks: int):
+        self.refcount = np.zeros(num_blocks, np.int64)
+        self.free = list(range(num_blocks - 1, NULL_BLOCK, -1))
+
+    def alloc(self) -> int:
+        if not self.free:
+            raise OutOfBlocks
+        block = self.free.pop()
+        self.refcount[block] += 1
+        return block
+
+    def retain(self, block: int) -> None:
+        self.refcount[block] += 1
+
+    def release(self, block: int) -> None:
+        if block == NULL_BLOCK or self.refcount[block] <= 0:
+            return
+        self.refcount[block] -= 1
+        if self.refcount[block] == 0:
+            self.free.append(block)
+
+    def rebuild(self, holders: Counter) -> None:
+        """Reference counts from the actual holders; the free list keeps its order, without
+        duplicates or held blocks, and gains the unheld blocks it lacked (after a fault)."""
+        self.refcount[:] = 0
+        for block, n in holders.items():
+            if block != NULL_BLOCK:
+                self.refcount[block] = n
+        seen, free = set(), []
+        for block in self.free:
+            if self.refcount[block] == 0 and block not in seen:
+                seen.add(block)
+                free.append(block)
+        missing = [b for b in range(self.refcount.shape[0] - 1, NULL_BLOCK, -1) if self.refcount[b] == 0 and b not in seen]
+        self.free = missing + free
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    key: int
+    block: int
+    parent: int | None
+    tokens: tuple
+    children: int = 0
+    last_used: int = 0
+
+
+class PrefixCache:
+    """Full blocks of finished requests keyed by (parent key, block tokens); the cache holds one
+    reference on each block.  Eviction removes the least recently used leaf held by nobody else."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.entries: dict[int, CacheEntry] = {}
+
+    @staticmethod
+    def key(parent, tokens: tuple) -> int:
+        return hash((-1 if parent is None else parent, tokens))  # ints and tuples hash alike in every process
+
+    def match(self, tokens: np.ndarray, max_blocks: int, clock: int) -> list:
+        found, parent = [], None
+        for i in range(max_blocks):
+            key = self.key(parent, tuple(tokens[i * self.block_size: (i + 1) * self.block_size].tolist()))
+            entry = self.entries.get(key)
+            if entry is None:
+                break
+            entry.last_used = clock
+            found.append(entry)
+            parent = key
+        return found
+
+    def insert(self, tokens: np.ndarray, blocks: list, num_full: int, allocator: BlockAllocator, clock: int) -> None:
+        parent = None
+        for i in range(min(num_full, len(blocks))):
+            if blocks[i] == NULL_BLOCK:
+                return
+            block_tokens = tuple(tokens[i * self.block_size: (i + 1) * self.block_size].tolist())
+            key = self.key(parent, block_tokens)
+            entry = self.entries.get(key)
+            if entry is None:
+                self.entries[key] = CacheEntry(key, blocks[i], parent, block_tokens, last_used=clock)
+                if parent is not None:
+                    self.entries[parent].children += 1
+                allocator.retain(blocks[i])
+            else:
+                entry.last_used = clock
+            parent = key
+
+    def evictable(self, allocator: BlockAllocator) -> int:
+        return sum(1 for e in self.entries.values() if allocator.refcount[e.block] == 1)
+
+    def evict_one(self, allocator: BlockAllocator) -> bool:
+        leaves = [e for e in self.entries.values() if e.children == 0 and allocator.refcount[e.block] == 1]
+        if not leaves:
+            return False
+        self._remove(min(leaves, key=lambda e: e.last_used), allocator)
+        return True
+
+    def _remove(self, entry: CacheEntry, allocator: BlockAllocator) -> None:
+        del self.entries[entry.key]
+        if entry.parent is not None and entry.parent in self.entries:
+            self.entries[entry.parent].children -= 1
+        allocator.release(entry.block)
+
+    def subtree_blocks(self, blocks: set) -> set:
+        """The blocks of the entries holding ``blocks`` and of all their descendants."""
+        keys = {e.key for e in self.entries.values() if e.block in blocks}
+        grew = True
+        while grew:
+            more = {e.key for e in self.entries.values() if e.parent in keys} - keys
+            keys |= more
+            grew = bool(more)
+        return {self.entries[k].block for k in keys}
+
+    def drop(self, blocks: set, allocator: BlockAllocator) -> None:
+        """Remove the entries holding ``blocks`` and their descendants (without releasing: the
+        caller rebuilds the reference counts)."""
+        doomed = self.subtree_blocks(blocks)
+        for key in [k for k, e in self.entries.items() if e.block in doomed]:
+            entry = self.entries.pop(key)
+            if entry.parent in self.entries:
+                self.entries[entry.parent].children -= 1
+
+    def path(self, key: int) -> list:
+        entries = []
+        while key is not None:
+            entries.append(self.entries[key])
+            key = entries[-1].parent
+        return entries[::-1]
+
+    def leaf_paths(self) -> list:
+        """The root-to-leaf block lists: every cached block lies on one of them."""
+        return [[e.block for e in self.path(leaf.key)] for leaf in self.entries.values() if leaf.children == 0]
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    tokens: np.ndarray  # int64: the whole true sequence (prompt, then the tokens the model samples)
+    prompt_len: int
+    shared_len: int  # leading tokens of a shared system prompt (identical across requests)
+    spec: bool
+    disagg: bool
+    blocks: list = field(default_factory=list)
+    computed: int = 0  # tokens whose KV is written and committed
+    pool: str = "prefill"
+    awaiting_transfer: bool = False
+    alive: bool = True
+
+    @property
+    def total_len(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class Batch:
+    reqs: list
+    prefix: np.ndarray  # int64 [bs]: committed tokens before the step
+    extend: np.ndarray  # int64 [bs]: tokens written this step
+    accept: np.ndarray  # int64 [bs]: tokens committed after the step (speculative: <= extend)
+    offsets: np.ndarray  # int64 [bs + 1]
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    out_cache_loc: np.ndarray  # int64 [T]
+    kv_skip: set = field(default_factory=set)  # flat token indices whose KV store is lost
+
+
+class NoHook:
+    """The hooks a live fault episode may implement (see faults.py); all do nothing here."""
+
+    def on_batch(self, engine, pool, batch): pass
+    def on_alloc(self, engine, pool, req, block): pass
+    def on_cache_hit(self, engine, pool, req, blocks): pass
+    def on_transfer(self, engine, req, dst_blocks): return dst_blocks
+    def on_step_end(self, engine): pass
+
+
+class Pool:
+    """One server's KV: bytes, allocator, prefix cache (prefill pool only) and canary session."""
+
+    def __init__(self, name: str, config: EngineConfig, xp, like, on_violation, *, cache: bool):
+        self.name = name
+        self.config = config
+        self.allocator = BlockAllocator(config.num_blocks)
+        self.cache = PrefixCache(config.block_size) if cache else None
+        self.kv = KvPool(xp, config.num_slots, num_layers=config.num_layers, row_bytes=config.kv_row_bytes)
+        self.session = make_session(config.num_slots, max_batch_size=config.max_running, like=like,
+                                    real_kv_sources=self.kv.real_kv_sources(), on_violation=on_violation)
+        self.running: list[Request] = []
+
+    def block_slots(self, blocks) -> np.ndarray:
+        bs = self.config.block_size
+        return (np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+
+    def slots(self, req: Request, start: int, end: int) -> np.ndarray:
+        """The slots of positions ``[start, end)`` of ``req`` (0 where its table holds the null block)."""
+        bs = self.config.block_size
+        pos = np.arange(start, end)
+        blocks = np.asarray(req.blocks, np.int64)[pos // bs]
+        return np.where(blocks == NULL_BLOCK, 0, blocks * bs + pos % bs)
+
+    def available(self) -> int:
+        """Blocks that can still be promised to a new request."""
+        evictable = self.cache.evictable(self.allocator) if self.cache else 0
+        reserved = sum(max(self.blocks_needed(r) - len(r.blocks), 0) for r in self.running)
+        return len(self.allocator.free) + evictable - reserved
+
+    def blocks_needed(self, req: Request) -> int:
+        """Blocks ``req`` holds at most in this pool (its prompt only, in a disaggregated prefill)."""
+        c = self.config
+        if self.cache is not None and req.disagg:
+            return -(-req.prompt_len // c.block_size)
+        return -(-(req.total_len + (c.spec_tokens if req.spec else 0)) // c.block_size)
+
+    def alloc(self) -> int:
+        while not self.allocator.free and self.cache is not None and self.cache.evict_one(self.allocator):
+            pass
+        return self.allocator.alloc()
+
+    def holders(self) -> Counter:
+        held = Counter(b for r in self.running for b in r.blocks)
+        if self.cache is not None:
+            held.update(e.block for e in self.cache.entries.values())
+        return held
+
+
+class StepTimer:
+    """Host CPU time of the canary calls per step (this thread's: other processes sharing the
+    cores do not inflate it) and, under CUDA, device time (events) of the canary calls and of the
+    model's KV store."""
+
+    def __init__(self, cupy=None):
+        self.cupy = cupy
+        self.canary_host = 0.0
+        self._events = {"canary": [], "model": []}
+
+    @contextmanager
+    def canary(self):
+        t0 = time.thread_time()
+        with self._device("canary"):
+            yield
+        self.canary_host += time.thread_time() - t0
+
+    @contextmanager
+    def model(self):
+        with self._device("model"):
+            yield
+
+    @contextmanager
+    def _device(self, what):
+        if self.cupy is None:
+            yield
+            return
+        start, stop = self.cupy.cuda.Event(), self.cupy.cuda.Event()
+        start.record()
+        yield
+        stop.record()
+        self._events[what].append((start, stop))
+
+    def take(self) -> dict:
+        """This step's figures in microseconds (device ones None on the CPU); resets."""
+        out = {"canary_host_us": self.canary_host * 1e6, "canary_device_us": None, "model_device_us": None}
+        if self.cupy is not None:
+            for what, pairs in self._events.items():
+                for _, stop in pairs[-1:]:
+                    stop.synchronize()
+                out[f"{what}_device_us"] = sum(self.cupy.cuda.get_elapsed_time(a, b) for a, b in pairs) * 1e3
+                pairs.clear()
+        self.canary_host = 0.0
+        return out
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, seed: int, addressing: str, xp, cupy=None):
+        self.config = config
+        self.addressing = addressing
+        self.xp = xp
+        like = xp.zeros(1, xp.int64) if xp is not np else None
+        self.inbox: list = []  # (pool name, Violation) reported since the last take
+        self.pools = {name: Pool(name, config, xp, like, self._collector(name), cache=name == "prefill")
+                      for name in ("prefill", "decode")}
+        seeds = np.random.SeedSequence(seed).spawn(3)
+        self.workload_rng = np.random.default_rng(seeds[0])
+        self.engine_rng = np.random.default_rng(seeds[1])
+        self.fault_rng = np.random.default_rng(seeds[2])
+        self.shared = [self.workload_rng.integers(0, config.vocab, config.block_size * int(self.workload_rng.integers(*config.shared_prompt_blocks, endpoint=True)))
+                       for _ in range(config.shared_prompts)]
+        self.waiting: deque[Request] = deque()
+        self.step_index = 0
+        self.next_rid = 0
+        self.hook = NoHook()
+        self.protected: set = set()  # requests a live fault depends on: never aborted or compacted
+        self.timer = StepTimer(cupy)
+        self.counters = Counter()
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _collector(self, name):
+        def collect(report):
+            self.inbox.extend((name, v) for v in getattr(report, "violations", report))
+        return collect
+
+    def alloc(self, pool: Pool, req: Request) -> int:
+        block = pool.alloc()
+        self.hook.on_alloc(self, pool, req, block)
+        return block
+
+    def take_violations(self) -> list:
+        out, self.inbox = self.inbox, []
+        return out
+
+    def dev(self, a):
+        return a if self.xp is np else self.xp.asarray(a)
+
+    def requests(self):
+        """Every live request: waiting, then running in each pool."""
+        yield from self.waiting
+        for pool in self.pools.values():
+            yield from pool.running
+
+    # -- workload --------------------------------------------------------------------------
+
+    def new_request(self, prompt_head=None, shared_len=0) -> Request:
+        c, rng = self.config, self.workload_rng
+        if prompt_head is None and rng.random() < c.shared_prompt_fraction:
+            prompt_head = self.shared[int(rng.integers(len(self.shared)))]
+            shared_len = len(prompt_head)
+        head = np.zeros(0, np.int64) if prompt_head is None else np.asarray(prompt_head, np.int64)
+        suffix = rng.integers(0, c.vocab, int(rng.integers(*c.suffix_tokens, endpoint=True)))
+        new = rng.integers(0, c.vocab, int(rng.integers(*c.new_tokens, endpoint=True)))
+        prompt = np.concatenate([head, suffix]).astype(np.int64)
+        req = Request(self.next_rid, np.concatenate([prompt, new]).astype(np.int64), len(prompt), shared_len,
+                      spec=bool(rng.random() < c.spec_fraction), disagg=bool(rng.random() < c.disagg_fraction))
+        self.next_rid += 1
+        return req
+
+    def arrivals(self) -> None:
+        for _ in range(int(self.workload_rng.poisson(self.config.arrival_rate))):
+            if len(self.waiting) < self.config.max_waiting:
+                self.waiting.append(self.new_request())
+
+    def admit(self) -> None:
+        pool = self.pools["prefill"]
+        bs = self.config.block_size
+        while self.waiting and len(pool.running) < self.config.max_running:
+            req = self.waiting[0]
+            hits = pool.cache.match(req.tokens, (req.prompt_len - 1) // bs, self.step_index)
+            for e in hits:
+                pool.allocator.retain(e.block)
+            req.blocks = [e.block for e in hits]
+            if pool.available() < pool.blocks_needed(req) - len(hits):
+                for e in hits:
+                    pool.allocator.release(e.block)
+                req.blocks = []
+                return
+            self.waiting.popleft()
+            req.computed = len(hits) * bs
+            pool.running.append(req)
+            self.hook.on_cache_hit(self, pool, req, req.blocks)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def step(self) -> None:
+        self.arrivals()
+        self.admit()
+        for pool in self.pools.values():
+            self.forward(pool)
+        self.transfer()
+        if self.step_index % self.config.compact_every == self.config.compact_every - 1:
+            self.compact()
+        self.maybe_abort()
+        if self.step_index % self.config.sweep_every == self.config.sweep_every - 1:
+            self.sweep()
+        self.hook.on_step_end(self)
+        for pool in self.pools.values():
+            with self.timer.canary():
+                pool.session.end_step()
+                pool.session.check()
+        self.step_index += 1
+
+    def schedule(self, pool: Pool) -> Batch | None:
+        c, rng = self.config, self.engine_rng
+        budget = c.prefill_budget
+        reqs, extend, accept = [], [], []
+        for req in list(pool.running):
+            if req.awaiting_transfer:
+                continue
+            if req.computed < req.prompt_len:
+                n = min(req.prompt_len - req.computed, c.prefill_chunk, budget)
+                if n == 0:
+                    continue
+                budget -= n
+                a = n
+            else:
+                n = min(c.spec_tokens if req.spec else 1, req.total_len - req.computed)
+                a = int(rng.integers(1, n + 1)) if req.spec else n
+            try:
+                while len(req.blocks) * c.block_size < req.computed + n:
+                    req.blocks.append(self.alloc(pool, req))
+            except OutOfBlocks:  # only after a fault broke the accounting: preempt the request
+                self.counters["preempted"] += 1
+                self.abort(req)
+                continue
+            reqs.append(req)
+            extend.append(n)
+            accept.append(a)
+        if not reqs:
+            return None
+        extend = np.asarray(extend, np.int64)
+        offsets = np.zeros(len(reqs) + 1, np.int64)
+        np.cumsum(extend, out=offsets[1:])
+        ids, pos, loc = [], [], []
+        for req, n, a in zip(reqs, extend, accept):
+            tokens = req.tokens[req.computed: req.computed + n].copy()
+            tokens[a:] = (tokens[a:] + 1) % c.vocab  # rejected drafts: tokens the target model does not pick
+            ids.append(tokens)
+            pos.append(np.arange(req.computed, req.computed + n, dtype=np.int64))
+            loc.append(pool.slots(req, req.computed, req.computed + n))
+        return Batch(reqs, np.array([r.computed for r in reqs], np.int64), extend, np.asarray(accept, np.int64),
+                     offsets, np.concatenate(ids), np.concatenate(pos), np.concatenate(loc))
+
+    def forward(self, pool: Pool) -> None:
+        batch = self.schedule(pool)
+        if batch is None:
+            return
+        self.hook.on_batch(self, pool, batch)
+        table = session_table(self.addressing, [r.blocks for r in batch.reqs], [r.tokens for r in batch.reqs],
+                              batch.prefix, self.config.block_size)
+        d = self.dev
+        with self.timer.canary():
+            pool.session.pre_forward(d(table.req_pool_indices), d(batch.prefix), d(batch.extend), d(table.table),
+                                     d(batch.input_ids), d(batch.positions), d(batch.out_cache_loc),
+                                     expected_tokens=d(table.expected_tokens), expected_tokens_valid_lens=d(batch.prefix))
+        keep = batch.out_cache_loc >= 0
+        keep[list(batch.kv_skip)] = False
+        with self.timer.model():
+            pool.kv.store(d(batch.out_cache_loc[keep]), d(batch.input_ids[keep]), d(batch.positions[keep]))
+        with self.timer.canary():
+            pool.session.post_forward()
+        self.commit(pool, batch)
+
+    def commit(self, pool: Pool, batch: Batch) -> None:
+        bs = self.config.block_size
+        for req, a in zip(batch.reqs, batch.accept):
+            if not req.alive:
+                continue
+            req.computed += int(a)
+            keep = -(-req.computed // bs)
+            for block in req.blocks[keep:]:  # speculative rollback: blocks of rejected drafts only
+                pool.allocator.release(block)
+            del req.blocks[keep:]
+            if req.computed >= req.total_len:
+                self.finish(pool, req)
+            elif pool.cache is not None and req.disagg and req.computed >= req.prompt_len:
+                req.awaiting_transfer = True
+
+    def finish(self, pool: Pool, req: Request) -> None:
+        if pool.cache is not None:
+            pool.cache.insert(req.tokens, req.blocks, req.computed // self.config.block_size, pool.allocator, self.step_index)
+        self.release(pool, req)
+
+    def release(self, pool: Pool, req: Request) -> None:
+        pool.running.remove(req)
+        for block in req.blocks:
+            pool.allocator.release(block)
+        req.blocks = []
+        req.alive = False
+
+    def abort(self, req: Request) -> None:
+        if not req.alive:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+            req.alive = False
+            return
+        self.release(self.pools[req.pool], req)
+
+    def transfer(self) -> None:
+        """Finished disaggregated prefills move to the decode pool: KV bytes and canary rows."""
+        src, dst = self.pools["prefill"], self.pools["decode"]
+        for req in [r for r in src.running if r.awaiting_transfer]:
+            if len(dst.running) >= self.config.max_running or dst.available() < dst.blocks_needed(req):
+                return
+            new_blocks = [self.alloc(dst, req) for _ in req.blocks]
+            copy_to = self.hook.on_transfer(self, req, list(new_blocks))
+            src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
+            src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
+            copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
+            self.finish(src, req)  # the prefill server caches the prompt
+            req.alive, req.awaiting_transfer, req.pool, req.blocks = True, False, "decode", new_blocks
+            dst.running.append(req)
+
+    def compact(self) -> None:
+        """Move one block of a running request to another place, canary rows included."""
+        if self.protected:
+            return
+        candidates = [(pool, req, i) for pool in self.pools.values() for req in pool.running
+                      for i in self.exclusive_blocks(pool, req)]
+        if not candidates:
+            return
+        pool, req, i = candidates[int(self.engine_rng.integers(len(candidates)))]
+        if not pool.allocator.free:
+            return
+        old, new = req.blocks[i], pool.allocator.alloc()
+        src, dst = self.dev(pool.block_slots([old])), self.dev(pool.block_slots([new]))
+        pool.kv.copy_rows(src, dst)
+        move_canary_rows(pool.session, src, dst)
+        req.blocks[i] = new
+        pool.allocator.release(old)
+        self.counters["compactions"] += 1
+
+    def maybe_abort(self) -> None:
+        if self.engine_rng.random() >= self.config.abort_rate:
+            return
+        running = [r for p in self.pools.values() for r in p.running if r not in self.protected]
+        if running:
+            self.abort(running[int(self.engine_rng.integers(len(running)))])
+            self.counters["aborted"] += 1
+
+    def sweep(self) -> None:
+        pool = self.pools["prefill"]
+        paths = pool.cache.leaf_paths()
+        if not paths:
+            return
+        bs = self.config.block_size
+        lens = np.array([len(p) * bs for p in paths], np.int64)
+        table = session_table(self.addressing, paths, [np.zeros(0, np.int64)] * len(paths), np.zeros(len(paths), np.int64), bs)
+        with self.timer.canary():
+            pool.session.sweep(self.dev(table.req_pool_indices), self.dev(lens), self.dev(table.table))
+
+    # -- helpers for faults ----------------------------------------------------------------
+
+    def exclusive_blocks(self, pool: Pool, req: Request) -> list:
+        """Indices of ``req``'s full, committed blocks that only it holds and whose content is its
+        own (past any shared system prompt): a fault there corrupts one request only."""
+        bs = self.config.block_size
+        cached = {e.block for e in pool.cache.entries.values()} if pool.cache else set()
+        return [i for i, b in enumerate(req.blocks[: req.computed // bs])
+                if b != NULL_BLOCK and i * bs >= req.shared_len and pool.allocator.refcount[b] == 1 and b not in cached]
+
+    def canary_rows(self, pool: Pool, slot: int) -> tuple:
+        return tuple(buf[slot].copy() for buf in canary_buffers(pool.session))
+
+    def set_canary_rows(self, pool: Pool, slot: int, rows: tuple) -> None:
+        for buf, row in zip(canary_buffers(pool.session), rows):
+            buf[slot] = row
+
+    def _fault_blocks(self, pool_name: str, ep) -> set:
+        bs = self.config.block_size
+        blocks = {s // bs for p, s in ep.touched if p == pool_name} | {b for p, b in ep.held if p == pool_name}
+        return blocks - {NULL_BLOCK}
+
+    def blast_radius(self, pool_name: str, ep) -> set:
+        """Slots whose violations fault episode ``ep`` explains: the slots it touched, the blocks its
+        victims held during the episode, every block of a request holding one of those, and the
+        cached blocks below them (a corrupted record also breaks its successor's chain check)."""
+        pool = self.pools[pool_name]
+        blocks = self._fault_blocks(pool_name, ep)
+        slots = {s for p, s in ep.touched if p == pool_name}
+        for req in pool.running:
+            if req in ep.victims or blocks & set(req.blocks):
+                blocks |= set(req.blocks) - {NULL_BLOCK}
+        if pool.cache is not None and blocks:
+            blocks |= pool.cache.subtree_blocks(blocks)
+        slots.update(pool.block_slots(sorted(blocks)).tolist())
+        return slots
+
+    def repair(self, ep) -> None:
+        """After fault episode ``ep``: abort every request holding a block it touched or a victim
+        held, drop those blocks from the prefix cache and rebuild reference counts and free lists
+        from the live tables."""
+        victims = set(ep.victims)
+        for name, pool in self.pools.items():
+            blocks = self._fault_blocks(name, ep)
+            victims |= {r for r in pool.running if blocks & set(r.blocks)}
+            if pool.cache is not None:
+                pool.cache.drop(blocks, pool.allocator)
+        for req in sorted(victims, key=lambda r: r.rid):  # a fixed order: the free lists depend on it
+            self.abort(req)
+        for pool in self.pools.values():
+            pool.allocator.rebuild(pool.holders())
+        self.protected = set()
+        self.hook = NoHook()

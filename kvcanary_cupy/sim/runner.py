@@ -1,0 +1,226 @@
+"""Run the simulated engine with faults injected one at a time, and measure what the canary sees.
+
+**Attribution.**  One fault is live at a time.  A violation counts as a detection of the live
+fault only if its slot lies in the fault's blast radius (:meth:`Engine.blast_radius`: the slots it
+touched, every slot of a request or cached block path holding a touched block, since a corrupted
+record also breaks its successor's chain check).  An episode ends at its first detection or
+``window`` steps after it fired; then the engine is repaired (requests holding touched blocks are
+aborted, touched blocks leave the prefix cache, reference counts and free lists are rebuilt from the
+live tables).  A freed block is always written before it is read again, so nothing corrupted
+outlives its episode.  Any violation outside a radius is counted as *unattributed*: it would be a
+false positive of the canary or a bug of the simulator.  A clean run (no faults, same seed and
+length) must report no violation at all.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..constants import FailReason
+from .engine import Engine, EngineConfig
+from .faults import FAULTS, Episode
+from .tables import ADDRESSING_MODES
+
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    steps: int = 2000
+    seed: int = 0
+    faults: tuple = tuple(FAULTS)
+    rate: float = 0.5  # probability per step of injecting a fault when none is live
+    addressing: str = "sglang"
+    device: str = "cpu"
+    window: int = 16  # steps after firing within which a detection counts
+    arm_timeout: int = 24  # steps an armed fault may wait for its trigger before it is dropped
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self):
+        unknown = [f for f in self.faults if f not in FAULTS]
+        if unknown:
+            raise ValueError(f"kvcanary sim: unknown fault class {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+        if self.addressing not in ADDRESSING_MODES:
+            raise ValueError(f"kvcanary sim: addressing must be one of {', '.join(ADDRESSING_MODES)}, got {self.addressing!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"kvcanary sim: device must be cpu or cuda, got {self.device!r}")
+        if self.steps < 1:
+            raise ValueError(f"kvcanary sim: steps must be >= 1, got {self.steps}")
+        if not 0.0 < self.rate <= 1.0:
+            raise ValueError(f"kvcanary sim: rate must be in (0, 1], got {self.rate}")
+        if self.engine.num_layers < 2:
+            raise ValueError("kvcanary sim: the KV pool needs at least 2 layers (layer 0 is fingerprinted, the rest not)")
+
+
+@dataclass
+class FaultResult:
+    name: str
+    description: str
+    detectable: bool
+    why_not_detectable: str | None
+    injected: int = 0
+    detected: int = 0
+    latencies: list = field(default_factory=list)
+    first_reason: str | None = None
+    dropped_armed: int = 0  # armed, but the trigger never came within arm_timeout (nothing corrupted)
+
+    def to_json(self) -> dict:
+        lat = self.latencies
+        return {
+            "name": self.name,
+            "description": self.description,
+            "injected": self.injected,
+            "detected": self.detected,
+            "detection_rate": self.detected / self.injected if self.injected else None,
+            "latency_steps_median": statistics.median(lat) if lat else None,
+            "latency_steps_max": max(lat) if lat else None,
+            "first_reason": self.first_reason,
+            "detectable": self.detectable,
+            "why_not_detectable": self.why_not_detectable,
+        }
+
+
+@dataclass
+class RunStats:
+    steps: int = 0
+    violations: int = 0  # distinct violations reported
+    unattributed: int = 0
+    unattributed_examples: list = field(default_factory=list)  # the first few, as text
+    step_us: list = field(default_factory=list)  # host CPU time of each engine step
+    canary_us: list = field(default_factory=list)  # host CPU time of the canary calls of each step
+    canary_device_us: list = field(default_factory=list)
+    model_device_us: list = field(default_factory=list)
+    engine_counters: dict = field(default_factory=dict)
+    session_stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    faults: list  # of FaultResult
+    faulty: RunStats
+    clean: RunStats
+
+    def to_json(self) -> dict:
+        """The report in the fixed schema: config, faults, clean, cost."""
+        cfg = asdict(self.config)
+        cfg["faults"] = list(self.config.faults)
+        cfg["engine"] = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg["engine"].items()}
+        return {
+            "config": cfg,
+            "faults": [f.to_json() for f in self.faults],
+            "clean": {"steps": self.clean.steps, "false_positives": self.clean.violations},
+            "cost": cost_summary(self.clean),
+        }
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 1) if values else None
+
+
+def cost_summary(run: RunStats) -> dict:
+    """Per step medians of the clean run, in microseconds: host CPU time of this thread (the engine's
+    whole step, and the canary calls within it); device time from CUDA events (only under CUDA)."""
+    step, canary = _median(run.step_us), _median(run.canary_us)
+    return {
+        "measured_on": "clean run",
+        "engine_step_host_us": step,
+        "canary_host_us": canary,
+        "canary_host_fraction": round(canary / step, 3) if step else None,
+        "canary_device_us": _median(run.canary_device_us),
+        "model_kv_store_device_us": _median(run.model_device_us),
+        "canary_slot_runs_per_step": round(sum(s.get("slot_runs", 0) for s in run.session_stats.values()) / max(run.steps, 1), 1),
+    }
+
+
+def _array_modules(device: str):
+    if device == "cpu":
+        return np, None
+    import cupy
+
+    return cupy, cupy
+
+
+def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, RunStats]:
+    """One run of ``config.steps`` steps with ``faults`` (default: the config's) injected."""
+    names = config.faults if faults is None else faults
+    xp, cupy = _array_modules(config.device)
+    engine = Engine(config.engine, seed=config.seed, addressing=config.addressing, xp=xp, cupy=cupy)
+    results = {n: FaultResult(n, FAULTS[n].description, FAULTS[n].detectable, FAULTS[n].why_not_detectable) for n in names}
+    rotation = [FAULTS[n]() for n in names]
+    turn = 0
+    episode: Episode | None = None
+    stats = RunStats()
+    seen = 0
+
+    def unattributed(pool_violations):
+        stats.unattributed += len(pool_violations)
+        live = "none" if episode is None else f"{episode.fault.name} (fired at {episode.fired_step})"
+        for p, v in pool_violations[: max(0, 10 - len(stats.unattributed_examples))]:
+            stats.unattributed_examples.append(f"step {step} pool {p} live fault {live}: {v.format()}")
+
+    for _ in range(config.steps):
+        step = engine.step_index
+        if episode is None and rotation and engine.fault_rng.random() < config.rate:
+            fault = rotation[turn % len(rotation)]
+            turn += 1
+            candidate = Episode(fault, step)
+            if fault.inject(engine, candidate):
+                episode = engine.hook = candidate
+        t0 = time.thread_time()
+        engine.step()
+        stats.step_us.append((time.thread_time() - t0) * 1e6)
+        timing = engine.timer.take()
+        stats.canary_us.append(timing["canary_host_us"])
+        stats.canary_device_us.append(timing["canary_device_us"])
+        stats.model_device_us.append(timing["model_device_us"])
+        reported = engine.take_violations()
+        seen += len(reported)
+        if progress is not None:
+            progress(1)
+        if episode is None:
+            unattributed(reported)
+            continue
+        result = results[episode.fault.name]
+        if episode.fired_step is None:
+            unattributed(reported)
+            if step - episode.armed_step >= config.arm_timeout:
+                result.dropped_armed += 1
+                engine.repair(episode)
+                episode = None
+            continue
+        radius = {p: engine.blast_radius(p, episode) for p in {p for p, _ in reported}}
+        hits = [v for p, v in reported if v.slot_idx in radius[p]]
+        unattributed([(p, v) for p, v in reported if v.slot_idx not in radius[p]])
+        if hits:
+            result.injected += 1
+            result.detected += 1
+            result.latencies.append(step - episode.fired_step)
+            if result.first_reason is None:
+                bits = 0
+                for v in hits:
+                    bits |= v.fail_reason_bits
+                result.first_reason = FailReason.label(bits)
+        elif step - episode.fired_step >= config.window - 1:
+            result.injected += 1
+        else:
+            continue
+        engine.repair(episode)
+        episode = None
+    stats.steps = config.steps
+    stats.violations = seen
+    stats.engine_counters = dict(engine.counters)
+    stats.session_stats = {name: dict(pool.session.stats) for name, pool in engine.pools.items()}
+    return list(results.values()), stats
+
+
+def run(config: SimConfig, *, progress=None) -> SimResult:
+    """The faulty run, then a clean run of as many steps."""
+    faults, faulty = simulate(config, progress=progress)
+    _, clean = simulate(config, faults=(), progress=progress)
+    return SimResult(config, faults, faulty, clean)

@@ -1,0 +1,166 @@
+"""``kvcanary sim`` end to end: every fault class caught (or not) as declared, no false positives,
+the JSON schema, determinism, the CLI, and the one-line messages without matplotlib or a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kvcanary_cupy
+from conftest import EXPECT_GPU
+from kvcanary_cupy import cli
+from kvcanary_cupy.interop import cuda_unavailable_reason
+from kvcanary_cupy.sim import FAULTS, SimConfig, run, simulate
+from kvcanary_cupy.sim.report import PLOT_HINT
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (examples/)
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(kvcanary_cupy.__file__))  # so subprocesses import this copy
+FAULT_KEYS = ["name", "description", "injected", "detected", "detection_rate", "latency_steps_median",
+              "latency_steps_max", "first_reason", "detectable", "why_not_detectable"]
+
+
+@pytest.fixture(scope="module")
+def faulty_run():
+    """One short run injecting every class in turn, as often as the engine allows."""
+    return simulate(SimConfig(steps=240, seed=1, rate=1.0))
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_fault_class_is_caught_as_declared(faulty_run, name):
+    results, stats = faulty_run
+    f = next(r for r in results if r.name == name)
+    assert f.injected >= 1
+    assert f.description and (f.why_not_detectable is None) == f.detectable
+    if f.detectable:
+        assert f.detected == f.injected and f.first_reason and max(f.latencies) < SimConfig.window
+    else:
+        assert f.detected == 0 and f.first_reason is None
+    assert stats.unattributed == 0, stats.unattributed_examples
+
+
+def test_fault_classes_cover_the_issue_and_name_their_bug():
+    assert len(FAULTS) >= 12
+    blind = {n for n, f in FAULTS.items() if not f.detectable}
+    assert blind == {"zeroed_table_entry", "kv_store_dropped", "unfingerprinted_layer_bitflip"}
+
+
+def _json_without_timings(path):
+    with open(path) as f:
+        doc = json.load(f)
+    doc.pop("cost")
+    return doc
+
+
+def _cli(tmp_path, *args):
+    env = dict(os.environ, PYTHONPATH=PACKAGE_PARENT)
+    return subprocess.run([sys.executable, "-m", "kvcanary_cupy", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_writes_the_schema_and_the_same_seed_gives_the_same_json(tmp_path):
+    args = ["sim", "--steps", "40", "--seed", "5", "--rate", "1", "--plot", "", "--quiet"]
+    first = _cli(tmp_path, *args, "--json", "a.json")
+    second = _cli(tmp_path, *args, "--json", "b.json", "--addressing", "flashinfer")
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout == ""  # --quiet: no table
+    a, b = _json_without_timings(tmp_path / "a.json"), _json_without_timings(tmp_path / "b.json")
+    assert set(a) == {"config", "faults", "clean"} and set(a["clean"]) == {"steps", "false_positives"}
+    assert a["clean"] == {"steps": 40, "false_positives": 0}
+    assert [list(f) for f in a["faults"]] == [FAULT_KEYS] * len(FAULTS)
+    assert sum(f["injected"] for f in a["faults"]) >= 3
+    # Two processes, one seed: the same result.  (Every addressing mode hands the canary equivalent
+    # tables, so only the config differs.)
+    assert a["config"].pop("addressing") == "sglang" and b["config"].pop("addressing") == "flashinfer"
+    assert a == b
+
+
+def test_cli_table_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert cli.main(["sim", "--steps", "40", "--faults", "off_by_one_position,zeroed_table_entry", "--rate", "1",
+                     "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]) == 0
+    out = capsys.readouterr().out
+    assert "off_by_one_position" in out and "blind by design, zeroed_table_entry" in out
+    assert "clean run: 40 steps, 0 false positives" in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert [f["name"] for f in doc["faults"]] == ["off_by_one_position", "zeroed_table_entry"]
+    assert doc["faults"][0]["detection_rate"] == 1.0 and doc["faults"][1]["detected"] == 0
+    assert doc["cost"]["canary_host_us"] > 0 and doc["cost"]["canary_device_us"] is None
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_the_table_comes_with_one_line_about_the_plot(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert cli.main(["sim", "--steps", "20", "--faults", "lost_write", "--json", str(tmp_path / "r.json"),
+                     "--plot", str(tmp_path / "r.png")]) == 0
+    out = capsys.readouterr().out
+    assert "fault class" in out and out.rstrip().endswith(PLOT_HINT)
+    assert (tmp_path / "r.json").exists() and not (tmp_path / "r.png").exists()
+
+
+def test_bad_arguments_are_refused_with_a_message(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["sim", "--faults", "no_such_fault"])
+    assert "unknown fault class no_such_fault" in capsys.readouterr().err
+    assert cli.main(["sim", "--steps", "0", "--json", "", "--plot", ""]) == 2
+    assert "steps must be >= 1" in capsys.readouterr().err
+
+
+def test_gpu_commands_without_a_gpu_print_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "cuda_unavailable_reason", lambda: "no CUDA GPU found (test)")
+    assert cli.main(["sim", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == "kvcanary sim: --device cuda: no CUDA GPU found (test)\n"
+    from kvcanary_cupy import bench
+
+    monkeypatch.setattr(bench, "cuda_unavailable_reason", lambda: "CuPy is not installed: pip install ...")
+    assert cli.main(["bench"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_without_cupy_the_reason_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    reason = cuda_unavailable_reason()
+    assert reason.startswith("CuPy is not installed") and "kvcanary-cupy[cu12]" in reason
+
+
+@pytest.mark.skipif(cuda_unavailable_reason() is None, reason="this machine has a GPU")
+@pytest.mark.parametrize("command", [["-m", "kvcanary_cupy", "sim", "--device", "cuda"], ["-m", "kvcanary_cupy", "bench"],
+                                     [os.path.join(ROOT, "examples", "quickstart.py"), "--gpu"]])
+def test_on_this_machine_gpu_paths_fail_cleanly(command):
+    env = dict(os.environ, PYTHONPATH=PACKAGE_PARENT)
+    done = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1
+    assert "no CUDA GPU found" in done.stderr or "CuPy is not installed" in done.stderr
+
+
+def test_bench_numpy_backend_writes_json(tmp_path, capsys):
+    assert cli.main(["bench", "--backend", "numpy", "--workloads", "W3", "--json", str(tmp_path / "b.json")]) == 0
+    assert "W3 small decode" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert doc["backend"] == "numpy" and {r["op"] for r in doc["rows"]} == {"plan", "verify", "write"}
+
+
+@pytest.mark.gpu
+def test_cuda_run_equals_the_cpu_run():
+    reason = cuda_unavailable_reason()
+    if reason:
+        if EXPECT_GPU:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    config = dict(steps=120, seed=2, rate=1.0)
+    cpu, gpu = run(SimConfig(**config)), run(SimConfig(device="cuda", **config))
+    a, b = cpu.to_json(), gpu.to_json()
+    assert a["config"].pop("device") == "cpu" and b["config"].pop("device") == "cuda"
+    assert a["faults"] == b["faults"] and a["clean"] == b["clean"] == {"steps": 120, "false_positives": 0}
+    assert gpu.faulty.unattributed == 0 and b["cost"]["canary_device_us"] > 0
