@@ -53,7 +53,7 @@ struct RealKvSources {
 };
 static_assert(sizeof(RealKvSources) == 120, "mirrored in cupy_backend.py");
 
-// Fingerprint of one slot's real KV bytes (spec §3.3).  The host checked that every source
+// Fingerprint of one slot's real KV bytes (docs/format.md §3).  The host checked that every source
 // covers every canary slot, so `slot` in [0, num_slots) never reads out of bounds.
 __device__ __forceinline__ u64 real_kv_fold(const RealKvSources& s, i64 slot) {
   u64 acc = 0;

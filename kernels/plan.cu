@@ -1,4 +1,4 @@
-// Plan kernels (spec §3.4 with the project's out-of-range rules, README "Out-of-range values").
+// Plan kernels (docs/format.md §4 with the project's out-of-range rules, README "Out-of-range values").
 //
 // plan_fused (bs <= kFusedMaxBs, one launch): every block scans the batch into shared memory;
 //   block 0 also writes the per-request outputs; then all blocks expand the verify entries.
@@ -197,7 +197,7 @@ __device__ i64 plan_scan(const PlanInputs& in, const PlanOutputs& out, bool writ
       *out.enable = total <= out.verify_capacity ? 1 : 0;
       *out.write_num_valid_reqs = static_cast<int>(bs);
     }
-    // Nothing stale past the batch (spec Part 1, decision 4).
+    // Nothing stale past the batch (README, array conventions).
     for (i64 r = bs + threadIdx.x; r < out.write_req_capacity; r += blockDim.x) {
       out.seeds[r] = -1;
       out.verify_offsets[r + 1] = 0;

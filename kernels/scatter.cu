@@ -1,4 +1,4 @@
-// scatter_req_token_ids (spec §3.8): pool_out[rp, :width] = int32(flat_in[start:start+width]).
+// scatter_req_token_ids: pool_out[rp, :width] = int32(flat_in[start:start+width]).
 //
 // Batch rows may share a pool row: then, for every (pool row, column), the largest batch row that
 // writes the column wins, as in the NumPy backend.  A row skips the columns that a later row of

@@ -1,4 +1,4 @@
-// Verify kernel (spec §3.6 with the project's out-of-range rules): one thread per entry over a
+// Verify kernel (docs/format.md §4 with the project's out-of-range rules): one thread per entry over a
 // fixed grid; the number of active entries is read on the device.
 #include "canary_common.cuh"
 

@@ -1,4 +1,4 @@
-// Write kernel (spec §3.5 with the project's out-of-range rules).
+// Write kernel (docs/format.md §4 with the project's out-of-range rules).
 //
 // One warp per request (warp-stride over the requests counted on the device).  The lanes load 32
 // tokens at a time and fingerprint their real KV in parallel; the hash chain, serial by nature,

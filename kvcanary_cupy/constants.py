@@ -1,4 +1,4 @@
-"""Constants and enums of the kv-canary format (spec §2.1).
+"""Constants and enums of the kv-canary format (docs/format.md).
 
 Values are part of the on-device format: canary buffers and violation rows written by
 kvcanary-cupy mean the same thing as those written by SGLang's kv-canary.  The CUDA header

@@ -1,4 +1,4 @@
-"""Hash primitives of the canary chain (spec §3.1-3.3), for Python ints and NumPy arrays.
+"""Hash primitives of the canary chain (docs/format.md §2-3), for Python ints and NumPy arrays.
 
 All arithmetic is modulo 2**64.  Python ints come back as unsigned ints in ``[0, 2**64)``;
 NumPy arrays come back as ``uint64`` arrays.  Canary buffers store hashes as the int64 with the
@@ -97,7 +97,7 @@ ANCHOR_HASH = _splitmix64_int(CANARY_CHAIN_ANCHOR)
 
 
 def real_kv_fold(strips) -> int:
-    """Real-KV fingerprint (spec §3.3) of one slot, from one ``bytes`` strip per source.
+    """Real-KV fingerprint (docs/format.md §3) of one slot, from one ``bytes`` strip per source.
 
     Each strip is read as little-endian uint64 words folded with ``acc = splitmix64(acc ^ w)``;
     the per-source hashes are folded the same way in source order.  No source gives 0.

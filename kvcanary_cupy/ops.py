@@ -94,7 +94,7 @@ def _log_views(log: ViolationLog) -> LogViews:
 
 
 def _canary_view(canary_buf, *, written: bool):
-    """The canary buffer as ``int64 [num_slots, fields]`` (spec Part 1, decision 7)."""
+    """The canary buffer as ``int64 [num_slots, fields]`` (docs/format.md §1)."""
     view = backend_view(canary_buf, "canary_buf", writable=written)
     if written:
         check_contiguous_output(view, "canary_buf")

@@ -51,7 +51,7 @@ class _ArrayRecord:
 
 @dataclass(frozen=True)
 class VerifyPlan(_ArrayRecord):
-    """A flat list of self-contained verify entries (spec §2.4).
+    """A flat list of self-contained verify entries (docs/format.md §4).
 
     ``verify_prev_slot_indices``: -1 = chain head (anchor), 0 = predecessor unknown (chain check
     skipped), else the slot whose record hashes to this entry's prev_hash.  Entries past
@@ -88,7 +88,7 @@ class VerifyPlan(_ArrayRecord):
 
 @dataclass(frozen=True)
 class WritePlan(_ArrayRecord):
-    """Per-request metadata of a write (spec §2.5) plus the per-request verify offsets.
+    """Per-request metadata of a write (docs/format.md §4) plus the per-request verify offsets.
 
     Request r writes flat tokens ``[write_offsets[r], write_offsets[r+1])`` of
     ``input_ids/positions/out_cache_loc`` and owns verify entries
@@ -121,7 +121,7 @@ class WritePlan(_ArrayRecord):
 
 @dataclass(frozen=True)
 class ViolationLog(_ArrayRecord):
-    """The device-side violation ring and the per-launch-kind counters (spec Part 1, decision 8).
+    """The device-side violation ring and the per-launch-kind counters (docs/format.md §5).
 
     ``ring`` is fill-once: row k holds the violation that drew ticket k.  Tickets are drawn from
     ``write_index`` only while the ring has room, so ``write_index`` ends at

@@ -55,7 +55,7 @@ def reason_name(member: FailReason) -> str:
 
 @dataclass(frozen=True)
 class Violation:
-    """One decoded ring row (spec §2.6); hashes are unsigned.
+    """One decoded ring row (docs/format.md §5); hashes are unsigned.
 
     The first eight fields are the row.  The others are filled by a :class:`CanarySession`:
     ``expected_position`` (verify rows: the position the step's plan expected; write rows: the

@@ -1,7 +1,7 @@
 """Shared builders and independent pure-Python oracles for the kv-canary test suite.
 
-Everything here is written from the spec (Part 1 decisions + Part 2 §2-§3), not from the
-library: the hash primitives, the real-KV fold and the plan / write / verify oracles are plain
+Everything here is written from the format (docs/format.md) and the README's rules, not from
+the library: the hash primitives, the real-KV fold and the plan / write / verify oracles are plain
 per-request / per-entry loops over Python ints.  Tests build their inputs in NumPy, move them
 to the backend under test with ``ab.asarray`` and compare ``ab.to_numpy`` of every output
 against these oracles.
@@ -16,7 +16,7 @@ import numpy as np
 from kvcanary_cupy import VerifyPlan, ViolationLog, WritePlan
 
 # ---------------------------------------------------------------------------------------------
-# hash primitives (spec §3.1), independent of kvcanary_cupy.hashing
+# hash primitives (docs/format.md §2), independent of kvcanary_cupy.hashing
 
 MASK64 = (1 << 64) - 1
 ANCHOR = 0xC0FFEE1234567890
@@ -50,7 +50,7 @@ def unsigned(v: int) -> int:
 ANCHOR_H = sm64(ANCHOR)  # 0xDE7FAE23A9A1B716
 ANCHOR_S = signed(ANCHOR_H)
 
-# fail-reason bits as literals (spec §2.1), so tests do not take them from the library
+# fail-reason bits as literals (docs/format.md §6), so tests do not take them from the library
 CHAIN, POSITION, REAL_KV, WRITE_TOKEN, WRITE_POSITION, TOKEN = 1, 2, 4, 8, 16, 32
 
 
@@ -69,7 +69,7 @@ def chain(tokens, positions, start_hash: int = ANCHOR_H):
 
 
 def fold_strips(strips) -> int:
-    """Real-KV fold (spec §3.3) of one ``bytes`` strip per source, in source order."""
+    """Real-KV fold (docs/format.md §3) of one ``bytes`` strip per source, in source order."""
     acc = 0
     for strip in strips:
         strip = bytes(strip)
@@ -105,7 +105,7 @@ def real_kv(sources, mode, slot: int) -> int:
 
 
 def linear_rtt(rows: int, max_seq_len: int) -> np.ndarray:
-    """``req_to_token[rp, p] = rp * max_seq_len + p`` (int32), the spec's "linear" table."""
+    """``req_to_token[rp, p] = rp * max_seq_len + p`` (int32), the "linear" table of the worked examples."""
     return (np.arange(rows, dtype=np.int64)[:, None] * max_seq_len + np.arange(max_seq_len)).astype(np.int32)
 
 
@@ -186,7 +186,7 @@ def is_sub_multiset(small, big) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# oracles (spec §3.4-§3.6 plus the Part 1 / project out-of-range decisions)
+# oracles (docs/format.md §4 plus the README's out-of-range rules)
 
 
 def oracle_plan(rp, prefix, extend, rtt, *, verify_capacity, write_req_capacity=None, window=0, lut=None,

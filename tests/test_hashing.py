@@ -1,4 +1,4 @@
-"""Hash primitives, constants and enums (spec §2.1, §3.1-§3.3, Appendix A)."""
+"""Hash primitives, constants and enums (docs/format.md §2-3, §6-7)."""
 
 import numpy as np
 import pytest

@@ -3,9 +3,9 @@
 Each example draws a scenario (batches with padding rows, prefill / extend / decode, finished
 requests whose slots are reused, sparse slot allocation where slot 0 is never used, optionally a
 full->SWA LUT with a sliding window and lazy eviction, the token check and real-KV sources).
-Every step checks the spec §6.3 invariants and the plan oracle; the clean chain must verify
+Every step checks the plan/verify/write invariants and the plan oracle; the clean chain must verify
 without a single violation.  Then one corruption is applied and the final verify must report
-exactly the fail-reason bits the spec predicts for it.
+exactly the fail-reason bits docs/format.md predicts for it.
 """
 
 import os
@@ -372,7 +372,7 @@ def test_corruption_is_caught_with_exact_bits(ab, sc, corruption, pick):
             expected += Counter((e[0], CHAIN) for j, e in enumerate(new_entries)
                                 if new_owners[j] == owner and e[2] == pos + 1)
         # a zeroed entry points at the padding slot: it is skipped and its successor's chain check is
-        # off, so nothing is reported (a known blind spot, spec §3.6)
+        # off, so nothing is reported (a known blind spot, docs/format.md §8)
         entries = new_entries
 
     eng.buf = eng.ab.asarray(buf)

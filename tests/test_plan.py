@@ -1,4 +1,4 @@
-"""plan(): worked examples of spec §3.4, the no-stale-outputs decision and the out-of-range rules."""
+"""plan(): worked examples of the plan (docs/format.md §4), the no-stale-outputs decision and the out-of-range rules."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""scatter_req_token_ids (spec §3.8) and its out-of-range rules."""
+"""scatter_req_token_ids and its out-of-range rules."""
 
 import numpy as np
 import pytest

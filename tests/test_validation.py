@@ -1,4 +1,4 @@
-"""Bad arguments (spec §4 as it applies to this API): the right exception, a message naming the
+"""Bad arguments (the README's array conventions): the right exception, a message naming the
 argument, what was expected and what came, and a rejected call that changed nothing."""
 
 import numpy as np

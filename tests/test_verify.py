@@ -1,4 +1,4 @@
-"""verify(): worked examples of spec §3.6, the fill-once ring, counters and out-of-range rules."""
+"""verify(): worked examples of verify (docs/format.md §4), the fill-once ring, counters and out-of-range rules."""
 
 import numpy as np
 import pytest

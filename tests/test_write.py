@@ -1,4 +1,4 @@
-"""write(): worked examples of spec §3.5, real-KV fingerprints, assertions, out-of-range rules."""
+"""write(): worked examples of write (docs/format.md §4), real-KV fingerprints, assertions, out-of-range rules."""
 
 import numpy as np
 import pytest
@@ -72,7 +72,7 @@ def test_five_token_chain_from_anchor(ab):
 
 
 def test_slot_zero_writes_are_counted_and_chained_but_not_stored(ab):
-    """The spec's slots-0..4 example, under the project's padding-slot rule (README)."""
+    """The slots-0..4 chain example of docs/format.md §2, under the project's padding-slot rule (README)."""
     start = canary(8, {0: (-5, -5, -5, -5)})
     tokens = [101, 202, 303, 404, 505]
     b, lg = write(ab, ab.asarray(start), [0, 5], [-1], tokens, range(5), range(5))

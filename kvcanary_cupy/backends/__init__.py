@@ -2,8 +2,8 @@
 
 The front door (:mod:`kvcanary_cupy.ops`) checks every argument, turns each array into a NumPy
 or CuPy view of the caller's memory and hands one of the argument records below to the backend
-picked by the arrays' device.  Both backends compute the same bytes for the same record
-(spec Part 1, decision 9); only the order of ring rows written by GPU threads may differ.
+picked by the arrays' device.  Both backends compute the same bytes for the same record;
+only the order of ring rows written by GPU threads may differ.
 
 Views have the dtypes and shapes the records name; 1-D arrays are contiguous; the 2-D tables
 ``req_to_token`` and ``expected_token_pool`` have a unit inner stride and any row stride;
