@@ -7,7 +7,6 @@ import pytest
 
 import kvcanary_cupy as kc
 from kvcanary_cupy.sim.engine import BlockAllocator, Engine, EngineConfig, OutOfBlocks, PrefixCache
-from kvcanary_cupy.sim.session import _SessionShim, make_session
 from kvcanary_cupy.sim.tables import (
     ADDRESSING_MODES,
     block_table,
@@ -89,33 +88,22 @@ def test_tables_of_every_addressing_mode_are_equivalent():
         session_table("trtllm", lists, tokens, [0, 0, 0], 4)
 
 
-def test_session_shim_reports_a_persistent_violation_once_with_repeats():
-    got = []
-    s = _SessionShim(64, max_batch_size=4, on_violation=got.append)
-    i64 = lambda v: np.asarray(v, np.int64)
-    rtt = np.zeros((2, 8), np.int32)
-    rtt[1, :4] = [5, 6, 7, 8]
-    s.pre_forward(i64([1]), i64([0]), i64([3]), rtt, i64([10, 11, 12]), i64([0, 1, 2]), i64([5, 6, 7]))
-    s.post_forward()
-    s.end_step()
-    assert got == [] and s.report().violations == ()
-    s.head[6, 1] = 99  # a stale position in slot 6
-    for _ in range(3):  # decode steps: slot 6 is read every step
-        s.pre_forward(i64([1]), i64([3]), i64([0]), rtt, i64([]), i64([]), i64([]))
-        s.post_forward()
-        s.end_step()
-    report = s.report()
-    head = kc.CanaryLaunchTag.HEAD_K_FULL  # the TAIL buffer was not touched
-    assert [(v.kernel_kind, v.slot_idx, v.position, v.reasons) for v in report.violations] == [
-        (head, 6, 99, "verify_position"), (head, 7, 2, "verify_chain_hash")]  # the position is chained too
-    assert report.repeats == (3, 3) and len(got) == 1 and s.stats["violations"] == 6 and s.stats["steps"] == 4
-
-
-def test_make_session_uses_real_kv_and_the_token_check():
-    pool = np.zeros((32, 16), np.uint8)
-    s = make_session(32, max_batch_size=2, like=None, real_kv_sources=(kc.RealKvSource(pool, 1, 16, 16),),
-                     on_violation="ignore")
-    assert s._mode == kc.RealKvHashMode.ALL and s._check_tokens
+def test_pool_sessions_check_real_kv_and_tokens_and_report_through_the_engine():
+    engine = Engine(SMALL, seed=3, addressing="vllm", xp=np)
+    pool = engine.pools["prefill"]
+    s = pool.session
+    assert isinstance(s, kc.CanarySession) and s.real_kv_hash_mode == kc.RealKvHashMode.ALL and s.check_expected_tokens
+    assert [src.tensor.shape for src in s.real_kv_sources] == [(SMALL.num_slots, SMALL.kv_row_bytes)] * 2
+    for _ in range(12):
+        engine.step()
+    assert engine.take_violations() == []
+    req = next(r for r in pool.running if r.computed > 1)
+    slot = int(pool.slots(req, 0, 1)[0])
+    pool.kv.flip_bit(slot, 0, 0, 0, 0)  # layer 0 K: fingerprinted
+    engine.step()
+    seen = engine.take_violations()
+    assert seen and all(name == "prefill" for name, _ in seen)
+    assert {(v.slot_idx, v.reasons) for _, v in seen} == {(slot, "verify_real_kv_hash")}
 
 
 def _check_allocator_invariants(engine):

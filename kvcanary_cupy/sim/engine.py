@@ -53,6 +53,11 @@ class EngineConfig:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def verify_capacity(self) -> int:
+        """Verify entries of one step or one sweep launch (a sweep is split to fit)."""
+        return 3 * self.num_slots
+
 
 class OutOfBlocks(RuntimeError):
     pass
@@ -247,9 +252,11 @@ class Pool:
         self.allocator = BlockAllocator(config.num_blocks)
         self.cache = PrefixCache(config.block_size) if cache else None
         self.kv = KvPool(xp, config.num_slots, num_layers=config.num_layers, row_bytes=config.kv_row_bytes)
-        self.session = make_session(config.num_slots, max_batch_size=config.max_running, like=like,
+        self.session = make_session(config.num_slots, max_batch_size=config.max_running,
+                                    verify_capacity=config.verify_capacity, like=like,
                                     real_kv_sources=self.kv.real_kv_sources(), on_violation=on_violation)
         self.running: list[Request] = []
+        self.ran = False  # whether this step ran a forward (and so the canary)
 
     def block_slots(self, blocks) -> np.ndarray:
         bs = self.config.block_size
@@ -432,13 +439,16 @@ class Engine:
         if self.step_index % self.config.compact_every == self.config.compact_every - 1:
             self.compact()
         self.maybe_abort()
+        for pool in self.pools.values():
+            if pool.ran:  # an idle pool has no step to end (its session would report that no canary ran)
+                with self.timer.canary():
+                    pool.session.end_step()
         if self.step_index % self.config.sweep_every == self.config.sweep_every - 1:
             self.sweep()
         self.hook.on_step_end(self)
         for pool in self.pools.values():
-            with self.timer.canary():
-                pool.session.end_step()
-                pool.session.check()
+            pool.session.check()  # the simulator's choice, for exact latencies: an engine reads one step late
+            pool.ran = False
         self.step_index += 1
 
     def schedule(self, pool: Pool) -> Batch | None:
@@ -500,6 +510,7 @@ class Engine:
             pool.kv.store(d(batch.out_cache_loc[keep]), d(batch.input_ids[keep]), d(batch.positions[keep]))
         with self.timer.canary():
             pool.session.post_forward()
+        pool.ran = True
         self.commit(pool, batch)
 
     def commit(self, pool: Pool, batch: Batch) -> None:
@@ -585,11 +596,21 @@ class Engine:
         paths = pool.cache.leaf_paths()
         if not paths:
             return
-        bs = self.config.block_size
-        lens = np.array([len(p) * bs for p in paths], np.int64)
-        table = session_table(self.addressing, paths, [np.zeros(0, np.int64)] * len(paths), np.zeros(len(paths), np.int64), bs)
-        with self.timer.canary():
-            pool.session.sweep(self.dev(table.req_pool_indices), self.dev(lens), self.dev(table.table))
+        bs, capacity = self.config.block_size, self.config.verify_capacity
+        chunks, chunk, entries = [], [], 0
+        for path in paths:  # launches of at most verify_capacity entries each
+            if chunk and entries + len(path) * bs > capacity:
+                chunks.append(chunk)
+                chunk, entries = [], 0
+            chunk.append(path)
+            entries += len(path) * bs
+        chunks.append(chunk)
+        for chunk in chunks:
+            lens = np.array([len(p) * bs for p in chunk], np.int64)
+            table = session_table(self.addressing, chunk, [np.zeros(0, np.int64)] * len(chunk),
+                                  np.zeros(len(chunk), np.int64), bs)
+            with self.timer.canary():
+                pool.session.sweep(self.dev(table.req_pool_indices), self.dev(lens), self.dev(table.table))
 
     # -- helpers for faults ----------------------------------------------------------------
 

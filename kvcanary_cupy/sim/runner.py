@@ -134,7 +134,7 @@ def cost_summary(run: RunStats) -> dict:
         "canary_host_fraction": round(canary / step, 3) if step else None,
         "canary_device_us": _median(run.canary_device_us),
         "model_kv_store_device_us": _median(run.model_device_us),
-        "canary_slot_runs_per_step": round(sum(s.get("slot_runs", 0) for s in run.session_stats.values()) / max(run.steps, 1), 1),
+        "canary_verified_entries_per_step": round(sum(s["verified_entries"] for s in run.session_stats.values()) / max(run.steps, 1), 1),
     }
 
 
