@@ -353,8 +353,10 @@ class Engine:
         self.workload_rng = np.random.default_rng(seeds[0])
         self.engine_rng = np.random.default_rng(seeds[1])
         self.fault_rng = np.random.default_rng(seeds[2])
-        self.shared = [self.workload_rng.integers(0, config.vocab, config.block_size * int(self.workload_rng.integers(*config.shared_prompt_blocks, endpoint=True)))
-                       for _ in range(config.shared_prompts)]
+        self.shared = [  # system prompts of whole blocks
+            self.workload_rng.integers(0, config.vocab, config.block_size * int(
+                self.workload_rng.integers(*config.shared_prompt_blocks, endpoint=True)))
+            for _ in range(config.shared_prompts)]
         self.waiting: deque[Request] = deque()
         self.step_index = 0
         self.next_rid = 0
@@ -367,7 +369,7 @@ class Engine:
 
     def _collector(self, name):
         def collect(report):
-            self.inbox.extend((name, v) for v in getattr(report, "violations", report))
+            self.inbox.extend((name, v) for v in report.violations)
         return collect
 
     def alloc(self, pool: Pool, req: Request) -> int:
@@ -381,12 +383,6 @@ class Engine:
 
     def dev(self, a):
         return a if self.xp is np else self.xp.asarray(a)
-
-    def requests(self):
-        """Every live request: waiting, then running in each pool."""
-        yield from self.waiting
-        for pool in self.pools.values():
-            yield from pool.running
 
     # -- workload --------------------------------------------------------------------------
 
