@@ -150,6 +150,11 @@ __device__ __forceinline__ u64 slot_hash(const CanaryRecord& r) {
   return mix3(static_cast<u64>(r.prev_hash), static_cast<u64>(r.token), static_cast<u64>(r.position));
 }
 
+// Element i of an index array that is int32 or int64 (engine tables come in either).
+__device__ __forceinline__ i64 load_index(const void* p, int is_int64, i64 i) {
+  return is_int64 ? static_cast<const i64*>(p)[i] : static_cast<i64>(static_cast<const int*>(p)[i]);
+}
+
 // Adds the warp's sum of `value` to *counter with one atomic (all 32 lanes must call).
 __device__ __forceinline__ void warp_add(unsigned long long* counter, i64 value) {
   __syncwarp();

@@ -2,8 +2,10 @@
 
 Next to every KV slot the canary keeps a record ``(token, position, prev_hash, real_kv_hash)``
 chained by a hash along each sequence.  Every step, :func:`plan` lists the slots the step reads
-and writes, :func:`write` stamps fresh records for the new tokens and :func:`verify` checks the
-records of every slot read, logging violations into a device-side ring (:class:`ViolationLog`).
+and writes (through the engine's own table: :class:`ReqToToken`, :class:`BlockTable` or
+:class:`PagedKvIndices`), :func:`write` stamps fresh records for the new tokens and
+:func:`verify` checks the records of every slot read, logging violations into a device-side
+ring (:class:`ViolationLog`).  :func:`move_pages` moves canary rows with moved KV pages.
 
 NumPy arrays run on the CPU backend; CuPy arrays and CUDA torch tensors run the CUDA kernels;
 both compute the same bytes.  Importing this package needs neither CuPy nor PyTorch.
@@ -31,11 +33,12 @@ from .constants import (
 from .errors import CanaryHealthError, CanaryViolationError
 from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
 from .jit import warmup
-from .ops import plan, scatter_req_token_ids, verify, write
+from .ops import move_pages, plan, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
 from .reporting import Violation, ViolationReport
 from .session import CanarySession
+from .tables import BlockTable, PagedKvIndices, ReqToToken
 
 __version__ = "0.1.0"
 
@@ -54,6 +57,7 @@ __all__ = [
     "REQ_POOL_IDX_PADDING",
     "TOKEN_TO_KV_SLOT_PADDING",
     "VIOLATION_FIELDS",
+    "BlockTable",
     "CanaryCapacities",
     "CanaryHealthError",
     "CanaryCapacityWarning",
@@ -62,8 +66,10 @@ __all__ = [
     "CanarySession",
     "CanaryViolationError",
     "FailReason",
+    "PagedKvIndices",
     "RealKvHashMode",
     "RealKvSource",
+    "ReqToToken",
     "VerifyPlan",
     "Violation",
     "ViolationLog",
@@ -71,6 +77,7 @@ __all__ = [
     "WritePlan",
     "allocate_canary_buffer",
     "mix3",
+    "move_pages",
     "plan",
     "real_kv_fold",
     "scatter_req_token_ids",

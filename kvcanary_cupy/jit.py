@@ -18,6 +18,7 @@ import threading
 from typing import NamedTuple
 
 from .interop import import_cupy
+from .tables import TableKind
 
 NVRTC_OPTIONS = ("--std=c++17",)
 SUPPORTED_ARCHS = ("sm_80", "sm_90")
@@ -25,42 +26,49 @@ SUPPORTED_ARCHS = ("sm_80", "sm_90")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 
-def _bools(*names):
-    return [dict(zip(names, combo)) for combo in itertools.product((False, True), repeat=len(names))]
+BOOL = (False, True)
 
 
 class KernelFamily(NamedTuple):
-    """A ``.cu`` file and the kernels it instantiates: ``kernel<flag, ...>`` for every combination."""
+    """A ``.cu`` file and the kernels it instantiates: ``kernel<arg, ...>`` for every combination
+    of its template parameters' values (bools, or ints such as the table kind)."""
 
     filename: str
-    kernels: tuple  # of (kernel name, tuple of template flag names)
+    kernels: tuple  # of (kernel name, tuple of (template parameter name, its values))
 
     def instantiations(self) -> list[str]:
-        names = []
-        for kernel, flags in self.kernels:
-            if not flags:
-                names.append(f"kvcanary::{kernel}")
-                continue
-            for combo in _bools(*flags):
-                args = ", ".join("true" if combo[f] else "false" for f in flags)
-                names.append(f"kvcanary::{kernel}<{args}>")
-        return names
+        return [kernel_name(kernel, *args) for kernel, params in self.kernels
+                for args in itertools.product(*(values for _, values in params))]
+
+
+def plan_family(kind: TableKind) -> str:
+    """The plan kernels of one table kind are a family of their own: compiled on first use of it."""
+    return f"plan_{kind.name.lower()}"
 
 
 FAMILIES = {
-    "plan": KernelFamily("plan.cu", tuple((k, ("kHasLut", "kHasPool")) for k in ("plan_fused", "plan_offsets", "plan_entries"))),
-    "write": KernelFamily("write.cu", (("canary_write", ("kInputAssert", "kHasRealKv")),)),
-    "verify": KernelFamily("verify.cu", (("canary_verify", ("kCheckToken", "kHasRealKv")),)),
+    **{plan_family(kind): KernelFamily("plan.cu", tuple(
+        (k, (("kTable", (int(kind),)), ("kHasLut", BOOL), ("kHasPool", BOOL))) for k in ("plan_fused", "plan_offsets", "plan_entries")))
+       for kind in TableKind},
+    "write": KernelFamily("write.cu", (("canary_write", (("kInputAssert", BOOL), ("kHasRealKv", BOOL))),)),
+    "verify": KernelFamily("verify.cu", (("canary_verify", (("kCheckToken", BOOL), ("kHasRealKv", BOOL))),)),
     "scatter": KernelFamily("scatter.cu", (("scatter_req_token_ids", ()),)),
     "session": KernelFamily("session.cu", (("session_stage", ()), ("session_attribute", ()))),
+    "move": KernelFamily("move.cu", tuple((k, ()) for k in ("move_gather", "move_clear", "move_scatter"))),
 }
 
 
-def kernel_name(kernel: str, *flags: bool) -> str:
-    """The name expression of one instantiation, e.g. ``kvcanary::plan_entries<true, false>``."""
-    if not flags:
+def _template_arg(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(int(value))
+
+
+def kernel_name(kernel: str, *args) -> str:
+    """The name expression of one instantiation, e.g. ``kvcanary::plan_entries<2, true, false>``."""
+    if not args:
         return f"kvcanary::{kernel}"
-    return f"kvcanary::{kernel}<{', '.join('true' if f else 'false' for f in flags)}>"
+    return f"kvcanary::{kernel}<{', '.join(_template_arg(a) for a in args)}>"
 
 
 @functools.lru_cache(maxsize=None)

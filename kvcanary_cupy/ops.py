@@ -1,4 +1,4 @@
-"""The public operations: plan, write, verify and scatter_req_token_ids.
+"""The public operations: plan, write, verify, scatter_req_token_ids and move_pages.
 
 Each one validates every argument (shapes, dtypes, devices, capacities: no device sync), views
 the caller's arrays without copying, picks the backend from the arrays' device (NumPy on the
@@ -13,6 +13,7 @@ import numpy as np
 from . import strict as strict_checks
 from .backends import (
     LogViews,
+    MoveArgs,
     PlanArgs,
     PlanOutputs,
     ScatterArgs,
@@ -33,12 +34,15 @@ from .interop import (
     launch_stream,
     refuse_during_capture,
 )
-from .plans import INT32_MAX, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources
+from .plans import INT32_MAX, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources, is_clean, mark_clean
+from .tables import ReqToToken, TableKind, as_table, table_view
 from .validation import (
     check_1d,
     check_2d_rows,
     check_contiguous_output,
+    check_dtype,
     check_int,
+    check_integer_dtype,
     contiguous_input,
 )
 
@@ -76,6 +80,24 @@ def _record_views(prefix: str, record, *, writable: bool) -> dict:
         if writable:
             check_contiguous_output(view, name)
         views[key] = view
+    return views
+
+
+def _plan_views(prefix: str, record, capacity=None, *, writable: bool, xp=None) -> dict:
+    """Views of a VerifyPlan's or WritePlan's arrays, each checked against the record's field
+    table (plans.py) for ``capacity`` (default: the length of the record's capacity field).
+    Read-only views that are not contiguous are copied with ``xp``."""
+    views = _record_views(prefix, record, writable=writable)
+    cls = type(record)
+    if capacity is None:
+        key = cls.CAPACITY_FIELD
+        check_1d(views[key], f"{prefix}.{key}", I64)
+        capacity = views[key].shape[0]
+    for f in cls.FIELDS:
+        name = f"{prefix}.{f.name}"
+        check_1d(views[f.name], name, f.dtype, f.length(capacity), length_name=f.length_name(cls.CAPACITY_NAME))
+        if not writable:
+            views[f.name] = contiguous_input(views[f.name], name, xp)
     return views
 
 
@@ -170,7 +192,7 @@ def plan(
     req_pool_indices,
     prefix_lens,
     extend_seq_lens,
-    req_to_token,
+    table,
     *,
     verify_capacity,
     write_req_capacity=None,
@@ -184,12 +206,23 @@ def plan(
 ):
     """Plan one step: the verify entries of every slot the step reads and the write metadata.
 
-    Returns ``(VerifyPlan, WritePlan)`` in the caller's framework and device (``out`` when given).
-    See the README for the array conventions and the out-of-range rules.
+    ``table`` is a :class:`ReqToToken`, :class:`BlockTable` or :class:`PagedKvIndices` (a bare
+    2-D int32 array means ``ReqToToken(array)``); with a ``PagedKvIndices`` table
+    ``req_pool_indices`` is None.  Returns ``(VerifyPlan, WritePlan)`` in the caller's framework
+    and device (``out`` when given).  See the README for the array conventions and the
+    out-of-range rules.
     """
+    table = as_table(table)
+    batch_rows = table.kind == TableKind.PAGED_KV  # the table's rows are the batch rows
+    if batch_rows and req_pool_indices is not None:
+        fail(ValueError, "req_pool_indices must be None with a PagedKvIndices table: its rows are the batch rows "
+                         "(request r owns kv_indices[kv_indptr[r]:kv_indptr[r+1]])")
+    if not batch_rows and req_pool_indices is None:
+        fail(ValueError, f"req_pool_indices is required with a {type(table).__name__} table (only a PagedKvIndices "
+                         "table, whose rows are the batch rows, takes None)")
     window = check_int(swa_window_size, "swa_window_size", minimum=0)
     lut = full_to_swa_index_mapping
-    if window > 0 and lut is None:
+    if window > 0 and lut is None and isinstance(table, ReqToToken):
         fail(ValueError, "plan requires full_to_swa_index_mapping when swa_window_size > 0; pass the full->SWA slot LUT (int64)")
     pool, lens = req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens
     if pool is not None and lens is None:
@@ -203,7 +236,7 @@ def plan(
         "req_pool_indices": req_pool_indices,
         "prefix_lens": prefix_lens,
         "extend_seq_lens": extend_seq_lens,
-        "req_to_token": req_to_token,
+        **table.arrays(),
         "full_to_swa_index_mapping": lut,
         "req_to_verify_expected_tokens": pool,
         "req_to_verify_expected_tokens_valid_lens": lens,
@@ -220,21 +253,22 @@ def plan(
 
     with launch_stream(placement):
         v = {k: backend_view(a, k) for k, a in named.items() if not k.startswith("out")}
-        bs = v["req_pool_indices"].shape[0] if v["req_pool_indices"].ndim == 1 else -1
+        first = "prefix_lens" if batch_rows else "req_pool_indices"
+        bs = v[first].shape[0] if v[first].ndim == 1 else -1
         for key in ("req_pool_indices", "prefix_lens", "extend_seq_lens"):
-            check_1d(v[key], key, I64, bs, length_name="bs (len(req_pool_indices))")
-            v[key] = contiguous_input(v[key], key, xp)
-        check_2d_rows(v["req_to_token"], "req_to_token", I32)
+            if v[key] is not None:
+                check_1d(v[key], key, I64, bs, length_name=f"bs (len({first}))")
+                v[key] = contiguous_input(v[key], key, xp)
+        tv = table_view(table, v, bs, xp)
         if lut is not None:
             check_1d(v["full_to_swa_index_mapping"], "full_to_swa_index_mapping", I64, min_length=1)
             v["full_to_swa_index_mapping"] = contiguous_input(v["full_to_swa_index_mapping"], "full_to_swa_index_mapping", xp)
         if pool is not None:
             check_2d_rows(v["req_to_verify_expected_tokens"], "req_to_verify_expected_tokens", I32)
-            rows = v["req_to_token"].shape[0]
-            if v["req_to_verify_expected_tokens"].shape[0] < rows:
-                fail(ValueError, f"req_to_verify_expected_tokens must have at least req_to_token.shape[0]={rows} rows (one per request pool row), got {v['req_to_verify_expected_tokens'].shape[0]}")
+            if v["req_to_verify_expected_tokens"].shape[0] < tv.pool_rows:
+                fail(ValueError, f"req_to_verify_expected_tokens must have at least {tv.pool_rows_why}, got {v['req_to_verify_expected_tokens'].shape[0]}")
             key = "req_to_verify_expected_tokens_valid_lens"
-            check_1d(v[key], key, I64, bs, length_name="bs (len(req_pool_indices))")
+            check_1d(v[key], key, I64, bs, length_name=f"bs (len({first}))")
             v[key] = contiguous_input(v[key], key, xp)
 
         if out is None:
@@ -252,36 +286,28 @@ def plan(
         if out is None:
             refuse_during_capture(placement, "plan with out=None allocates its VerifyPlan and WritePlan",
                                   "pass out=(VerifyPlan, WritePlan) allocated before capturing (a CanaryPlanner holds such a pair)")
-            vp = VerifyPlan.allocate(vcap, like=req_to_token)
-            wp = WritePlan.allocate(wcap, like=req_to_token)
+            like = named[next(iter(table.arrays()))]
+            vp, wp = VerifyPlan.allocate(vcap, like=like), WritePlan.allocate(wcap, like=like)
         else:
             vp, wp = out
-        ov = _record_views("out[0]", vp, writable=True) | _record_views("out[1]", wp, writable=True)
-        for key in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices"):
-            check_1d(ov[key], f"out[0].{key}", I64, vcap, length_name="verify_capacity")
-        for key in ("verify_num_valid", "enable"):
-            check_1d(ov[key], f"out[0].{key}", I32, 1)
-        check_1d(ov["out_of_range_count"], "out[0].out_of_range_count", I64, 1)
-        check_1d(ov["write_seed_slot_indices"], "out[1].write_seed_slot_indices", I64, wcap, length_name="write_req_capacity")
-        for key in ("write_offsets", "verify_offsets"):
-            check_1d(ov[key], f"out[1].{key}", I64, wcap + 1, length_name="write_req_capacity + 1")
-        check_1d(ov["write_num_valid_reqs"], "out[1].write_num_valid_reqs", I32, 1)
-
+        ov = _plan_views("out[0]", vp, vcap, writable=True) | _plan_views("out[1]", wp, wcap, writable=True)
         args = PlanArgs(
             req_pool_indices=v["req_pool_indices"],
             prefix_lens=v["prefix_lens"],
             extend_seq_lens=v["extend_seq_lens"],
-            req_to_token=v["req_to_token"],
+            table=tv,
             swa_window_size=window,
             swa_lut=v["full_to_swa_index_mapping"],
             expected_token_pool=v["req_to_verify_expected_tokens"],
             expected_token_valid_lens=v["req_to_verify_expected_tokens_valid_lens"],
             token_offset=offset,
+            clear_whole_capacity=not is_clean(wp),
             out=PlanOutputs(**ov),
         )
         if strict:
             strict_checks.check_plan(args)
         get_backend(placement.backend).plan(args)
+        mark_clean(wp)
     return vp, wp
 
 
@@ -336,13 +362,7 @@ def write(
             view = backend_view(named[key], key)
             check_1d(view, key, I64, tokens["input_ids"].shape[0] if tokens else None, length_name="len(input_ids)")
             tokens[key] = contiguous_input(view, key, xp)
-        plan_v = _record_views("write_plan", write_plan, writable=False)
-        cap = plan_v["write_seed_slot_indices"].shape[0]
-        check_1d(plan_v["write_seed_slot_indices"], "write_plan.write_seed_slot_indices", I64)
-        check_1d(plan_v["write_offsets"], "write_plan.write_offsets", I64, cap + 1, length_name="write_req_capacity + 1")
-        check_1d(plan_v["write_num_valid_reqs"], "write_plan.write_num_valid_reqs", I32, 1)
-        for key, view in plan_v.items():
-            plan_v[key] = contiguous_input(view, f"write_plan.{key}", xp)
+        plan_v = _plan_views("write_plan", write_plan, writable=False, xp=xp)
         if flag_is_array:
             flag = backend_view(flag, "chain_position_assert")
             check_1d(flag, "chain_position_assert", I32, 1)
@@ -396,21 +416,10 @@ def verify(
 
     with launch_stream(placement):
         canary = _canary_view(canary_buf, written=False)
-        pv = {}
-        cap = None
-        for key, view in _record_views("verify_plan", verify_plan, writable=False).items():
-            if key == "out_of_range_count":
-                continue
-            name = f"verify_plan.{key}"
-            if key in ("verify_num_valid", "enable"):
-                check_1d(view, name, I32, 1)
-            else:
-                check_1d(view, name, I64, cap, length_name="verify_capacity")
-                cap = view.shape[0]
-            pv[key] = contiguous_input(view, name, xp)
+        pv = _plan_views("verify_plan", verify_plan, writable=False, xp=xp)
         args = VerifyArgs(
             canary=canary,
-            **pv,
+            **{k: pv[k] for k in VerifyArgs._fields if k in pv},
             check_expected_token=bool(check_expected_token),
             kernel_kind=kind,
             sources=_source_views(sources, mode, canary.shape[0]),
@@ -420,6 +429,63 @@ def verify(
         if strict:
             strict_checks.check_verify(args)
         get_backend(placement.backend).verify(args)
+
+
+@public_api
+def move_pages(canary_buf, src_pages, dst_pages, *, page_size=1, workspace=None, out_of_range_count=None, strict=False):
+    """Move the canary rows of KV pages with the pages (compaction, defragmentation, cell moves).
+
+    Page ``p`` is canary rows ``[p * page_size, (p + 1) * page_size)``.  The result equals
+    ``rows = canary[src_slots].copy(); canary[src_slots] = 0; canary[dst_slots] = rows`` over whole
+    pages, so a table that still points at a page's old place fails verify, and permutations
+    (sources and destinations overlapping) move correctly.  A pair with a page id outside
+    ``[0, num_slots // page_size)`` is skipped; each such id is counted in ``out_of_range_count``
+    ([1] int64) when given.  Repeated destination pages are a caller bug: which source lands there
+    then depends on GPU thread timing (the NumPy backend takes the last).
+
+    The GPU stages the moved rows in ``workspace`` (int64, contiguous, at least
+    ``len(src_pages) * page_size`` rows of the canary's width): pass one allocated once
+    (``kc.allocate_canary_buffer(max_pages * page_size, like=canary_buf)`` fits the int64
+    layout) to stay capture-safe; without it each call allocates one, which is refused inside a
+    CUDA graph capture.  Returns ``canary_buf``.
+    """
+    size = check_int(page_size, "page_size", minimum=1)
+    named = {
+        "canary_buf": canary_buf,
+        "src_pages": src_pages,
+        "dst_pages": dst_pages,
+        "workspace": workspace,
+        "out_of_range_count": out_of_range_count,
+    }
+    placement = common_placement(named)
+    xp = array_module(placement)
+    with launch_stream(placement):
+        canary = _canary_view(canary_buf, written=True)
+        v = {k: backend_view(named[k], k, writable=k in ("workspace", "out_of_range_count"))
+             for k in ("src_pages", "dst_pages", "workspace", "out_of_range_count")}
+        check_integer_dtype(v["src_pages"], "src_pages")
+        check_1d(v["src_pages"], "src_pages", v["src_pages"].dtype)
+        check_1d(v["dst_pages"], "dst_pages", v["src_pages"].dtype, v["src_pages"].shape[0], length_name="len(src_pages)")
+        for key in ("src_pages", "dst_pages"):
+            v[key] = contiguous_input(v[key], key, xp)
+        need = v["src_pages"].shape[0] * size * canary.shape[1]
+        if workspace is not None:
+            check_dtype(v["workspace"], "workspace", I64)
+            check_contiguous_output(v["workspace"], "workspace")
+            if v["workspace"].size < need:
+                fail(ValueError, f"workspace must hold at least len(src_pages) x page_size x {canary.shape[1]} int64 fields "
+                                 f"= {need} values, got {v['workspace'].size}")
+        elif placement.backend == "cupy" and need:
+            refuse_during_capture(placement, "move_pages would allocate its staging area (no workspace= was given)",
+                                  "pass workspace= allocated before capturing")
+            v["workspace"] = xp.empty(need, I64)
+        if out_of_range_count is not None:
+            check_1d(v["out_of_range_count"], "out_of_range_count", I64, 1)
+        args = MoveArgs(canary, v["src_pages"], v["dst_pages"], size, v["workspace"], v["out_of_range_count"])
+        if strict:
+            strict_checks.check_move(args)
+        get_backend(placement.backend).move(args)
+    return canary_buf
 
 
 @public_api

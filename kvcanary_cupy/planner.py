@@ -12,6 +12,7 @@ from .errors import fail, public_api
 from .interop import import_cupy, is_torch_tensor, placement_of, refuse_during_capture, to_numpy
 from .ops import plan as plan_step
 from .plans import INT32_MAX, VerifyPlan, WritePlan
+from .tables import as_table
 from .validation import check_int
 
 
@@ -129,14 +130,17 @@ class CanaryPlanner:
             return cupy.asarray(host)
 
     @public_api
-    def plan(self, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token, *,
+    def plan(self, req_pool_indices, prefix_lens, extend_seq_lens, table, *,
              req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
              strict=False):
-        """Plan one step into the held buffers; returns ``(verify_plan, write_plan)``."""
+        """Plan one step into the held buffers; returns ``(verify_plan, write_plan)``.
+
+        ``table`` is any table :func:`kvcanary_cupy.plan` takes (``req_pool_indices`` is None with
+        a :class:`~kvcanary_cupy.PagedKvIndices`)."""
         conv = self._to_buffers
         return plan_step(
             conv(req_pool_indices, "req_pool_indices"), conv(prefix_lens, "prefix_lens"),
-            conv(extend_seq_lens, "extend_seq_lens"), conv(req_to_token, "req_to_token"),
+            conv(extend_seq_lens, "extend_seq_lens"), as_table(table).with_arrays(conv),
             verify_capacity=self.capacities.verify_capacity,
             write_req_capacity=self.capacities.write_req_capacity,
             swa_window_size=self.swa_window_size,

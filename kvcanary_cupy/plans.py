@@ -8,7 +8,7 @@ of ``like`` (NumPy when ``like`` is None), so a whole canary step can be capture
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,74 +49,106 @@ class _ArrayRecord:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-@dataclass(frozen=True)
-class VerifyPlan(_ArrayRecord):
+class PlanField(NamedTuple):
+    """One array of a plan record: its name (the record's attribute, the kernel struct's member),
+    dtype, length and the value ``allocate`` fills it with."""
+
+    name: str
+    dtype: type
+    per_request: int | None  # length = capacity + this; None: a one-element device counter
+    fill: int | None  # None: left uninitialised
+
+    def length(self, capacity: int) -> int:
+        return 1 if self.per_request is None else capacity + self.per_request
+
+    def length_name(self, capacity_name: str) -> str | None:
+        if self.per_request is None:
+            return None
+        return capacity_name + (f" + {self.per_request}" if self.per_request else "")
+
+
+# The one table of the plan's fields: the records, their allocation, the front door's checks, the
+# backends' argument records and the kernels' PlanOutputs struct all derive from it.
+VERIFY_PLAN_FIELDS = (
+    PlanField("verify_slot_indices", np.int64, 0, None),
+    PlanField("verify_expected_tokens", np.int64, 0, None),  # -1 = no token check
+    PlanField("verify_expected_positions", np.int64, 0, None),
+    PlanField("verify_prev_slot_indices", np.int64, 0, None),
+    PlanField("verify_num_valid", np.int32, None, 0),
+    PlanField("enable", np.int32, None, 1),
+    PlanField("out_of_range_count", np.int64, None, 0),
+)
+WRITE_PLAN_FIELDS = (
+    PlanField("write_offsets", np.int64, 1, 0),
+    PlanField("write_seed_slot_indices", np.int64, 0, -1),  # -1 = chain starts at the anchor
+    PlanField("write_num_valid_reqs", np.int32, None, 0),
+    PlanField("verify_offsets", np.int64, 1, 0),
+)
+
+
+def _plan_record(spec: tuple, capacity_field: str, capacity_name: str):
+    """Makes a frozen dataclass whose fields are ``spec``'s, in order, with ``allocate`` and
+    ``capacity`` (the length of ``capacity_field``)."""
+
+    def wrap(cls):
+        cls.__annotations__ = {f.name: Any for f in spec}
+        cls.FIELDS, cls.CAPACITY_FIELD, cls.CAPACITY_NAME = spec, capacity_field, capacity_name
+        return dataclass(frozen=True)(cls)
+
+    return wrap
+
+
+class _PlanRecord(_ArrayRecord):
+    FIELDS: tuple
+    CAPACITY_FIELD: str
+    CAPACITY_NAME: str
+
+    @property
+    def capacity(self) -> int:
+        return int(getattr(self, self.CAPACITY_FIELD).shape[0])
+
+    @classmethod
+    @public_api
+    def allocate(cls, capacity: int, *, like=None):
+        cap = check_count(capacity, f"{cls.__name__} {cls.CAPACITY_NAME}")
+        _refuse_allocation_during_capture(like, f"{cls.__name__}.allocate")
+        record = cls(**{f.name: allocate((f.length(cap),), f.dtype, like=like, fill=f.fill) for f in cls.FIELDS})
+        mark_clean(record)
+        return record
+
+
+def mark_clean(record) -> None:
+    """Remember that ``record`` holds -1 / 0 past its write_num_valid_reqs (as allocated or planned),
+    so the next plan into it need only clear the rows its previous batch used."""
+    record.__dict__["_kvcanary_clean"] = True
+
+
+def is_clean(record) -> bool:
+    return record.__dict__.get("_kvcanary_clean", False)
+
+
+@_plan_record(VERIFY_PLAN_FIELDS, "verify_slot_indices", "verify_capacity")
+class VerifyPlan(_PlanRecord):
     """A flat list of self-contained verify entries (docs/format.md §4).
 
     ``verify_prev_slot_indices``: -1 = chain head (anchor), 0 = predecessor unknown (chain check
     skipped), else the slot whose record hashes to this entry's prev_hash.  Entries past
     ``verify_num_valid`` are unspecified; ``enable == 0`` (overflow) skips the whole verify.
     ``out_of_range_count`` counts the out-of-range plan inputs that were skipped or clamped
-    (README, "Out-of-range values"); it only ever grows.
+    (README, "Out-of-range values"); it only ever grows.  Fields: :data:`VERIFY_PLAN_FIELDS`.
     """
 
-    verify_slot_indices: Any  # [cap] int64
-    verify_expected_tokens: Any  # [cap] int64, -1 = no token check
-    verify_expected_positions: Any  # [cap] int64
-    verify_prev_slot_indices: Any  # [cap] int64
-    verify_num_valid: Any  # [1] int32
-    enable: Any  # [1] int32
-    out_of_range_count: Any  # [1] int64
 
-    @property
-    def capacity(self) -> int:
-        return int(self.verify_slot_indices.shape[0])
-
-    @classmethod
-    @public_api
-    def allocate(cls, verify_capacity: int, *, like=None) -> "VerifyPlan":
-        cap = check_count(verify_capacity, "VerifyPlan verify_capacity")
-        _refuse_allocation_during_capture(like, "VerifyPlan.allocate")
-        entries = [allocate((cap,), np.int64, like=like) for _ in range(4)]
-        return cls(
-            *entries,
-            verify_num_valid=allocate((1,), np.int32, like=like, fill=0),
-            enable=allocate((1,), np.int32, like=like, fill=1),
-            out_of_range_count=allocate((1,), np.int64, like=like, fill=0),
-        )
-
-
-@dataclass(frozen=True)
-class WritePlan(_ArrayRecord):
+@_plan_record(WRITE_PLAN_FIELDS, "write_seed_slot_indices", "write_req_capacity")
+class WritePlan(_PlanRecord):
     """Per-request metadata of a write (docs/format.md §4) plus the per-request verify offsets.
 
     Request r writes flat tokens ``[write_offsets[r], write_offsets[r+1])`` of
     ``input_ids/positions/out_cache_loc`` and owns verify entries
     ``[verify_offsets[r], verify_offsets[r+1])``.  After a plan of ``bs`` requests,
     ``write_seed_slot_indices[r] == -1`` and ``write_offsets[r+1] == verify_offsets[r+1] == 0``
-    for every ``r >= bs``.
+    for every ``r >= bs``.  Fields: :data:`WRITE_PLAN_FIELDS`.
     """
-
-    write_offsets: Any  # [cap+1] int64
-    write_seed_slot_indices: Any  # [cap] int64, -1 = chain starts at the anchor
-    write_num_valid_reqs: Any  # [1] int32
-    verify_offsets: Any  # [cap+1] int64
-
-    @property
-    def capacity(self) -> int:
-        return int(self.write_seed_slot_indices.shape[0])
-
-    @classmethod
-    @public_api
-    def allocate(cls, write_req_capacity: int, *, like=None) -> "WritePlan":
-        cap = check_count(write_req_capacity, "WritePlan write_req_capacity")
-        _refuse_allocation_during_capture(like, "WritePlan.allocate")
-        return cls(
-            write_offsets=allocate((cap + 1,), np.int64, like=like, fill=0),
-            write_seed_slot_indices=allocate((cap,), np.int64, like=like, fill=-1),
-            write_num_valid_reqs=allocate((1,), np.int32, like=like, fill=0),
-            verify_offsets=allocate((cap + 1,), np.int64, like=like, fill=0),
-        )
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,12 @@ def check_dtype(x, name: str, dtype) -> None:
         fail(TypeError, f"{name} must have dtype {dtype.name}, got {x.dtype}; {_CONVERT_HINT.get(dtype.name, '')}".rstrip("; "))
 
 
+def check_integer_dtype(x, name: str) -> None:
+    """int32 or int64: the index arrays of engine tables come in either."""
+    if x.dtype != np.int32 and x.dtype != np.int64:
+        fail(TypeError, f"{name} must have dtype int32 or int64, got {x.dtype}")
+
+
 def check_1d(x, name: str, dtype, length=None, *, length_name: str | None = None, min_length=None) -> None:
     """A 1-D array of ``dtype``; ``length`` exact (named ``length_name`` in the message)."""
     check_dtype(x, name, dtype)

@@ -397,3 +397,72 @@ def a64(ab, values):
 def kv_bytes(rows: int, row_bytes: int, seed: int = 0) -> np.ndarray:
     """Random real-KV bytes ``uint8 [rows, row_bytes]``."""
     return np.random.default_rng(seed).integers(0, 256, size=(rows, row_bytes), dtype=np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# engine tables (issue: engine tables), materialised as the equivalent per-token slot table
+
+INT64_MAX = 2**63 - 1
+
+
+def paged_slot(page_id: int, page_size: int, offset: int) -> int:
+    """``page_id * page_size + offset``, or +-(2**63 - 1) once |page_id| >= (2**63 - 1) // page_size (README)."""
+    limit = INT64_MAX // page_size
+    if page_id >= limit:
+        return INT64_MAX
+    if page_id <= -limit:
+        return -INT64_MAX
+    return page_id * page_size + offset
+
+
+def block_row_slots(block_row, block_size: int, null_block: int = 0) -> list:
+    """The slot of every position of one block-table row (0 where the null block is)."""
+    return [0 if int(b) == null_block else paged_slot(int(b), block_size, o)
+            for b in block_row for o in range(block_size)]
+
+
+def virtual_slot(token: int, v2p, page_size: int) -> int:
+    """The slot of virtual token id ``token``: negatives pass through, -1 pages and pages past the map give 0."""
+    if token < 0:
+        return token
+    page = token // page_size
+    if page >= len(v2p) or int(v2p[page]) == -1:
+        return 0
+    return paged_slot(int(v2p[page]), page_size, token % page_size)
+
+
+def equivalent_req_to_token(kind: str, table: dict, rp, bs: int):
+    """The plain ``req_to_token`` (int32) and ``req_pool_indices`` a plan through ``table`` equals.
+
+    ``kind`` is "rtt" (``table["req_to_token"]``), "virtual" (+ ``virtual_to_physical``,
+    ``page_size``), "block" (``block_table``, ``block_size``, ``null_block``) or "csr"
+    (``kv_indptr``, ``kv_indices``, ``page_size``, every row a valid range).  Block-table and CSR
+    rows shift down by one so that none is the padding row 0; the null block and unbound pages
+    become 0.  CSR rows are padded to the longest one, so a prefix past a shorter row is only
+    equivalent when it is within that row.
+    """
+    if kind == "rtt":
+        return np.asarray(table["req_to_token"], np.int32), rp
+    if kind == "virtual":
+        rtt = table["req_to_token"]
+        out = [[virtual_slot(int(t), table["virtual_to_physical"], table["page_size"]) for t in row] for row in rtt]
+        return np.asarray(out, np.int64).reshape(rtt.shape).astype(np.int32), rp
+    if kind == "block":
+        rows = [block_row_slots(row, table["block_size"], table.get("null_block", 0)) for row in table["block_table"]]
+        width = table["block_table"].shape[1] * table["block_size"]
+        out = np.zeros((len(rows) + 1, width), np.int64)
+        for i, row in enumerate(rows):
+            out[i + 1] = row
+        rp = np.asarray(rp, np.int64)
+        return out.astype(np.int32), np.where(rp >= 0, rp + 1, rp)
+    indptr, indices, ps = table["kv_indptr"], table["kv_indices"], table["page_size"]
+    rows = [block_row_slots(indices[int(indptr[r]):int(indptr[r + 1])], ps, null_block=None) for r in range(bs)]
+    out = np.zeros((bs + 1, max([len(r) for r in rows], default=0)), np.int64)
+    for i, row in enumerate(rows):
+        out[i + 1, :len(row)] = row
+    return out.astype(np.int32), np.arange(1, bs + 1, dtype=np.int64)
+
+
+def shifted_pool(pool):
+    """An expected-token pool for the shifted rows of :func:`equivalent_req_to_token`."""
+    return None if pool is None else np.concatenate([np.zeros((1, pool.shape[1]), pool.dtype), pool])

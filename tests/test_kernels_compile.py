@@ -37,11 +37,13 @@ def test_compile_errors_name_the_family(monkeypatch):
 
 
 def test_instantiation_lists_cover_every_flag_combination():
-    assert jit.FAMILIES["plan"].instantiations() == [
-        f"kvcanary::{k}<{a}, {b}>" for k in ("plan_fused", "plan_offsets", "plan_entries")
-        for a in ("false", "true") for b in ("false", "true")
-    ]
+    for kind in kc.tables.TableKind:
+        assert jit.FAMILIES[jit.plan_family(kind)].instantiations() == [
+            f"kvcanary::{k}<{int(kind)}, {a}, {b}>" for k in ("plan_fused", "plan_offsets", "plan_entries")
+            for a in ("false", "true") for b in ("false", "true")
+        ]
     assert jit.kernel_name("canary_write", True, False) == "kvcanary::canary_write<true, false>"
+    assert jit.kernel_name("plan_fused", kc.tables.TableKind.BLOCK, True, False) == "kvcanary::plan_fused<2, true, false>"
     assert jit.FAMILIES["scatter"].instantiations() == ["kvcanary::scatter_req_token_ids"]
 
 
@@ -98,7 +100,7 @@ def test_kernel_sources_are_package_data():
     import importlib.resources
 
     names = {p.name for p in importlib.resources.files("kvcanary_cupy.kernels").iterdir()}
-    assert {"canary_common.cuh", "plan.cu", "write.cu", "verify.cu", "scatter.cu", "session.cu"} <= names
+    assert {"canary_common.cuh", "plan.cu", "write.cu", "verify.cu", "scatter.cu", "session.cu", "move.cu"} <= names
 
 
 def test_launch_constants_match_the_kernels():
@@ -117,3 +119,13 @@ def test_session_record_layout_matches_python():
     assert _cuh_constant("kAttributionFields", "session.cu") == len(ATTRIBUTION)
     for index, name in enumerate(STAGE_HEADER):
         assert _cuh_constant("kStage" + "".join(w.capitalize() for w in name.split("_")), "session.cu") == index, name
+
+
+def test_table_kinds_match_the_kernels():
+    from kvcanary_cupy.tables import TableKind
+
+    names = {"REQ_TO_TOKEN": "kTableReqToToken", "VIRTUAL_PAGES": "kTableVirtualPages", "BLOCK": "kTableBlock",
+             "PAGED_KV": "kTablePagedKv"}
+    assert set(names) == {k.name for k in TableKind}
+    for kind in TableKind:
+        assert _cuh_constant(names[kind.name], "plan.cu") == kind.value, kind

@@ -184,6 +184,78 @@ def test_reuse_shrinking_batch_leaves_nothing_stale(ab):
     assert int(vph["verify_num_valid"][0]) == 3
 
 
+def _scribble_past(ab, wp, row):
+    """Garbage in every per-request output from ``row`` on (as a caller's own code might leave)."""
+    for key, first in (("write_seed_slot_indices", row), ("write_offsets", row + 1), ("verify_offsets", row + 1)):
+        arr = ab.to_numpy(getattr(wp, key)).copy()
+        arr[first:] = 99
+        getattr(wp, key)[...] = ab.asarray(arr)
+
+
+def test_plan_clears_only_the_rows_the_previous_plan_wrote(ab):
+    """The plan's cost does not grow with the capacity: it clears rows [bs, previous batch size)."""
+    rtt = linear_rtt(10, 16)
+    vp, wp = kc.VerifyPlan.allocate(256, like=ab.like), kc.WritePlan.allocate(8, like=ab.like)
+    run_plan(ab, list(range(1, 7)), [3] * 6, [2] * 6, rtt, verify_capacity=256, out=(vp, wp))
+    _scribble_past(ab, wp, 6)  # past the batch the plan wrote: outside its contract
+    _, _, _, wph = run_plan(ab, [4, 5], [1, 2], [1, 1], rtt, verify_capacity=256, out=(vp, wp))
+    assert wph["write_seed_slot_indices"].tolist() == [64, 81, -1, -1, -1, -1, 99, 99]
+    assert wph["write_offsets"].tolist() == [0, 1, 2, 0, 0, 0, 0, 99, 99]
+    assert wph["verify_offsets"].tolist() == [0, 1, 3, 0, 0, 0, 0, 99, 99]
+
+
+def _built_write_plan(ab, cap, num_valid):
+    """A WritePlan built from the caller's own arrays, garbage everywhere."""
+    return kc.WritePlan(write_offsets=ab.asarray(np.full(cap + 1, 99, np.int64)),
+                        write_seed_slot_indices=ab.asarray(np.full(cap, 99, np.int64)),
+                        write_num_valid_reqs=ab.asarray(np.array([num_valid], np.int32)),
+                        verify_offsets=ab.asarray(np.full(cap + 1, 99, np.int64)))
+
+
+@pytest.mark.parametrize("num_valid", [0, 2, 5])
+def test_a_caller_built_write_plan_is_cleared_over_its_whole_capacity(ab, num_valid):
+    """A WritePlan not from WritePlan.allocate or a plan may hold anything past its count."""
+    rtt = linear_rtt(10, 16)
+    vp, wp = kc.VerifyPlan.allocate(64, like=ab.like), _built_write_plan(ab, 5, num_valid)
+    _, _, _, wph = run_plan(ab, [4, 5], [1, 2], [1, 1], rtt, verify_capacity=64, out=(vp, wp))
+    assert wph["write_seed_slot_indices"].tolist() == [64, 81, -1, -1, -1]
+    assert wph["write_offsets"].tolist() == [0, 1, 2, 0, 0, 0]
+    _scribble_past(ab, wp, 2)  # from now on the plan knows the record: it clears up to its last batch only
+    _, _, _, wph = run_plan(ab, [4], [1], [1], rtt, verify_capacity=64, out=(vp, wp))
+    assert wph["write_seed_slot_indices"].tolist() == [64, -1, 99, 99, 99]
+
+
+@pytest.mark.parametrize("previous", [-3, 6, 2**31 - 1])
+def test_a_count_that_is_no_batch_size_clears_the_whole_capacity(ab, previous):
+    rtt = linear_rtt(10, 16)
+    vp, wp = kc.VerifyPlan.allocate(64, like=ab.like), kc.WritePlan.allocate(5, like=ab.like)
+    run_plan(ab, [1, 2, 3], [1, 1, 1], [1, 1, 1], rtt, verify_capacity=64, out=(vp, wp))
+    _scribble_past(ab, wp, 3)
+    wp.write_num_valid_reqs[...] = ab.asarray(np.array([previous], np.int32))
+    _, _, _, wph = run_plan(ab, [4], [1], [1], rtt, verify_capacity=64, out=(vp, wp))
+    assert wph["write_seed_slot_indices"].tolist() == [64, -1, -1, -1, -1]
+    assert wph["verify_offsets"].tolist() == [0, 1, 0, 0, 0, 0]
+
+
+def test_plan_records_derive_from_one_field_table():
+    """plans.py's field table is the one source of the records, the backends' views and the kernel struct."""
+    from kvcanary_cupy.backends import PlanOutputs
+    from kvcanary_cupy.backends.cupy_backend import PLAN_OUTPUTS
+    from kvcanary_cupy.plans import VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
+
+    names = [f.name for f in VERIFY_PLAN_FIELDS + WRITE_PLAN_FIELDS]
+    assert list(kc.VerifyPlan.__dataclass_fields__) + list(kc.WritePlan.__dataclass_fields__) == names
+    assert list(PlanOutputs._fields) == names
+    assert list(PLAN_OUTPUTS.names) == names + ["verify_capacity", "write_req_capacity", "clear_whole_capacity"]
+    for cls, cap in ((kc.VerifyPlan, 3), (kc.WritePlan, 3)):
+        rec = cls.allocate(cap)
+        for f in cls.FIELDS:
+            arr = getattr(rec, f.name)
+            assert arr.dtype == f.dtype and arr.shape == (f.length(cap),), f
+            if f.fill is not None:
+                assert (arr == f.fill).all(), f
+
+
 def test_write_req_capacity_defaults(ab):
     rtt = linear_rtt(4, 16)
     _, _, _, wph = run_plan(ab, [1, 2], [1, 1], [1, 1], rtt, verify_capacity=8)

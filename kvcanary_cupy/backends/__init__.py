@@ -6,7 +6,7 @@ picked by the arrays' device.  Both backends compute the same bytes for the same
 only the order of ring rows written by GPU threads may differ.
 
 Views have the dtypes and shapes the records name; 1-D arrays are contiguous; the 2-D tables
-``req_to_token`` and ``expected_token_pool`` have a unit inner stride and any row stride;
+(``req_to_token``, ``block_table``, ``expected_token_pool``) have a unit inner stride and any row stride;
 ``canary`` is an ``int64 [num_slots, fields_per_row]`` C-contiguous view (fields_per_row >= 4).
 """
 
@@ -14,31 +14,37 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
+from ..plans import VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 
-class PlanOutputs(NamedTuple):
-    verify_slot_indices: Any  # [vcap] int64
-    verify_expected_tokens: Any  # [vcap] int64
-    verify_expected_positions: Any  # [vcap] int64
-    verify_prev_slot_indices: Any  # [vcap] int64
-    verify_num_valid: Any  # [1] int32
-    enable: Any  # [1] int32
-    out_of_range_count: Any  # [1] int64
-    write_offsets: Any  # [wcap+1] int64
-    write_seed_slot_indices: Any  # [wcap] int64
-    write_num_valid_reqs: Any  # [1] int32
-    verify_offsets: Any  # [wcap+1] int64
+
+# One view per field of VerifyPlan then WritePlan, named as the fields (plans.py holds the table).
+PlanOutputs = NamedTuple("PlanOutputs", [(f.name, Any) for f in VERIFY_PLAN_FIELDS + WRITE_PLAN_FIELDS])
+
+
+class TableView(NamedTuple):
+    """A validated engine table (kvcanary_cupy.tables) as views."""
+
+    kind: int  # tables.TableKind
+    entries: Any  # req_to_token [R, L] int32 / block_table [R, W] (unit inner stride), or kv_indices [nnz]
+    kv_indptr: Optional[Any]  # [bs+1], PAGED_KV only
+    virtual_to_physical: Optional[Any]  # [M] int64, VIRTUAL_PAGES only
+    page_size: int  # tokens per block / page; 1 for a plain req_to_token
+    null_block: int  # BLOCK: the id that addresses the padding slot 0
+    pool_rows: int  # expected-token pool rows the plan may index
+    pool_rows_why: str  # "<where pool_rows comes from>=<n> rows (why)", for messages
 
 
 class PlanArgs(NamedTuple):
-    req_pool_indices: Any  # [bs] int64
+    req_pool_indices: Optional[Any]  # [bs] int64; None with a PAGED_KV table (rows are batch rows)
     prefix_lens: Any  # [bs] int64
     extend_seq_lens: Any  # [bs] int64
-    req_to_token: Any  # [R, L] int32
+    table: TableView
     swa_window_size: int  # 0 = FULL group
     swa_lut: Optional[Any]  # [lut_len > 0] int64 or None
-    expected_token_pool: Optional[Any]  # [PR >= R, PC] int32 or None
+    expected_token_pool: Optional[Any]  # [PR >= table.pool_rows, PC] int32 or None
     expected_token_valid_lens: Optional[Any]  # [bs] int64, given iff the pool is
     token_offset: int  # kv_token_id_vs_position_offset
+    clear_whole_capacity: bool  # out's WritePlan is not known to be clean past write_num_valid_reqs
     out: PlanOutputs
 
 
@@ -90,6 +96,15 @@ class VerifyArgs(NamedTuple):
     sources: tuple  # of SourceView
     real_kv_hash_mode: int
     log: LogViews
+
+
+class MoveArgs(NamedTuple):
+    canary: Any  # [N, F] int64, C-contiguous
+    src_pages: Any  # [n] int32 or int64, contiguous
+    dst_pages: Any  # [n], same dtype as src_pages
+    page_size: int
+    workspace: Optional[Any]  # int64, contiguous, >= n * page_size * F elements (GPU staging), or None
+    out_of_range_count: Optional[Any]  # [1] int64 or None
 
 
 class ScatterArgs(NamedTuple):

@@ -16,8 +16,9 @@ import numpy as np
 
 from ..constants import REAL_KV_PARTIAL_BYTES, RealKvHashMode
 from ..interop import import_cupy
-from ..jit import get_function, kernel_name
-from . import LogViews, PlanArgs, ScatterArgs, StageArgs, VerifyArgs, WriteArgs
+from ..jit import get_function, kernel_name, plan_family
+from ..plans import VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
+from . import LogViews, MoveArgs, PlanArgs, ScatterArgs, StageArgs, VerifyArgs, WriteArgs
 
 I64, I32 = np.int64, np.int32
 
@@ -27,15 +28,20 @@ REAL_KV_SOURCES = np.dtype(
      ("nbytes", "i4", 4), ("num_sources", "i4")],
     align=True,
 )
+# One dtype per kernel struct, its field names the C member names (kernels/plan.cu).
 PLAN_INPUTS = np.dtype(
-    [(k, "u8") for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token", "lut", "pool", "valid_lens")]
-    + [(k, "i8") for k in ("bs", "rtt_rows", "rtt_cols", "rtt_stride", "window", "lut_len", "pool_stride", "pool_cols", "token_offset")],
+    [(k, "u8") for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "table", "kv_indptr", "virtual_to_physical",
+                         "lut", "pool", "valid_lens")]
+    + [(k, "i8") for k in ("bs", "table_rows", "table_cols", "table_stride", "page_size", "page_shift")]
+    + [("page_magic", "u8")]
+    + [(k, "i8") for k in ("page_magic_shift", "page_id_limit", "null_block", "num_virtual_pages", "window", "lut_len",
+                           "pool_stride", "pool_cols", "token_offset")]
+    + [(k, "i4") for k in ("table_is_int64", "kv_indptr_is_int64")],
     align=True,
 )
 PLAN_OUTPUTS = np.dtype(
-    [(k, "u8") for k in ("verify_offsets", "write_offsets", "seeds", "verify_num_valid", "enable", "write_num_valid_reqs",
-                         "out_of_range_count", "slots", "tokens", "positions", "prev")]
-    + [("write_req_capacity", "i8"), ("verify_capacity", "i8")],
+    [(f.name, "u8") for f in VERIFY_PLAN_FIELDS + WRITE_PLAN_FIELDS]
+    + [("verify_capacity", "i8"), ("write_req_capacity", "i8"), ("clear_whole_capacity", "i4")],
     align=True,
 )
 LAUNCH_LOG = np.dtype(
@@ -54,7 +60,6 @@ SESSION_STAGE = np.dtype(
 )
 assert (CANARY_BUFFER.itemsize, REAL_KV_SOURCES.itemsize, LAUNCH_LOG.itemsize) == (24, 120, 56)
 assert SESSION_STAGE.itemsize == 184
-assert (PLAN_INPUTS.itemsize, PLAN_OUTPUTS.itemsize) == (128, 104)
 
 
 class LaunchConfig(NamedTuple):
@@ -146,42 +151,63 @@ def _launch(family: str, name: str, config: LaunchConfig, args: tuple) -> None:
     get_function(family, name)((config.grid,), (config.block,), args)
 
 
+INT64_MAX = 2**63 - 1
+POSITION_BITS = 62  # positions and virtual token ids divided by the page size are below 2**62
+
+
+def page_division(page_size: int) -> tuple[int, int, int]:
+    """``(shift, magic, magic_shift)`` dividing a value in ``[0, 2**62)`` by ``page_size`` on the
+    device without a division: ``value >> shift`` for a power of two (``shift >= 0``), else
+    ``umulhi(value, magic) >> magic_shift`` with ``magic = ceil(2**(62 + l) / page_size)``,
+    ``l = ceil(log2(page_size))`` (Granlund and Montgomery, 1994: exact for dividends below 2**62)."""
+    if page_size & (page_size - 1) == 0:
+        return page_size.bit_length() - 1, 0, 0
+    bits = page_size.bit_length()  # page_size is no power of two: ceil(log2(page_size)), >= 2
+    return -1, -(-(1 << (POSITION_BITS + bits)) // page_size), POSITION_BITS + bits - 64
+
+
 def _plan_structs(a: PlanArgs):
-    o = a.out
-    has_lut, has_pool = a.swa_lut is not None, a.expected_token_pool is not None
+    t, o = a.table, a.out
     ins = np.zeros(1, PLAN_INPUTS)
     for key, arr in (("req_pool_indices", a.req_pool_indices), ("prefix_lens", a.prefix_lens),
-                     ("extend_seq_lens", a.extend_seq_lens), ("req_to_token", a.req_to_token), ("lut", a.swa_lut),
+                     ("extend_seq_lens", a.extend_seq_lens), ("table", t.entries), ("kv_indptr", t.kv_indptr),
+                     ("virtual_to_physical", t.virtual_to_physical), ("lut", a.swa_lut),
                      ("pool", a.expected_token_pool), ("valid_lens", a.expected_token_valid_lens)):
         ins[key] = _ptr(arr)
-    rows, cols = a.req_to_token.shape
-    ins["bs"], ins["rtt_rows"], ins["rtt_cols"] = a.req_pool_indices.shape[0], rows, cols
-    ins["rtt_stride"], ins["window"], ins["token_offset"] = _row_stride(a.req_to_token), a.swa_window_size, a.token_offset
-    ins["lut_len"] = a.swa_lut.shape[0] if has_lut else 0
-    if has_pool:
+    ins["bs"] = a.prefix_lens.shape[0]
+    ins["table_rows"] = t.entries.shape[0]
+    if t.entries.ndim == 2:
+        ins["table_cols"], ins["table_stride"] = t.entries.shape[1], _row_stride(t.entries)
+    ins["page_size"], ins["null_block"] = t.page_size, t.null_block
+    ins["page_shift"], ins["page_magic"], ins["page_magic_shift"] = page_division(t.page_size)
+    ins["page_id_limit"] = INT64_MAX // t.page_size
+    ins["num_virtual_pages"] = 0 if t.virtual_to_physical is None else t.virtual_to_physical.shape[0]
+    ins["window"], ins["token_offset"] = a.swa_window_size, a.token_offset
+    ins["lut_len"] = 0 if a.swa_lut is None else a.swa_lut.shape[0]
+    if a.expected_token_pool is not None:
         ins["pool_stride"], ins["pool_cols"] = _row_stride(a.expected_token_pool), a.expected_token_pool.shape[1]
+    ins["table_is_int64"] = t.entries.dtype == np.int64
+    ins["kv_indptr_is_int64"] = t.kv_indptr is not None and t.kv_indptr.dtype == np.int64
     outs = np.zeros(1, PLAN_OUTPUTS)
-    for key, arr in (("verify_offsets", o.verify_offsets), ("write_offsets", o.write_offsets),
-                     ("seeds", o.write_seed_slot_indices), ("verify_num_valid", o.verify_num_valid),
-                     ("enable", o.enable), ("write_num_valid_reqs", o.write_num_valid_reqs),
-                     ("out_of_range_count", o.out_of_range_count), ("slots", o.verify_slot_indices),
-                     ("tokens", o.verify_expected_tokens), ("positions", o.verify_expected_positions),
-                     ("prev", o.verify_prev_slot_indices)):
+    for key, arr in o._asdict().items():
         outs[key] = _ptr(arr)
-    outs["write_req_capacity"] = o.write_seed_slot_indices.shape[0]
     outs["verify_capacity"] = o.verify_slot_indices.shape[0]
-    return (has_lut, has_pool), (ins, outs)
+    outs["write_req_capacity"] = o.write_seed_slot_indices.shape[0]
+    outs["clear_whole_capacity"] = a.clear_whole_capacity
+    template_args = (int(t.kind), a.swa_lut is not None, a.expected_token_pool is not None)
+    return template_args, (ins, outs)
 
 
 def plan(a: PlanArgs) -> None:
-    flags, args = _plan_structs(a)
-    bs = a.req_pool_indices.shape[0]
+    template_args, args = _plan_structs(a)
+    family = plan_family(a.table.kind)
+    bs = a.prefix_lens.shape[0]
     if bs <= FUSED_PLAN_MAX_BS:
-        _launch("plan", kernel_name("plan_fused", *flags), plan_fused_config(), args)
+        _launch(family, kernel_name("plan_fused", *template_args), plan_fused_config(), args)
         return
-    _launch("plan", kernel_name("plan_offsets", *flags), plan_offsets_config(bs), args)
+    _launch(family, kernel_name("plan_offsets", *template_args), plan_offsets_config(bs), args)
     if a.out.verify_slot_indices.shape[0] > 0:  # a zero-capacity plan expands nothing
-        _launch("plan", kernel_name("plan_entries", *flags), persistent_config(), args)
+        _launch(family, kernel_name("plan_entries", *template_args), persistent_config(), args)
 
 
 def write(a: WriteArgs) -> None:
@@ -213,6 +239,21 @@ def scatter_config(bs: int) -> tuple[LaunchConfig, int]:
     blocks = _sm_count(_device_id()) * BLOCKS_PER_SM
     group_rows = max(1, min(SCATTER_MAX_GROUP_ROWS, -(-bs // blocks)))
     return LaunchConfig(max(1, min(blocks, -(-bs // group_rows))), THREADS), group_rows
+
+
+def move(a: MoveArgs) -> None:
+    n = a.src_pages.shape[0]
+    page_elems = a.page_size * a.canary.shape[1]
+    if n == 0:
+        return
+    config = LaunchConfig(min(-(-n * page_elems // THREADS), _sm_count(_device_id()) * BLOCKS_PER_SM), THREADS)
+    pairs = (I64(a.canary.shape[0] // a.page_size), I64(page_elems), a.src_pages, a.dst_pages,
+             I32(a.src_pages.dtype == np.int64), I64(n))
+    # Three launches: every moved row is staged before any source is cleared, and every source is
+    # cleared before any destination is written (sources and destinations may overlap).
+    _launch("move", kernel_name("move_gather"), config, (a.canary, *pairs, a.workspace, a.out_of_range_count))
+    _launch("move", kernel_name("move_clear"), config, (a.canary, *pairs))
+    _launch("move", kernel_name("move_scatter"), config, (a.canary, *pairs, a.workspace))
 
 
 def scatter(a: ScatterArgs) -> None:

@@ -8,6 +8,8 @@ and the masks below; the CUDA kernels apply the same rules.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..constants import (
@@ -17,7 +19,8 @@ from ..constants import (
     VIOLATION_FIELDS,
 )
 from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_array
-from . import STAGE_HEADER, STAGE_HEADER_FIELDS, LogViews, PlanArgs, ScatterArgs, SourceView, StageArgs, VerifyArgs, WriteArgs
+from ..tables import TableKind
+from . import STAGE_HEADER, STAGE_HEADER_FIELDS, LogViews, MoveArgs, PlanArgs, ScatterArgs, SourceView, StageArgs, TableView, VerifyArgs, WriteArgs
 
 _ANCHOR_U64 = np.uint64(ANCHOR_HASH)
 _I64 = np.int64
@@ -31,33 +34,88 @@ def _as_i64(u: np.ndarray) -> np.ndarray:
 # plan
 
 
+_I64_MAX = np.iinfo(np.int64).max
+
+
+class TableRows(NamedTuple):
+    """Per batch row: what the plan reads of it (all arrays ``[bs]``)."""
+
+    active: np.ndarray  # bool: not a padding request (a req_to_token row 0)
+    ok: np.ndarray  # bool: the row lies in the table
+    base: np.ndarray  # int64: the table row (req_to_token / block_table) or the first kv_indices entry
+    length: np.ndarray  # int64: the row's length in tokens, the bound of prefix_lens (0 when not ok)
+    pool_row: np.ndarray  # int64: the expected-token pool row
+
+
+def table_rows(a: PlanArgs) -> TableRows:
+    t = a.table
+    bs = a.prefix_lens.shape[0]
+    if t.kind == TableKind.PAGED_KV:
+        indptr = np.asarray(t.kv_indptr, _I64)
+        lo, hi = indptr[:-1], indptr[1:]
+        ok = (lo >= 0) & (lo <= hi) & (hi <= t.entries.shape[0])
+        return TableRows(np.ones(bs, bool), ok, np.where(ok, lo, 0), np.where(ok, hi - lo, 0) * t.page_size,
+                         np.arange(bs, dtype=_I64))
+    rp = np.asarray(a.req_pool_indices, _I64)
+    rows, cols = t.entries.shape
+    ok = (rp >= 0) & (rp < rows)
+    padding = rp == 0 if t.kind != TableKind.BLOCK else np.zeros(bs, bool)
+    length = cols * t.page_size if t.kind == TableKind.BLOCK else cols
+    return TableRows(~padding, ok, np.where(ok, rp, 0), np.full(bs, length, _I64), rp)
+
+
+def page_slot(ids: np.ndarray, page_size: int, offset: np.ndarray) -> np.ndarray:
+    """``ids * page_size + offset``, or +-(2**63 - 1) for ids at or beyond +-((2**63 - 1) // page_size),
+    whose slots could leave int64 (page_slot in plan.cu)."""
+    limit = _I64_MAX // page_size
+    exact = ids * page_size + offset  # wraps only where replaced below
+    return np.where(ids >= limit, _I64_MAX, np.where(ids <= -limit, -_I64_MAX, exact))
+
+
+def table_slots(t: TableView, base: np.ndarray, pos: np.ndarray):
+    """The KV slots of positions ``pos`` of table rows ``base`` (valid rows, ``0 <= pos < length``),
+    and how many virtual token ids lay past ``virtual_to_physical`` (table_slot in plan.cu)."""
+    if t.kind in (TableKind.REQ_TO_TOKEN, TableKind.VIRTUAL_PAGES):
+        values = t.entries[base, pos].astype(_I64)
+        if t.kind == TableKind.REQ_TO_TOKEN:
+            return values, 0
+        v2p = np.asarray(t.virtual_to_physical, _I64)
+        negative = values < 0  # passes through, as in a plain req_to_token
+        page, offset = np.divmod(np.maximum(values, 0), t.page_size)
+        past = ~negative & (page >= v2p.shape[0])
+        physical = v2p[np.where(negative | past, 0, page)]
+        slots = np.where(past | (physical == -1), 0, page_slot(physical, t.page_size, offset))
+        return np.where(negative, values, slots), int(np.count_nonzero(past))
+    page, offset = np.divmod(pos, t.page_size)
+    if t.kind == TableKind.BLOCK:
+        ids = t.entries[base, page].astype(_I64)
+        return np.where(ids == t.null_block, 0, page_slot(ids, t.page_size, offset)), 0
+    return page_slot(t.entries[base + page].astype(_I64), t.page_size, offset), 0
+
+
 def plan_row_checks(a: PlanArgs):
     """Per-request quantities of a plan and the number of out-of-range values per request.
 
-    Returns ``(verify_start, verify_len, write_len, seed_ok, row_errors)``; every array is
-    ``[bs]`` int64 (``seed_ok`` bool).  Only active rows (``req_pool_indices != 0``) count.
+    Returns ``(rows, verify_start, verify_len, write_len, seed_ok, row_errors)``: the
+    :class:`TableRows` and ``[bs]`` int64 arrays (``seed_ok`` bool).  Only active rows count.
     """
-    rp = np.asarray(a.req_pool_indices, _I64)
+    rows = table_rows(a)
     prefix = np.asarray(a.prefix_lens, _I64)
     extend = np.asarray(a.extend_seq_lens, _I64)
-    rows, row_len = a.req_to_token.shape
-    active = rp != 0
-    rp_ok = (rp >= 0) & (rp < rows)
-    prefix_ok = (prefix >= 0) & (prefix <= row_len)
-    extend_ok = extend >= 0
-    errors = (~rp_ok).astype(_I64) + ~prefix_ok + ~extend_ok
+    prefix_ok = (prefix >= 0) & (prefix <= rows.length)
+    errors = (~rows.ok).astype(_I64) + ~prefix_ok + (extend < 0)
     if a.expected_token_pool is not None:
         lens = np.asarray(a.expected_token_valid_lens, _I64)
         errors += (lens < 0) | (lens > a.expected_token_pool.shape[1])
-    errors = np.where(active, errors, 0)
+    errors = np.where(rows.active, errors, 0)
 
     window = a.swa_window_size
     verify_start = np.maximum(prefix - window, 0) if window > 0 else np.zeros_like(prefix)
-    verify_end = np.clip(prefix, 0, row_len)
-    verify_len = np.where(active & rp_ok, np.maximum(verify_end - verify_start, 0), 0)
-    write_len = np.where(active, np.maximum(extend, 0), 0)
-    seed_ok = active & rp_ok & prefix_ok & (prefix > 0) & (write_len > 0)
-    return verify_start, verify_len, write_len, seed_ok, errors
+    verify_end = np.clip(prefix, 0, rows.length)
+    verify_len = np.where(rows.active & rows.ok, np.maximum(verify_end - verify_start, 0), 0)
+    write_len = np.where(rows.active, np.maximum(extend, 0), 0)
+    seed_ok = rows.active & rows.ok & prefix_ok & (prefix > 0) & (write_len > 0)
+    return rows, verify_start, verify_len, write_len, seed_ok, errors
 
 
 def _translate(values: np.ndarray, lut):
@@ -74,22 +132,34 @@ def _translate(values: np.ndarray, lut):
     return np.where(neg, values, lut[idx]), int(np.count_nonzero(over))
 
 
+def _slots(a: PlanArgs, base, pos):
+    """Table slots of ``pos`` in rows ``base``, through the SWA LUT; and the out-of-range count."""
+    slots, past = table_slots(a.table, base, pos)
+    slots, clamped = _translate(slots, a.swa_lut)
+    return slots, past + clamped
+
+
+def stale_rows_end(a: PlanArgs) -> int:
+    """Rows ``[bs, end)`` of the WritePlan may hold an earlier plan's outputs (stale_rows_end in plan.cu)."""
+    cap = a.out.write_seed_slot_indices.shape[0]
+    previous = int(a.out.write_num_valid_reqs[0])
+    return cap if a.clear_whole_capacity or not 0 <= previous <= cap else previous
+
+
 def plan(a: PlanArgs) -> None:
     out = a.out
-    rp = np.asarray(a.req_pool_indices, _I64)
-    bs = rp.shape[0]
-    rtt = a.req_to_token
+    bs = a.prefix_lens.shape[0]
     vcap = out.verify_slot_indices.shape[0]
-    verify_start, verify_len, write_len, seed_ok, row_errors = plan_row_checks(a)
+    rows, verify_start, verify_len, write_len, seed_ok, row_errors = plan_row_checks(a)
     errors = int(row_errors.sum())
+    stale_end = stale_rows_end(a)
 
     prefix = np.asarray(a.prefix_lens, _I64)
     seed_rows = np.nonzero(seed_ok)[0]
     seeds = np.full(bs, -1, _I64)
     if seed_rows.size:
-        raw = rtt[rp[seed_rows], prefix[seed_rows] - 1].astype(_I64)
-        seeds[seed_rows], clamped = _translate(raw, a.swa_lut)
-        errors += clamped
+        seeds[seed_rows], seed_errors = _slots(a, rows.base[seed_rows], prefix[seed_rows] - 1)
+        errors += seed_errors
 
     voff = np.zeros(bs + 1, _I64)
     np.cumsum(verify_len, out=voff[1:])
@@ -101,21 +171,19 @@ def plan(a: PlanArgs) -> None:
     if enabled and total > 0:
         owner = np.repeat(np.arange(bs), verify_len)
         pos = verify_start[owner] + (np.arange(total, dtype=_I64) - voff[owner])
-        row = rp[owner]
-        slots, clamped_slots = _translate(rtt[row, pos].astype(_I64), a.swa_lut)
+        base = rows.base[owner]
+        slots, slot_errors = _slots(a, base, pos)
         has_prev = pos > 0
-        prev_raw = rtt[row[has_prev], pos[has_prev] - 1].astype(_I64)
-        prev_t, clamped_prev = _translate(prev_raw, a.swa_lut)
         prev = np.full(total, -1, _I64)
-        prev[has_prev] = prev_t
-        errors += clamped_slots + clamped_prev
+        prev[has_prev], prev_errors = _slots(a, base[has_prev], pos[has_prev] - 1)
+        errors += slot_errors + prev_errors
         tokens = np.full(total, -1, _I64)
         if a.expected_token_pool is not None:
             pool = a.expected_token_pool
             q = pos + a.token_offset
             limit = np.minimum(np.asarray(a.expected_token_valid_lens, _I64)[owner], pool.shape[1])
             ok = (q >= 0) & (q < limit)
-            tokens[ok] = pool[row[ok], q[ok]]
+            tokens[ok] = pool[rows.pool_row[owner][ok], q[ok]]
         out.verify_slot_indices[:total] = slots
         out.verify_expected_tokens[:total] = tokens
         out.verify_expected_positions[:total] = pos
@@ -125,11 +193,12 @@ def plan(a: PlanArgs) -> None:
     out.enable[0] = 1 if enabled else 0
     out.out_of_range_count[0] += errors
     out.write_offsets[: bs + 1] = woff
-    out.write_offsets[bs + 1 :] = 0
     out.verify_offsets[: bs + 1] = voff
-    out.verify_offsets[bs + 1 :] = 0
     out.write_seed_slot_indices[:bs] = seeds
-    out.write_seed_slot_indices[bs:] = -1
+    # Nothing stale past the batch: the rows the earlier plan wrote.
+    out.write_offsets[bs + 1 : stale_end + 1] = 0
+    out.verify_offsets[bs + 1 : stale_end + 1] = 0
+    out.write_seed_slot_indices[bs:stale_end] = -1
     out.write_num_valid_reqs[0] = bs
 
 
@@ -437,3 +506,27 @@ def session_stage(a: StageArgs, stamp: int) -> None:
 def prepare_stage(a: StageArgs):
     """``stage(stamp, stream)``: :func:`session_stage` on fixed arguments (``stream`` unused)."""
     return lambda stamp, stream=None: session_stage(a, stamp)
+
+
+# ----------------------------------------------------------------------------------------------
+# move_pages
+
+
+def move_pair_checks(a: MoveArgs):
+    """``(src, dst, src_ok, dst_ok)``: the page ids as int64 and which lie in the canary's whole pages."""
+    num_pages = a.canary.shape[0] // a.page_size
+    src, dst = np.asarray(a.src_pages, _I64), np.asarray(a.dst_pages, _I64)
+    return src, dst, (src >= 0) & (src < num_pages), (dst >= 0) & (dst < num_pages)
+
+
+def move(a: MoveArgs) -> None:
+    src, dst, src_ok, dst_ok = move_pair_checks(a)
+    if a.out_of_range_count is not None:
+        a.out_of_range_count[0] += int(np.count_nonzero(~src_ok) + np.count_nonzero(~dst_ok))
+    keep = src_ok & dst_ok
+    num_pages = a.canary.shape[0] // a.page_size
+    pages = a.canary[: num_pages * a.page_size].reshape(num_pages, -1)  # a view: the canary is contiguous
+    rows = pages[src[keep]]  # a copy
+    pages[src[keep]] = 0
+    pages[dst[keep]] = rows
+

@@ -1,0 +1,357 @@
+"""Engine tables: plans through ReqToToken (virtual pages), BlockTable and PagedKvIndices equal the
+plan through the equivalent materialised req_to_token byte for byte on every backend; worked
+examples, the out-of-range rules of tables, bad input, and the planner."""
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from canary_builders import (
+    INT64_MAX,
+    assert_plan_equals_oracle,
+    equivalent_req_to_token,
+    host,
+    oracle_plan,
+    plan_entries,
+    shifted_pool,
+)
+
+I32, I64 = np.int32, np.int64
+
+
+def _a(ab, x, dtype=None):
+    return None if x is None else ab.asarray(np.asarray(x, dtype=dtype))
+
+
+def make_table(ab, kind, t):
+    """The table record of ``kind`` over the NumPy arrays of ``t`` (see equivalent_req_to_token)."""
+    if kind == "rtt":
+        return kc.ReqToToken(_a(ab, t["req_to_token"], I32))
+    if kind == "virtual":
+        return kc.ReqToToken(_a(ab, t["req_to_token"], I32), virtual_to_physical=_a(ab, t["virtual_to_physical"], I64),
+                             page_size=t["page_size"])
+    if kind == "block":
+        return kc.BlockTable(_a(ab, t["block_table"]), t["block_size"], null_block=t.get("null_block", 0))
+    return kc.PagedKvIndices(_a(ab, t["kv_indptr"]), _a(ab, t["kv_indices"]), t["page_size"])
+
+
+def poisoned_out(ab, vcap, wcap):
+    vp, wp = kc.VerifyPlan.allocate(vcap, like=ab.like), kc.WritePlan.allocate(wcap, like=ab.like)
+    for key in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices"):
+        getattr(vp, key)[...] = 0x5A5A
+    return vp, wp
+
+
+def plan_through(ab, rp, prefix, extend, table, *, verify_capacity=4096, write_req_capacity=None, lut=None, pool=None,
+                 valid_lens=None, **kw):
+    """plan on ``ab`` into poisoned buffers; returns host copies ``(vp, wp)``."""
+    wcap = len(prefix) if write_req_capacity is None else write_req_capacity
+    out = poisoned_out(ab, verify_capacity, wcap)
+    kc.plan(_a(ab, rp, I64), _a(ab, prefix, I64), _a(ab, extend, I64), table, verify_capacity=verify_capacity,
+            full_to_swa_index_mapping=_a(ab, lut, I64), req_to_verify_expected_tokens=_a(ab, pool, I32),
+            req_to_verify_expected_tokens_valid_lens=_a(ab, valid_lens, I64), out=out, **kw)
+    return host(ab, out[0]), host(ab, out[1])
+
+
+def assert_same_plan(got, want):
+    for g, w in zip(got, want):
+        for key in w:
+            np.testing.assert_array_equal(g[key], w[key], err_msg=key)
+
+
+# ---- worked examples ------------------------------------------------------------------------------
+
+
+def test_block_table_worked_example(ab):
+    """Every row is real (row 0 too); slot = block * block_size + p % block_size."""
+    bt = np.array([[3, 1, 0], [2, 0, 0]], I32)
+    vph, wph = plan_through(ab, [0, 1], [5, 3], [1, 1], kc.BlockTable(_a(ab, bt), 4), verify_capacity=16)
+    assert plan_entries(vph) == [(12, -1, 0, -1), (13, -1, 1, 12), (14, -1, 2, 13), (15, -1, 3, 14), (4, -1, 4, 15),
+                                 (8, -1, 0, -1), (9, -1, 1, 8), (10, -1, 2, 9)]
+    assert wph["write_seed_slot_indices"].tolist() == [4, 10]
+    assert wph["write_offsets"].tolist() == [0, 1, 2]
+    assert int(vph["out_of_range_count"][0]) == 0
+
+
+@pytest.mark.parametrize("dtype", [I32, I64])
+def test_block_table_null_block_addresses_the_padding_slot(ab, dtype):
+    bt = np.array([[5, 0, 7]], dtype)
+    vph, wph = plan_through(ab, [0], [6], [1], kc.BlockTable(_a(ab, bt), 2), verify_capacity=8)
+    assert vph["verify_slot_indices"][:6].tolist() == [10, 11, 0, 0, 14, 15]
+    assert vph["verify_prev_slot_indices"][:6].tolist() == [-1, 10, 11, 0, 0, 14]
+    assert wph["write_seed_slot_indices"].tolist() == [15]
+    # another null id: block 0 is then a real block, -1 the null one
+    bt = np.array([[5, 0, -1]], dtype)
+    vph, _ = plan_through(ab, [0], [6], [1], kc.BlockTable(_a(ab, bt), 2, null_block=-1), verify_capacity=8)
+    assert vph["verify_slot_indices"][:6].tolist() == [10, 11, 0, 1, 0, 0]
+
+
+def test_paged_kv_indices_worked_example(ab):
+    """Request r (the batch row) owns kv_indices[kv_indptr[r]:kv_indptr[r+1]]; the pool is indexed by batch row."""
+    indptr, indices = np.array([0, 2, 3], I32), np.array([3, 1, 2], I32)
+    pool = np.arange(2 * 8, dtype=I32).reshape(2, 8) + 100
+    table = kc.PagedKvIndices(_a(ab, indptr), _a(ab, indices), 4)
+    vph, wph = plan_through(ab, None, [5, 3], [1, 1], table, verify_capacity=16, pool=pool, valid_lens=[8, 2])
+    assert plan_entries(vph) == [(12, 100, 0, -1), (13, 101, 1, 12), (14, 102, 2, 13), (15, 103, 3, 14), (4, 104, 4, 15),
+                                 (8, 108, 0, -1), (9, 109, 1, 8), (10, -1, 2, 9)]
+    assert wph["write_seed_slot_indices"].tolist() == [4, 10]
+
+
+def test_virtual_pages_worked_example(ab):
+    """slot = v2p[t // page_size] * page_size + t % page_size; an unbound page (-1) gives slot 0."""
+    rtt = np.array([[0] * 6, [8, 9, 10, 11, 4, 5]], I32)  # virtual pages 2 and 1 (page size 4)
+    v2p = np.array([0, -1, 7, 3], I64)
+    table = kc.ReqToToken(_a(ab, rtt), virtual_to_physical=_a(ab, v2p), page_size=4)
+    vph, wph = plan_through(ab, [1, 0], [6, 3], [1, 9], table, verify_capacity=8)
+    assert vph["verify_slot_indices"][:6].tolist() == [28, 29, 30, 31, 0, 0]
+    assert vph["verify_prev_slot_indices"][:6].tolist() == [-1, 28, 29, 30, 31, 0]
+    assert wph["write_seed_slot_indices"].tolist() == [0, -1]  # row 0 stays the padding row
+    assert int(vph["out_of_range_count"][0]) == 0
+
+
+def test_virtual_pages_past_the_map_and_negative_ids(ab):
+    rtt = np.array([[0, 0, 0], [-3, 13, 5]], I32)
+    v2p = np.array([0, 2, 4], I64)  # pages 0..2 of 2 tokens: virtual ids 0..5
+    table = kc.ReqToToken(_a(ab, rtt), virtual_to_physical=_a(ab, v2p), page_size=2)
+    vph, wph = plan_through(ab, [1], [3], [1], table, verify_capacity=8)
+    assert vph["verify_slot_indices"][:3].tolist() == [-3, 0, 9]  # 13 lies in page 6: past the map
+    assert vph["verify_prev_slot_indices"][:3].tolist() == [-1, -3, 0]
+    assert wph["write_seed_slot_indices"].tolist() == [9]
+    assert int(vph["out_of_range_count"][0]) == 2  # the slot and the predecessor lookups of id 13
+
+
+def test_int64_ids_saturate(ab):
+    limit = INT64_MAX // 3
+    indices = np.array([limit - 1, limit, -limit, 2], I64)
+    table = kc.PagedKvIndices(_a(ab, np.array([0, 4])), _a(ab, indices), 3)
+    vph, _ = plan_through(ab, None, [12], [0], table, verify_capacity=16)
+    slots = vph["verify_slot_indices"][:12].tolist()
+    assert slots[:3] == [(limit - 1) * 3, (limit - 1) * 3 + 1, (limit - 1) * 3 + 2]
+    assert slots[3:9] == [INT64_MAX] * 3 + [-INT64_MAX] * 3
+    assert slots[9:] == [6, 7, 8]
+
+
+# ---- out-of-range rules of tables ------------------------------------------------------------------
+
+
+def test_block_table_prefix_past_the_row(ab):
+    bt = np.array([[1, 2], [3, 4]], I32)  # rows of 2 blocks x 4 = 8 positions
+    vph, wph = plan_through(ab, [1, 0], [10, 8], [1, 1], kc.BlockTable(_a(ab, bt), 4), verify_capacity=32)
+    assert [e[2] for e in plan_entries(vph)] == list(range(8)) * 2
+    assert wph["write_seed_slot_indices"].tolist() == [-1, 11]
+    assert int(vph["out_of_range_count"][0]) == 1
+
+
+def test_paged_kv_prefix_past_its_own_row(ab):
+    """L is the request's own length, (kv_indptr[r+1] - kv_indptr[r]) * page_size."""
+    table = kc.PagedKvIndices(_a(ab, np.array([0, 1, 3])), _a(ab, np.array([5, 6, 7], I32)), 2)
+    vph, wph = plan_through(ab, None, [3, 3], [1, 1], table, verify_capacity=16)
+    assert plan_entries(vph) == [(10, -1, 0, -1), (11, -1, 1, 10), (12, -1, 0, -1), (13, -1, 1, 12), (14, -1, 2, 13)]
+    assert wph["write_seed_slot_indices"].tolist() == [-1, 14]
+    assert int(vph["out_of_range_count"][0]) == 1
+
+
+@pytest.mark.parametrize("indptr", [[0, 3, 2], [0, 2, 9], [-1, 2, 3]])
+def test_paged_kv_rows_outside_kv_indices(ab, indptr):
+    """A kv_indptr range that is not within kv_indices: no verify entries, seed -1, write kept, one count."""
+    table = kc.PagedKvIndices(_a(ab, np.array(indptr)), _a(ab, np.array([5, 6, 7], I32)), 2)
+    vph, wph = plan_through(ab, None, [2, 1], [1, 2], table, verify_capacity=16)
+    bad = [r for r in range(2) if not 0 <= indptr[r] <= indptr[r + 1] <= 3]
+    assert wph["write_offsets"].tolist() == [0, 1, 3]
+    for r in range(2):
+        assert (wph["write_seed_slot_indices"][r] == -1) == (r in bad)
+        assert (wph["verify_offsets"][r + 1] == wph["verify_offsets"][r]) == (r in bad)
+    # a bad row is 0 tokens long: its positive prefix is out of range too
+    assert int(vph["out_of_range_count"][0]) == 2 * len(bad)
+
+
+def test_req_pool_index_outside_a_block_table(ab):
+    bt = np.array([[1, 2]], I32)
+    vph, wph = plan_through(ab, [1, -1, 0], [2, 2, 2], [1, 1, 1], kc.BlockTable(_a(ab, bt), 2), verify_capacity=8)
+    assert int(vph["out_of_range_count"][0]) == 2  # row 0 is real: only 1 and -1 are out of range
+    assert wph["write_seed_slot_indices"].tolist() == [-1, -1, 3]
+
+
+def test_window_without_lut_through_block_tables(ab):
+    """A vLLM sliding-window group's block table addresses its own pages: no LUT needed."""
+    bt = np.array([[0, 0, 3, 4]], I32)  # out-of-window blocks point at the null block
+    vph, wph = plan_through(ab, [0], [8], [1], kc.BlockTable(_a(ab, bt), 2), verify_capacity=8, swa_window_size=3)
+    assert plan_entries(vph) == [(7, -1, 5, 6), (8, -1, 6, 7), (9, -1, 7, 8)]
+    assert wph["write_seed_slot_indices"].tolist() == [9]
+
+
+# ---- equivalence with the materialised req_to_token -------------------------------------------------
+
+
+def random_table(rng, kind, rows, bs):
+    """A random table of ``kind`` with ``rows`` rows (CSR: ``bs``), its row lengths in tokens and the
+    NumPy arrays, ids kept small enough for an int32 equivalent."""
+    ps = int(rng.choice([1, 2, 3, 4, 5, 16]))
+    if kind == "rtt":
+        cols = int(rng.integers(1, 40))
+        return {"req_to_token": rng.integers(-2, 400, (rows, cols)).astype(I32)}, np.full(rows, cols)
+    if kind == "virtual":
+        pages = int(rng.integers(1, 30))
+        v2p = rng.permutation(pages * 2)[:pages].astype(I64)
+        v2p[rng.random(pages) < 0.2] = -1
+        cols = int(rng.integers(1, 40))
+        rtt = rng.integers(-1, pages * ps, (rows, cols)).astype(I32)  # within the map: nothing counted
+        return {"req_to_token": rtt, "virtual_to_physical": v2p, "page_size": ps}, np.full(rows, cols)
+    if kind == "block":
+        width = int(rng.integers(1, 8))
+        bt = rng.integers(-3, 200, (rows, width)).astype(rng.choice([I32, I64]))
+        null = int(rng.choice([0, 0, -1, 7]))
+        bt[rng.random(bt.shape) < 0.15] = null
+        return {"block_table": bt, "block_size": ps, "null_block": null}, np.full(rows, width * ps)
+    pages = rng.integers(0, 6, bs)
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(rng.choice([I32, I64]))
+    indices = rng.integers(-3, 200, int(indptr[-1])).astype(rng.choice([I32, I64]))
+    return {"kv_indptr": indptr, "kv_indices": indices, "page_size": ps}, pages * ps
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("kind", ["virtual", "block", "csr"])
+def test_plan_through_a_table_equals_the_materialised_req_to_token(ab, kind, seed):
+    rng = np.random.default_rng(1000 * seed + len(kind))
+    bs = int(rng.integers(1, 24))
+    rows = int(rng.integers(2, 12))
+    t, lengths = random_table(rng, kind, rows, bs)
+    rp = None if kind == "csr" else rng.integers(0, rows, bs)
+    if rp is not None and kind == "virtual":
+        rp[rng.random(bs) < 0.2] = 0  # padding rows of a req_to_token
+    row_len = lengths if kind == "csr" else lengths[rp]
+    prefix = rng.integers(0, row_len + 1)
+    extend = rng.integers(0, 4, bs)
+    kw = {}
+    window = int(rng.choice([0, 0, 2, 9]))
+    if window or rng.random() < 0.3:
+        kw = dict(swa_window_size=window, lut=rng.integers(0, 900, int(rng.integers(1, 600))))
+    pool_rows = bs if kind == "csr" else rows
+    if rng.random() < 0.5:
+        kw.update(pool=rng.integers(0, 5000, (pool_rows + int(rng.integers(0, 2)), int(rng.integers(1, 50)))).astype(I32),
+                  valid_lens=rng.integers(-1, 50, bs), kv_token_id_vs_position_offset=int(rng.integers(-1, 2)))
+    vcap = int(rng.integers(0, int(np.sum(np.minimum(prefix, row_len))) + 4))
+    wcap = bs + int(rng.integers(0, 3))
+    got = plan_through(ab, rp, prefix, extend, make_table(ab, kind, t), verify_capacity=vcap, write_req_capacity=wcap, **kw)
+
+    rtt_eq, rp_eq = equivalent_req_to_token(kind, t, rp, bs)
+    kw_eq = dict(kw, pool=shifted_pool(kw.get("pool")) if kind in ("block", "csr") else kw.get("pool"))
+    want = plan_through(ab, rp_eq, prefix, extend, kc.ReqToToken(_a(ab, rtt_eq)), verify_capacity=vcap,
+                        write_req_capacity=wcap, **kw_eq)
+    assert_same_plan(got, want)
+    oracle = oracle_plan(rp_eq, prefix, extend, rtt_eq, verify_capacity=vcap, write_req_capacity=wcap, window=window,
+                         lut=kw.get("lut"), pool=kw_eq.get("pool"), valid_lens=kw.get("valid_lens"),
+                         offset=kw.get("kv_token_id_vs_position_offset", 0))
+    assert_plan_equals_oracle(got[0], got[1], oracle)
+
+
+def test_a_bare_array_means_req_to_token(ab):
+    rtt = np.arange(4 * 8, dtype=I32).reshape(4, 8)
+    bare = plan_through(ab, [2, 0], [5, 3], [1, 1], _a(ab, rtt))
+    boxed = plan_through(ab, [2, 0], [5, 3], [1, 1], kc.ReqToToken(_a(ab, rtt)))
+    assert_same_plan(bare, boxed)
+
+
+def test_planner_takes_every_table(ab):
+    planner = kc.CanaryPlanner.from_engine(kv_pool_size=64, max_running_requests=4, like=ab.like)
+    bt = np.array([[3, 1, 0], [2, 0, 0]], I32)
+    vp, wp = planner.plan(_a(ab, [0, 1], I64), _a(ab, [5, 3], I64), _a(ab, [1, 1], I64), kc.BlockTable(_a(ab, bt), 4))
+    assert ab.to_numpy(wp.write_seed_slot_indices)[:2].tolist() == [4, 10]
+    table = kc.PagedKvIndices(_a(ab, np.array([0, 2, 3], I32)), _a(ab, np.array([3, 1, 2], I32)), 4)
+    vp, wp = planner.plan(None, _a(ab, [5, 3], I64), _a(ab, [1, 1], I64), table)
+    assert ab.to_numpy(wp.write_seed_slot_indices)[:3].tolist() == [4, 10, -1]
+    assert int(ab.to_numpy(vp.verify_num_valid)[0]) == 8
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda a: kc.BlockTable(a, 0), ValueError, "BlockTable.block_size must be >= 1, got 0"),
+    (lambda a: kc.BlockTable(a, 2.0), TypeError, "BlockTable.block_size must be an int, got float"),
+    (lambda a: kc.BlockTable(a, 2**31), ValueError, "BlockTable.block_size must be at most 2147483647"),
+    (lambda a: kc.BlockTable(a, 4, null_block=None), TypeError, "BlockTable.null_block must be an int"),
+    (lambda a: kc.PagedKvIndices(a, a, -1), ValueError, "PagedKvIndices.page_size must be >= 1, got -1"),
+    (lambda a: kc.ReqToToken(a, page_size=0), ValueError, "ReqToToken.page_size must be >= 1, got 0"),
+    (lambda a: kc.ReqToToken(a, page_size=4), ValueError, "ReqToToken.page_size=4 applies to virtual_to_physical, which is None"),
+])
+def test_table_scalars_are_checked_when_built(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make(np.zeros((2, 2), I32))
+
+
+class TableCall:
+    """A valid plan call through a table; a test replaces pieces and checks nothing is written."""
+
+    def __init__(self, ab):
+        self.ab = ab
+        self.out = poisoned_out(ab, 32, 2)
+
+    def __call__(self, table, rp=(0, 1), **kw):
+        a = self.ab
+        rp = None if rp is None else _a(a, rp, I64)
+        return kc.plan(rp, _a(a, [3, 2], I64), _a(a, [1, 1], I64), table, verify_capacity=32, out=self.out, **kw)
+
+
+def _rejected(ab, call, table, exc, match, **kw):
+    before = [ab.to_numpy(x).copy() for rec in call.out for x in rec.arrays().values()]
+    with pytest.raises(exc, match=match):
+        call(table, **kw)
+    after = [ab.to_numpy(x) for rec in call.out for x in rec.arrays().values()]
+    assert all(np.array_equal(b, c) for b, c in zip(before, after))
+
+
+def test_table_arrays_are_checked_by_plan(ab):
+    call = TableCall(ab)
+    a = lambda x, d=I32: _a(ab, x, d)
+    bt = a(np.ones((2, 3)))
+    call(kc.BlockTable(bt, 2))  # valid
+    _rejected(ab, call, kc.BlockTable(a(np.ones((2, 3)), np.float32), 2), TypeError,
+              "block_table must have dtype int32 or int64, got float32")
+    _rejected(ab, call, kc.BlockTable(a(np.ones(6)), 2), ValueError, r"block_table must be 2-D, got shape \(6,\)")
+    _rejected(ab, call, kc.BlockTable(a(np.ones((2, 6)))[:, ::2], 2), ValueError, "block_table must have contiguous rows")
+    indptr, indices = a([0, 1, 3]), a([1, 2, 3])
+    call(kc.PagedKvIndices(indptr, indices, 2), rp=None)  # valid
+    _rejected(ab, call, kc.PagedKvIndices(indptr, indices, 2), ValueError,
+              "req_pool_indices must be None with a PagedKvIndices table")
+    _rejected(ab, call, kc.PagedKvIndices(a([0, 1]), indices, 2), ValueError,
+              r"kv_indptr length must be bs \+ 1=3, got 2", rp=None)
+    _rejected(ab, call, kc.PagedKvIndices(a([0.0, 1, 3], np.float64), indices, 2), TypeError,
+              "kv_indptr must have dtype int32 or int64, got float64", rp=None)
+    _rejected(ab, call, kc.PagedKvIndices(indptr, a([[1, 2, 3]]), 2), ValueError,
+              r"kv_indices must be 1-D, got shape \(1, 3\)", rp=None)
+    _rejected(ab, call, kc.BlockTable(bt, 2), ValueError, "req_pool_indices is required with a BlockTable table", rp=None)
+    v2p = a([0, 1], I32)
+    _rejected(ab, call, kc.ReqToToken(a(np.ones((2, 3))), virtual_to_physical=v2p, page_size=2), TypeError,
+              "virtual_to_physical must have dtype int64, got int32")
+    pool = a(np.zeros((1, 4)))
+    _rejected(ab, call, kc.PagedKvIndices(indptr, indices, 2), ValueError,
+              r"req_to_verify_expected_tokens must have at least bs=2 rows \(one per batch row", rp=None,
+              req_to_verify_expected_tokens=pool, req_to_verify_expected_tokens_valid_lens=_a(ab, [1, 1], I64))
+    if ab.name == "numpy":  # a row of 2**32 blocks, never read: the check reads the shape only
+        wide = np.lib.stride_tricks.as_strided(np.zeros(1, I32), (2, 2**32), (0, 4))
+        _rejected(ab, call, kc.BlockTable(wide, 2**31 - 1), ValueError,
+                  r"block_table width 4294967296 x block_size 2147483647 = \d+ tokens exceeds 2\*\*62")
+    with pytest.raises(TypeError, match="table must be a ReqToToken, BlockTable or PagedKvIndices"):
+        call([[1, 2]])
+
+
+# ---- the kernels' division by the page size ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 3, 5, 7, 16, 48, 1000, 2**20 + 1, 2**31 - 1])
+def test_page_division_is_exact_below_2_62(page_size):
+    """The kernels divide positions (< 2**62) by the page size with a shift or a multiply-high."""
+    from kvcanary_cupy.backends.cupy_backend import page_division
+
+    shift, magic, magic_shift = page_division(page_size)
+    rng = np.random.default_rng(page_size)
+    edges = [0, 1, page_size - 1, page_size, page_size + 1, 2**31, 2**62 - 1, 2**62 - page_size]
+    values = edges + [int(v) for v in rng.integers(0, 2**62, 2000, dtype=np.int64)]
+    values += [k * page_size + d for k in (1, 2**20, (2**62 - 1) // page_size) for d in (-1, 0, 1)]
+    for value in values:
+        if not 0 <= value < 2**62:
+            continue
+        got = value >> shift if shift >= 0 else ((value * magic) >> 64) >> magic_shift
+        assert got == value // page_size, (value, page_size)
+    assert 0 <= magic < 2**64 and (shift >= 0) == (page_size & (page_size - 1) == 0)
