@@ -1,9 +1,12 @@
 """Random canary steps, valid and not, run on any array backend and compared byte for byte.
 
 ``make_case(seed)`` draws two serving steps (a prefill-like step that stamps chains, then a mixed
-step) over a random pool layout: padding rows, sparse permuted ``req_to_token``, SWA window with
-an LUT (sometimes too short, so lookups clamp), an expected-token pool, real-KV sources, tight or
-overflowing capacities, a small ring, and out-of-range values injected into any input.
+step) over a random pool layout read through one of the engine tables (a sparse permuted
+``req_to_token`` with padding rows, virtual pages with unbound ones, a vLLM block table with null
+blocks, or a FlashInfer CSR table built per step), SWA window with an LUT (sometimes too short,
+so lookups clamp), an expected-token pool, real-KV sources, tight or overflowing capacities, a
+small ring, and out-of-range values injected into any input, the tables included (bad ids,
+columns past a row, bad ``kv_indptr`` ranges, virtual ids past the page map).
 ``run_case(ab, case)`` runs plan -> verify -> write -> verify for both steps and returns host
 copies of every output.  ``assert_same(ref, got)`` compares them (rings as multisets).
 """
@@ -33,13 +36,20 @@ class Step:
     kinds: tuple  # (head kind, tail kind)
     chain_flag: object  # bool or np.int32 [1]
     check_token: bool
+    kv_indptr: np.ndarray | None = None  # "csr" cases: the step's page table (rows = batch rows)
+    kv_indices: np.ndarray | None = None
+
+
+TABLE_KINDS = ("rtt", "virtual", "block", "csr")
 
 
 @dataclass
 class Case:
     seed: int
     num_slots: int
-    req_to_token: np.ndarray
+    table_kind: str  # one of TABLE_KINDS
+    table: dict  # the table's arrays and sizes (see _layout)
+    slots: np.ndarray  # int64 [rows, cols]: the KV slot of every (table row, position)
     window: int
     lut: np.ndarray | None
     pool: np.ndarray | None
@@ -65,20 +75,55 @@ def _sources(rng, num_slots):
     return out
 
 
-def make_case(seed: int, *, big: bool = False) -> Case:
+def _layout(rng, kind: str, rows: int, cols: int):
+    """``(table, slots, full_slots)``: the table of ``kind``, the slot of each of its positions
+    (distinct but for 0) and the bound of those slots.  Block and CSR tables address pages of a
+    permuted pool; virtual pages map a permuted virtual space onto it, some unbound."""
+    if kind == "rtt":
+        full_slots = rows * cols + 1
+        perm = rng.permutation(np.arange(1, full_slots)) if rng.random() < 0.7 else np.arange(1, full_slots)
+        rtt = perm.reshape(rows, cols).astype(np.int32)
+        return {"req_to_token": rtt}, rtt.astype(np.int64), full_slots
+    page_size = int(rng.choice([1, 2, 3, 4, 16]))
+    width = -(-cols // page_size)
+    pages = rows * width
+    physical = (rng.permutation(np.arange(1, pages + 1)) if rng.random() < 0.7 else np.arange(1, pages + 1)).reshape(rows, width)
+    offset = np.arange(width * page_size) % page_size
+    if kind == "virtual":
+        virtual = rng.permutation(np.arange(1, pages + 1)).reshape(rows, width)
+        v2p = np.full(pages + 1 + int(rng.integers(0, 3)), -1, np.int64)
+        v2p[0] = 0
+        v2p[virtual] = physical
+        v2p[rng.random(v2p.shape[0]) < 0.1] = -1  # unbound pages
+        page_of = np.repeat(virtual, page_size, axis=1)
+        bound = v2p[page_of]
+        table = {"req_to_token": (page_of * page_size + offset).astype(np.int32), "virtual_to_physical": v2p,
+                 "page_size": page_size}
+        return table, np.where(bound == -1, 0, bound * page_size + offset), (pages + 1) * page_size
+    if kind == "block":
+        physical[rng.random(physical.shape) < 0.1] = 0  # null blocks
+    page_of = np.repeat(physical, page_size, axis=1)
+    slots = np.where(page_of == 0, 0, page_of * page_size + offset)
+    table = {"block_table": physical.astype(rng.choice([np.int32, np.int64])), "block_size": page_size, "null_block": 0}
+    return table, slots, (pages + 1) * page_size
+
+
+def make_case(seed: int, *, big: bool = False, table_kind: str | None = None) -> Case:
+    """Case ``seed``; its table kind cycles with the seed unless ``table_kind`` is given."""
     rng = np.random.default_rng(seed)
+    kind = table_kind or TABLE_KINDS[seed % len(TABLE_KINDS)]
     if big:
         bs, rows, cols = int(rng.integers(4000, 20001)), 0, int(rng.integers(4, 17))
         rows = bs + 1
     else:
         bs, rows, cols = int(rng.integers(0, 48)), int(rng.integers(2, 40)), int(rng.integers(1, 200))
-    full_slots = rows * cols + 1
-    perm = rng.permutation(np.arange(1, full_slots)) if rng.random() < 0.7 else np.arange(1, full_slots)
-    req_to_token = perm.reshape(rows, cols).astype(np.int32)
+    table, slots, full_slots = _layout(rng, kind, rows, cols)
+    cols = slots.shape[1]
     window = int(rng.choice([0, 0, 1, 3, 16, 64])) if not big else 0
     lut = None
     num_slots = full_slots + int(rng.integers(0, 8))
-    if window or rng.random() < 0.2:
+    lut_optional = kind in ("block", "csr")  # tables of an SWA group's own pages need no LUT
+    if (window and not (lut_optional and rng.random() < 0.3)) or rng.random() < 0.2:
         lut_len = full_slots + 1 if rng.random() < 0.8 else int(rng.integers(1, full_slots + 1))
         num_slots = max(2, lut_len + 8)
         # Injective but for evicted entries (0): two requests never write one slot in one launch.
@@ -91,13 +136,14 @@ def make_case(seed: int, *, big: bool = False) -> Case:
         pool = rng.integers(0, 50000, (rows + int(rng.integers(0, 3)), cols + int(rng.integers(-1, 3)) if cols > 1 else 1)).astype(np.int32)
     sources = _sources(rng, num_slots) if rng.random() < 0.5 else []
     case = Case(
-        seed=seed, num_slots=num_slots, req_to_token=req_to_token, window=window, lut=lut, pool=pool,
+        seed=seed, num_slots=num_slots, table_kind=kind, table=table, slots=slots, window=window, lut=lut, pool=pool,
         token_offset=int(rng.choice([0, 1])), verify_capacity=0, write_req_capacity=max(bs, 1) + int(rng.integers(0, 5)),
         ring_capacity=int(rng.choice([4, 64, 4096])), sources=sources,
         mode=int(rng.choice([0, 1, 2])) if sources else 0, uint8_canary=bool(rng.random() < 0.2),
     )
-    free_rows = rng.permutation(np.arange(1, rows))
-    rp = np.zeros(bs, np.int64)
+    padding_row = kind in ("rtt", "virtual")  # req_to_token row 0 marks a padding request
+    free_rows = rng.permutation(np.arange(1 if padding_row else 0, rows))
+    rp = np.zeros(bs, np.int64) if padding_row else rng.integers(0, rows, bs)
     active = rng.random(bs) < 0.8
     n_active = min(int(active.sum()), free_rows.size)
     active[np.nonzero(active)[0][n_active:]] = False
@@ -110,8 +156,11 @@ def make_case(seed: int, *, big: bool = False) -> Case:
         else:
             prefix = prefill_len.astype(np.int64)
             extend = np.minimum(rng.integers(0, 4, bs), cols - prefix).astype(np.int64)
-        prefix = np.where(active, prefix, rng.integers(0, 100000, bs))  # padding rows carry garbage
-        extend = np.where(active, extend, rng.integers(0, 100, bs))
+        if padding_row:  # padding rows carry garbage
+            prefix = np.where(active, prefix, rng.integers(0, 100000, bs))
+            extend = np.where(active, extend, rng.integers(0, 100, bs))
+        else:  # every row is real: a padding request is an empty one
+            prefix, extend = np.where(active, prefix, 0), np.where(active, extend, 0)
         case.steps.append(_step(rng, case, rp.copy(), prefix, extend, active))
     total = max(int(_verify_total(case, s)) for s in case.steps)
     kind = rng.choice(["loose", "tight", "under"])
@@ -120,21 +169,57 @@ def make_case(seed: int, *, big: bool = False) -> Case:
     return case
 
 
+def _plan_inputs(case: Case, s: Step, a):
+    """``(req_pool_indices, table, pool)`` of step ``s`` as arrays made by ``a`` (NumPy -> native)."""
+    t = case.table
+    pool = None if case.pool is None or s.valid_lens is None else case.pool
+    if case.table_kind == "csr":  # rows are batch rows: so are the expected-token pool's
+        pool = None if pool is None else np.ascontiguousarray(pool[np.clip(s.req_pool_indices, 0, pool.shape[0] - 1)])
+        table = kc.PagedKvIndices(a(s.kv_indptr), a(s.kv_indices), t["block_size"])
+        return None, table, None if pool is None else a(pool)
+    if case.table_kind == "block":
+        table = kc.BlockTable(a(t["block_table"]), t["block_size"], null_block=t["null_block"])
+    elif case.table_kind == "virtual":
+        table = kc.ReqToToken(a(t["req_to_token"]), virtual_to_physical=a(t["virtual_to_physical"]), page_size=t["page_size"])
+    else:
+        table = kc.ReqToToken(a(t["req_to_token"]))
+    return a(s.req_pool_indices), table, None if pool is None else a(pool)
+
+
+def _plan_step(case: Case, s: Step, a, *, verify_capacity, out=None):
+    rp, table, pool = _plan_inputs(case, s, a)
+    return kc.plan(rp, a(s.prefix_lens), a(s.extend_seq_lens), table,
+                   verify_capacity=verify_capacity, write_req_capacity=case.write_req_capacity,
+                   swa_window_size=case.window, full_to_swa_index_mapping=None if case.lut is None else a(case.lut),
+                   req_to_verify_expected_tokens=pool,
+                   req_to_verify_expected_tokens_valid_lens=None if pool is None else a(s.valid_lens),
+                   kv_token_id_vs_position_offset=case.token_offset, out=out)
+
+
 def _verify_total(case, s):
-    rows, cols = case.req_to_token.shape
-    ok = (s.req_pool_indices != 0) & (s.req_pool_indices >= 0) & (s.req_pool_indices < rows)
-    end = np.clip(s.prefix_lens, 0, cols)
-    start = np.maximum(s.prefix_lens - case.window, 0) if case.window else 0
-    return np.where(ok, np.maximum(end - start, 0), 0).sum()
+    """The step's verify entries, counted by a zero-capacity NumPy plan (it only scans the batch)."""
+    _, wp = _plan_step(case, s, np.asarray, verify_capacity=0)
+    return int(wp.verify_offsets[s.prefix_lens.shape[0]])
+
+
+def _csr_rows(rng, case, s: Step, active) -> None:
+    """The step's CSR table: each batch row owns its block row's first pages, enough for the step."""
+    bt, page_size = case.table["block_table"], case.table["block_size"]
+    need = -(-(s.prefix_lens + s.extend_seq_lens) // page_size)
+    spare = rng.integers(0, 2, need.shape[0])
+    pages = np.where(active, np.minimum(need + spare, bt.shape[1]), 0)
+    indices = [bt[s.req_pool_indices[r], :pages[r]] for r in range(pages.shape[0])]
+    s.kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(rng.choice([np.int32, np.int64]))
+    s.kv_indices = (np.concatenate(indices) if indices else np.zeros(0, np.int64)).astype(rng.choice([np.int32, np.int64]))
 
 
 def _step(rng, case, rp, prefix, extend, active) -> Step:
-    rtt = case.req_to_token
+    slots = case.slots
     locs, ids, pos = [], [], []
     for r in range(rp.shape[0]):
         n = int(extend[r]) if active[r] else 0
         p = prefix[r] + np.arange(n)
-        slot = rtt[rp[r], p].astype(np.int64) if active[r] else np.zeros(0, np.int64)
+        slot = slots[rp[r], p] if active[r] else np.zeros(0, np.int64)
         if case.lut is not None:
             slot = case.lut[np.minimum(slot, case.lut.shape[0] - 1)]
         locs.append(slot)
@@ -170,9 +255,12 @@ def _step(rng, case, rp, prefix, extend, active) -> Step:
     if case.pool is not None:
         valid_lens = rng.integers(0, case.pool.shape[1] + 1, rp.shape[0]).astype(np.int64)
     chain_flag = bool(rng.random() < 0.7) if rng.random() < 0.5 else np.array([int(rng.random() < 0.7)], np.int32)
-    return Step(rp, prefix.astype(np.int64), extend.astype(np.int64), ids, positions, loc, valid_lens,
+    step = Step(rp, prefix.astype(np.int64), extend.astype(np.int64), ids, positions, loc, valid_lens,
                 expected_tokens, expected_positions, tuple(int(k) for k in rng.integers(0, 12, 2)), chain_flag,
                 bool(rng.random() < 0.5))
+    if case.table_kind == "csr":
+        _csr_rows(rng, case, step, active)
+    return step
 
 
 def _inject(rng, case: Case) -> None:
@@ -181,26 +269,62 @@ def _inject(rng, case: Case) -> None:
         return
     s = case.steps[int(rng.integers(0, 2))]
     bs = s.req_pool_indices.shape[0]
-    rows, cols = case.req_to_token.shape
-    what = rng.choice(["rp", "rp_neg", "prefix", "extend", "valid_lens", "loc", "rtt", "lut"])
+    rows, cols = case.slots.shape
+    what = rng.choice(["rp", "rp_neg", "prefix", "extend", "valid_lens", "loc", "table", "table", "lut"])
     r = int(rng.integers(0, bs)) if bs else None
-    if what == "rp" and bs:
+    if what in ("rp", "rp_neg") and bs and case.table_kind == "csr":
+        _inject_indptr(rng, s, r)
+    elif what == "rp" and bs:
         s.req_pool_indices[r] = rows + int(rng.integers(0, 5))
     elif what == "rp_neg" and bs:
         s.req_pool_indices[r] = -int(rng.integers(1, 5))
-    elif what == "prefix" and bs:
-        s.prefix_lens[r] = cols + int(rng.integers(1, 50))
+    elif what == "prefix" and bs:  # a column past the row (CSR: past the request's own pages)
+        s.prefix_lens[r] = (cols if case.table_kind != "csr" else s.prefix_lens[r]) + int(rng.integers(1, 50))
     elif what == "extend" and bs:
         s.extend_seq_lens[r] = -int(rng.integers(1, 5))
     elif what == "valid_lens" and bs and s.valid_lens is not None:
         s.valid_lens[r] = case.pool.shape[1] + int(rng.integers(1, 9))
     elif what == "loc" and s.out_cache_loc.size:
         s.out_cache_loc[rng.integers(0, s.out_cache_loc.size)] = case.num_slots + int(rng.integers(0, 9))
-    elif what == "rtt":
-        flat = case.req_to_token.reshape(-1)
-        flat[rng.integers(0, flat.size, 3)] = case.num_slots + int(rng.integers(0, 9))
+    elif what == "table":
+        _inject_table(rng, case, s)
     elif what == "lut" and case.lut is not None:
         case.lut[rng.integers(0, case.lut.shape[0], 2)] = case.num_slots + int(rng.integers(0, 9))
+
+
+def _inject_indptr(rng, s: Step, r: int) -> None:
+    """A kv_indptr range that is not within kv_indices: decreasing, negative or past the end."""
+    indptr = s.kv_indptr
+    how = rng.choice(["past", "negative", "decreasing"])
+    if how == "past":
+        indptr[r + 1] = indptr[-1] + int(rng.integers(1, 9))
+    elif how == "negative":
+        indptr[r] = -int(rng.integers(1, 9))
+    else:
+        indptr[r + 1] = indptr[r] - int(rng.integers(1, 3))
+
+
+def _inject_table(rng, case: Case, s: Step) -> None:
+    """Bad ids in the table: negative, past the pool (slots >= num_slots), null blocks, unbound
+    pages, virtual ids past the page map (never another in-range slot: writes would race)."""
+    far = case.num_slots + int(rng.integers(0, 9))
+    t = case.table
+    if case.table_kind == "rtt":
+        flat = t["req_to_token"].reshape(-1)
+        flat[rng.integers(0, flat.size, 3)] = far
+    elif case.table_kind == "virtual":
+        v2p, page_size = t["virtual_to_physical"], t["page_size"]
+        v2p[rng.integers(0, v2p.size, 2)] = rng.choice([-1, -2 - int(rng.integers(0, 9)), far])
+        flat = t["req_to_token"].reshape(-1)
+        flat[rng.integers(0, flat.size, 2)] = v2p.size * page_size + int(rng.integers(0, 9))  # past the map
+    elif case.table_kind == "block":
+        flat = t["block_table"].reshape(-1)
+        flat[rng.integers(0, flat.size, 3)] = rng.choice([0, -int(rng.integers(1, 9)), far])
+    elif s.kv_indices.size:
+        s.kv_indices[rng.integers(0, s.kv_indices.size, 2)] = rng.choice([-int(rng.integers(1, 9)), far])
+        if rng.random() < 0.5 and s.prefix_lens.size:  # a request whose pages end before its prefix
+            r = int(rng.integers(0, s.prefix_lens.size))
+            s.prefix_lens[r] += int(s.kv_indptr[r + 1] - s.kv_indptr[r]) * case.table["block_size"] + 1
 
 
 def _initial_canary(case: Case) -> np.ndarray:
@@ -216,9 +340,6 @@ def run_case(ab, case: Case) -> dict:
     a = ab.asarray
     canary_np = _initial_canary(case)
     canary = a(canary_np.view(np.uint8).reshape(case.num_slots, 32)) if case.uint8_canary else a(canary_np)
-    rtt = a(case.req_to_token)
-    lut = a(case.lut) if case.lut is not None else None
-    pool = a(case.pool) if case.pool is not None else None
     sources = tuple(kc.RealKvSource(a(t), p, n, r) for t, p, n, r in case.sources)
     log = kc.ViolationLog.allocate(case.ring_capacity, like=ab.like)
     vp = kc.VerifyPlan.allocate(case.verify_capacity, like=ab.like)
@@ -228,12 +349,7 @@ def run_case(ab, case: Case) -> dict:
         arr[...] = a(poison)
     snapshots = []
     for s in case.steps:
-        kc.plan(a(s.req_pool_indices), a(s.prefix_lens), a(s.extend_seq_lens), rtt,
-                verify_capacity=case.verify_capacity, write_req_capacity=case.write_req_capacity,
-                swa_window_size=case.window, full_to_swa_index_mapping=lut,
-                req_to_verify_expected_tokens=pool if s.valid_lens is not None else None,
-                req_to_verify_expected_tokens_valid_lens=a(s.valid_lens) if s.valid_lens is not None else None,
-                kv_token_id_vs_position_offset=case.token_offset, out=(vp, wp))
+        _plan_step(case, s, a, verify_capacity=case.verify_capacity, out=(vp, wp))
         head, tail = s.kinds
         kc.verify(canary, vp, log=log, kernel_kind=head, check_expected_token=s.check_token)
         flag = s.chain_flag if isinstance(s.chain_flag, bool) else a(s.chain_flag)

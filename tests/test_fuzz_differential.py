@@ -1,14 +1,14 @@
 """Randomised plan -> verify -> write -> verify runs: every backend matches NumPy byte for byte.
 
 On the GPU this is the 2,000-case differential of the CUDA kernels against the NumPy backend
-(padding rows, SWA + LUT, expected-token pool, overflow, out-of-range values, batches up to
-20,000 requests).  Without a GPU it runs a smaller set on CPU torch tensors.
+(every engine table, padding rows, SWA + LUT, expected-token pool, overflow, out-of-range values,
+batches up to 20,000 requests).  Without a GPU it runs a smaller set on CPU torch tensors.
 """
 
 import pytest
 
 from conftest import get_backend_or_skip
-from fuzz_cases import assert_same, make_case, run_case
+from fuzz_cases import TABLE_KINDS, assert_same, make_case, run_case
 
 NUMPY = get_backend_or_skip("numpy")
 GPU_CASES = 2000
@@ -40,12 +40,15 @@ def test_torch_cpu_matches_numpy():
 
 
 def test_fuzz_cases_exercise_every_path():
-    """The generator reaches overflow, out-of-range skips, violations and dropped rows."""
+    """The generator reaches overflow, out-of-range skips, violations and dropped rows, and plans
+    through every table kind with out-of-range plan inputs."""
     seen = {"overflow": 0, "out_of_range": 0, "violations": 0, "dropped": 0, "lut": 0}
+    seen.update({f"{kind} plan out of range": 0 for kind in TABLE_KINDS})
     for seed in range(120):
         case = make_case(seed)
         snapshots = run_case(NUMPY, case)["snapshots"]
         last = snapshots[-1]
+        seen[f"{case.table_kind} plan out of range"] += int(last["vp.out_of_range_count"][0] > 0)
         seen["overflow"] += int(any(s["vp.enable"][0] == 0 for s in snapshots))
         seen["out_of_range"] += int(last["vp.out_of_range_count"][0] + last["log.out_of_range_counters"].sum() > 0)
         seen["violations"] += int(last["log.write_index"][0] > 0)
