@@ -74,9 +74,14 @@ def test_other_errors_keep_their_whole_traceback(monkeypatch):
 @pytest.mark.parametrize("index, name", enumerate(["req_pool_indices", "prefix_lens", "extend_seq_lens", "req_to_token"]))
 def test_planner_names_each_argument(index, name):
     args = [i64([1]), i64([1]), i64([1]), linear_rtt(2, 4)]
-    args[index] = [1]
+    args[index] = kc.ReqToToken([1]) if index == 3 else [1]  # a table's arrays are named as the table's fields
     with pytest.raises(TypeError, match=rf"^kv-canary: {name} must be a NumPy array, a CuPy array or a PyTorch tensor, got builtins.list"):
         _planner().plan(*args)
+
+
+def test_planner_names_a_table_that_is_no_table():
+    with pytest.raises(TypeError, match=r"^kv-canary: table must be a ReqToToken, BlockTable or PagedKvIndices \(or a 2-D int32 req_to_token array\), got builtins.list"):
+        _planner().plan(i64([1]), i64([1]), i64([1]), [1])
 
 
 def test_planner_names_keyword_arguments():
