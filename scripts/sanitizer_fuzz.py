@@ -19,15 +19,15 @@ import cupy  # noqa: E402
 
 import kvcanary_cupy as kc  # noqa: E402
 from conftest import get_backend_or_skip  # noqa: E402
-from fuzz_cases import assert_same, make_case, run_case  # noqa: E402
-from test_gpu_graphs import SHAPES, _prepare, assert_snapshots_equal  # noqa: E402
+from fuzz_cases import assert_same, make_case, make_move_case, run_case, run_move_case  # noqa: E402
+from test_gpu_graphs import SHAPES, TABLES, _prepare, assert_snapshots_equal  # noqa: E402
 
 
 def replay_graphs(cupy_ab) -> int:
-    """Capture one step per plan path in a cupy.cuda.Graph and replay it over changing batches."""
+    """Capture one step per plan path and table in a cupy.cuda.Graph and replay it over changing batches."""
     replays = 0
-    for shape in sorted(SHAPES):
-        steps, want, engine = _prepare(cupy_ab, shape)
+    for shape, table in ((shape, table) for shape in sorted(SHAPES) for table in TABLES):
+        steps, want, engine = _prepare(cupy_ab, shape, table=table)
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
             engine.fill(steps[0])
@@ -75,11 +75,15 @@ def main():
         assert_same(ref, run_case(cupy_ab, case), context=f"seed {seed}")
         last = ref["snapshots"][-1]
         injected += int(last["vp.out_of_range_count"][0] + last["log.out_of_range_counters"].sum() > 0)
+    for seed in range(args.first, args.first + args.cases):
+        case = make_move_case(seed)
+        for want, got in zip(run_move_case(numpy_ab, case), run_move_case(cupy_ab, case)):
+            assert (want == got).all(), f"move seed {seed}"
     replays = replay_graphs(cupy_ab)
     for seed in range(args.first, args.first + args.scatter_cases):
         scatter_case(seed)
     cupy.cuda.Device().synchronize()
-    print(f"sanitizer fuzz: {args.cases} cases passed, {injected} with out-of-range values; "
+    print(f"sanitizer fuzz: {args.cases} cases and {args.cases} page moves passed, {injected} with out-of-range values; "
           f"{replays} graph replays and {args.scatter_cases} scatters matched NumPy")
     # A CanarySession loop with a stale table entry: its staging and attribution kernels too.
     from test_session import run_fault_loop

@@ -386,3 +386,39 @@ def assert_same(ref: dict, got: dict, *, context: str = "") -> None:
                                           err_msg=f"{context} step {step}: ring rows")
         np.testing.assert_array_equal(g["log.ring"][min(written, cap):], r["log.ring"][min(written, cap):],
                                       err_msg=f"{context} step {step}: ring tail must stay untouched")
+
+
+# ---- move_pages ------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoveCase:
+    canary: np.ndarray  # int64 [N, fields]
+    src: np.ndarray
+    dst: np.ndarray  # distinct (a repeated destination is timing-dependent on the GPU)
+    page_size: int
+    uint8_canary: bool
+
+
+def make_move_case(seed: int) -> MoveCase:
+    """Cycles, chains, repeated sources, overlapping pages, out-of-range ids, both id dtypes,
+    both canary layouts, a partial last page."""
+    rng = np.random.default_rng(seed)
+    page_size = int(rng.choice([1, 2, 3, 16]))
+    num_pages = int(rng.integers(1, 40))
+    fields = int(rng.choice([4, 6]))
+    canary = rng.integers(-(2**62), 2**62, (num_pages * page_size + int(rng.integers(0, page_size)), fields), dtype=np.int64)
+    n = int(rng.integers(0, 30))
+    dst = rng.permutation(num_pages + 3)[:n] - int(rng.integers(0, 2))  # distinct; sometimes -1 or past the end
+    src = rng.integers(-1, num_pages + 2, n) if rng.random() < 0.5 else rng.permutation(num_pages + 3)[:n]
+    dtype = rng.choice([np.int32, np.int64])
+    return MoveCase(canary, src.astype(dtype), dst.astype(dtype), page_size, fields == 4 and bool(rng.random() < 0.5))
+
+
+def run_move_case(ab, case: MoveCase) -> tuple:
+    """``(canary after the move, out_of_range_count)`` as host arrays."""
+    canary = ab.asarray(case.canary.view(np.uint8) if case.uint8_canary else case.canary)
+    count = ab.asarray(np.full(1, 5, np.int64))
+    kc.move_pages(canary, ab.asarray(case.src), ab.asarray(case.dst), page_size=case.page_size, out_of_range_count=count)
+    return ab.to_numpy(canary).view(np.int64).reshape(case.canary.shape), ab.to_numpy(count)
+

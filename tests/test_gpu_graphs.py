@@ -11,16 +11,36 @@ NUMPY = get_backend_or_skip("numpy")
 
 
 class Engine:
-    """A toy engine with fixed-address step buffers in one framework (bs fixed, contents vary)."""
+    """A toy engine with fixed-address step buffers in one framework (bs fixed, contents vary).
 
-    def __init__(self, ab, bs=16, rows=24, cols=64, tokens_per_step=3):
-        self.ab = ab
+    ``table`` picks how the plan reads its slots: "rtt" (a req_to_token, row 0 = padding),
+    "block" (a block table of pages of PAGE_SIZE slots, every row real) or "csr" (FlashInfer's
+    page table: each batch row owns all pages of its block-table row, refilled every step).
+    ``rtt_np`` is the slot of each (row, position) either way.
+    """
+
+    PAGE_SIZE = 4
+
+    def __init__(self, ab, bs=16, rows=24, cols=64, tokens_per_step=3, table="rtt"):
+        self.ab, self.kind = ab, table
         rng = np.random.default_rng(0)
-        self.rtt_np = rng.permutation(np.arange(1, rows * cols + 1)).reshape(rows, cols).astype(np.int32)
-        self.num_slots = rows * cols + 1
-        self.bs, self.tokens = bs, bs * tokens_per_step
         a = ab.asarray
-        self.rtt = a(self.rtt_np)
+        if table == "rtt":
+            self.rtt_np = rng.permutation(np.arange(1, rows * cols + 1)).reshape(rows, cols).astype(np.int32)
+            self.num_slots = rows * cols + 1
+            self.rtt = a(self.rtt_np)
+            self.table = kc.ReqToToken(self.rtt)
+        else:
+            ps, width = self.PAGE_SIZE, cols // self.PAGE_SIZE
+            self.blocks_np = rng.permutation(np.arange(1, rows * width + 1)).reshape(rows, width).astype(np.int32)
+            self.rtt_np = (np.repeat(self.blocks_np, ps, axis=1) * ps + np.arange(cols) % ps).astype(np.int32)
+            self.num_slots = (rows * width + 1) * ps
+            if table == "block":
+                self.table = kc.BlockTable(a(self.blocks_np), ps)
+            else:
+                self.kv_indices = a(np.zeros(bs * width, np.int32))
+                self.table = kc.PagedKvIndices(a(np.arange(0, (bs + 1) * width, width, dtype=np.int32)), self.kv_indices, ps)
+        self.bs, self.tokens = bs, bs * tokens_per_step
         self.canary = kc.allocate_canary_buffer(self.num_slots, like=ab.like)
         self.log = kc.ViolationLog.allocate(256, like=ab.like)
         self.vp = kc.VerifyPlan.allocate(bs * cols // 2, like=ab.like)  # the last steps overflow
@@ -35,9 +55,12 @@ class Engine:
         """Copy a step's inputs into the fixed buffers (in place)."""
         for dst, src in zip((self.rp, self.prefix, self.extend, self.ids, self.pos, self.loc, self.flag), step_inputs):
             dst[...] = self.ab.asarray(src)
+        if self.kind == "csr":
+            self.kv_indices[...] = self.ab.asarray(self.blocks_np[step_inputs[0]].reshape(-1))
 
     def step(self):
-        kc.plan(self.rp, self.prefix, self.extend, self.rtt, verify_capacity=self.vp.capacity, out=(self.vp, self.wp))
+        kc.plan(None if self.kind == "csr" else self.rp, self.prefix, self.extend, self.table,
+                verify_capacity=self.vp.capacity, out=(self.vp, self.wp))
         kc.verify(self.canary, self.vp, log=self.log, kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL)
         kc.write(self.canary, self.wp, self.ids, self.pos, self.loc, log=self.log,
                  kernel_kind=kc.CanaryLaunchTag.TAIL_K_FULL, chain_position_assert=self.flag)
@@ -60,6 +83,8 @@ def step_inputs(engine, step, rng):
     else:
         prefix = np.full(bs, 3 * step, np.int64)
         extend = np.full(bs, 3)
+    if engine.kind != "rtt":  # every table row is real: a padding request is an empty one
+        prefix = np.where(rp != 0, prefix, 0)
     extend = np.where(rp != 0, np.minimum(extend, cols - prefix), 0)
     loc, ids, pos = [], [], []
     for r in range(bs):
@@ -74,10 +99,11 @@ def step_inputs(engine, step, rng):
 
 
 SHAPES = {"fused": dict(bs=16, rows=24, cols=64), "two_kernels": dict(bs=3000, rows=3008, cols=12)}
+TABLES = ("rtt", "block", "csr")
 
 
-def reference_run(steps, shape):
-    engine = Engine(NUMPY, **shape)
+def reference_run(steps, shape, table="rtt"):
+    engine = Engine(NUMPY, **shape, table=table)
     snaps = []
     for inputs in steps:
         engine.fill(inputs)
@@ -93,24 +119,25 @@ def assert_snapshots_equal(got, want):
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
-def _steps(shape, n=4):
+def _steps(shape, n=4, table="rtt"):
     rng = np.random.default_rng(1)
-    probe = Engine(NUMPY, **shape)
+    probe = Engine(NUMPY, **shape, table=table)
     return [step_inputs(probe, i, rng) for i in range(n)]
 
 
-def _prepare(ab, shape, n=4):
+def _prepare(ab, shape, n=4, table="rtt"):
     """Compiled kernels, the steps, NumPy's snapshots after each, and an engine on ``ab``."""
     kc.warmup()
-    steps = _steps(SHAPES[shape], n)
-    return steps, reference_run(steps, SHAPES[shape]), Engine(ab, **SHAPES[shape])
+    steps = _steps(SHAPES[shape], n, table)
+    return steps, reference_run(steps, SHAPES[shape], table), Engine(ab, **SHAPES[shape], table=table)
 
 
+@pytest.mark.parametrize("table", TABLES)
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_cupy_graph_capture_and_replay(shape):
+def test_cupy_graph_capture_and_replay(shape, table):
     import cupy
 
-    steps, want, engine = _prepare(get_backend_or_skip("cupy"), shape)
+    steps, want, engine = _prepare(get_backend_or_skip("cupy"), shape, table=table)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         engine.fill(steps[0])
@@ -124,11 +151,12 @@ def test_cupy_graph_capture_and_replay(shape):
             assert_snapshots_equal(engine.snapshot(), expected)
 
 
+@pytest.mark.parametrize("table", TABLES)
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_torch_graph_capture_and_replay(shape):
+def test_torch_graph_capture_and_replay(shape, table):
     import torch
 
-    steps, want, engine = _prepare(get_backend_or_skip("torch_cuda"), shape)
+    steps, want, engine = _prepare(get_backend_or_skip("torch_cuda"), shape, table=table)
     engine.fill(steps[0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -190,6 +218,7 @@ def capture_refusals(engine):
     spread_flat, offsets, rows = xp_zeros(8)[::2], xp_zeros(2), xp_zeros(1)
     pool = e.ab.asarray(np.zeros((4, 4), np.int32))
     planner = kc.CanaryPlanner.from_engine(kv_pool_size=e.num_slots, max_running_requests=e.bs, like=e.canary)
+    pages = e.ab.asarray(np.array([1, 2], np.int64))
     host_inputs = [e.ab.to_numpy(x) for x in (e.rp, e.prefix, e.extend, e.rtt)]
     return [
         (r"kv-canary would copy input_ids \(it is not contiguous.*make input_ids contiguous before capturing",
@@ -207,6 +236,8 @@ def capture_refusals(engine):
          lambda: planner.plan(*host_inputs)),
         (r"strict=True copies the arguments to the host",
          lambda: kc.verify(e.canary, e.vp, log=e.log, strict=True)),
+        (r"move_pages would allocate its staging area \(no workspace= was given\).*pass workspace= allocated before capturing",
+         lambda: kc.move_pages(e.canary, pages, pages)),
     ]
 
 
@@ -283,3 +314,57 @@ def test_eager_calls_still_copy_outside_a_capture(gpu_ab):
     kc.verify(engine.canary, engine.vp, log=engine.log, kernel_kind=kc.CanaryLaunchTag.TAIL_K_FULL)
     gpu_ab.synchronize()
     assert_snapshots_equal(engine.snapshot(), want[0])
+
+
+# ---- move_pages in a graph -----------------------------------------------------------------------------
+
+
+def _move_inputs(num_pages, n, steps):
+    """Per replay: a permutation of n pages (sources and destinations overlap) and a bad id."""
+    rng = np.random.default_rng(7)
+    out = []
+    for _ in range(steps):
+        src = rng.permutation(num_pages)[:n]
+        dst = rng.permutation(src)
+        src[rng.integers(0, n)] = num_pages + 3  # skipped and counted
+        out.append((src.astype(np.int64), dst.astype(np.int64)))
+    return out
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch_cuda"])
+def test_move_pages_capture_and_replay(framework):
+    """A move captured once (with a workspace) replays new permutations, matching NumPy."""
+    from test_move_pages import reference_move
+
+    ab = get_backend_or_skip(framework)
+    kc.warmup()
+    page_size, num_pages, n = 4, 64, 24
+    buf = np.random.default_rng(3).integers(-(2**40), 2**40, (num_pages * page_size, 4), dtype=np.int64)
+    canary, count = ab.asarray(buf), ab.asarray(np.zeros(1, np.int64))
+    src, dst = ab.asarray(np.zeros(n, np.int64)), ab.asarray(np.zeros(n, np.int64))
+    workspace = kc.allocate_canary_buffer(n * page_size, like=canary)
+    move = lambda: kc.move_pages(canary, src, dst, page_size=page_size, workspace=workspace, out_of_range_count=count)
+    if framework == "cupy":
+        import cupy
+
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            move()
+            graph = stream.end_capture()
+        replay = lambda: (graph.launch(stream), stream.synchronize())
+    else:
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            move()
+        replay = lambda: (graph.replay(), torch.cuda.synchronize())
+    expected = buf
+    for step, (s, d) in enumerate(_move_inputs(num_pages, n, 3)):
+        src[...], dst[...] = ab.asarray(s), ab.asarray(d)
+        replay()
+        expected = reference_move(expected, s, d, page_size)
+        np.testing.assert_array_equal(ab.to_numpy(canary), expected)
+        assert int(ab.to_numpy(count)[0]) == step + 1

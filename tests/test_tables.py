@@ -287,10 +287,10 @@ class TableCall:
         self.ab = ab
         self.out = poisoned_out(ab, 32, 2)
 
-    def __call__(self, table, rp=(0, 1), **kw):
+    def __call__(self, table, rp=(0, 1), prefix=(3, 2), **kw):
         a = self.ab
         rp = None if rp is None else _a(a, rp, I64)
-        return kc.plan(rp, _a(a, [3, 2], I64), _a(a, [1, 1], I64), table, verify_capacity=32, out=self.out, **kw)
+        return kc.plan(rp, _a(a, prefix, I64), _a(a, [1, 1], I64), table, verify_capacity=32, out=self.out, **kw)
 
 
 def _rejected(ab, call, table, exc, match, **kw):
@@ -355,3 +355,43 @@ def test_page_division_is_exact_below_2_62(page_size):
         got = value >> shift if shift >= 0 else ((value * magic) >> 64) >> magic_shift
         assert got == value // page_size, (value, page_size)
     assert 0 <= magic < 2**64 and (shift >= 0) == (page_size & (page_size - 1) == 0)
+
+
+# ---- strict=True -----------------------------------------------------------------------------------------
+
+
+def _csr(ab, indptr, indices, ps=2):
+    return kc.PagedKvIndices(_a(ab, np.array(indptr)), _a(ab, np.array(indices, I32)), ps)
+
+
+STRICT_TABLE_CASES = [  # (table kind, change, message)
+    ("block", dict(rp=[0, 5]), r"req_pool_indices\[1\] = 5 is outside \[0, 2\) \(block_table has 2 rows\)"),
+    ("block", dict(prefix=[2, 9]),
+     r"prefix_lens\[1\] = 9 is outside \[0, 8\] \(block_table rows hold 2 blocks x block_size 4 = 8 positions\)"),
+    ("csr", dict(indptr=[0, 4, 3]), r"kv_indptr\[0:2\] = \[0, 4\] is not a range within the 3 entries of kv_indices"),
+    ("csr", dict(prefix=[2, 5]),
+     r"prefix_lens\[1\] = 5 is outside \[0, 4\] \(request 1 holds 2 pages x page_size 2 = 4 positions\)"),
+    ("virtual", dict(rtt_value=40), r"req_to_token\[1, 1\] = 40 \(batch row 0\) is in virtual page 10, outside virtual_to_physical of length 4"),
+    ("block", dict(lut=np.arange(20)), r"slot 20 of batch row 1, position 0 \(block_table\) is outside full_to_swa_index_mapping of length 20"),
+]
+
+
+@pytest.mark.parametrize("kind, change, message", STRICT_TABLE_CASES)
+def test_strict_names_the_table_value(ab, kind, change, message):
+    args = dict(rp=[0, 1], prefix=[2, 3], indptr=[0, 1, 3], rtt_value=None, lut=None)
+    args.update(change)
+    if kind == "block":
+        table = kc.BlockTable(_a(ab, np.array([[1, 2], [5, 6]], I32)), 4)
+    elif kind == "csr":
+        table = _csr(ab, args["indptr"], [3, 4, 5])
+        args["rp"] = None
+    else:
+        rtt = np.array([[0, 0, 0, 0], [0, 1, 2, 3], [4, 5, 6, 7]], I32)
+        rtt[1, 1] = args["rtt_value"]
+        table = kc.ReqToToken(_a(ab, rtt), virtual_to_physical=_a(ab, np.array([0, 3, 1, 2], I64)), page_size=4)
+        args["rp"] = [1, 2]
+    call = TableCall(ab)
+    kw = dict(rp=args["rp"], prefix=args["prefix"], full_to_swa_index_mapping=_a(ab, args["lut"], I64))
+    _rejected(ab, call, table, ValueError, message, strict=True, **kw)
+    call(table, **kw)  # without strict: skipped and counted
+    assert int(ab.to_numpy(call.out[0].out_of_range_count)[0]) >= 1
