@@ -1,6 +1,7 @@
 """The benchmark from a source checkout: the same as ``kvcanary bench`` (see kvcanary_cupy/bench.py).
 
-    python benchmarks/bench_canary.py [--backend cupy|numpy] [--workloads W1,W2,W3,W4] [--out FILE] [--json FILE]
+    python benchmarks/bench_canary.py [--backend cupy|numpy] [--workloads W1,W2,W3,W4]
+                                      [--sections ops,tables,capacity,host] [--out FILE] [--json FILE]
 """
 
 import sys

@@ -7,8 +7,12 @@ the same run; the baseline is the same plan/verify written with vectorised CuPy 
 searchsorted, gathers), eager, as a user would without this library.
 CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend.
 
-    kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4] [--out FILE] [--json FILE]
+    kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4]
+                   [--sections ops,tables,capacity,host] [--out FILE] [--json FILE]
 
+``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
+next to the equivalent req_to_token at W1, W3 and W4, against what a user writes without them;
+``capacity`` times the plan at write_req_capacity = bs, 4,096 and 65,536.
 ``benchmarks/bench_canary.py`` runs the same from a source checkout.
 """
 
@@ -232,6 +236,130 @@ def run_gpu(names, rows: list):
     return lines
 
 
+# ---- engine tables --------------------------------------------------------------------------------
+
+BLOCK_SIZE = 16
+TABLE_WORKLOADS = ("W1", "W3", "W4")
+
+
+def build_paged(w: Workload, xp, block_size=BLOCK_SIZE, seed=0):
+    """A step over KV pages of ``block_size`` slots in a permuted pool, three ways: a vLLM block
+    table (rows 0..bs-1), FlashInfer's CSR page table, and the equivalent req_to_token (rows 1..bs)."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(w.prefix_lo, w.prefix_hi, w.bs).astype(np.int64)
+    pages = -(-(prefix + w.new_tokens) // block_size)
+    ids = rng.permutation(np.arange(1, int(pages.sum()) + 1)).astype(np.int32)  # page 0: vLLM's null block
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    width = int(pages.max())
+    bt = np.zeros((w.bs, width), np.int32)
+    for r in range(w.bs):
+        bt[r, :pages[r]] = ids[indptr[r]:indptr[r + 1]]
+    pos = np.arange(width * block_size)
+    rtt = np.zeros((w.bs + 1, width * block_size), np.int32)
+    rtt[1:] = np.where(bt[:, pos // block_size] == 0, 0, bt[:, pos // block_size] * block_size + pos % block_size)
+    a = xp.asarray
+    return dict(prefix=a(prefix), extend=a(np.full(w.bs, w.new_tokens, np.int64)), bt=a(bt), indptr=a(indptr),
+                indices=a(ids), rtt=a(rtt), rp_rtt=a(np.arange(1, w.bs + 1, dtype=np.int64)),
+                rp_bt=a(np.arange(w.bs, dtype=np.int64)), total_verify=int(prefix.sum()), bs=w.bs, width=width)
+
+
+def materialise_block_table(xp, d, block_size=BLOCK_SIZE):
+    """What a vLLM user writes without kv-canary's tables: the per-token slot table of the block
+    table, with vectorised ops (padding row 0 on top, the null block mapped to slot 0)."""
+    pos = xp.arange(d["bt"].shape[1] * block_size)
+    blocks = d["bt"][:, pos // block_size]
+    slots = xp.where(blocks == 0, 0, blocks * block_size + pos % block_size).astype(xp.int32)
+    return xp.concatenate([xp.zeros((1, slots.shape[1]), xp.int32), slots])
+
+
+def materialise_paged_kv(xp, d, page_size=BLOCK_SIZE):
+    """The same for a CSR page table: each request's pages, padded to the longest request."""
+    indptr, indices = d["indptr"].astype(xp.int64), d["indices"]
+    pos = xp.arange(d["width"] * page_size)
+    col = indptr[:-1, None] + pos[None, :] // page_size
+    inside = col < indptr[1:, None]
+    slots = xp.where(inside, indices[xp.minimum(col, indices.shape[0] - 1)] * page_size + pos % page_size, 0)
+    return xp.concatenate([xp.zeros((1, slots.shape[1]), xp.int32), slots.astype(xp.int32)])
+
+
+def table_plans(d, vp, wp):
+    """The plan through each table of :func:`build_paged`, into the same buffers."""
+    kw = dict(verify_capacity=vp.capacity, out=(vp, wp))
+    return {
+        "req_to_token": lambda: kc.plan(d["rp_rtt"], d["prefix"], d["extend"], d["rtt"], **kw),
+        "block_table": lambda: kc.plan(d["rp_bt"], d["prefix"], d["extend"], kc.BlockTable(d["bt"], BLOCK_SIZE), **kw),
+        "paged_kv": lambda: kc.plan(None, d["prefix"], d["extend"], kc.PagedKvIndices(d["indptr"], d["indices"], BLOCK_SIZE), **kw),
+    }
+
+
+def check_tables_agree(xp, d, vp, wp):
+    """Every table plans the same bytes, and the materialisations equal the equivalent req_to_token."""
+    plans = table_plans(d, vp, wp)
+    first = None
+    for name, fn in plans.items():
+        fn()
+        got = {k: np.asarray(v.get() if hasattr(v, "get") else v).copy() for k, v in {**vp.arrays(), **wp.arrays()}.items()}
+        got["out_of_range_count"] = None
+        if first is None:
+            first = got
+        elif any(not np.array_equal(got[k], first[k]) for k in got if got[k] is not None):
+            raise RuntimeError(f"the plan through {name} differs from the plan through req_to_token")
+    for fn in (materialise_block_table, materialise_paged_kv):
+        if not bool((fn(xp, d) == d["rtt"]).all()):
+            raise RuntimeError(f"{fn.__name__} does not give the equivalent req_to_token")
+
+
+def run_tables(cupy, names, rows: list):
+    """Plan device time through each engine table (block size 16), and what a vLLM / FlashInfer
+    user writes without them: materialise the slot table with vectorised CuPy ops, then plan with
+    vectorised CuPy ops (eager)."""
+    lines = [f"engine tables, block/page size {BLOCK_SIZE}: plan device us (graph of 50); baseline = materialise the slot "
+             "table + vectorised plan, eager",
+             f"{'workload':<16} {'table':<13} {'device us':>10} {'x req_to_token':>15} {'table MB':>9} {'baseline us':>12} {'x faster':>9}"]
+    for key in names:
+        d = build_paged(WORKLOADS[key], cupy)
+        vp = kc.VerifyPlan.allocate(d["total_verify"], like=d["prefix"])
+        wp = kc.WritePlan.allocate(d["bs"], like=d["prefix"])
+        check_tables_agree(cupy, d, vp, wp)
+        table_bytes = {"req_to_token": d["rtt"].nbytes, "block_table": d["bt"].nbytes,
+                       "paged_kv": d["indptr"].nbytes + d["indices"].nbytes}
+        baselines = {
+            "req_to_token": lambda: baseline_plan(cupy, dict(rp=d["rp_rtt"], prefix=d["prefix"], rtt=d["rtt"], extend=d["extend"])),
+            "block_table": lambda: baseline_plan(cupy, dict(rp=d["rp_rtt"], prefix=d["prefix"], extend=d["extend"],
+                                                            rtt=materialise_block_table(cupy, d))),
+            "paged_kv": lambda: baseline_plan(cupy, dict(rp=d["rp_rtt"], prefix=d["prefix"], extend=d["extend"],
+                                                         rtt=materialise_paged_kv(cupy, d))),
+        }
+        reference = None
+        for name, fn in table_plans(d, vp, wp).items():
+            us = time_graph(cupy, fn)
+            reference = reference or us
+            base = time_eager(cupy, baselines[name])
+            rows.append({"workload": key, "op": f"plan[{name}]", "device_us": round(us, 3), "x_req_to_token": round(us / reference, 3),
+                         "table_bytes": table_bytes[name], "baseline_us": round(base, 1)})
+            lines.append(f"{WORKLOADS[key].name:<16} {name:<13} {us:>10.2f} {us / reference:>15.2f} "
+                         f"{table_bytes[name] / 1e6:>9.2f} {base:>12.1f} {base / us:>9.1f}")
+    return lines
+
+
+def run_capacity(cupy, rows: list, names=("W1", "W3"), capacities=(None, 4096, 65536)):
+    """Plan device us against write_req_capacity (None: the batch size): the stale rows past the
+    batch are cleared up to the previous batch only, so the cost must not grow with the capacity."""
+    lines = ["plan device us vs write_req_capacity (graph of 50 plans of one batch):"]
+    for key in names:
+        d = build(WORKLOADS[key], cupy)
+        row = []
+        for cap in capacities:
+            cap = cap or d["bs"]
+            vp = kc.VerifyPlan.allocate(d["total_verify"], like=d["rp"])
+            wp = kc.WritePlan.allocate(cap, like=d["rp"])
+            us = time_graph(cupy, lambda: kc.plan(d["rp"], d["prefix"], d["extend"], d["rtt"], verify_capacity=vp.capacity, out=(vp, wp)))
+            rows.append({"workload": key, "op": "plan", "write_req_capacity": cap, "device_us": round(us, 3)})
+            row.append(f"{cap}: {us:.2f}")
+        lines.append(f"  {WORKLOADS[key].name:<16} " + ", ".join(row))
+    return lines
+
+
 def host_overhead(cupy, rows: list, key="W3", calls=200):
     """Host microseconds per eager call (validation, views, launch), CuPy inputs vs torch tensors."""
     lines = [f"host us per eager call at {key} (validation, views, launch; device work overlaps):"]
@@ -290,6 +418,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
                         help="cupy: this machine's GPU (default); numpy: the CPU backend")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of W1,W2,W3,W4")
+    parser.add_argument("--sections", default="ops,tables,capacity,host",
+                        help="GPU sections: ops (plan/verify/write), tables (engine tables), capacity, host")
     parser.add_argument("--out", metavar="FILE", help="also write the table to FILE")
     parser.add_argument("--json", metavar="FILE", help="also write the measurements as JSON to FILE")
 
@@ -308,7 +438,14 @@ def run(args) -> int:
             return 2
         import cupy
 
-        lines = run_gpu(names, rows) + host_overhead(cupy, rows)
+        sections = args.sections.split(",")
+        lines = run_gpu(names, rows) if "ops" in sections else []
+        if "tables" in sections:
+            lines += run_tables(cupy, [n for n in names if n in TABLE_WORKLOADS], rows)
+        if "capacity" in sections:
+            lines += run_capacity(cupy, rows)
+        if "host" in sections:
+            lines += host_overhead(cupy, rows)
     else:
         lines = run_numpy(names, rows)
     text = "\n".join(lines)
