@@ -259,9 +259,9 @@ class CanarySession:
         accepts.  ``expected_tokens``/``expected_tokens_valid_lens`` are the expected-token pool
         and its valid lengths (checked when ``check_expected_tokens``).
         """
-        bs = _length(req_pool_indices, "req_pool_indices")
+        bs = _length(prefix_lens, "prefix_lens")  # req_pool_indices is None with a PagedKvIndices table
         if bs > self.max_batch_size:
-            fail(ValueError, f"bs={bs} (len(req_pool_indices)) exceeds the session's max_batch_size={self.max_batch_size}")
+            fail(ValueError, f"bs={bs} (len(prefix_lens)) exceeds the session's max_batch_size={self.max_batch_size}")
         tokens = _length(input_ids, "input_ids")
         for name, x in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
             if _length(x, name) != tokens:
@@ -325,8 +325,9 @@ class CanarySession:
         if self._step_open:
             fail(RuntimeError, "sweep() between pre_forward() and end_step() would mix the sweep's violations with the "
                                "step's; call it after end_step()")
-        planner = self._sweep_planner_for(_length(req_pool_indices, "req_pool_indices"))
-        vp, _ = planner.plan(req_pool_indices, seq_lens, self._sweep_zeros[: req_pool_indices.shape[0]], table)
+        n = _length(seq_lens, "seq_lens")  # req_pool_indices is None with a PagedKvIndices table
+        planner = self._sweep_planner_for(n)
+        vp, _ = planner.plan(req_pool_indices, seq_lens, self._sweep_zeros[:n], table)
         verify(self.tail_canary, vp, log=self.log, kernel_kind=self.sweep_tag, real_kv_sources=self.real_kv_sources,
                real_kv_hash_mode=self.real_kv_hash_mode)
         self._stats["sweeps"] += 1

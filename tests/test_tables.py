@@ -395,3 +395,37 @@ def test_strict_names_the_table_value(ab, kind, change, message):
     _rejected(ab, call, table, ValueError, message, strict=True, **kw)
     call(table, **kw)  # without strict: skipped and counted
     assert int(ab.to_numpy(call.out[0].out_of_range_count)[0]) >= 1
+
+
+# ---- CanarySession ---------------------------------------------------------------------------------------
+
+
+def test_a_session_through_a_csr_table_reports_what_it_reports_through_req_to_token(ab):
+    """The session test's schedule and stale table entry, once through req_to_token and once
+    through the equivalent CSR table (page size 1, no req_pool_indices): the same report."""
+    from session_engine import ToyEngine
+    from test_session import FAULT_STEP, SCHEDULE
+
+    reports = []
+    for kind in ("rtt", "csr"):
+        engine = ToyEngine()
+        session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore")
+        for step, rows in enumerate(SCHEDULE):
+            arrays = {k: ab.asarray(v) for k, v in engine.step(rows).items()}
+            if step == FAULT_STEP:
+                engine.rtt[1, 2] = engine.rtt[2, 4]
+            rp = ab.to_numpy(arrays["rp"])
+            if kind == "rtt":
+                table, rp_arg = ab.asarray(engine.rtt), arrays["rp"]
+            else:  # padding batch rows own no pages
+                width = np.where(rp != 0, engine.rtt.shape[1], 0)
+                indptr = np.concatenate([[0], np.cumsum(width)])
+                table, rp_arg = kc.PagedKvIndices(ab.asarray(indptr), ab.asarray(engine.rtt[rp[rp != 0]].reshape(-1)), 1), None
+            session.pre_forward(rp_arg, arrays["prefix"], arrays["extend"], table, arrays["ids"], arrays["pos"], arrays["loc"])
+            session.post_forward()
+            ab.synchronize()
+            session.end_step()
+        session.check()
+        reports.append(session.report())
+    assert [v.key for v in reports[1].violations] == [v.key for v in reports[0].violations] != []
+    assert reports[1].total_violations == reports[0].total_violations
