@@ -108,8 +108,7 @@ class _PlanRecord(_ArrayRecord):
         return int(getattr(self, self.CAPACITY_FIELD).shape[0])
 
     @classmethod
-    @public_api
-    def allocate(cls, capacity: int, *, like=None):
+    def _allocate(cls, capacity: int, like):
         cap = check_count(capacity, f"{cls.__name__} {cls.CAPACITY_NAME}")
         _refuse_allocation_during_capture(like, f"{cls.__name__}.allocate")
         record = cls(**{f.name: allocate((f.length(cap),), f.dtype, like=like, fill=f.fill) for f in cls.FIELDS})
@@ -138,6 +137,11 @@ class VerifyPlan(_PlanRecord):
     (README, "Out-of-range values"); it only ever grows.  Fields: :data:`VERIFY_PLAN_FIELDS`.
     """
 
+    @classmethod
+    @public_api
+    def allocate(cls, verify_capacity: int, *, like=None) -> "VerifyPlan":
+        return cls._allocate(verify_capacity, like)
+
 
 @_plan_record(WRITE_PLAN_FIELDS, "write_seed_slot_indices", "write_req_capacity")
 class WritePlan(_PlanRecord):
@@ -149,6 +153,11 @@ class WritePlan(_PlanRecord):
     ``write_seed_slot_indices[r] == -1`` and ``write_offsets[r+1] == verify_offsets[r+1] == 0``
     for every ``r >= bs``.  Fields: :data:`WRITE_PLAN_FIELDS`.
     """
+
+    @classmethod
+    @public_api
+    def allocate(cls, write_req_capacity: int, *, like=None) -> "WritePlan":
+        return cls._allocate(write_req_capacity, like)
 
 
 @dataclass(frozen=True)

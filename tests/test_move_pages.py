@@ -36,6 +36,12 @@ def test_swap_two_pages(ab):
     assert out[2:4].tolist() == buf[2:4].tolist()
 
 
+def test_numpy_gives_a_repeated_destination_its_last_pair():
+    buf = np.arange(4 * 4, dtype=I64).reshape(4, 4) + 1
+    out = kc.move_pages(buf.copy(), np.array([1, 2, 3]), np.array([0, 0, 0]))
+    assert out[0].tolist() == buf[3].tolist() and (out[1:] == 0).all()
+
+
 def test_a_move_clears_the_source(ab):
     buf = np.arange(4 * 4, dtype=I64).reshape(4, 4) + 1
     out = ab.to_numpy(kc.move_pages(ab.asarray(buf), a64(ab, [1]), a64(ab, [3])))

@@ -523,10 +523,12 @@ def move(a: MoveArgs) -> None:
     src, dst, src_ok, dst_ok = move_pair_checks(a)
     if a.out_of_range_count is not None:
         a.out_of_range_count[0] += int(np.count_nonzero(~src_ok) + np.count_nonzero(~dst_ok))
-    keep = src_ok & dst_ok
+    src, dst = src[src_ok & dst_ok], dst[src_ok & dst_ok]
     num_pages = a.canary.shape[0] // a.page_size
     pages = a.canary[: num_pages * a.page_size].reshape(num_pages, -1)  # a view: the canary is contiguous
-    rows = pages[src[keep]]  # a copy
-    pages[src[keep]] = 0
-    pages[dst[keep]] = rows
+    rows = pages[src]  # a copy
+    pages[src] = 0
+    _, last = np.unique(dst[::-1], return_index=True)  # a repeated destination takes its last pair
+    keep = dst.shape[0] - 1 - last
+    pages[dst[keep]] = rows[keep]
 
