@@ -129,6 +129,7 @@ def make_case(seed: int, *, big: bool = False, table_kind: str | None = None) ->
         # Injective but for evicted entries (0): two requests never write one slot in one launch.
         lut = rng.permutation(np.arange(1, num_slots))[:lut_len].astype(np.int64)
         lut[rng.random(lut_len) < 0.1] = 0  # evicted: chain check skipped
+        lut[0] = 0  # the padding slot (a null block, an unbound page) maps to the padding slot
         if lut_len <= full_slots:
             lut[-1] = 0  # a short LUT clamps many lookups onto its last entry: make that the padding slot
     pool = None
