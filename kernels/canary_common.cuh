@@ -40,8 +40,11 @@ __host__ __device__ constexpr u64 mix3(u64 a, u64 b, u64 c) {
 constexpr u64 kAnchorHash = splitmix64(kCanaryChainAnchor);
 static_assert(kAnchorHash == 0xDE7FAE23A9A1B716ULL, "anchor hash");
 
-// The real-KV sources of one launch, passed by value (mirrored by a NumPy structured dtype with
-// align=True in kvcanary_cupy/backends/cupy_backend.py).  num_sources is 0 when the mode is NONE;
+constexpr int kMaxCanaryBuffers = 4;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// The real-KV sources of one canary buffer, passed by value (mirrored by a NumPy structured
+// dtype in kvcanary_cupy/backends/cupy_backend.py).  num_sources is 0 when the mode is NONE;
 // nbytes[i] is already resolved from the mode (16 for PARTIAL, read_bytes for ALL).
 struct RealKvSources {
   u64 data[kMaxRealKvSources];  // device addresses, 16-byte aligned
@@ -51,10 +54,11 @@ struct RealKvSources {
   int nbytes[kMaxRealKvSources];
   int num_sources;
 };
-static_assert(sizeof(RealKvSources) == 120, "mirrored in cupy_backend.py");
 
 // Fingerprint of one slot's real KV bytes (docs/format.md §3).  The host checked that every source
-// covers every canary slot, so `slot` in [0, num_slots) never reads out of bounds.
+// covers every canary slot, so `slot` in [0, num_slots) never reads out of bounds.  The kernels
+// take the sources as a __grid_constant__ parameter, so the runtime index reads them in place
+// (no copy to local memory).
 __device__ __forceinline__ u64 real_kv_fold(const RealKvSources& s, i64 slot) {
   u64 acc = 0;
   for (int i = 0; i < s.num_sources; ++i) {
@@ -72,8 +76,20 @@ __device__ __forceinline__ u64 real_kv_fold(const RealKvSources& s, i64 slot) {
   return acc;
 }
 
-// The violation log seen by one launch: its ring (fill-once by ticket) and the counters of its
-// kernel kind.  Mirrored by a NumPy structured dtype in kvcanary_cupy/backends/cupy_backend.py.
+// The violation log of one launch: its fill-once ring and its per-kind counters.  Mirrored by a
+// NumPy structured dtype in kvcanary_cupy/backends/cupy_backend.py.
+//
+// Rows are appended a warp at a time (append_rows): one ballot, one ticket range drawn with one
+// atomicAdd, and no ticket at all once the ring is full.  Tickets are drawn only while
+// write_index < capacity; a draw that overshoots clamps write_index back to capacity with
+// atomicMin.  Adds only raise it and clamps only bring it down to capacity, so it ends at
+// min(before + violations, capacity) whatever the thread timing (the NumPy backend's rule).
+// Violations are counted in registers and added to violation_counters once per warp and launch.
+//
+// No fence follows the row stores: the host reads the ring with a copy ordered after the kernel
+// on its stream (or after a synchronize), and the end of a kernel makes all its global stores
+// visible to later work on the stream and to the host.  Nothing reads the ring while the kernel
+// runs, so a __threadfence_system per row would only cost time.
 struct LaunchLog {
   i64* ring;  // [capacity, 8]
   int* write_index;  // [1], tickets drawn: saturates at capacity, never wraps
@@ -82,31 +98,34 @@ struct LaunchLog {
   unsigned long long* kernel_run_counters;  // [num_kinds]
   unsigned long long* out_of_range_counters;  // [num_kinds]
   int capacity;
-  int kind;  // kernel_kind: stamped into rows, indexes the counters
 
-  // Counts the violation and stores it if the ring has room.  Tickets are drawn only while
-  // write_index < capacity; a draw that overshoots clamps write_index back to capacity, so it ends
-  // at min(before + violations, capacity) whatever the thread timing (the NumPy backend's rule).
-  __device__ __forceinline__ void record(i64 slot, i64 position, i64 stored_token, i64 expected_token,
-                                         i64 stored_chain, i64 expected_aux, i64 bits) const {
-    atomicAdd(violation_counters + kind, 1ULL);
-    if (*reinterpret_cast<volatile int*>(write_index) >= capacity) return;  // full: dropped, counted
-    const int ticket = atomicAdd(write_index, 1);
-    if (ticket >= capacity) atomicMin(write_index, capacity);
-    if (ticket < 0 || ticket >= capacity) return;
-    i64* row = ring + static_cast<i64>(ticket) * kViolationFields;
-    row[0] = kind;
-    row[1] = slot;
-    row[2] = position;
-    row[3] = stored_token;
-    row[4] = expected_token;
-    row[5] = stored_chain;
-    row[6] = expected_aux;
-    row[7] = bits;
-    __threadfence_system();
+  // Every lane of a converged warp calls this; lanes with `hit` hold a violation row (and count it
+  // themselves for violation_counters).
+  __device__ __forceinline__ void append_rows(bool hit, int kind, i64 slot, i64 position, i64 stored_token,
+                                             i64 expected_token, i64 stored_chain, i64 expected_aux, i64 bits) const {
+    const unsigned mask = __ballot_sync(kFullMask, hit);
+    if (mask == 0) return;
+    const int lane = threadIdx.x & 31, leader = __ffs(mask) - 1, rows = __popc(mask);
+    int base = capacity;  // a full ring draws no ticket
+    if (lane == leader && *reinterpret_cast<volatile int*>(write_index) < capacity) {
+      base = atomicAdd(write_index, rows);
+      if (static_cast<i64>(base) + rows > capacity) atomicMin(write_index, capacity);
+    }
+    base = __shfl_sync(kFullMask, base, leader);
+    const i64 ticket = static_cast<i64>(base) + __popc(mask & ((1u << lane) - 1u));
+    if (hit && ticket >= 0 && ticket < capacity) {
+      i64* row = ring + ticket * kViolationFields;
+      row[0] = kind;
+      row[1] = slot;
+      row[2] = position;
+      row[3] = stored_token;
+      row[4] = expected_token;
+      row[5] = stored_chain;
+      row[6] = expected_aux;
+      row[7] = bits;
+    }
   }
 };
-static_assert(sizeof(LaunchLog) == 56, "mirrored in cupy_backend.py");
 
 // A canary slot's record: the first four int64 of the slot's row.
 struct CanaryRecord {
@@ -120,7 +139,15 @@ struct CanaryBuffer {
   int fields;
   int vec;
 };
-static_assert(sizeof(CanaryBuffer) == 24, "mirrored in cupy_backend.py");
+
+// The canary buffers one launch writes or verifies with one plan (e.g. the K and V halves), each
+// with its real-KV sources and the launch kind its rows and counters go to.  Only the first
+// kBuffers entries (a template parameter of the kernels) are read; all have the same num_slots.
+struct CanaryTargets {
+  CanaryBuffer canary[kMaxCanaryBuffers];
+  RealKvSources sources[kMaxCanaryBuffers];
+  int kind[kMaxCanaryBuffers];
+};
 
 __device__ __forceinline__ CanaryRecord load_record(const CanaryBuffer& c, i64 slot) {
   const i64* row = c.data + slot * c.fields;
@@ -158,7 +185,7 @@ __device__ __forceinline__ i64 load_index(const void* p, int is_int64, i64 i) {
 // Adds the warp's sum of `value` to *counter with one atomic (all 32 lanes must call).
 __device__ __forceinline__ void warp_add(unsigned long long* counter, i64 value) {
   __syncwarp();
-  for (int o = 16; o > 0; o >>= 1) value += __shfl_down_sync(0xffffffffu, value, o);
+  for (int o = 16; o > 0; o >>= 1) value += __shfl_down_sync(kFullMask, value, o);
   if ((threadIdx.x & 31) == 0 && value != 0) atomicAdd(counter, static_cast<unsigned long long>(value));
 }
 

@@ -1,48 +1,105 @@
-// Verify kernel (docs/format.md §4 with the project's out-of-range rules): one thread per entry over a
-// fixed grid; the number of active entries is read on the device.
+// Verify kernel (docs/format.md §4 with the project's out-of-range rules) over a persistent grid; the
+// number of active entries is read on the device.
+//
+// Each warp takes 32 * kItems consecutive entries at a time (item k of lane l is entry
+// base + 32 k + l, so every entry-array load is coalesced) and issues all their loads before
+// using any.  Consecutive entries of one sequence have prev == the previous entry's slot, whose
+// record the neighbouring lane has just loaded: its hash comes by shuffle, and only the first
+// entry of a warp step or of a sequence (or an entry whose prev is some other slot) gathers the
+// predecessor's record itself.  Several canary buffers verified with one plan (kBuffers > 1)
+// share the entry loads; each buffer's records are loaded before any of them is checked.
 #include "canary_common.cuh"
 
 namespace kvcanary {
 
-template <bool kCheckToken, bool kHasRealKv>
-__global__ void canary_verify(CanaryBuffer canary, const i64* __restrict__ slots,
-                              const i64* __restrict__ expected_tokens, const i64* __restrict__ expected_positions,
-                              const i64* __restrict__ prev_slots, const int* __restrict__ verify_num_valid,
-                              const int* __restrict__ enable, i64 verify_capacity, RealKvSources sources,
-                              LaunchLog log) {
-  const i64 tid = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (tid == 0) atomicAdd(log.kernel_run_counters + log.kind, 1ULL);
+constexpr int kVerifyThreads = 256;
+
+template <int kBuffers, bool kCheckToken, bool kHasRealKv>
+__global__ void __launch_bounds__(kVerifyThreads)
+    canary_verify(const __grid_constant__ CanaryTargets targets, const i64* __restrict__ slots, const i64* __restrict__ expected_tokens,
+                  const i64* __restrict__ expected_positions, const i64* __restrict__ prev_slots,
+                  const int* __restrict__ verify_num_valid, const int* __restrict__ enable, i64 verify_capacity,
+                  LaunchLog log) {
+  constexpr int kItems = kBuffers == 1 ? 2 : 1;  // entries per lane and step: bounds the registers
+  const int lane = threadIdx.x & 31;
+  const bool first_thread = blockIdx.x == 0 && threadIdx.x == 0;
+#pragma unroll
+  for (int b = 0; b < kBuffers; ++b)
+    if (first_thread) atomicAdd(log.kernel_run_counters + targets.kind[b], 1ULL);
   if (*enable == 0) return;
   i64 active = *verify_num_valid;
   active = active < 0 ? 0 : (active > verify_capacity ? verify_capacity : active);
-  if (tid == 0 && active > 0) atomicAdd(log.slot_run_counters + log.kind, static_cast<unsigned long long>(active));
+#pragma unroll
+  for (int b = 0; b < kBuffers; ++b)
+    if (first_thread && active > 0) atomicAdd(log.slot_run_counters + targets.kind[b], static_cast<unsigned long long>(active));
 
-  i64 errors = 0;
-  for (i64 e = tid; e < active; e += static_cast<i64>(gridDim.x) * blockDim.x) {
-    const i64 slot = slots[e];
-    if (slot == 0) continue;  // the padding slot
-    if (slot < 0 || slot >= canary.num_slots) { ++errors; continue; }
-    const i64 prev = prev_slots[e];
-    const CanaryRecord rec = load_record(canary, slot);
-    u64 expected_chain = static_cast<u64>(rec.prev_hash);  // prev 0: predecessor unknown, no check
-    if (prev < 0) {
-      expected_chain = kAnchorHash;
-    } else if (prev >= canary.num_slots) {
-      ++errors;
-    } else if (prev > 0) {
-      expected_chain = slot_hash(load_record(canary, prev));
+  const i64 num_slots = targets.canary[0].num_slots;
+  const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const i64 step = ((static_cast<i64>(gridDim.x) * blockDim.x) >> 5) * 32 * kItems;
+  i64 errors = 0, violations[kBuffers] = {};
+  for (i64 base = warp * 32 * kItems; base < active; base += step) {
+    i64 slot[kItems], prev[kItems], pos[kItems], token[kItems];
+    bool ok[kItems];
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      const i64 e = base + 32 * k + lane;
+      const bool in = e < active;
+      slot[k] = in ? slots[e] : 0;  // slot 0, the padding slot, is never checked
+      prev[k] = in ? prev_slots[e] : 0;
+      pos[k] = in ? expected_positions[e] : 0;
+      token[k] = kCheckToken && in ? expected_tokens[e] : -1;
+      ok[k] = slot[k] > 0 && slot[k] < num_slots;
+      errors += slot[k] < 0 || slot[k] >= num_slots;
+      errors += ok[k] && prev[k] >= num_slots;
     }
-    const i64 expected_token = kCheckToken ? expected_tokens[e] : -1;
-    i64 bits = 0;
-    if (static_cast<u64>(rec.prev_hash) != expected_chain) bits |= kVerifyChainHashMismatch;
-    if (rec.position != expected_positions[e]) bits |= kVerifyPositionMismatch;
-    const u64 real_kv = kHasRealKv ? real_kv_fold(sources, slot) : 0;
-    if (static_cast<u64>(rec.real_kv_hash) != real_kv) bits |= kVerifyRealKvHashMismatch;
-    if (kCheckToken && expected_token != -1 && rec.token != expected_token) bits |= kVerifyTokenMismatch;
-    if (bits)
-      log.record(slot, rec.position, rec.token, expected_token, rec.prev_hash, static_cast<i64>(expected_chain), bits);
+    CanaryRecord rec[kBuffers][kItems];
+#pragma unroll
+    for (int b = 0; b < kBuffers; ++b)
+#pragma unroll
+      for (int k = 0; k < kItems; ++k)
+        rec[b][k] = ok[k] ? load_record(targets.canary[b], slot[k]) : CanaryRecord{0, 0, 0, 0};
+#pragma unroll
+    for (int b = 0; b < kBuffers; ++b) {
+      // The hash of the previous entry's record: lane l - 1 of the same item, or lane 31 of the
+      // previous item for lane 0 (none for lane 0 of item 0).
+      u64 from_left[kItems];
+      i64 left_slot[kItems];
+#pragma unroll
+      for (int k = 0; k < kItems; ++k) {
+        from_left[k] = __shfl_sync(kFullMask, slot_hash(rec[b][k]), (lane + 31) & 31);
+        left_slot[k] = __shfl_sync(kFullMask, slot[k], (lane + 31) & 31);
+      }
+#pragma unroll
+      for (int k = 0; k < kItems; ++k) {
+        const CanaryRecord& r = rec[b][k];
+        const i64 p = prev[k];
+        u64 expected_chain = static_cast<u64>(r.prev_hash);  // prev 0 or out of range: no chain check
+        if (p < 0) {
+          expected_chain = kAnchorHash;
+        } else if (ok[k] && p > 0 && p < num_slots) {
+          const int before = k > 0 ? k - 1 : 0;  // lane 0 of item 0 has no left entry (slot 0 never matches)
+          const i64 left = lane > 0 ? left_slot[k] : (k > 0 ? left_slot[before] : 0);
+          if (p == left) expected_chain = lane > 0 ? from_left[k] : from_left[before];
+          else expected_chain = slot_hash(load_record(targets.canary[b], p));
+        }
+        i64 bits = 0;
+        if (static_cast<u64>(r.prev_hash) != expected_chain) bits |= kVerifyChainHashMismatch;
+        if (r.position != pos[k]) bits |= kVerifyPositionMismatch;
+        const u64 real_kv = kHasRealKv && ok[k] ? real_kv_fold(targets.sources[b], slot[k]) : 0;
+        if (static_cast<u64>(r.real_kv_hash) != real_kv) bits |= kVerifyRealKvHashMismatch;
+        if (kCheckToken && token[k] != -1 && r.token != token[k]) bits |= kVerifyTokenMismatch;
+        const bool hit = ok[k] && bits != 0;
+        violations[b] += hit;
+        log.append_rows(hit, targets.kind[b], slot[k], r.position, r.token, token[k], r.prev_hash,
+                        static_cast<i64>(expected_chain), bits);
+      }
+    }
   }
-  warp_add(log.out_of_range_counters + log.kind, errors);
+#pragma unroll
+  for (int b = 0; b < kBuffers; ++b) {
+    warp_add(log.out_of_range_counters + targets.kind[b], errors);
+    warp_add(log.violation_counters + targets.kind[b], violations[b]);
+  }
 }
 
 }  // namespace kvcanary

@@ -21,6 +21,7 @@ from .constants import (
     CANARY_FIELD_TOKEN,
     CANARY_FIELDS_PER_SLOT,
     CANARY_SLOT_BYTES,
+    MAX_CANARY_BUFFERS,
     MAX_REAL_KV_SOURCES,
     NUM_LAUNCH_TAGS,
     REQ_POOL_IDX_PADDING,
@@ -32,6 +33,7 @@ from .constants import (
 )
 from .errors import CanaryHealthError, CanaryViolationError
 from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
+from .interop import join_stream
 from .jit import warmup
 from .ops import move_pages, plan, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
@@ -52,6 +54,7 @@ __all__ = [
     "CANARY_FIELD_TOKEN",
     "CANARY_FIELDS_PER_SLOT",
     "CANARY_SLOT_BYTES",
+    "MAX_CANARY_BUFFERS",
     "MAX_REAL_KV_SOURCES",
     "NUM_LAUNCH_TAGS",
     "REQ_POOL_IDX_PADDING",
@@ -76,6 +79,7 @@ __all__ = [
     "ViolationReport",
     "WritePlan",
     "allocate_canary_buffer",
+    "join_stream",
     "mix3",
     "move_pages",
     "plan",

@@ -266,6 +266,64 @@ def launch_stream(placement: Placement, torch_device_hint=None):
             yield
 
 
+def _is_torch_stream(stream) -> bool:
+    return "torch" in sys.modules and isinstance(stream, sys.modules["torch"].cuda.Stream)
+
+
+def _cupy_stream(stream, name: str, device: int | None):
+    """``stream`` (a CuPy stream or a torch CUDA stream) as a CuPy stream, checked to be on ``device``."""
+    cupy = import_cupy()
+    if _is_torch_stream(stream):
+        stream_device = stream.device.index
+        stream = cupy.cuda.Stream.from_external(stream)
+    elif isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
+        stream_device = stream.device_id
+    else:
+        fail(TypeError, f"{name} must be a CuPy stream or a torch.cuda.Stream, got {type(stream).__module__}.{type(stream).__name__}")
+    if device is not None and stream_device != device:
+        fail(ValueError, f"{name} is on cuda:{stream_device} but the arrays are on cuda:{device}; pass a stream of their device")
+    return stream
+
+
+@contextlib.contextmanager
+def side_stream(stream, placement: Placement):
+    """Launch on ``stream`` (when given) behind all work queued so far on the current stream.
+
+    An event recorded on the current stream orders the side stream after it (in a CUDA graph
+    capture this forks the capture onto the side stream; join_stream joins it back).
+    """
+    if stream is None:
+        yield
+        return
+    if placement.backend != "cupy":
+        fail(ValueError, "stream is for CUDA arrays; the arrays of this call are on the CPU, pass stream=None")
+    cupy = import_cupy()
+    side = _cupy_stream(stream, "stream", placement.device)
+    fork = cupy.cuda.Event(block=False, disable_timing=True)
+    fork.record(cupy.cuda.get_current_stream())
+    side.wait_event(fork)
+    with side:
+        yield
+
+
+def join_stream(stream) -> None:
+    """Make the caller's current stream wait for all work queued so far on ``stream``.
+
+    ``stream`` is the side stream given to :func:`kvcanary_cupy.write`; the current stream is
+    torch's for a torch stream and CuPy's for a CuPy stream.  Records one event: capture-safe
+    (it joins a capture that write(..., stream=...) forked onto the side stream).
+    """
+    if _is_torch_stream(stream):
+        sys.modules["torch"].cuda.current_stream(stream.device).wait_stream(stream)
+        return
+    cupy = import_cupy()
+    side = _cupy_stream(stream, "stream", None)
+    done = cupy.cuda.Event(block=False, disable_timing=True)
+    done.record(side)
+    with cupy.cuda.Device(side.device_id):
+        cupy.cuda.get_current_stream().wait_event(done)
+
+
 def data_ptr(view) -> int:
     """Address of the first element of a NumPy or CuPy view."""
     return view.ctypes.data if isinstance(view, np.ndarray) else view.data.ptr

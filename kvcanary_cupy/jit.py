@@ -17,6 +17,7 @@ import re
 import threading
 from typing import NamedTuple
 
+from .constants import MAX_CANARY_BUFFERS
 from .interop import import_cupy
 from .tables import TableKind
 
@@ -46,12 +47,14 @@ def plan_family(kind: TableKind) -> str:
     return f"plan_{kind.name.lower()}"
 
 
+BUFFERS = ("kBuffers", tuple(range(1, MAX_CANARY_BUFFERS + 1)))  # canary buffers of one write/verify launch
+
 FAMILIES = {
     **{plan_family(kind): KernelFamily("plan.cu", tuple(
         (k, (("kTable", (int(kind),)), ("kHasLut", BOOL), ("kHasPool", BOOL))) for k in ("plan_fused", "plan_offsets", "plan_entries")))
        for kind in TableKind},
-    "write": KernelFamily("write.cu", (("canary_write", (("kInputAssert", BOOL), ("kHasRealKv", BOOL))),)),
-    "verify": KernelFamily("verify.cu", (("canary_verify", (("kCheckToken", BOOL), ("kHasRealKv", BOOL))),)),
+    "write": KernelFamily("write.cu", (("canary_write", (BUFFERS, ("kInputAssert", BOOL), ("kHasRealKv", BOOL))),)),
+    "verify": KernelFamily("verify.cu", (("canary_verify", (BUFFERS, ("kCheckToken", BOOL), ("kHasRealKv", BOOL))),)),
     "scatter": KernelFamily("scatter.cu", (("scatter_req_token_ids", ()),)),
     "session": KernelFamily("session.cu", (("session_stage", ()), ("session_attribute", ()))),
     "move": KernelFamily("move.cu", tuple((k, ()) for k in ("move_gather", "move_clear", "move_scatter"))),
@@ -65,7 +68,7 @@ def _template_arg(value) -> str:
 
 
 def kernel_name(kernel: str, *args) -> str:
-    """The name expression of one instantiation, e.g. ``kvcanary::plan_entries<2, true, false>``."""
+    """The name expression of one instantiation, e.g. ``kvcanary::canary_write<2, true, false>``."""
     if not args:
         return f"kvcanary::{kernel}"
     return f"kvcanary::{kernel}<{', '.join(_template_arg(a) for a in args)}>"
@@ -149,11 +152,13 @@ class CompileReport(NamedTuple):
     spill_bytes: dict  # name expression -> bytes of spill stores + loads
 
 
-def compile_check(arch: str = "sm_90", family: str | None = None) -> dict:
+def compile_check(arch: str = "sm_90", family: str | None = None, extra_source: str = "") -> dict:
     """Compile families with NVRTC for ``arch`` without a GPU; returns ``{family: CompileReport}``.
 
     Uses CuPy's own option assembly (its bundled headers and ``--std``), so it compiles what
-    ``RawModule`` would.  Raises RuntimeError with the NVRTC log on a compile error.
+    ``RawModule`` would; ``extra_source`` is appended to each family's source (e.g. the struct
+    layout asserts of ``cupy_backend.struct_asserts``).  Raises RuntimeError with the NVRTC log
+    on a compile error.
     """
     import_cupy()
     from cupy._core import core  # private: the include paths CuPy adds for RawModule
@@ -164,7 +169,7 @@ def compile_check(arch: str = "sm_90", family: str | None = None) -> dict:
         options = list(core.assemble_cupy_compiler_options(NVRTC_OPTIONS))
         options += ["-ftz=true", f"-arch={arch}", "--device-as-default-execution-space", "--ptxas-options=-v"]
         filename = FAMILIES[fam].filename
-        prog = nvrtc.createProgram(family_source(fam), filename, [], [])
+        prog = nvrtc.createProgram(family_source(fam) + extra_source, filename, [], [])
         try:
             for expr in FAMILIES[fam].instantiations():
                 nvrtc.addNameExpression(prog, expr)

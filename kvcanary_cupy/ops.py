@@ -8,10 +8,13 @@ call changes nothing.  ``strict=True`` adds host-side checks of the values (a de
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from . import strict as strict_checks
 from .backends import (
+    CanaryTarget,
     LogViews,
     MoveArgs,
     PlanArgs,
@@ -22,7 +25,7 @@ from .backends import (
     WriteArgs,
     get_backend,
 )
-from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES, RealKvHashMode
+from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES, MAX_CANARY_BUFFERS, RealKvHashMode
 from .errors import fail, public_api
 from .interop import (
     array_module,
@@ -30,11 +33,13 @@ from .interop import (
     byte_rows_view,
     check_aligned,
     common_placement,
+    data_ptr,
     is_torch_tensor,
     launch_stream,
     refuse_during_capture,
+    side_stream,
 )
-from .plans import INT32_MAX, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources, is_clean, mark_clean
+from .plans import INT32_MAX, RealKvSource, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources, is_clean, mark_clean
 from .tables import ReqToToken, TableKind, as_table, table_view
 from .validation import (
     check_1d,
@@ -115,35 +120,35 @@ def _log_views(log: ViolationLog) -> LogViews:
     return LogViews(**v)
 
 
-def _canary_view(canary_buf, *, written: bool):
+def _canary_view(canary_buf, name: str, *, written: bool):
     """The canary buffer as ``int64 [num_slots, fields]`` (docs/format.md §1)."""
-    view = backend_view(canary_buf, "canary_buf", writable=written)
+    view = backend_view(canary_buf, name, writable=written)
     if written:
-        check_contiguous_output(view, "canary_buf")
+        check_contiguous_output(view, name)
     elif not view.flags.c_contiguous:
-        fail(ValueError, f"canary_buf must be contiguous, got strides {tuple(view.strides)} for shape {tuple(view.shape)}")
+        fail(ValueError, f"{name} must be contiguous, got strides {tuple(view.strides)} for shape {tuple(view.shape)}")
     if view.ndim != 2:
-        fail(ValueError, f"canary_buf must be 2-D, got shape {tuple(view.shape)}")
+        fail(ValueError, f"{name} must be 2-D, got shape {tuple(view.shape)}")
     if view.dtype == np.uint8:
         stride = view.shape[1]
         if stride < CANARY_SLOT_BYTES or stride % 8:
-            fail(ValueError, f"canary_buf slot stride must hold at least 4 int64 fields (>= 32 bytes, a multiple of 8), got {stride} bytes")
+            fail(ValueError, f"{name} slot stride must hold at least 4 int64 fields (>= 32 bytes, a multiple of 8), got {stride} bytes")
         view = view.view(np.int64)
     elif view.dtype == np.int64:
         if view.shape[1] < CANARY_FIELDS_PER_SLOT:
-            fail(ValueError, f"canary_buf slot stride must hold at least 4 int64 fields, got {view.shape[1]}")
+            fail(ValueError, f"{name} slot stride must hold at least 4 int64 fields, got {view.shape[1]}")
     else:
-        fail(TypeError, f"canary_buf must be int64 [num_slots, 4] or uint8 [num_slots, >=32], got dtype {view.dtype}")
-    check_aligned(view, "canary_buf", 8, "its slots are read as int64 fields")
+        fail(TypeError, f"{name} must be int64 [num_slots, 4] or uint8 [num_slots, >=32], got dtype {view.dtype}")
+    check_aligned(view, name, 8, "its slots are read as int64 fields")
     if view.shape[0] < 1:
-        fail(ValueError, "canary_buf must have at least 1 slot (slot 0 is the padding slot), got 0")
+        fail(ValueError, f"{name} must have at least 1 slot (slot 0 is the padding slot), got 0")
     return view
 
 
-def _kernel_kind(kernel_kind, log: ViolationLog) -> int:
-    kind = check_int(kernel_kind, "kernel_kind")
+def _kernel_kind(kernel_kind, log: ViolationLog, name: str) -> int:
+    kind = check_int(kernel_kind, name)
     if not 0 <= kind < log.num_kinds:
-        fail(ValueError, f"kernel_kind must be in [0, {log.num_kinds}) (the log's num_kinds), got {kind}")
+        fail(ValueError, f"{name} must be in [0, {log.num_kinds}) (the log's num_kinds), got {kind}")
     return kind
 
 
@@ -154,31 +159,83 @@ def _hash_mode(mode) -> int:
         fail(ValueError, f"real_kv_hash_mode must be a RealKvHashMode (NONE, PARTIAL or ALL), got {mode!r}")
 
 
-def _launch_context(log, kernel_kind, real_kv_sources, real_kv_hash_mode):
-    """The checks write and verify share: ``(sources, mode, kind, their arrays by name)``."""
-    sources = check_num_sources(real_kv_sources)
+class _Buffer(NamedTuple):
+    """One canary buffer of a write or verify call, with the argument names it is reported under."""
+
+    name: str  # canary_buf, or canary_buf[i] for a sequence of buffers
+    sources_name: str  # real_kv_sources, or real_kv_sources[i]
+    buffer: object
+    kind: int
+    sources: tuple  # of RealKvSource
+
+
+def _buffers(canary_buf, kernel_kind, real_kv_sources, log) -> list:
+    """The canary buffers of a call: one buffer with its kind and sources, or a sequence of up to
+    MAX_CANARY_BUFFERS buffers with a sequence of as many kinds and (unless empty) of as many
+    per-buffer source tuples."""
+    if not isinstance(canary_buf, (list, tuple)):
+        return [_Buffer("canary_buf", "real_kv_sources", canary_buf, _kernel_kind(kernel_kind, log, "kernel_kind"),
+                        check_num_sources(real_kv_sources))]
+    n = len(canary_buf)
+    if not 1 <= n <= MAX_CANARY_BUFFERS:
+        fail(ValueError, f"canary_buf must be one buffer or a sequence of 1 to {MAX_CANARY_BUFFERS} buffers, got {n}")
+    if not isinstance(kernel_kind, (list, tuple)) or len(kernel_kind) != n:
+        fail(ValueError, f"kernel_kind must be a sequence of {n} launch kinds (one per buffer of canary_buf), got {kernel_kind!r}")
+    sources = tuple(real_kv_sources)
+    if not sources:
+        sources = ((),) * n
+    elif len(sources) != n or any(isinstance(s, RealKvSource) for s in sources):
+        fail(ValueError, f"real_kv_sources must be empty or a sequence of {n} tuples of RealKvSource (one per buffer of "
+                         f"canary_buf), got {len(sources)} items")
+    return [_Buffer(f"canary_buf[{i}]", f"real_kv_sources[{i}]", canary_buf[i],
+                    _kernel_kind(kernel_kind[i], log, f"kernel_kind[{i}]"), check_num_sources(sources[i]))
+            for i in range(n)]
+
+
+def _launch_context(canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode):
+    """The checks write and verify share: ``(buffers, mode, their arrays by name)``."""
     mode = _hash_mode(real_kv_hash_mode)
     _check_type(log, "log", ViolationLog)
-    kind = _kernel_kind(kernel_kind, log)
-    named = _record_arrays("log", log)
-    named.update({f"real_kv_sources[{i}].tensor": s.tensor for i, s in enumerate(sources)})
-    return sources, mode, kind, named
+    buffers = _buffers(canary_buf, kernel_kind, real_kv_sources, log)
+    named = {}
+    for b in buffers:
+        named[b.name] = b.buffer
+        named.update({f"{b.sources_name}[{i}].tensor": s.tensor for i, s in enumerate(b.sources)})
+    named.update(_record_arrays("log", log))
+    return buffers, mode, named
 
 
-def _source_views(sources: tuple, mode: int, num_slots: int) -> tuple:
-    """Byte views of the real-KV sources; none when the mode is NONE (they are never read)."""
+def _targets(buffers: list, mode: int, *, written: bool) -> tuple:
+    """Views of the canary buffers and their sources; buffers written together must not overlap."""
+    targets = []
+    for b in buffers:
+        canary = _canary_view(b.buffer, b.name, written=written)
+        if targets and canary.shape[0] != targets[0].canary.shape[0]:
+            fail(ValueError, f"{b.name} has {canary.shape[0]} slots but {buffers[0].name} has {targets[0].canary.shape[0]}; "
+                             "the canary buffers of one call share its plan and need the same num_slots")
+        targets.append(CanaryTarget(canary, b.kind, _source_views(b, mode, canary.shape[0])))
+    if written:
+        spans = sorted((data_ptr(t.canary), data_ptr(t.canary) + t.canary.nbytes, b.name) for t, b in zip(targets, buffers))
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                fail(ValueError, f"{first} and {second} overlap in memory; each canary buffer written by one call needs its own memory")
+    return tuple(targets)
+
+
+def _source_views(buffer: _Buffer, mode: int, num_slots: int) -> tuple:
+    """Byte views of a buffer's real-KV sources; none when the mode is NONE (they are never read)."""
     if mode == RealKvHashMode.NONE:
         return ()
     views = []
-    for i, src in enumerate(sources):
-        name = f"real_kv_sources[{i}].tensor"
+    for i, src in enumerate(buffer.sources):
+        name = f"{buffer.sources_name}[{i}].tensor"
         data = byte_rows_view(src.tensor, name)
         check_aligned(data, name, 16, "real KV is read 16 bytes at a time")
         if data.shape[0] * src.page_size < num_slots:
             fail(
                 ValueError,
                 f"{name} has {data.shape[0]} rows x page_size={src.page_size} = {data.shape[0] * src.page_size} "
-                f"slots but canary_buf has {num_slots}; every canary slot needs its real-KV bytes",
+                f"slots but {buffer.name} has {num_slots}; every canary slot needs its real-KV bytes",
             )
         views.append(SourceView(data, src.page_size, src.num_bytes_per_token, src.read_bytes))
     return tuple(views)
@@ -327,9 +384,23 @@ def write(
     expected_input_positions=None,
     chain_position_assert=True,
     strict=False,
+    stream=None,
 ):
-    """Write fresh canary records for the step's new tokens, chained along each request."""
-    sources, mode, kind, context_arrays = _launch_context(log, kernel_kind, real_kv_sources, real_kv_hash_mode)
+    """Write fresh canary records for the step's new tokens, chained along each request.
+
+    ``canary_buf`` may be a sequence of up to ``MAX_CANARY_BUFFERS`` buffers with equal num_slots
+    written with the same plan and tokens (e.g. the K and V halves): ``kernel_kind`` is then a
+    sequence of as many kinds and ``real_kv_sources`` empty or a sequence of as many source
+    tuples.  One launch computes every buffer's chain; each buffer gets the bytes, rows and
+    counters a call of its own would give it.
+
+    ``stream`` (a CuPy or torch CUDA stream) runs the write there, after everything queued so far
+    on the caller's current stream, so a long prefill chain overlaps what the caller queues next;
+    call :func:`join_stream` before anything reads the canary buffers or the log, and keep the
+    arguments alive and unchanged until then.  Capture-safe (the join must come before the
+    capture ends).
+    """
+    buffers, mode, context_arrays = _launch_context(canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode)
     _check_type(write_plan, "write_plan", WritePlan)
     if (expected_input_tokens is None) != (expected_input_positions is None):
         fail(ValueError, "expected_input_tokens and expected_input_positions enable the write-input assert together; pass both or neither")
@@ -338,8 +409,8 @@ def write(
     if flag_is_array and not hasattr(flag, "shape"):
         fail(TypeError, f"chain_position_assert must be a bool or a one-element int32 array, got {type(flag).__name__} {flag!r}")
 
-    named = {
-        "canary_buf": canary_buf,
+    named = {b.name: b.buffer for b in buffers}
+    named |= {
         "input_ids": input_ids,
         "positions": positions,
         "out_cache_loc": out_cache_loc,
@@ -353,7 +424,7 @@ def write(
     xp = array_module(placement)
 
     with launch_stream(placement):
-        canary = _canary_view(canary_buf, written=True)
+        targets = _targets(buffers, mode, written=True)
         tokens = {}
         for key in ("input_ids", "positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions"):
             if named[key] is None:
@@ -370,7 +441,7 @@ def write(
             flag = bool(flag)
         logv = _log_views(log)
         args = WriteArgs(
-            canary=canary,
+            targets=targets,
             write_offsets=plan_v["write_offsets"],
             write_seed_slot_indices=plan_v["write_seed_slot_indices"],
             write_num_valid_reqs=plan_v["write_num_valid_reqs"],
@@ -380,14 +451,13 @@ def write(
             expected_input_tokens=tokens["expected_input_tokens"],
             expected_input_positions=tokens["expected_input_positions"],
             chain_position_assert=flag,
-            kernel_kind=kind,
-            sources=_source_views(sources, mode, canary.shape[0]),
             real_kv_hash_mode=mode,
             log=logv,
         )
         if strict:
             strict_checks.check_write(args)
-        get_backend(placement.backend).write(args)
+        with side_stream(stream, placement):
+            get_backend(placement.backend).write(args)
 
 
 @public_api
@@ -402,27 +472,29 @@ def verify(
     check_expected_token=False,
     strict=False,
 ):
-    """Verify the canary records of every planned slot; violations go to ``log``'s ring."""
-    sources, mode, kind, context_arrays = _launch_context(log, kernel_kind, real_kv_sources, real_kv_hash_mode)
+    """Verify the canary records of every planned slot; violations go to ``log``'s ring.
+
+    ``canary_buf`` may be a sequence of up to ``MAX_CANARY_BUFFERS`` buffers verified with the same
+    plan, as for :func:`write`: the entries are read once for all of them.
+    """
+    buffers, mode, context_arrays = _launch_context(canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode)
     _check_type(verify_plan, "verify_plan", VerifyPlan)
     if not isinstance(check_expected_token, (bool, np.bool_)):
         fail(TypeError, f"check_expected_token must be a bool, got {type(check_expected_token).__name__}")
 
-    named = {"canary_buf": canary_buf}
+    named = {b.name: b.buffer for b in buffers}
     named.update(_record_arrays("verify_plan", verify_plan))
     named.update(context_arrays)
     placement = common_placement(named)
     xp = array_module(placement)
 
     with launch_stream(placement):
-        canary = _canary_view(canary_buf, written=False)
+        targets = _targets(buffers, mode, written=False)
         pv = _plan_views("verify_plan", verify_plan, writable=False, xp=xp)
         args = VerifyArgs(
-            canary=canary,
+            targets=targets,
             **{k: pv[k] for k in VerifyArgs._fields if k in pv},
             check_expected_token=bool(check_expected_token),
-            kernel_kind=kind,
-            sources=_source_views(sources, mode, canary.shape[0]),
             real_kv_hash_mode=mode,
             log=_log_views(log),
         )
@@ -460,7 +532,7 @@ def move_pages(canary_buf, src_pages, dst_pages, *, page_size=1, workspace=None,
     placement = common_placement(named)
     xp = array_module(placement)
     with launch_stream(placement):
-        canary = _canary_view(canary_buf, written=True)
+        canary = _canary_view(canary_buf, "canary_buf", written=True)
         v = {k: backend_view(named[k], k, writable=k in ("workspace", "out_of_range_count"))
              for k in ("src_pages", "dst_pages", "workspace", "out_of_range_count")}
         check_integer_dtype(v["src_pages"], "src_pages")

@@ -101,7 +101,7 @@ def check_plan(a: PlanArgs) -> None:
 
 def check_write(a: WriteArgs) -> None:
     h = _host(a)
-    num_slots = h.canary.shape[0]
+    num_slots = h.targets[0].canary.shape[0]
     cap = h.write_seed_slot_indices.shape[0]
     num_reqs = min(max(int(h.write_num_valid_reqs[0]), 0), cap)
     num_tokens = h.input_ids.shape[0]
@@ -123,7 +123,7 @@ def check_verify(a: VerifyArgs) -> None:
     h = _host(a)
     if int(h.enable[0]) == 0:
         return
-    num_slots = h.canary.shape[0]
+    num_slots = h.targets[0].canary.shape[0]
     active = min(max(int(h.verify_num_valid[0]), 0), h.verify_slot_indices.shape[0])
     slots = h.verify_slot_indices[:active]
     bad = np.nonzero((slots < 0) | (slots >= num_slots))[0]

@@ -15,19 +15,52 @@ pytest.importorskip("cupy")
 @pytest.mark.parametrize("arch", jit.SUPPORTED_ARCHS)
 @pytest.mark.parametrize("family", sorted(jit.FAMILIES))
 def test_every_variant_compiles_and_fits_its_launch(family, arch):
-    """Every instantiation compiles, spills nothing, and its registers fit its launch block size."""
+    """Every instantiation compiles with the layout asserts of its structs (every field's offset and
+    width equal to its NumPy mirror's), spills nothing, and its registers fit its block size."""
     from kvcanary_cupy.backends import cupy_backend as cb
 
-    report = jit.compile_check(arch, family)[family]
+    report = jit.compile_check(arch, family, cb.family_struct_asserts(family))[family]
     assert report.cubin_bytes > 1000
     assert set(report.registers) == set(jit.FAMILIES[family].instantiations())
     block = {"plan_offsets": cb.PLAN_MAX_THREADS, "plan_fused": cb.PLAN_MAX_THREADS,
-             "canary_write": cb.WRITE_WARPS_PER_BLOCK * 32}
+             "canary_write": cb.WRITE_THREADS, "canary_verify": cb.VERIFY_THREADS}
     for name, regs in report.registers.items():
         threads = block.get(name.split("<")[0].split("::")[1], cb.THREADS)
         assert 0 < regs and regs * threads <= 65536, (name, regs, threads)
     assert set(report.spill_bytes) == set(report.registers)
     assert not any(report.spill_bytes.values()), report.spill_bytes
+
+
+def test_every_kernel_struct_is_checked_field_by_field():
+    """The registry covers every struct of canary_common.cuh and write.cu, and the generated asserts
+    pin each field of each mirror (offset and width) plus the total size."""
+    from kvcanary_cupy.backends import cupy_backend as cb
+
+    sources = jit._read("canary_common.cuh") + jit._read("write.cu")
+    c_structs = set(re.findall(r"^struct (\w+) \{", sources, re.M)) - {"CanaryRecord", "ChainState", "TokenInputs"}
+    assert c_structs <= set(cb.KERNEL_STRUCTS), c_structs - set(cb.KERNEL_STRUCTS)
+    text = cb.struct_asserts(cb.LAUNCH_LOG, "LaunchLog")
+    assert "sizeof(kvcanary::LaunchLog) == 56" in text
+    assert "__builtin_offsetof(kvcanary::LaunchLog, capacity) == 48" in text
+    assert text.count("static_assert") == 1 + 2 * len(cb.LAUNCH_LOG.names)
+
+
+@pytest.mark.parametrize("struct, first, second", [("LaunchLog", "slot_run_counters", "kernel_run_counters"),
+                                                   ("CanaryBuffer", "fields", "vec"),
+                                                   ("WriteInputs", "input_ids", "positions")])
+def test_swapped_mirror_fields_fail_to_compile(struct, first, second):
+    """Two equal-width fields swapped in a NumPy mirror keep its size but fail the compile."""
+    import numpy as np
+
+    from kvcanary_cupy.backends import cupy_backend as cb
+
+    dtype, family = cb.KERNEL_STRUCTS[struct]
+    names = [second if n == first else first if n == second else n for n in dtype.names]
+    swapped = np.dtype({"names": names, "formats": [dtype.fields[n][0] for n in dtype.names],
+                        "offsets": [dtype.fields[n][1] for n in dtype.names], "itemsize": dtype.itemsize})
+    assert swapped.itemsize == dtype.itemsize
+    with pytest.raises(RuntimeError, match=f"{struct}.({first}|{second}): offset differs"):
+        jit.compile_check("sm_90", family, cb.struct_asserts(swapped, struct))
 
 
 def test_compile_errors_name_the_family(monkeypatch):
@@ -42,7 +75,11 @@ def test_instantiation_lists_cover_every_flag_combination():
             f"kvcanary::{k}<{int(kind)}, {a}, {b}>" for k in ("plan_fused", "plan_offsets", "plan_entries")
             for a in ("false", "true") for b in ("false", "true")
         ]
-    assert jit.kernel_name("canary_write", True, False) == "kvcanary::canary_write<true, false>"
+    assert jit.FAMILIES["write"].instantiations() == [
+        f"kvcanary::canary_write<{n}, {a}, {b}>" for n in range(1, kc.MAX_CANARY_BUFFERS + 1)
+        for a in ("false", "true") for b in ("false", "true")
+    ]
+    assert jit.kernel_name("canary_write", 2, True, False) == "kvcanary::canary_write<2, true, false>"
     assert jit.kernel_name("plan_fused", kc.tables.TableKind.BLOCK, True, False) == "kvcanary::plan_fused<2, true, false>"
     assert jit.FAMILIES["scatter"].instantiations() == ["kvcanary::scatter_req_token_ids"]
 
@@ -90,6 +127,7 @@ def test_header_constants_match_python():
     assert _cuh_constant("kCanaryFieldsPerSlot") == kc.CANARY_FIELDS_PER_SLOT
     assert _cuh_constant("kViolationFields") == kc.VIOLATION_FIELDS
     assert _cuh_constant("kMaxRealKvSources") == kc.MAX_REAL_KV_SOURCES
+    assert _cuh_constant("kMaxCanaryBuffers") == kc.MAX_CANARY_BUFFERS
     assert _cuh_constant("kRealKvPartialBytes") == kc.constants.REAL_KV_PARTIAL_BYTES
     for member in kc.FailReason:
         camel = "k" + "".join(w.capitalize() for w in member.name.lower().split("_"))
@@ -110,6 +148,8 @@ def test_launch_constants_match_the_kernels():
     assert _cuh_constant("kPlanMaxThreads", "plan.cu") == cb.PLAN_MAX_THREADS
     assert _cuh_constant("kFusedMaxBs", "plan.cu") == cb.FUSED_PLAN_MAX_BS
     assert _cuh_constant("kScatterMaxGroupRows", "scatter.cu") == cb.SCATTER_MAX_GROUP_ROWS
+    assert _cuh_constant("kVerifyThreads", "verify.cu") == cb.VERIFY_THREADS
+    assert _cuh_constant("kWriteThreads", "write.cu") == cb.WRITE_THREADS
 
 
 def test_session_record_layout_matches_python():

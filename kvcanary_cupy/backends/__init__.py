@@ -66,8 +66,17 @@ class SourceView(NamedTuple):
     read_bytes: int
 
 
-class WriteArgs(NamedTuple):
+class CanaryTarget(NamedTuple):
+    """One canary buffer of a write or verify launch, the kind its rows and counters go to, and
+    its real-KV sources (several buffers of one launch share the plan and have equal num_slots)."""
+
     canary: Any  # [N, F] int64
+    kernel_kind: int
+    sources: tuple  # of SourceView; empty when the mode is NONE
+
+
+class WriteArgs(NamedTuple):
+    targets: tuple  # of CanaryTarget, 1 to MAX_CANARY_BUFFERS
     write_offsets: Any  # [wcap+1] int64
     write_seed_slot_indices: Any  # [wcap] int64
     write_num_valid_reqs: Any  # [1] int32
@@ -77,14 +86,12 @@ class WriteArgs(NamedTuple):
     expected_input_tokens: Optional[Any]  # [T] int64 or None (input assert off)
     expected_input_positions: Optional[Any]  # [T] int64 or None
     chain_position_assert: Any  # bool, or [1] int32 array (non-zero = on)
-    kernel_kind: int
-    sources: tuple  # of SourceView
     real_kv_hash_mode: int
     log: LogViews
 
 
 class VerifyArgs(NamedTuple):
-    canary: Any  # [N, F] int64
+    targets: tuple  # of CanaryTarget, 1 to MAX_CANARY_BUFFERS
     verify_slot_indices: Any  # [vcap] int64
     verify_expected_tokens: Any  # [vcap] int64
     verify_expected_positions: Any  # [vcap] int64
@@ -92,8 +99,6 @@ class VerifyArgs(NamedTuple):
     verify_num_valid: Any  # [1] int32
     enable: Any  # [1] int32
     check_expected_token: bool
-    kernel_kind: int
-    sources: tuple  # of SourceView
     real_kv_hash_mode: int
     log: LogViews
 

@@ -14,10 +14,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..constants import REAL_KV_PARTIAL_BYTES, RealKvHashMode
+from ..constants import MAX_CANARY_BUFFERS, REAL_KV_PARTIAL_BYTES, RealKvHashMode
 from ..interop import import_cupy
 from ..jit import get_function, kernel_name, plan_family
 from ..plans import VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
+from ..tables import TableKind
 from . import LogViews, MoveArgs, PlanArgs, ScatterArgs, StageArgs, VerifyArgs, WriteArgs
 
 I64, I32 = np.int64, np.int32
@@ -26,6 +27,22 @@ CANARY_BUFFER = np.dtype([("data", "u8"), ("num_slots", "i8"), ("fields", "i4"),
 REAL_KV_SOURCES = np.dtype(
     [("data", "u8", 4), ("row_stride", "i8", 4), ("page_size", "i4", 4), ("num_bytes_per_token", "i4", 4),
      ("nbytes", "i4", 4), ("num_sources", "i4")],
+    align=True,
+)
+CANARY_TARGETS = np.dtype(
+    [("canary", CANARY_BUFFER, MAX_CANARY_BUFFERS), ("sources", REAL_KV_SOURCES, MAX_CANARY_BUFFERS),
+     ("kind", "i4", MAX_CANARY_BUFFERS)],
+    align=True,
+)
+LAUNCH_LOG = np.dtype(
+    [("ring", "u8"), ("write_index", "u8"), ("violation_counters", "u8"), ("slot_run_counters", "u8"),
+     ("kernel_run_counters", "u8"), ("out_of_range_counters", "u8"), ("capacity", "i4")],
+    align=True,
+)
+WRITE_INPUTS = np.dtype(
+    [(k, "u8") for k in ("write_offsets", "seeds", "write_num_valid_reqs", "input_ids", "positions", "out_cache_loc",
+                         "expected_tokens", "expected_positions", "pos_assert_flag")]
+    + [("write_req_capacity", "i8"), ("num_tokens", "i8"), ("pos_assert_value", "i4")],
     align=True,
 )
 # One dtype per kernel struct, its field names the C member names (kernels/plan.cu).
@@ -44,11 +61,6 @@ PLAN_OUTPUTS = np.dtype(
     + [("verify_capacity", "i8"), ("write_req_capacity", "i8"), ("clear_whole_capacity", "i4")],
     align=True,
 )
-LAUNCH_LOG = np.dtype(
-    [("ring", "u8"), ("write_index", "u8"), ("violation_counters", "u8"), ("slot_run_counters", "u8"), ("kernel_run_counters", "u8"),
-     ("out_of_range_counters", "u8"), ("capacity", "i4"), ("kind", "i4")],
-    align=True,
-)
 SESSION_STAGE = np.dtype(
     [(k, "u8") for k in ("ring", "write_index", "violation_counters", "slot_run_counters", "kernel_run_counters",
                          "out_of_range_counters", "slots", "expected_tokens", "expected_positions", "prev_slots",
@@ -58,8 +70,36 @@ SESSION_STAGE = np.dtype(
                            "attribution_capacity", "num_kinds")],
     align=True,
 )
-assert (CANARY_BUFFER.itemsize, REAL_KV_SOURCES.itemsize, LAUNCH_LOG.itemsize) == (24, 120, 56)
-assert SESSION_STAGE.itemsize == 184
+
+# Every struct a kernel takes by value: C name (namespace kvcanary) -> (its NumPy mirror, a family
+# that compiles it).  Field names equal the C member names; tests/test_kernels_compile.py compiles
+# struct_asserts() of each with its family, so a field's offset or width drifting fails there.
+KERNEL_STRUCTS = {
+    "CanaryBuffer": (CANARY_BUFFER, "verify"),
+    "RealKvSources": (REAL_KV_SOURCES, "verify"),
+    "CanaryTargets": (CANARY_TARGETS, "verify"),
+    "LaunchLog": (LAUNCH_LOG, "verify"),
+    "WriteInputs": (WRITE_INPUTS, "write"),
+    "PlanInputs": (PLAN_INPUTS, plan_family(TableKind.REQ_TO_TOKEN)),
+    "PlanOutputs": (PLAN_OUTPUTS, plan_family(TableKind.REQ_TO_TOKEN)),
+    "SessionStage": (SESSION_STAGE, "session"),
+}
+
+
+def struct_asserts(dtype: np.dtype, c_name: str) -> str:
+    """C++ ``static_assert`` lines pinning the size of ``kvcanary::c_name`` and the offset and
+    width of each of its members to the NumPy structured ``dtype`` mirroring it."""
+    t = f"kvcanary::{c_name}"
+    lines = [f'static_assert(sizeof({t}) == {dtype.itemsize}, "{c_name}: size differs from its NumPy mirror");']
+    for field, (ftype, offset, *_) in dtype.fields.items():
+        lines.append(f'static_assert(__builtin_offsetof({t}, {field}) == {offset}, "{c_name}.{field}: offset differs from its NumPy mirror");')
+        lines.append(f'static_assert(sizeof({t}::{field}) == {ftype.itemsize}, "{c_name}.{field}: width differs from its NumPy mirror");')
+    return "\n".join(lines) + "\n"
+
+
+def family_struct_asserts(family: str) -> str:
+    """The layout asserts of every registered struct that ``family`` compiles."""
+    return "".join(struct_asserts(dtype, name) for name, (dtype, fam) in KERNEL_STRUCTS.items() if fam == family)
 
 
 class LaunchConfig(NamedTuple):
@@ -70,10 +110,10 @@ class LaunchConfig(NamedTuple):
 PLAN_ITEMS_PER_THREAD = 4  # kPlanItemsPerThread in plan.cu
 PLAN_MAX_THREADS = 1024  # kPlanMaxThreads
 FUSED_PLAN_MAX_BS = 2048  # kFusedMaxBs: up to this batch size the plan is one launch
-BLOCKS_PER_SM = 8
-THREADS = 256
-WRITE_WARPS_PER_BLOCK = 4
-WRITE_WARPS_PER_SM = 32
+THREADS = 256  # plan_entries and scatter blocks
+VERIFY_THREADS = 256  # kVerifyThreads in verify.cu
+WRITE_THREADS = 128  # kWriteThreads in write.cu
+BLOCKS_PER_SM = 8  # scatter groups and page moves (not persistent grids)
 SCATTER_MAX_GROUP_ROWS = 32  # kScatterMaxGroupRows in scatter.cu
 ATTRIBUTE_BLOCKS_PER_SM = 2  # the attribution grid: small, since it usually exits at once
 
@@ -87,6 +127,23 @@ def _device_id() -> int:
     return import_cupy().cuda.Device().id
 
 
+@functools.lru_cache(maxsize=None)
+def resident_blocks_per_sm(device_id: int, family: str, name: str, block: int) -> int:
+    """Blocks of ``block`` threads of one compiled kernel that one SM holds at once (CUDA's
+    occupancy calculator over its registers and shared memory), cached per device and kernel."""
+    cupy = import_cupy()
+    fn = get_function(family, name)
+    return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, block, 0))
+
+
+def persistent_config(family: str, name: str, block: int = THREADS) -> LaunchConfig:
+    """A grid of as many blocks as are resident at once, so it runs in one wave (a larger grid
+    leaves its last blocks to start after the first ones finish); the kernels loop over a count
+    read on the device."""
+    device = _device_id()
+    return LaunchConfig(_sm_count(device) * resident_blocks_per_sm(device, family, name, block), block)
+
+
 def plan_offsets_config(bs: int) -> LaunchConfig:
     """One block, as many threads as the batch needs (tiles loop past 1024 threads)."""
     threads = -(-bs // PLAN_ITEMS_PER_THREAD)
@@ -98,15 +155,14 @@ def plan_fused_config() -> LaunchConfig:
     return LaunchConfig(_sm_count(_device_id()), PLAN_MAX_THREADS)
 
 
-def persistent_config() -> LaunchConfig:
-    """A fixed grid that fills the device: the kernels loop over a count read on the device."""
-    return LaunchConfig(_sm_count(_device_id()) * BLOCKS_PER_SM, THREADS)
-
-
-def write_config(write_req_capacity: int) -> LaunchConfig:
-    """One warp per request, bounded by the SM count (never sized to an idle capacity)."""
-    warps = max(1, min(write_req_capacity, _sm_count(_device_id()) * WRITE_WARPS_PER_SM))
-    return LaunchConfig(-(-warps // WRITE_WARPS_PER_BLOCK), 32 * WRITE_WARPS_PER_BLOCK)
+def write_config(name: str, write_req_capacity: int) -> LaunchConfig:
+    """The resident warps of the write kernel, or one per request if fewer (never sized to an
+    idle capacity beyond that): lanes take a request each, so a capacity above the warp count is
+    still covered in one pass of up to 32 requests per warp."""
+    full = persistent_config("write", name, WRITE_THREADS)
+    warps_per_block = WRITE_THREADS // 32
+    warps = max(1, min(write_req_capacity, full.grid * warps_per_block))
+    return LaunchConfig(-(-warps // warps_per_block), WRITE_THREADS)
 
 
 def _ptr(x) -> int:
@@ -117,34 +173,38 @@ def _row_stride(x) -> I64:
     return I64(x.strides[0] // x.dtype.itemsize)
 
 
-def _canary_struct(canary) -> np.ndarray:
-    s = np.zeros(1, CANARY_BUFFER)
-    fields = canary.shape[1]
-    s["data"], s["num_slots"], s["fields"] = canary.data.ptr, canary.shape[0], fields
-    s["vec"] = int(fields % 2 == 0 and canary.data.ptr % 16 == 0)
+def _targets_struct(targets: tuple, mode: int) -> np.ndarray:
+    """CanaryTargets: each buffer, its real-KV sources (none when the mode is NONE) and its kind."""
+    s = np.zeros(1, CANARY_TARGETS)
+    for b, target in enumerate(targets):
+        canary, c = target.canary, s["canary"][0, b]
+        fields = canary.shape[1]
+        c["data"], c["num_slots"], c["fields"] = canary.data.ptr, canary.shape[0], fields
+        c["vec"] = int(fields % 2 == 0 and canary.data.ptr % 16 == 0)
+        s["kind"][0, b] = target.kernel_kind
+        if mode == RealKvHashMode.NONE:
+            continue
+        src = s["sources"][0, b]
+        for i, view in enumerate(target.sources):
+            src["data"][i] = view.data.data.ptr
+            src["row_stride"][i] = view.data.strides[0]
+            src["page_size"][i] = view.page_size
+            src["num_bytes_per_token"][i] = view.num_bytes_per_token
+            src["nbytes"][i] = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else view.read_bytes
+        src["num_sources"] = len(target.sources)
     return s
 
 
-def _sources_struct(sources: tuple, mode: int) -> np.ndarray:
-    s = np.zeros(1, REAL_KV_SOURCES)
-    if mode == RealKvHashMode.NONE:
-        return s
-    for i, src in enumerate(sources):
-        s["data"][0, i] = src.data.data.ptr
-        s["row_stride"][0, i] = src.data.strides[0]
-        s["page_size"][0, i] = src.page_size
-        s["num_bytes_per_token"][0, i] = src.num_bytes_per_token
-        s["nbytes"][0, i] = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else src.read_bytes
-    s["num_sources"] = len(sources)
-    return s
-
-
-def _log_struct(log: LogViews, kind: int) -> np.ndarray:
+def _log_struct(log: LogViews) -> np.ndarray:
     s = np.zeros(1, LAUNCH_LOG)
     for key in ("ring", "write_index", "violation_counters", "slot_run_counters", "kernel_run_counters", "out_of_range_counters"):
         s[key] = getattr(log, key).data.ptr
-    s["capacity"], s["kind"] = log.ring.shape[0], kind
+    s["capacity"] = log.ring.shape[0]
     return s
+
+
+def _has_real_kv(targets: tuple, mode: int) -> bool:
+    return mode != RealKvHashMode.NONE and any(t.sources for t in targets)
 
 
 def _launch(family: str, name: str, config: LaunchConfig, args: tuple) -> None:
@@ -207,29 +267,34 @@ def plan(a: PlanArgs) -> None:
         return
     _launch(family, kernel_name("plan_offsets", *template_args), plan_offsets_config(bs), args)
     if a.out.verify_slot_indices.shape[0] > 0:  # a zero-capacity plan expands nothing
-        _launch(family, kernel_name("plan_entries", *template_args), persistent_config(), args)
+        name = kernel_name("plan_entries", *template_args)
+        _launch(family, name, persistent_config(family, name), args)
 
 
 def write(a: WriteArgs) -> None:
-    input_assert = a.expected_input_tokens is not None
-    has_real_kv = a.real_kv_hash_mode != RealKvHashMode.NONE and len(a.sources) > 0
     flag = a.chain_position_assert
-    flag_ptr, flag_value = (None, I32(flag)) if isinstance(flag, bool) else (flag, I32(0))
     cap = a.write_seed_slot_indices.shape[0]
-    _launch("write", kernel_name("canary_write", input_assert, has_real_kv), write_config(cap), (
-        _canary_struct(a.canary), a.write_offsets, a.write_seed_slot_indices, a.write_num_valid_reqs, I64(cap),
-        a.input_ids, a.positions, a.out_cache_loc, I64(a.input_ids.shape[0]), a.expected_input_tokens,
-        a.expected_input_positions, flag_ptr, flag_value, _sources_struct(a.sources, a.real_kv_hash_mode),
-        _log_struct(a.log, a.kernel_kind),
-    ))
+    ins = np.zeros(1, WRITE_INPUTS)
+    for key, arr in (("write_offsets", a.write_offsets), ("seeds", a.write_seed_slot_indices),
+                     ("write_num_valid_reqs", a.write_num_valid_reqs), ("input_ids", a.input_ids),
+                     ("positions", a.positions), ("out_cache_loc", a.out_cache_loc),
+                     ("expected_tokens", a.expected_input_tokens), ("expected_positions", a.expected_input_positions),
+                     ("pos_assert_flag", None if isinstance(flag, bool) else flag)):
+        ins[key] = _ptr(arr)
+    ins["write_req_capacity"], ins["num_tokens"] = cap, a.input_ids.shape[0]
+    ins["pos_assert_value"] = int(flag) if isinstance(flag, bool) else 0
+    name = kernel_name("canary_write", len(a.targets), a.expected_input_tokens is not None,
+                       _has_real_kv(a.targets, a.real_kv_hash_mode))
+    _launch("write", name, write_config(name, cap),
+            (_targets_struct(a.targets, a.real_kv_hash_mode), ins, _log_struct(a.log)))
 
 
 def verify(a: VerifyArgs) -> None:
-    has_real_kv = a.real_kv_hash_mode != RealKvHashMode.NONE and len(a.sources) > 0
-    _launch("verify", kernel_name("canary_verify", a.check_expected_token, has_real_kv), persistent_config(), (
-        _canary_struct(a.canary), a.verify_slot_indices, a.verify_expected_tokens, a.verify_expected_positions,
-        a.verify_prev_slot_indices, a.verify_num_valid, a.enable, I64(a.verify_slot_indices.shape[0]),
-        _sources_struct(a.sources, a.real_kv_hash_mode), _log_struct(a.log, a.kernel_kind),
+    name = kernel_name("canary_verify", len(a.targets), a.check_expected_token, _has_real_kv(a.targets, a.real_kv_hash_mode))
+    _launch("verify", name, persistent_config("verify", name, VERIFY_THREADS), (
+        _targets_struct(a.targets, a.real_kv_hash_mode), a.verify_slot_indices, a.verify_expected_tokens,
+        a.verify_expected_positions, a.verify_prev_slot_indices, a.verify_num_valid, a.enable,
+        I64(a.verify_slot_indices.shape[0]), _log_struct(a.log),
     ))
 
 

@@ -20,7 +20,7 @@ from ..constants import (
 )
 from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_array
 from ..tables import TableKind
-from . import STAGE_HEADER, STAGE_HEADER_FIELDS, LogViews, MoveArgs, PlanArgs, ScatterArgs, SourceView, StageArgs, TableView, VerifyArgs, WriteArgs
+from . import STAGE_HEADER, STAGE_HEADER_FIELDS, CanaryTarget, LogViews, MoveArgs, PlanArgs, ScatterArgs, SourceView, StageArgs, TableView, VerifyArgs, WriteArgs
 
 _ANCHOR_U64 = np.uint64(ANCHOR_HASH)
 _I64 = np.int64
@@ -277,8 +277,13 @@ def _flag_value(flag) -> bool:
 
 
 def write(a: WriteArgs) -> None:
-    log, kind = a.log, a.kernel_kind
-    canary = a.canary
+    """Each canary buffer is written as by its own launch (the kernel interleaves them)."""
+    for target in a.targets:
+        _write_one(a, target)
+
+
+def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
+    log, kind, canary = a.log, target.kernel_kind, target.canary
     num_slots = canary.shape[0]
     cap = a.write_seed_slot_indices.shape[0]
     num_reqs = min(max(int(a.write_num_valid_reqs[0]), 0), cap)
@@ -305,7 +310,7 @@ def write(a: WriteArgs) -> None:
     # in-range slot once, up front, rather than token by token inside the serial chain walk.
     in_range = (loc >= 0) & (loc < num_slots)
     fingerprints = np.zeros(loc.shape[0], np.uint64)
-    fingerprints[in_range] = real_kv_hashes(a.sources, a.real_kv_hash_mode, loc[in_range])
+    fingerprints[in_range] = real_kv_hashes(target.sources, a.real_kv_hash_mode, loc[in_range])
     input_assert = a.expected_input_tokens is not None
     written = 0
     rows, row_keys = [], []
@@ -359,8 +364,13 @@ def write(a: WriteArgs) -> None:
 
 
 def verify(a: VerifyArgs) -> None:
-    log, kind = a.log, a.kernel_kind
-    canary = a.canary
+    """Each canary buffer is verified as by its own launch (the kernel interleaves them)."""
+    for target in a.targets:
+        _verify_one(a, target)
+
+
+def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
+    log, kind, canary = a.log, target.kernel_kind, target.canary
     num_slots = canary.shape[0]
     log.kernel_run_counters[kind] += 1
     if int(a.enable[0]) == 0:
@@ -393,7 +403,7 @@ def verify(a: VerifyArgs) -> None:
         expected_tok = np.asarray(a.verify_expected_tokens[:active], _I64)[keep]
     else:
         expected_tok = np.full(keep.size, -1, _I64)
-    expected_rkv = _as_i64(real_kv_hashes(a.sources, a.real_kv_hash_mode, slot))
+    expected_rkv = _as_i64(real_kv_hashes(target.sources, a.real_kv_hash_mode, slot))
 
     bits = np.where(stored_chain != expected_chain, FailReason.VERIFY_CHAIN_HASH_MISMATCH.value, 0)
     bits |= np.where(stored[:, 1] != expected_pos, FailReason.VERIFY_POSITION_MISMATCH.value, 0)
