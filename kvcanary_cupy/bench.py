@@ -8,7 +8,7 @@ searchsorted, gathers), eager, as a user would without this library.
 CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend.
 
     kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4]
-                   [--sections ops,tables,capacity,host] [--out FILE] [--json FILE]
+                   [--sections ops,detail,tables,capacity,host] [--out FILE] [--json FILE]
 
 ``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
 next to the equivalent req_to_token at W1, W3 and W4, against what a user writes without them;
@@ -31,8 +31,14 @@ import kvcanary_cupy as kc
 from kvcanary_cupy.hashing import ANCHOR_HASH
 from kvcanary_cupy.interop import cuda_unavailable_reason
 
-# SGLang's plan measured on an H200, whole plan in microseconds (for comparison only).
-SGLANG_PLAN_US = {"W1": 19.4, "W3": 12.4}
+# SGLang's kernels beside this project on the same H200 (one run, 2026-11-30), device us per call.
+SGLANG_US = {
+    ("W1", "plan"): 20.0, ("W1", "write"): 2.9, ("W1", "verify"): 22.0,
+    ("W2", "plan"): 13.2, ("W2", "write"): 1192.0, ("W2", "verify"): 3.4,
+    ("W3", "plan"): 13.1, ("W3", "write"): 2.9, ("W3", "verify"): 3.4,
+    ("W4", "write"): 18.3, ("W4", "verify"): 135.6,  # its kernels on this project's plan (its plan stops at 4,096)
+}
+LEGACY_BLOCKS_PER_SM = 8  # what the persistent grids assumed before they were sized by occupancy
 
 
 @dataclass
@@ -224,7 +230,7 @@ def run_gpu(names, rows: list):
             us = time_graph(cupy, fn)
             floor = bytes_[op] / bw * 1e6
             base = baselines.get(op)
-            sglang = SGLANG_PLAN_US.get(key) if op == "plan" else None
+            sglang = SGLANG_US.get((key, op))
             rows.append({"workload": key, "op": op, "device_us": round(us, 3), "bytes": bytes_[op],
                          "floor_us": round(floor, 3), "x_floor_plus_launch": round(us / (floor + one_launch), 3),
                          "baseline_us": base and round(base, 1), "sglang_us": sglang})
@@ -357,6 +363,102 @@ def run_capacity(cupy, rows: list, names=("W1", "W3"), capacities=(None, 4096, 6
             rows.append({"workload": key, "op": "plan", "write_req_capacity": cap, "device_us": round(us, 3)})
             row.append(f"{cap}: {us:.2f}")
         lines.append(f"  {WORKLOADS[key].name:<16} " + ", ".join(row))
+
+
+# Reference kernels for the detail table: the loads of a verify alone (a gather floor that counts
+# the DRAM sectors random 32-byte records really cost), and one thread running a chain of mix3.
+REFERENCE_KERNELS = r"""
+extern "C" __global__ void gather_floor(const long long* canary, const long long* slots, const long long* pos,
+                                        const long long* prev, long long n, long long* out) {
+  long long acc = 0;
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
+    const longlong2* r = reinterpret_cast<const longlong2*>(canary + 4 * slots[e]);
+    const longlong2 a = r[0], b = r[1];
+    acc ^= a.x ^ a.y ^ b.x ^ b.y ^ pos[e] ^ prev[e];
+  }
+  if (acc == 0x123456789abcdefLL) out[0] = acc;  // keeps the loads
+}
+
+extern "C" __global__ void chain_floor(long long n, unsigned long long* out) {
+  unsigned long long h = kvcanary::kAnchorHash;
+  for (long long i = 0; i < n; ++i) h = kvcanary::mix3(h, i, i);
+  out[0] = h;
+}
+"""
+
+
+def _legacy_grids():
+    """Patch the persistent grids back to 8 blocks per SM (the launches read it at call time)."""
+    from unittest import mock
+
+    from .backends import cupy_backend
+
+    return mock.patch.object(cupy_backend, "resident_blocks_per_sm", lambda *args: LEGACY_BLOCKS_PER_SM)
+
+
+def detail_rows(cupy, names, rows: list):
+    """verify and write in detail: grids sized by occupancy against 8 blocks per SM, a verify in
+    which every entry fails, two buffers in one launch, and the floors of the gather and the chain."""
+    from . import jit
+    from .backends import cupy_backend
+
+    module = cupy.RawModule(code=jit._read("canary_common.cuh") + REFERENCE_KERNELS, options=jit.NVRTC_OPTIONS)
+    gather, chain = module.get_function("gather_floor"), module.get_function("chain_floor")
+    out = cupy.zeros(1, cupy.int64)
+    lines = [
+        "detail: ratio = device us / the 'against' row's device us (targets: all-fail verify <= 1.3x clean, "
+        "two buffers <= 1.1x one at W2 write, decode write W4 <= 4 us, W2 write <= 400 us per buffer)",
+        f"{'workload':<16} {'op':<26} {'device us':>10} {'against':<16} {'ratio':>6} {'SGLang us':>10}",
+    ]
+    for key in names:
+        d = build(WORKLOADS[key], cupy)
+        ops = gpu_ops(cupy, d)
+        vp = kc.VerifyPlan.allocate(d["total_verify"], like=d["rp"])
+        wp = kc.WritePlan.allocate(d["bs"], like=d["rp"])
+        kc.plan(d["rp"], d["prefix"], d["extend"], d["rtt"], verify_capacity=vp.capacity, out=(vp, wp))
+        log = kc.ViolationLog.allocate(1024, like=d["rp"])
+        bad = d["canary"].copy()
+        bad[:, 1] += 1  # every record's position is wrong: every entry fails
+        second = d["canary"].copy()
+        n = d["total_verify"]
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        timed = {
+            "verify": ops["verify"],
+            "verify[grid 8/SM]": ("legacy", ops["verify"]),
+            "verify[all entries fail]": lambda: kc.verify(bad, vp, log=log),
+            "verify[2 buffers]": lambda: kc.verify([d["canary"], second], vp, log=log, kernel_kind=[0, 1]),
+            "verify[gather floor]": lambda: gather((sms * 8,), (256,), (d["canary"], vp.verify_slot_indices,
+                                                                     vp.verify_expected_positions,
+                                                                     vp.verify_prev_slot_indices, np.int64(n), out)),
+            "write": ops["write"],
+            "write[grid 8/SM]": ("legacy", ops["write"]),
+            "write[2 buffers]": lambda: kc.write([d["canary"], second], wp, d["ids"], d["pos"], d["loc"], log=log,
+                                                 kernel_kind=[0, 1]),
+        }
+        if d["tokens"] > d["bs"]:  # a prefill: the serial chain of one request bounds the write
+            timed["write[chain floor]"] = lambda: chain((1,), (1,), (np.int64(d["tokens"] // d["bs"]), out))
+        if d["bs"] > cupy_backend.FUSED_PLAN_MAX_BS:
+            timed["plan"] = ops["plan"]
+            timed["plan[grid 8/SM]"] = ("legacy", ops["plan"])
+        against = {"verify[grid 8/SM]": "verify", "verify[all entries fail]": "verify", "verify[2 buffers]": "verify",
+                   "verify": "verify[gather floor]", "write[grid 8/SM]": "write", "write[2 buffers]": "write",
+                   "write": "write[chain floor]", "plan[grid 8/SM]": "plan"}
+        times = {}
+        for op, fn in timed.items():
+            if isinstance(fn, tuple):
+                with _legacy_grids():
+                    times[op] = time_graph(cupy, fn[1])
+            else:
+                times[op] = time_graph(cupy, fn)
+        for op, us in times.items():
+            ref = against.get(op)
+            ratio = us / times[ref] if ref in times else None
+            rows.append({"workload": key, "op": op, "device_us": round(us, 3), "against": ref,
+                         "ratio": ratio and round(ratio, 3), "sglang_us": SGLANG_US.get((key, op))})
+            lines.append(f"{WORKLOADS[key].name:<16} {op:<26} {us:>10.2f} {ref or '-':<16} {_cell(ratio, '6.2f')} "
+                         f"{_cell(SGLANG_US.get((key, op)), '10.1f')}")
+    lines.append("(chain floor: one thread hashing a request's tokens as a serial mix3 chain of registers; "
+                 "gather floor: the verify's loads alone)")
     return lines
 
 
@@ -418,8 +520,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
                         help="cupy: this machine's GPU (default); numpy: the CPU backend")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of W1,W2,W3,W4")
-    parser.add_argument("--sections", default="ops,tables,capacity,host",
-                        help="GPU sections: ops (plan/verify/write), tables (engine tables), capacity, host")
+    parser.add_argument("--sections", default="ops,detail,tables,capacity,host",
+                        help="GPU sections: ops (plan/verify/write), detail (verify/write: grids, floors, several "
+                             "buffers), tables (engine tables), capacity, host")
     parser.add_argument("--out", metavar="FILE", help="also write the table to FILE")
     parser.add_argument("--json", metavar="FILE", help="also write the measurements as JSON to FILE")
 
@@ -440,6 +543,8 @@ def run(args) -> int:
 
         sections = args.sections.split(",")
         lines = run_gpu(names, rows) if "ops" in sections else []
+        if "detail" in sections:
+            lines += detail_rows(cupy, names, rows)
         if "tables" in sections:
             lines += run_tables(cupy, [n for n in names if n in TABLE_WORKLOADS], rows)
         if "capacity" in sections:

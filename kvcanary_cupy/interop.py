@@ -276,11 +276,11 @@ def _cupy_stream(stream, name: str, device: int | None):
     if _is_torch_stream(stream):
         stream_device = stream.device.index
         stream = cupy.cuda.Stream.from_external(stream)
-    elif isinstance(stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
-        stream_device = stream.device_id
+    elif _module_name(stream) == "cupy" and hasattr(stream, "wait_event"):
+        stream_device = getattr(stream, "device_id", -1)  # -1: unknown (an external stream)
     else:
         fail(TypeError, f"{name} must be a CuPy stream or a torch.cuda.Stream, got {type(stream).__module__}.{type(stream).__name__}")
-    if device is not None and stream_device != device:
+    if device is not None and stream_device not in (-1, device):
         fail(ValueError, f"{name} is on cuda:{stream_device} but the arrays are on cuda:{device}; pass a stream of their device")
     return stream
 
@@ -320,8 +320,7 @@ def join_stream(stream) -> None:
     side = _cupy_stream(stream, "stream", None)
     done = cupy.cuda.Event(block=False, disable_timing=True)
     done.record(side)
-    with cupy.cuda.Device(side.device_id):
-        cupy.cuda.get_current_stream().wait_event(done)
+    cupy.cuda.get_current_stream().wait_event(done)
 
 
 def data_ptr(view) -> int:

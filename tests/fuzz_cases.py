@@ -61,6 +61,7 @@ class Case:
     mode: int
     uint8_canary: bool
     steps: list = field(default_factory=list)
+    buffers: int = 1  # canary buffers written and verified together (K/V halves and more)
 
 
 def _sources(rng, num_slots):
@@ -167,6 +168,8 @@ def make_case(seed: int, *, big: bool = False, table_kind: str | None = None) ->
     kind = rng.choice(["loose", "tight", "under"])
     case.verify_capacity = {"loose": total + 64, "tight": total, "under": max(total - 1, 0)}[kind]
     _inject(rng, case)
+    # drawn apart so that the cases of every seed stay what they were with one buffer
+    case.buffers = int(np.random.default_rng([seed, 1]).choice([1, 1, 2, 3, 4]))
     return case
 
 
@@ -328,8 +331,8 @@ def _inject_table(rng, case: Case, s: Step) -> None:
             s.prefix_lens[r] += int(s.kv_indptr[r + 1] - s.kv_indptr[r]) * case.table["block_size"] + 1
 
 
-def _initial_canary(case: Case) -> np.ndarray:
-    rng = np.random.default_rng(case.seed + 1)
+def _initial_canary(case: Case, buffer: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(case.seed + 1 if buffer == 0 else [case.seed, 2, buffer])
     canary = np.zeros((case.num_slots, 4), np.int64)
     garbage = rng.random(case.num_slots) < 0.05
     canary[garbage] = rng.integers(-(2**62), 2**62, (int(garbage.sum()), 4))
@@ -337,11 +340,26 @@ def _initial_canary(case: Case) -> np.ndarray:
 
 
 def run_case(ab, case: Case) -> dict:
-    """Run both steps on ``ab``; returns host copies of every output after each launch."""
+    """Run both steps on ``ab``; returns host copies of every output after each launch.
+
+    With ``case.buffers > 1`` every write and verify takes that many canary buffers at once, each
+    with its own initial bytes, launch kind and (rotated) real-KV sources.
+    """
     a = ab.asarray
-    canary_np = _initial_canary(case)
-    canary = a(canary_np.view(np.uint8).reshape(case.num_slots, 32)) if case.uint8_canary else a(canary_np)
+    canaries = []
+    for b in range(case.buffers):
+        canary_np = _initial_canary(case, b)
+        canaries.append(a(canary_np.view(np.uint8).reshape(case.num_slots, 32)) if case.uint8_canary else a(canary_np))
     sources = tuple(kc.RealKvSource(a(t), p, n, r) for t, p, n, r in case.sources)
+    per_buffer = [sources[b % len(sources):] + sources[:b % len(sources)] if sources else () for b in range(case.buffers)]
+    multi = case.buffers > 1
+
+    def targets(kind):
+        """(canary_buf, kernel_kind, real_kv_sources) of one launch."""
+        if not multi:
+            return canaries[0], kind, sources
+        return canaries, [(kind + b) % kc.NUM_LAUNCH_TAGS for b in range(case.buffers)], per_buffer
+
     log = kc.ViolationLog.allocate(case.ring_capacity, like=ab.like)
     vp = kc.VerifyPlan.allocate(case.verify_capacity, like=ab.like)
     wp = kc.WritePlan.allocate(case.write_req_capacity, like=ab.like)
@@ -352,19 +370,22 @@ def run_case(ab, case: Case) -> dict:
     for s in case.steps:
         _plan_step(case, s, a, verify_capacity=case.verify_capacity, out=(vp, wp))
         head, tail = s.kinds
-        kc.verify(canary, vp, log=log, kernel_kind=head, check_expected_token=s.check_token)
+        buf, kinds, _ = targets(head)
+        kc.verify(buf, vp, log=log, kernel_kind=kinds, check_expected_token=s.check_token)
         flag = s.chain_flag if isinstance(s.chain_flag, bool) else a(s.chain_flag)
-        kc.write(canary, wp, a(s.input_ids), a(s.positions), a(s.out_cache_loc), log=log, kernel_kind=tail,
-                 real_kv_sources=sources, real_kv_hash_mode=case.mode,
+        buf, kinds, srcs = targets(tail)
+        kc.write(buf, wp, a(s.input_ids), a(s.positions), a(s.out_cache_loc), log=log, kernel_kind=kinds,
+                 real_kv_sources=srcs, real_kv_hash_mode=case.mode,
                  expected_input_tokens=a(s.expected_tokens) if s.expected_tokens is not None else None,
                  expected_input_positions=a(s.expected_positions) if s.expected_positions is not None else None,
                  chain_position_assert=flag)
-        kc.verify(canary, vp, log=log, kernel_kind=tail, real_kv_sources=sources, real_kv_hash_mode=case.mode,
+        kc.verify(buf, vp, log=log, kernel_kind=kinds, real_kv_sources=srcs, real_kv_hash_mode=case.mode,
                   check_expected_token=s.check_token)
         snap = {f"vp.{k}": ab.to_numpy(v) for k, v in vp.arrays().items()}
         snap.update({f"wp.{k}": ab.to_numpy(v) for k, v in wp.arrays().items()})
         snap.update({f"log.{k}": ab.to_numpy(v) for k, v in log.arrays().items()})
-        snap["canary"] = ab.to_numpy(canary).view(np.int64).reshape(case.num_slots, 4)
+        for b, canary in enumerate(canaries):
+            snap[f"canary{b}"] = ab.to_numpy(canary).view(np.int64).reshape(case.num_slots, 4)
         snapshots.append(snap)
     return {"snapshots": snapshots}
 

@@ -42,7 +42,7 @@ def test_torch_cpu_matches_numpy():
 def test_fuzz_cases_exercise_every_path():
     """The generator reaches overflow, out-of-range skips, violations and dropped rows, and plans
     through every table kind with out-of-range plan inputs."""
-    seen = {"overflow": 0, "out_of_range": 0, "violations": 0, "dropped": 0, "lut": 0}
+    seen = {"overflow": 0, "out_of_range": 0, "violations": 0, "dropped": 0, "lut": 0, "several_buffers": 0}
     seen.update({f"{kind} plan out of range": 0 for kind in TABLE_KINDS})
     for seed in range(120):
         case = make_case(seed)
@@ -54,4 +54,5 @@ def test_fuzz_cases_exercise_every_path():
         seen["violations"] += int(last["log.write_index"][0] > 0)
         seen["dropped"] += int(last["log.violation_counters"].sum() > last["log.ring"].shape[0])
         seen["lut"] += int(case.lut is not None)
+        seen["several_buffers"] += int(case.buffers > 1 and last["log.violation_counters"].sum() > 0)
     assert all(v >= 3 for v in seen.values()), seen
