@@ -24,10 +24,10 @@ stage() {  # stage NAME SECONDS CMD...
 }
 python3 -c "import kvcanary_cupy as kc; kc.warmup()" > "$OUT/warmup.log" 2>&1; echo "=== warmup $SECONDS s"
 chunks=${1:-"cupy-0 or torch_cuda-250"}
-TAIL=12 stage tests 130 python3 -m pytest -q -p no:cacheprovider tests/test_multi_buffer.py tests/test_verify.py \
+TAIL=12 stage tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_multi_buffer.py tests/test_verify.py \
   tests/test_write.py tests/test_gpu_graphs.py tests/test_fuzz_differential.py -k "not test_gpu_matches_numpy or $chunks"
-stage bench 100 python3 benchmarks/bench_canary.py --out "$OUT/bench.txt"
-stage memcheck 45 compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 10
-[ "${RACECHECK:-0}" = 1 ] && stage racecheck 45 compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 3
-[ -f probe_kernels.py ] && TAIL=20 stage probe 80 python3 probe_kernels.py
+stage bench 95 python3 benchmarks/bench_canary.py --out "$OUT/bench.txt"
+stage memcheck 40 compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 8
+stage racecheck 30 compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 2
+[ -f probe_kernels.py ] && TAIL=20 stage probe 55 python3 probe_kernels.py
 cat "$OUT/bench.txt" 2>/dev/null
