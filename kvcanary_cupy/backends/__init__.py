@@ -7,7 +7,8 @@ only the order of ring rows written by GPU threads may differ.
 
 Views have the dtypes and shapes the records name; 1-D arrays are contiguous; the 2-D tables
 (``req_to_token``, ``block_table``, ``expected_token_pool``) have a unit inner stride and any row stride;
-``canary`` is an ``int64 [num_slots, fields_per_row]`` C-contiguous view (fields_per_row >= 4).
+each target's ``canary`` is an ``int64 [num_slots, fields_per_row]`` C-contiguous view
+(fields_per_row >= 4), and the targets of one write or verify have the same num_slots.
 """
 
 from __future__ import annotations
