@@ -23,11 +23,12 @@ stage() {  # stage NAME SECONDS CMD...
   echo "=== $name rc=$rc $((SECONDS - t0))s"; tail -n "${TAIL:-6}" "$OUT/$name.log"
 }
 python3 -c "import kvcanary_cupy as kc; kc.warmup()" > "$OUT/warmup.log" 2>&1; echo "=== warmup $SECONDS s"
-chunks=${1:-"cupy-0 or torch_cuda-250"}
-TAIL=12 stage tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_multi_buffer.py tests/test_verify.py \
-  tests/test_write.py tests/test_gpu_graphs.py tests/test_fuzz_differential.py -k "not test_gpu_matches_numpy or $chunks"
+chunks=${1:-"cupy or torch_cuda"}  # e.g. "cupy-0 or torch_cuda-250" for two of the 16 fuzz chunks
+TAIL=12 stage tests 170 python3 -m pytest -q -p no:cacheprovider tests/test_multi_buffer.py tests/test_verify.py \
+  tests/test_write.py tests/test_gpu_graphs.py tests/test_session.py tests/test_session_graphs.py tests/test_alignment.py \
+  tests/test_fuzz_differential.py -k "not test_gpu_matches_numpy or $chunks"
 stage bench 95 python3 benchmarks/bench_canary.py --out "$OUT/bench.txt"
-stage memcheck 40 compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 8
-stage racecheck 30 compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 2
-[ -f probe_kernels.py ] && TAIL=20 stage probe 55 python3 probe_kernels.py
+stage memcheck 35 compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 8
+stage racecheck 25 compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 2
+[ -f probe_kernels.py ] && TAIL=20 stage probe 45 python3 probe_kernels.py
 cat "$OUT/bench.txt" 2>/dev/null
