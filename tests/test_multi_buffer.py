@@ -6,6 +6,8 @@ pure-Python oracle); the argument errors name the offending item; a write on a s
 after the work queued before it and is joined back, eagerly and inside CUDA-graph captures.
 """
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -247,6 +249,7 @@ def test_side_stream_write_inside_a_graph_capture(gpu_ab):
     if ab.name == "torch_cuda":
         import torch
 
+        gc.collect()  # a CuPy graph freed by the GC inside torch's capture would invalidate it
         graph = torch.cuda.CUDAGraph()
         capture_stream = torch.cuda.Stream()
         capture_stream.wait_stream(torch.cuda.current_stream())

@@ -2,6 +2,7 @@
 torch.cuda.graph), replayed with changing batches and a stale table entry, end_step outside the
 graph reading each step one step late; the final report equals the eager NumPy session's."""
 
+import gc
 import pytest
 
 import kvcanary_cupy as kc
@@ -111,6 +112,7 @@ def test_torch_graph_capture_replay_read_one_step_late():
     session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore")
     bufs = _Buffers(ab, *steps[0])
     torch.cuda.synchronize()
+    gc.collect()  # a CuPy graph of an earlier test freed by the GC inside torch's capture would invalidate it
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         bufs.pre_forward(session)
