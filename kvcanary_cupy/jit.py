@@ -13,6 +13,8 @@ import functools
 import hashlib
 import importlib.resources
 import itertools
+import json
+import os
 import re
 import threading
 from typing import NamedTuple
@@ -152,32 +154,48 @@ class CompileReport(NamedTuple):
     spill_bytes: dict  # name expression -> bytes of spill stores + loads
 
 
+def _compile_cache_dir() -> str | None:
+    """Where :func:`compile_check` keeps its reports; ``KVCANARY_COMPILE_CACHE=off`` disables it."""
+    where = os.environ.get("KVCANARY_COMPILE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "kvcanary-cupy", "compile-check"))
+    return None if where.lower() in ("", "0", "off", "none") else where
+
+
 def compile_check(arch: str = "sm_90", family: str | None = None, extra_source: str = "") -> dict:
     """Compile families with NVRTC for ``arch`` without a GPU; returns ``{family: CompileReport}``.
 
     Uses CuPy's own option assembly (its bundled headers and ``--std``), so it compiles what
     ``RawModule`` would; ``extra_source`` is appended to each family's source (e.g. the struct
     layout asserts of ``cupy_backend.struct_asserts``).  Raises RuntimeError with the NVRTC log
-    on a compile error.
+    on a compile error.  Successful reports are cached on disk under a key covering every compiled
+    byte (source, options, architecture, name expressions, NVRTC version), as CuPy caches cubins.
     """
     import_cupy()
     from cupy._core import core  # private: the include paths CuPy adds for RawModule
     from cupy_backends.cuda.libs import nvrtc
 
+    cache_dir = _compile_cache_dir()
     sizes = {}
     for fam in [family] if family else FAMILIES:
         options = list(core.assemble_cupy_compiler_options(NVRTC_OPTIONS))
         options += ["-ftz=true", f"-arch={arch}", "--device-as-default-execution-space", "--ptxas-options=-v"]
         filename = FAMILIES[fam].filename
-        prog = nvrtc.createProgram(family_source(fam) + extra_source, filename, [], [])
+        source = family_source(fam) + extra_source
+        exprs = FAMILIES[fam].instantiations()
+        key = hashlib.sha256("\0".join([source, *options, *exprs, repr(nvrtc.getVersion())]).encode()).hexdigest()
+        path = os.path.join(cache_dir, f"{fam}-{arch}-{key[:32]}.json") if cache_dir else None
+        if path and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                sizes[fam] = CompileReport(*json.load(f))
+            continue
+        prog = nvrtc.createProgram(source, filename, [], [])
         try:
-            for expr in FAMILIES[fam].instantiations():
+            for expr in exprs:
                 nvrtc.addNameExpression(prog, expr)
             try:
                 nvrtc.compileProgram(prog, options)
             except nvrtc.NVRTCError as exc:
                 raise RuntimeError(f"kv-canary: {filename} failed to compile for {arch}:\n{nvrtc.getProgramLog(prog)}") from exc
-            lowered = {nvrtc.getLoweredName(prog, expr): expr for expr in FAMILIES[fam].instantiations()}
+            lowered = {nvrtc.getLoweredName(prog, expr): expr for expr in exprs}
             usage = re.findall(r"entry function '(\w+)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers",
                                nvrtc.getProgramLog(prog), re.S)
             sizes[fam] = CompileReport(len(nvrtc.getCUBIN(prog)),
@@ -185,4 +203,10 @@ def compile_check(arch: str = "sm_90", family: str | None = None, extra_source: 
                                        {lowered[name]: int(st) + int(ld) for name, st, ld, _ in usage})
         finally:
             nvrtc.destroyProgram(prog)
+        if path:
+            os.makedirs(cache_dir, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(list(sizes[fam]), f)
+            os.replace(tmp, path)  # atomic: concurrent test runs never read half a report
     return sizes

@@ -169,3 +169,24 @@ def test_table_kinds_match_the_kernels():
     assert set(names) == {k.name for k in TableKind}
     for kind in TableKind:
         assert _cuh_constant(names[kind.name], "plan.cu") == kind.value, kind
+
+
+def test_compile_reports_are_cached_by_every_compiled_byte(tmp_path, monkeypatch):
+    """A second check of the same source reads the cached report; a changed byte compiles again."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    monkeypatch.setenv("KVCANARY_COMPILE_CACHE", str(tmp_path))
+    first = jit.compile_check("sm_90", "session")["session"]
+    assert len(list(tmp_path.iterdir())) == 1
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled again although the source did not change")
+
+    with monkeypatch.context() as m:
+        m.setattr(nvrtc, "compileProgram", no_compile)
+        assert jit.compile_check("sm_90", "session")["session"] == first
+        with pytest.raises(AssertionError, match="compiled again"):
+            jit.compile_check("sm_90", "session", "\n// one more byte\n")
+    monkeypatch.setenv("KVCANARY_COMPILE_CACHE", "off")
+    assert jit.compile_check("sm_90", "session")["session"] == first
+    assert len(list(tmp_path.iterdir())) == 1
