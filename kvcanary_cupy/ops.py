@@ -241,6 +241,78 @@ def _source_views(buffer: _Buffer, mode: int, num_slots: int) -> tuple:
     return tuple(views)
 
 
+def _lut_view(view, xp):
+    check_1d(view, "full_to_swa_index_mapping", I64, min_length=1)
+    return contiguous_input(view, "full_to_swa_index_mapping", xp)
+
+
+def _write_setup(canary_buf, write_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode, chain_position_assert,
+                 step_arrays: dict):
+    """A write's checks that need no view; returns ``(placement, context, long-lived arrays by name)``.
+
+    ``step_arrays`` (the per-step token arrays by name) only join the placement.
+    """
+    buffers, mode, named = _launch_context(canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode)
+    _check_type(write_plan, "write_plan", WritePlan)
+    flag = chain_position_assert
+    flag_is_array = not isinstance(flag, (bool, np.bool_))
+    if flag_is_array and not hasattr(flag, "shape"):
+        fail(TypeError, f"chain_position_assert must be a bool or a one-element int32 array, got {type(flag).__name__} {flag!r}")
+    named.update(_record_arrays("write_plan", write_plan))
+    named["chain_position_assert"] = flag if flag_is_array else None
+    return common_placement({**named, **step_arrays}), (buffers, mode), named
+
+
+def _write_bound_args(write_plan, log, chain_position_assert, context, xp) -> WriteArgs:
+    """Checked views of a write's long-lived buffers; the per-step token fields are None."""
+    buffers, mode = context
+    targets = _targets(buffers, mode, written=True)
+    plan_v = _plan_views("write_plan", write_plan, writable=False, xp=xp)
+    flag = chain_position_assert
+    if isinstance(flag, (bool, np.bool_)):
+        flag = bool(flag)
+    else:
+        flag = backend_view(flag, "chain_position_assert")
+        check_1d(flag, "chain_position_assert", I32, 1)
+    return WriteArgs(
+        targets=targets,
+        write_offsets=plan_v["write_offsets"],
+        write_seed_slot_indices=plan_v["write_seed_slot_indices"],
+        write_num_valid_reqs=plan_v["write_num_valid_reqs"],
+        input_ids=None,
+        positions=None,
+        out_cache_loc=None,
+        expected_input_tokens=None,
+        expected_input_positions=None,
+        chain_position_assert=flag,
+        real_kv_hash_mode=mode,
+        log=_log_views(log),
+    )
+
+
+def _verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_token):
+    """A verify's checks that need no view; returns ``(placement, context, arrays by name)``."""
+    buffers, mode, named = _launch_context(canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode)
+    _check_type(verify_plan, "verify_plan", VerifyPlan)
+    if not isinstance(check_expected_token, (bool, np.bool_)):
+        fail(TypeError, f"check_expected_token must be a bool, got {type(check_expected_token).__name__}")
+    named.update(_record_arrays("verify_plan", verify_plan))
+    return common_placement(named), (buffers, mode), named
+
+
+def _verify_args(verify_plan, log, check_expected_token, context, xp) -> VerifyArgs:
+    buffers, mode = context
+    targets = _targets(buffers, mode, written=False)
+    pv = _plan_views("verify_plan", verify_plan, writable=False, xp=xp)
+    return VerifyArgs(
+        targets=targets,
+        **{k: pv[k] for k in VerifyArgs._fields if k in pv},
+        check_expected_token=bool(check_expected_token),
+        real_kv_hash_mode=mode,
+        log=_log_views(log),
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -318,8 +390,7 @@ def plan(
                 v[key] = contiguous_input(v[key], key, xp)
         tv = table_view(table, v, bs, xp)
         if lut is not None:
-            check_1d(v["full_to_swa_index_mapping"], "full_to_swa_index_mapping", I64, min_length=1)
-            v["full_to_swa_index_mapping"] = contiguous_input(v["full_to_swa_index_mapping"], "full_to_swa_index_mapping", xp)
+            v["full_to_swa_index_mapping"] = _lut_view(v["full_to_swa_index_mapping"], xp)
         if pool is not None:
             check_2d_rows(v["req_to_verify_expected_tokens"], "req_to_verify_expected_tokens", I32)
             if v["req_to_verify_expected_tokens"].shape[0] < tv.pool_rows:
@@ -400,60 +471,30 @@ def write(
     arguments alive and unchanged until then.  Capture-safe (the join must come before the
     capture ends).
     """
-    buffers, mode, context_arrays = _launch_context(canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode)
-    _check_type(write_plan, "write_plan", WritePlan)
     if (expected_input_tokens is None) != (expected_input_positions is None):
         fail(ValueError, "expected_input_tokens and expected_input_positions enable the write-input assert together; pass both or neither")
-    flag = chain_position_assert
-    flag_is_array = not isinstance(flag, (bool, np.bool_))
-    if flag_is_array and not hasattr(flag, "shape"):
-        fail(TypeError, f"chain_position_assert must be a bool or a one-element int32 array, got {type(flag).__name__} {flag!r}")
-
-    named = {b.name: b.buffer for b in buffers}
-    named |= {
+    tokens = {
         "input_ids": input_ids,
         "positions": positions,
         "out_cache_loc": out_cache_loc,
         "expected_input_tokens": expected_input_tokens,
         "expected_input_positions": expected_input_positions,
-        "chain_position_assert": flag if flag_is_array else None,
     }
-    named.update(_record_arrays("write_plan", write_plan))
-    named.update(context_arrays)
-    placement = common_placement(named)
+    placement, context, _ = _write_setup(canary_buf, write_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode,
+                                         chain_position_assert, tokens)
     xp = array_module(placement)
 
     with launch_stream(placement):
-        targets = _targets(buffers, mode, written=True)
-        tokens = {}
-        for key in ("input_ids", "positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions"):
-            if named[key] is None:
-                tokens[key] = None
+        args = _write_bound_args(write_plan, log, chain_position_assert, context, xp)
+        views = {}
+        for key, arr in tokens.items():
+            if arr is None:
+                views[key] = None
                 continue
-            view = backend_view(named[key], key)
-            check_1d(view, key, I64, tokens["input_ids"].shape[0] if tokens else None, length_name="len(input_ids)")
-            tokens[key] = contiguous_input(view, key, xp)
-        plan_v = _plan_views("write_plan", write_plan, writable=False, xp=xp)
-        if flag_is_array:
-            flag = backend_view(flag, "chain_position_assert")
-            check_1d(flag, "chain_position_assert", I32, 1)
-        else:
-            flag = bool(flag)
-        logv = _log_views(log)
-        args = WriteArgs(
-            targets=targets,
-            write_offsets=plan_v["write_offsets"],
-            write_seed_slot_indices=plan_v["write_seed_slot_indices"],
-            write_num_valid_reqs=plan_v["write_num_valid_reqs"],
-            input_ids=tokens["input_ids"],
-            positions=tokens["positions"],
-            out_cache_loc=tokens["out_cache_loc"],
-            expected_input_tokens=tokens["expected_input_tokens"],
-            expected_input_positions=tokens["expected_input_positions"],
-            chain_position_assert=flag,
-            real_kv_hash_mode=mode,
-            log=logv,
-        )
+            view = backend_view(arr, key)
+            check_1d(view, key, I64, views["input_ids"].shape[0] if views else None, length_name="len(input_ids)")
+            views[key] = contiguous_input(view, key, xp)
+        args = args._replace(**views)
         if strict:
             strict_checks.check_write(args)
         with side_stream(stream, placement):
@@ -477,27 +518,10 @@ def verify(
     ``canary_buf`` may be a sequence of up to ``MAX_CANARY_BUFFERS`` buffers verified with the same
     plan, as for :func:`write`: the entries are read once for all of them.
     """
-    buffers, mode, context_arrays = _launch_context(canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode)
-    _check_type(verify_plan, "verify_plan", VerifyPlan)
-    if not isinstance(check_expected_token, (bool, np.bool_)):
-        fail(TypeError, f"check_expected_token must be a bool, got {type(check_expected_token).__name__}")
-
-    named = {b.name: b.buffer for b in buffers}
-    named.update(_record_arrays("verify_plan", verify_plan))
-    named.update(context_arrays)
-    placement = common_placement(named)
-    xp = array_module(placement)
-
+    placement, context, _ = _verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode,
+                                          check_expected_token)
     with launch_stream(placement):
-        targets = _targets(buffers, mode, written=False)
-        pv = _plan_views("verify_plan", verify_plan, writable=False, xp=xp)
-        args = VerifyArgs(
-            targets=targets,
-            **{k: pv[k] for k in VerifyArgs._fields if k in pv},
-            check_expected_token=bool(check_expected_token),
-            real_kv_hash_mode=mode,
-            log=_log_views(log),
-        )
+        args = _verify_args(verify_plan, log, check_expected_token, context, array_module(placement))
         if strict:
             strict_checks.check_verify(args)
         get_backend(placement.backend).verify(args)

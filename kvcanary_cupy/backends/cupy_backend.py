@@ -4,7 +4,9 @@ Every launch goes on CuPy's current stream (the front door makes that torch's cu
 when torch tensors are involved), allocates nothing, reads nothing back and has a grid fixed by
 host-known shapes, so a whole step can be captured in a CUDA graph and replayed with new batch
 contents.  Scalars are passed as NumPy scalars of the exact C parameter type; the structs of
-``canary_common.cuh`` are passed by value as one-element NumPy structured arrays.
+``canary_common.cuh`` are passed by value as one-element NumPy structured arrays.  Plan, write
+and verify take their parameters as one record per kernel (field i = parameter i, passed by its
+address), which a bound launcher (:mod:`kvcanary_cupy.launchers`) packs once and patches per call.
 """
 
 from __future__ import annotations
@@ -169,6 +171,10 @@ def _ptr(x) -> int:
     return 0 if x is None else x.data.ptr
 
 
+def _len(x) -> int:
+    return 0 if x is None else x.shape[0]
+
+
 def _row_stride(x) -> I64:
     return I64(x.strides[0] // x.dtype.itemsize)
 
@@ -203,12 +209,90 @@ def _log_struct(log: LogViews) -> np.ndarray:
     return s
 
 
-def _has_real_kv(targets: tuple, mode: int) -> bool:
+def has_real_kv(targets: tuple, mode: int) -> bool:
     return mode != RealKvHashMode.NONE and any(t.sources for t in targets)
 
 
 def _launch(family: str, name: str, config: LaunchConfig, args: tuple) -> None:
     get_function(family, name)((config.grid,), (config.block,), args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel parameter records.  The free functions fill a fresh record per call; a bound launcher
+# fills one at bind time and then rewrites only the fields of the per-step arrays, found by name
+# with :class:`ParamSlots`.
+
+def _param_record(*fields) -> np.dtype:
+    return np.dtype(list(fields), align=True)
+
+
+PLAN_PARAMS = _param_record(("inputs", PLAN_INPUTS), ("outputs", PLAN_OUTPUTS))
+WRITE_PARAMS = _param_record(("targets", CANARY_TARGETS), ("inputs", WRITE_INPUTS), ("log", LAUNCH_LOG))
+VERIFY_PARAMS = _param_record(
+    ("targets", CANARY_TARGETS), ("verify_slot_indices", "u8"), ("verify_expected_tokens", "u8"),
+    ("verify_expected_positions", "u8"), ("verify_prev_slot_indices", "u8"), ("verify_num_valid", "u8"), ("enable", "u8"),
+    ("verify_capacity", "i8"), ("log", LAUNCH_LOG),
+)
+
+
+class ParamSlots:
+    """Named scalar fields of one parameter record, as ``(memoryview, index)`` pairs to write in
+    place (a memoryview item write is the cheapest way to patch a field per call)."""
+
+    def __init__(self, params: np.ndarray):
+        self.params = params
+        self._views = {np.dtype(t): memoryview(params.view(t)) for t in ("u8", "i8", "i4")}
+
+    def __call__(self, path: str) -> tuple:
+        """The slot of the field ``path`` ("inputs.bs", "verify_capacity")."""
+        offset, dtype = 0, self.params.dtype
+        for name in path.split("."):
+            dtype, at = dtype.fields[name][:2]
+            offset += at
+        assert offset % dtype.itemsize == 0, path
+        return self._views[dtype], offset // dtype.itemsize
+
+
+@functools.lru_cache(maxsize=None)
+def _field_offsets(params: np.dtype) -> tuple:
+    return tuple(params.fields[name][1] for name in params.names)
+
+
+def _by_address():
+    """CuPy's argument holder for "the value at this address" (what it builds for every one-element
+    NumPy array it is given), or None where this CuPy version does not expose it."""
+    try:
+        from cupy.cuda import function
+    except ImportError:  # pragma: no cover - this module is only used with CuPy
+        return None
+    return getattr(function, "CPointer", None)
+
+
+_CPointer = _by_address()
+
+
+def kernel_arguments(params: np.ndarray) -> tuple:
+    """The launch arguments of a parameter record: each field, passed by value.
+
+    CuPy reads a one-element NumPy argument through ``__array_interface__`` (microseconds per
+    argument); handing it the field addresses instead skips that.  ``params`` must outlive the
+    launch call (the driver copies the values when the kernel is launched or captured).
+    """
+    if _CPointer is None:
+        return tuple(params[name] for name in params.dtype.names)
+    base = params.ctypes.data
+    return tuple(_CPointer(base + offset) for offset in _field_offsets(params.dtype))
+
+
+class KernelLaunch(NamedTuple):
+    family: str
+    name: str
+    config: LaunchConfig
+    params: np.ndarray  # one record of the kernel's parameter dtype
+
+
+def _launch_record(launch: KernelLaunch) -> None:
+    _launch(launch.family, launch.name, launch.config, kernel_arguments(launch.params))
 
 
 INT64_MAX = 2**63 - 1
@@ -226,76 +310,107 @@ def page_division(page_size: int) -> tuple[int, int, int]:
     return -1, -(-(1 << (POSITION_BITS + bits)) // page_size), POSITION_BITS + bits - 64
 
 
-def _plan_structs(a: PlanArgs):
+@functools.lru_cache(maxsize=256)
+def table_fields(page_size: int, null_block: int, cols: int, stride: int, entries_int64: bool, kv_indptr_int64: bool,
+                 num_virtual_pages: int) -> tuple:
+    """The PLAN_INPUTS fields a table sets besides its addresses and row count, as ``(name, value)``
+    pairs (a bound planner writes them again only when they change)."""
+    shift, magic, magic_shift = page_division(page_size)
+    return (("table_cols", cols), ("table_stride", stride), ("page_size", page_size), ("page_shift", shift),
+            ("page_magic", magic), ("page_magic_shift", magic_shift), ("page_id_limit", INT64_MAX // page_size),
+            ("null_block", null_block), ("num_virtual_pages", num_virtual_pages), ("table_is_int64", int(entries_int64)),
+            ("kv_indptr_is_int64", int(kv_indptr_int64)))
+
+
+def plan_params(a: PlanArgs) -> np.ndarray:
+    """The plan kernels' parameters; per-step arrays that are None (a bound planner) are left 0."""
     t, o = a.table, a.out
-    ins = np.zeros(1, PLAN_INPUTS)
+    p = np.zeros(1, PLAN_PARAMS)
+    ins, outs = p["inputs"], p["outputs"]
     for key, arr in (("req_pool_indices", a.req_pool_indices), ("prefix_lens", a.prefix_lens),
-                     ("extend_seq_lens", a.extend_seq_lens), ("table", t.entries), ("kv_indptr", t.kv_indptr),
-                     ("virtual_to_physical", t.virtual_to_physical), ("lut", a.swa_lut),
+                     ("extend_seq_lens", a.extend_seq_lens), ("lut", a.swa_lut),
                      ("pool", a.expected_token_pool), ("valid_lens", a.expected_token_valid_lens)):
         ins[key] = _ptr(arr)
-    ins["bs"] = a.prefix_lens.shape[0]
-    ins["table_rows"] = t.entries.shape[0]
-    if t.entries.ndim == 2:
-        ins["table_cols"], ins["table_stride"] = t.entries.shape[1], _row_stride(t.entries)
-    ins["page_size"], ins["null_block"] = t.page_size, t.null_block
-    ins["page_shift"], ins["page_magic"], ins["page_magic_shift"] = page_division(t.page_size)
-    ins["page_id_limit"] = INT64_MAX // t.page_size
-    ins["num_virtual_pages"] = 0 if t.virtual_to_physical is None else t.virtual_to_physical.shape[0]
+    ins["bs"] = _len(a.prefix_lens)
+    if t is not None:
+        ins["table"], ins["kv_indptr"], ins["virtual_to_physical"] = _ptr(t.entries), _ptr(t.kv_indptr), _ptr(t.virtual_to_physical)
+        ins["table_rows"] = t.entries.shape[0]
+        cols, stride = (t.entries.shape[1], _row_stride(t.entries)) if t.entries.ndim == 2 else (0, 0)
+        for key, value in table_fields(t.page_size, t.null_block, int(cols), int(stride), t.entries.dtype == np.int64,
+                                       t.kv_indptr is not None and t.kv_indptr.dtype == np.int64,
+                                       _len(t.virtual_to_physical)):
+            ins[key] = value
     ins["window"], ins["token_offset"] = a.swa_window_size, a.token_offset
-    ins["lut_len"] = 0 if a.swa_lut is None else a.swa_lut.shape[0]
+    ins["lut_len"] = _len(a.swa_lut)
     if a.expected_token_pool is not None:
         ins["pool_stride"], ins["pool_cols"] = _row_stride(a.expected_token_pool), a.expected_token_pool.shape[1]
-    ins["table_is_int64"] = t.entries.dtype == np.int64
-    ins["kv_indptr_is_int64"] = t.kv_indptr is not None and t.kv_indptr.dtype == np.int64
-    outs = np.zeros(1, PLAN_OUTPUTS)
     for key, arr in o._asdict().items():
         outs[key] = _ptr(arr)
     outs["verify_capacity"] = o.verify_slot_indices.shape[0]
     outs["write_req_capacity"] = o.write_seed_slot_indices.shape[0]
     outs["clear_whole_capacity"] = a.clear_whole_capacity
-    template_args = (int(t.kind), a.swa_lut is not None, a.expected_token_pool is not None)
-    return template_args, (ins, outs)
+    return p
+
+
+def plan_kernels(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool) -> tuple:
+    """``(family, kernel name, LaunchConfig)`` of each launch of a plan of ``bs`` requests, in order."""
+    family, template_args = plan_family(kind), (int(kind), has_lut, has_pool)
+    if bs <= FUSED_PLAN_MAX_BS:
+        return ((family, kernel_name("plan_fused", *template_args), plan_fused_config()),)
+    offsets = (family, kernel_name("plan_offsets", *template_args), plan_offsets_config(bs))
+    if verify_capacity == 0:  # a zero-capacity plan expands nothing
+        return (offsets,)
+    name = kernel_name("plan_entries", *template_args)
+    return offsets, (family, name, persistent_config(family, name))
 
 
 def plan(a: PlanArgs) -> None:
-    template_args, args = _plan_structs(a)
-    family = plan_family(a.table.kind)
-    bs = a.prefix_lens.shape[0]
-    if bs <= FUSED_PLAN_MAX_BS:
-        _launch(family, kernel_name("plan_fused", *template_args), plan_fused_config(), args)
-        return
-    _launch(family, kernel_name("plan_offsets", *template_args), plan_offsets_config(bs), args)
-    if a.out.verify_slot_indices.shape[0] > 0:  # a zero-capacity plan expands nothing
-        name = kernel_name("plan_entries", *template_args)
-        _launch(family, name, persistent_config(family, name), args)
+    params = plan_params(a)
+    for family, name, config in plan_kernels(a.table.kind, a.prefix_lens.shape[0], a.out.verify_slot_indices.shape[0],
+                                             a.swa_lut is not None, a.expected_token_pool is not None):
+        _launch_record(KernelLaunch(family, name, config, params))
 
 
-def write(a: WriteArgs) -> None:
+def write_kernel(num_targets: int, input_assert: bool, real_kv: bool) -> str:
+    return kernel_name("canary_write", num_targets, input_assert, real_kv)
+
+
+def write_launch(a: WriteArgs) -> KernelLaunch:
+    """canary_write's launch; per-step arrays that are None (a bound launcher) are left 0."""
     flag = a.chain_position_assert
     cap = a.write_seed_slot_indices.shape[0]
-    ins = np.zeros(1, WRITE_INPUTS)
+    p = np.zeros(1, WRITE_PARAMS)
+    ins = p["inputs"]
     for key, arr in (("write_offsets", a.write_offsets), ("seeds", a.write_seed_slot_indices),
                      ("write_num_valid_reqs", a.write_num_valid_reqs), ("input_ids", a.input_ids),
                      ("positions", a.positions), ("out_cache_loc", a.out_cache_loc),
                      ("expected_tokens", a.expected_input_tokens), ("expected_positions", a.expected_input_positions),
                      ("pos_assert_flag", None if isinstance(flag, bool) else flag)):
         ins[key] = _ptr(arr)
-    ins["write_req_capacity"], ins["num_tokens"] = cap, a.input_ids.shape[0]
+    ins["write_req_capacity"], ins["num_tokens"] = cap, _len(a.input_ids)
     ins["pos_assert_value"] = int(flag) if isinstance(flag, bool) else 0
-    name = kernel_name("canary_write", len(a.targets), a.expected_input_tokens is not None,
-                       _has_real_kv(a.targets, a.real_kv_hash_mode))
-    _launch("write", name, write_config(name, cap),
-            (_targets_struct(a.targets, a.real_kv_hash_mode), ins, _log_struct(a.log)))
+    p["targets"], p["log"] = _targets_struct(a.targets, a.real_kv_hash_mode), _log_struct(a.log)
+    name = write_kernel(len(a.targets), a.expected_input_tokens is not None, has_real_kv(a.targets, a.real_kv_hash_mode))
+    return KernelLaunch("write", name, write_config(name, cap), p)
+
+
+def write(a: WriteArgs) -> None:
+    _launch_record(write_launch(a))
+
+
+def verify_launch(a: VerifyArgs) -> KernelLaunch:
+    p = np.zeros(1, VERIFY_PARAMS)
+    p["targets"], p["log"] = _targets_struct(a.targets, a.real_kv_hash_mode), _log_struct(a.log)
+    for key in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
+                "verify_num_valid", "enable"):
+        p[key] = _ptr(getattr(a, key))
+    p["verify_capacity"] = a.verify_slot_indices.shape[0]
+    name = kernel_name("canary_verify", len(a.targets), a.check_expected_token, has_real_kv(a.targets, a.real_kv_hash_mode))
+    return KernelLaunch("verify", name, persistent_config("verify", name, VERIFY_THREADS), p)
 
 
 def verify(a: VerifyArgs) -> None:
-    name = kernel_name("canary_verify", len(a.targets), a.check_expected_token, _has_real_kv(a.targets, a.real_kv_hash_mode))
-    _launch("verify", name, persistent_config("verify", name, VERIFY_THREADS), (
-        _targets_struct(a.targets, a.real_kv_hash_mode), a.verify_slot_indices, a.verify_expected_tokens,
-        a.verify_expected_positions, a.verify_prev_slot_indices, a.verify_num_valid, a.enable,
-        I64(a.verify_slot_indices.shape[0]), _log_struct(a.log),
-    ))
+    _launch_record(verify_launch(a))
 
 
 def scatter_config(bs: int) -> tuple[LaunchConfig, int]:
