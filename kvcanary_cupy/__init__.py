@@ -35,6 +35,7 @@ from .errors import CanaryHealthError, CanaryViolationError
 from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
 from .interop import join_stream
 from .jit import warmup
+from .launchers import VerifyLauncher, WriteLauncher
 from .ops import move_pages, plan, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
@@ -73,10 +74,12 @@ __all__ = [
     "RealKvHashMode",
     "RealKvSource",
     "ReqToToken",
+    "VerifyLauncher",
     "VerifyPlan",
     "Violation",
     "ViolationLog",
     "ViolationReport",
+    "WriteLauncher",
     "WritePlan",
     "allocate_canary_buffer",
     "join_stream",

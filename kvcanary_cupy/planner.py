@@ -10,6 +10,7 @@ import numpy as np
 
 from .errors import fail, public_api
 from .interop import import_cupy, is_torch_tensor, placement_of, refuse_during_capture, to_numpy
+from .launchers import PlanLauncher
 from .ops import plan as plan_step
 from .plans import INT32_MAX, VerifyPlan, WritePlan
 from .tables import as_table
@@ -80,6 +81,10 @@ class CanaryPlanner:
     framework on the same device are used in place; inputs on another device are copied there
     (a convenience for notebooks: not capture-safe).  A shrinking batch leaves nothing stale:
     seeds past the batch are -1 and offsets past it are 0.
+
+    The buffers, capacities and SWA settings are bound once (:mod:`kvcanary_cupy.launchers`): a
+    plan whose inputs are contiguous arrays of the buffers' framework and device costs only their
+    checks and one launch.  The settings are read-only for that reason.
     """
 
     @public_api
@@ -95,10 +100,25 @@ class CanaryPlanner:
         self.write_plan = WritePlan.allocate(capacities.write_req_capacity, like=like)
         self._like = self.verify_plan.enable
         self._placement = placement_of(self._like, "like")
-        self.swa_window_size = swa_window_size
-        self.full_to_swa_index_mapping = full_to_swa_index_mapping
-        self.kv_token_id_vs_position_offset = kv_token_id_vs_position_offset
+        self._swa = (swa_window_size, full_to_swa_index_mapping, kv_token_id_vs_position_offset)
         self._overflow_reported = False
+        self._launcher = PlanLauncher(
+            self.verify_plan, self.write_plan, verify_capacity=capacities.verify_capacity,
+            write_req_capacity=capacities.write_req_capacity, swa_window_size=swa_window_size,
+            full_to_swa_index_mapping=full_to_swa_index_mapping,
+            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+
+    @property
+    def swa_window_size(self) -> int:
+        return self._swa[0]
+
+    @property
+    def full_to_swa_index_mapping(self):
+        return self._swa[1]
+
+    @property
+    def kv_token_id_vs_position_offset(self) -> int:
+        return self._swa[2]
 
     @classmethod
     @public_api
@@ -137,6 +157,9 @@ class CanaryPlanner:
 
         ``table`` is any table :func:`kvcanary_cupy.plan` takes (``req_pool_indices`` is None with
         a :class:`~kvcanary_cupy.PagedKvIndices`)."""
+        if not strict and self._launcher(req_pool_indices, prefix_lens, extend_seq_lens, table,
+                                         req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens):
+            return self.verify_plan, self.write_plan
         conv = self._to_buffers
         return plan_step(
             conv(req_pool_indices, "req_pool_indices"), conv(prefix_lens, "prefix_lens"),

@@ -339,11 +339,12 @@ def _initial_canary(case: Case, buffer: int = 0) -> np.ndarray:
     return canary
 
 
-def run_case(ab, case: Case) -> dict:
+def run_case(ab, case: Case, *, bound: bool = False) -> dict:
     """Run both steps on ``ab``; returns host copies of every output after each launch.
 
     With ``case.buffers > 1`` every write and verify takes that many canary buffers at once, each
-    with its own initial bytes, launch kind and (rotated) real-KV sources.
+    with its own initial bytes, launch kind and (rotated) real-KV sources.  ``bound=True`` runs
+    the steps through a CanaryPlanner and bound launchers instead of the free functions.
     """
     a = ab.asarray
     canaries = []
@@ -361,26 +362,36 @@ def run_case(ab, case: Case) -> dict:
         return canaries, [(kind + b) % kc.NUM_LAUNCH_TAGS for b in range(case.buffers)], per_buffer
 
     log = kc.ViolationLog.allocate(case.ring_capacity, like=ab.like)
-    vp = kc.VerifyPlan.allocate(case.verify_capacity, like=ab.like)
-    wp = kc.WritePlan.allocate(case.write_req_capacity, like=ab.like)
+    planner = kc.CanaryPlanner(kc.CanaryCapacities(case.verify_capacity, case.write_req_capacity), like=ab.like,
+                               swa_window_size=case.window, full_to_swa_index_mapping=None if case.lut is None else a(case.lut),
+                               kv_token_id_vs_position_offset=case.token_offset)
+    vp, wp = planner.verify_plan, planner.write_plan
     poison = np.full(case.verify_capacity, 0x5A5A, np.int64)
     for arr in (vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions, vp.verify_prev_slot_indices):
         arr[...] = a(poison)
     snapshots = []
     for s in case.steps:
-        _plan_step(case, s, a, verify_capacity=case.verify_capacity, out=(vp, wp))
         head, tail = s.kinds
-        buf, kinds, _ = targets(head)
-        kc.verify(buf, vp, log=log, kernel_kind=kinds, check_expected_token=s.check_token)
-        flag = s.chain_flag if isinstance(s.chain_flag, bool) else a(s.chain_flag)
+        head_buf, head_kinds, _ = targets(head)
         buf, kinds, srcs = targets(tail)
-        kc.write(buf, wp, a(s.input_ids), a(s.positions), a(s.out_cache_loc), log=log, kernel_kind=kinds,
-                 real_kv_sources=srcs, real_kv_hash_mode=case.mode,
-                 expected_input_tokens=a(s.expected_tokens) if s.expected_tokens is not None else None,
-                 expected_input_positions=a(s.expected_positions) if s.expected_positions is not None else None,
-                 chain_position_assert=flag)
-        kc.verify(buf, vp, log=log, kernel_kind=kinds, real_kv_sources=srcs, real_kv_hash_mode=case.mode,
-                  check_expected_token=s.check_token)
+        flag = s.chain_flag if isinstance(s.chain_flag, bool) else a(s.chain_flag)
+        real_kv = dict(real_kv_sources=srcs, real_kv_hash_mode=case.mode)
+        write_options = dict(log=log, kernel_kind=kinds, chain_position_assert=flag, **real_kv)
+        tokens = (a(s.input_ids), a(s.positions), a(s.out_cache_loc))
+        expected = dict(expected_input_tokens=a(s.expected_tokens) if s.expected_tokens is not None else None,
+                        expected_input_positions=a(s.expected_positions) if s.expected_positions is not None else None)
+        if bound:
+            rp, table, pool = _plan_inputs(case, s, a)
+            planner.plan(rp, a(s.prefix_lens), a(s.extend_seq_lens), table, req_to_verify_expected_tokens=pool,
+                         req_to_verify_expected_tokens_valid_lens=None if pool is None else a(s.valid_lens))
+            kc.VerifyLauncher(head_buf, vp, log=log, kernel_kind=head_kinds, check_expected_token=s.check_token)()
+            kc.WriteLauncher(buf, wp, **write_options)(*tokens, **expected)
+            kc.VerifyLauncher(buf, vp, log=log, kernel_kind=kinds, check_expected_token=s.check_token, **real_kv)()
+        else:
+            _plan_step(case, s, a, verify_capacity=case.verify_capacity, out=(vp, wp))
+            kc.verify(head_buf, vp, log=log, kernel_kind=head_kinds, check_expected_token=s.check_token)
+            kc.write(buf, wp, *tokens, **write_options, **expected)
+            kc.verify(buf, vp, log=log, kernel_kind=kinds, check_expected_token=s.check_token, **real_kv)
         snap = {f"vp.{k}": ab.to_numpy(v) for k, v in vp.arrays().items()}
         snap.update({f"wp.{k}": ab.to_numpy(v) for k, v in wp.arrays().items()})
         snap.update({f"log.{k}": ab.to_numpy(v) for k, v in log.arrays().items()})

@@ -1,0 +1,101 @@
+"""CPU profile of the eager host path: microseconds and Python-level calls per op, no GPU needed.
+
+For plan (through a CanaryPlanner, and kc.plan with ``out=``), verify and write (bound launchers,
+and the free functions) at one workload, the backend's own work is taken out so only the front
+door is measured: NumPy arrays with the NumPy backend stubbed, and CuPy arrays on a fake device
+(``tests/fake_cupy.py``: real CuPy arrays over host memory, kernel launches recorded, not run).
+On a GPU the launch itself adds its driver cost (``bench_canary.py`` measures that).
+
+    python benchmarks/host_profile.py [--workload W3] [--calls 2000] [--top 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE, os.path.join(os.path.dirname(HERE), "tests")]
+
+import bench_canary as bc  # noqa: E402
+import kvcanary_cupy as kc  # noqa: E402
+
+
+def step_ops(d, move):
+    """The six timed callables on one workload's arrays; ``move`` puts a NumPy array on the device."""
+    vcap, bs = d["total_verify"], d["bs"]
+    a = {k: move(v) for k, v in d.items() if isinstance(v, np.ndarray)}
+    planner = kc.CanaryPlanner(kc.CanaryCapacities(vcap, bs), like=a["rp"])
+    vp, wp = planner.verify_plan, planner.write_plan
+    log = kc.ViolationLog.allocate(1024, like=a["rp"])
+    inputs = (a["rp"], a["prefix"], a["extend"], a["rtt"])
+    verify = kc.VerifyLauncher(a["canary"], vp, log=log)
+    write = kc.WriteLauncher(a["canary"], wp, log=log)
+    return {
+        ("plan", "free"): lambda: kc.plan(*inputs, verify_capacity=vcap, out=(vp, wp)),
+        ("plan", "bound"): lambda: planner.plan(*inputs),
+        ("verify", "free"): lambda: kc.verify(a["canary"], vp, log=log),
+        ("verify", "bound"): verify,
+        ("write", "free"): lambda: kc.write(a["canary"], wp, a["ids"], a["pos"], a["loc"], log=log),
+        ("write", "bound"): lambda: write(a["ids"], a["pos"], a["loc"]),
+    }
+
+
+def measure(fn, calls: int, top: int):
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(100):
+        fn()
+    profile.disable()
+    stats = pstats.Stats(profile)
+    if top:
+        stats.sort_stats("tottime").print_stats(top)
+    return us, stats.total_calls / 100
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="W3")
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--top", type=int, default=0, help="print the N costliest functions of each profile")
+    args = parser.parse_args()
+    d = bc.build(bc.WORKLOADS[args.workload], np)
+    print(f"host us and Python-level calls per eager op at {args.workload} (backend work stubbed out)")
+    print(f"{'arrays':<20} {'op':<7} {'free us':>8} {'calls':>6} {'bound us':>9} {'calls':>6} {'x faster':>9}")
+
+    from kvcanary_cupy.backends import numpy_backend
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        for op in ("plan", "verify", "write"):
+            mp.setattr(numpy_backend, op, lambda a: None)
+        report("NumPy", step_ops(d, lambda x: x), args)
+    try:
+        from fake_cupy import fake_device
+    except ImportError:
+        return
+    with fake_device(record_bytes=False) as dev:
+        report("CuPy (fake device)", step_ops(d, dev.asarray), args)
+
+
+def report(label, ops, args):
+    for op in ("plan", "verify", "write"):
+        free_us, free_calls = measure(ops[(op, "free")], args.calls, args.top)
+        bound_us, bound_calls = measure(ops[(op, "bound")], args.calls, args.top)
+        print(f"{label:<20} {op:<7} {free_us:>8.1f} {free_calls:>6.0f} {bound_us:>9.1f} {bound_calls:>6.0f} "
+              f"{free_us / bound_us:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

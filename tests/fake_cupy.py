@@ -1,0 +1,104 @@
+"""A CuPy "device" over host memory, for checking the CuPy launch path without a GPU.
+
+Arrays are real ``cupy.ndarray`` objects whose device pointers are host addresses (never
+dereferenced: nothing runs on a device; ``cupy.empty``/``cupy.full`` make them too, so
+``allocate(..., like=)`` works), the device calls the launch path makes are answered on the
+host, and every kernel launch is recorded with its name, grid, block, stream and the bytes
+of each argument.  Used by ``tests/test_launchers.py`` and ``benchmarks/host_profile.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Launch(NamedTuple):
+    name: str
+    grid: tuple
+    block: tuple
+    stream: object
+    args: tuple  # bytes of each argument
+
+
+class FakeDevice:
+    """Install with :meth:`install` (a ``pytest.MonkeyPatch``); ``launches`` records every launch."""
+
+    SM_COUNT = 132
+
+    def __init__(self, record_bytes: bool = True):
+        import cupy
+
+        self.cupy = cupy
+        self.record_bytes = record_bytes
+        self.launches: list[Launch] = []
+        self._keep = []
+
+    def asarray(self, host: np.ndarray):
+        """A CuPy array sharing ``host``'s memory (a copy of it, kept alive here)."""
+        cupy = self.cupy
+        host = np.array(host, copy=True)
+        self._keep.append(host)
+        mem = cupy.cuda.UnownedMemory(host.ctypes.data, max(host.nbytes, 1), host, device_id=0)
+        return cupy.ndarray(host.shape, host.dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+    def to_numpy(self, x) -> np.ndarray:
+        """The host bytes behind a fake CuPy array."""
+        import ctypes
+
+        nbytes = x.nbytes
+        buf = (ctypes.c_char * nbytes).from_address(x.data.ptr) if nbytes else b""
+        return np.frombuffer(bytes(buf), x.dtype).reshape(x.shape)
+
+    def install(self, monkeypatch) -> None:
+        from kvcanary_cupy import jit
+        from kvcanary_cupy.backends import cupy_backend
+
+        device = self
+
+        class Device:
+            def __init__(self, device_id=None):
+                self.id = 0 if device_id is None else device_id
+                self.attributes = {"MultiProcessorCount": FakeDevice.SM_COUNT}
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+        class Function:
+            def __init__(self, name):
+                self.name = name
+
+            def __call__(self, grid, block, args, stream=None, **kwargs):
+                args = tuple(bytes(np.asarray(a).tobytes()) for a in args) if device.record_bytes else ()
+                device.launches.append(Launch(self.name, tuple(grid), tuple(block), stream, args))
+
+        class RawKernel(Function):
+            @property
+            def kernel(self):
+                return Function(self.name)
+
+        monkeypatch.setattr(self.cupy, "empty", lambda shape, dtype=float: self.asarray(np.zeros(shape, dtype)))
+        monkeypatch.setattr(self.cupy, "full", lambda shape, fill, dtype=None: self.asarray(np.full(shape, fill, dtype)))
+        monkeypatch.setattr(self.cupy.cuda, "Device", Device)
+        monkeypatch.setattr(self.cupy.cuda.runtime, "getDevice", lambda: 0)
+        monkeypatch.setattr(jit, "get_function", lambda family, name: RawKernel(name))
+        monkeypatch.setattr(cupy_backend, "get_function", lambda family, name: RawKernel(name))
+        monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: FakeDevice.SM_COUNT)
+        if self.record_bytes:  # the arguments as one-element NumPy views, whose bytes can be read back
+            monkeypatch.setattr(cupy_backend, "_CPointer", None)
+
+
+@contextlib.contextmanager
+def fake_device(record_bytes: bool = True):
+    """A :class:`FakeDevice` installed for the duration of the block."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        dev = FakeDevice(record_bytes)
+        dev.install(mp)
+        yield dev

@@ -1,0 +1,323 @@
+"""Bound launchers (CanaryPlanner.plan, WriteLauncher, VerifyLauncher) against the free functions.
+
+Byte for byte on every backend (randomised steps), the kernel launches themselves on a fake CuPy
+device (no GPU needed), the same errors for bad per-step inputs, re-binding when a bound torch
+tensor moves, and KVCANARY_FULL_VALIDATION.
+"""
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from kvcanary_cupy import launchers, ops, planner as planner_module
+from canary_builders import a64, canary, i64, linear_rtt, make_log, make_write_plan
+from conftest import get_backend_or_skip
+from fuzz_cases import assert_same, make_case, run_case
+
+NUMPY = get_backend_or_skip("numpy")
+
+
+def _free_functions_refused(monkeypatch):
+    """Make any call of the free functions fail: what runs must be the bound path."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the free function ran: the bound path was expected")
+
+    for name in ("write", "verify"):
+        monkeypatch.setattr(ops, name, refuse)
+    monkeypatch.setattr(planner_module, "plan_step", refuse)
+
+
+def _count_free_calls(monkeypatch) -> dict:
+    counts = {"plan": 0, "write": 0, "verify": 0}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(ops, "write", counting("write", ops.write))
+    monkeypatch.setattr(ops, "verify", counting("verify", ops.verify))
+    monkeypatch.setattr(planner_module, "plan_step", counting("plan", planner_module.plan_step))
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------
+# the same bytes
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch_cpu"])
+def test_bound_steps_match_the_free_functions(backend, monkeypatch):
+    ab = get_backend_or_skip(backend)
+    cases = [make_case(seed) for seed in range(30)]
+    want = [run_case(NUMPY, case) for case in cases]
+    _free_functions_refused(monkeypatch)
+    for case, ref in zip(cases, want):
+        assert_same(ref, run_case(ab, case, bound=True), context=f"{backend} bound seed {case.seed}")
+
+
+@pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
+def test_bound_steps_match_numpy_on_the_gpu(backend, monkeypatch):
+    ab = get_backend_or_skip(backend)
+    cases = [make_case(seed) for seed in range(300)] + [make_case(10_000 + seed, big=True) for seed in range(3)]
+    want = [run_case(NUMPY, case) for case in cases]
+    _free_functions_refused(monkeypatch)
+    for case, ref in zip(cases, want):
+        assert_same(ref, run_case(ab, case, bound=True), context=f"{backend} bound seed {case.seed}")
+
+
+def _rows_of_wider_table(asarray, table):
+    """``table`` on the device as the first columns of a wider one (row stride > columns)."""
+    wide = np.zeros((table.shape[0], table.shape[1] + 3), table.dtype)
+    wide[:, : table.shape[1]] = table
+    return asarray(wide)[:, : table.shape[1]]
+
+
+def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device():
+    """Same kernels, grids, blocks, stream and argument bytes as the free functions, for the same arrays."""
+    pytest.importorskip("cupy")
+    from fake_cupy import fake_device
+
+    for seed in [*range(40), 10_000]:
+        case = make_case(seed, big=seed >= 10_000)
+        with fake_device() as dev:
+            a = dev.asarray
+            buf = a(np.zeros((case.num_slots, 32), np.uint8) if case.uint8_canary else np.zeros((case.num_slots, 4), np.int64))
+            rtt, log = _rows_of_wider_table(a, case.req_to_token), kc.ViolationLog.allocate(case.ring_capacity, like=buf)
+            lut = None if case.lut is None else a(case.lut)
+            pool = None if case.pool is None else _rows_of_wider_table(a, case.pool)
+            sources = tuple(kc.RealKvSource(a(t), p, n, r) for t, p, n, r in case.sources)
+            planner = kc.CanaryPlanner(kc.CanaryCapacities(case.verify_capacity, case.write_req_capacity), like=buf,
+                                       swa_window_size=case.window, full_to_swa_index_mapping=lut,
+                                       kv_token_id_vs_position_offset=case.token_offset)
+            vp, wp = planner.verify_plan, planner.write_plan
+            for step, s in enumerate(case.steps):
+                rp, prefix, extend = a(s.req_pool_indices), a(s.prefix_lens), a(s.extend_seq_lens)
+                has_pool = s.valid_lens is not None
+                expected = dict(req_to_verify_expected_tokens=pool if has_pool else None,
+                                req_to_verify_expected_tokens_valid_lens=a(s.valid_lens) if has_pool else None)
+                tokens = (a(s.input_ids), a(s.positions), a(s.out_cache_loc))
+                checks = {} if s.expected_tokens is None else dict(
+                    expected_input_tokens=a(s.expected_tokens), expected_input_positions=a(s.expected_positions))
+                flag = s.chain_flag if isinstance(s.chain_flag, bool) else a(s.chain_flag)
+                write_options = dict(log=log, kernel_kind=s.kinds[1], chain_position_assert=flag,
+                                     real_kv_sources=sources, real_kv_hash_mode=case.mode)
+                verify_options = dict(log=log, kernel_kind=s.kinds[0], check_expected_token=s.check_token,
+                                      real_kv_sources=sources, real_kv_hash_mode=case.mode)
+
+                kc.plan(rp, prefix, extend, rtt, verify_capacity=case.verify_capacity,
+                        write_req_capacity=case.write_req_capacity, swa_window_size=case.window,
+                        full_to_swa_index_mapping=lut, kv_token_id_vs_position_offset=case.token_offset,
+                        out=(vp, wp), **expected)
+                kc.verify(buf, vp, **verify_options)
+                kc.write(buf, wp, *tokens, **write_options, **checks)
+                free, dev.launches[:] = list(dev.launches), []
+
+                planner.plan(rp, prefix, extend, rtt, **expected)
+                kc.VerifyLauncher(buf, vp, **verify_options)()
+                kc.WriteLauncher(buf, wp, **write_options)(*tokens, **checks)
+                assert dev.launches == free, f"seed {seed} step {step}"
+                dev.launches[:] = []
+
+
+# ----------------------------------------------------------------------------------------------
+# per-step inputs outside the common case: the free function decides
+
+
+def _write_setup(ab):
+    buf = ab.asarray(canary(16))
+    log = make_log(ab)
+    wp = make_write_plan(ab, [0, 2, 3], [-1, -1])
+    return buf, wp, log
+
+
+def _snapshot(ab, *arrays):
+    return [ab.to_numpy(x).copy() for x in arrays]
+
+
+def _assert_same_error(ab, free, bound, state):
+    with pytest.raises((TypeError, ValueError)) as want:
+        free()
+    before = _snapshot(ab, *state)
+    with pytest.raises(want.type) as got:
+        bound()
+    assert str(got.value) == str(want.value)
+    for x, y in zip(_snapshot(ab, *state), before):
+        np.testing.assert_array_equal(x, y)
+
+
+BAD_TOKENS = {
+    "int32 input_ids": lambda ab, t: (ab.asarray(np.array([1, 2, 3], np.int32)), t[1], t[2]),
+    "2-D positions": lambda ab, t: (t[0], ab.asarray(np.zeros((3, 1), np.int64)), t[2]),
+    "short out_cache_loc": lambda ab, t: (t[0], t[1], a64(ab, [4, 5])),
+    "list input_ids": lambda ab, t: ([1, 2, 3], t[1], t[2]),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_TOKENS))
+def test_write_launcher_refuses_bad_tokens_like_the_free_function(ab, bad):
+    buf, wp, log = _write_setup(ab)
+    tokens = BAD_TOKENS[bad](ab, (a64(ab, [7, 8, 9]), a64(ab, [0, 1, 0]), a64(ab, [3, 4, 5])))
+    launcher = kc.WriteLauncher(buf, wp, log=log)
+    _assert_same_error(ab, lambda: kc.write(buf, wp, *tokens, log=log), lambda: launcher(*tokens),
+                       [buf, *log.arrays().values()])
+
+
+def test_write_launcher_refuses_half_an_input_assert_like_the_free_function(ab):
+    buf, wp, log = _write_setup(ab)
+    tokens = (a64(ab, [7, 8, 9]), a64(ab, [0, 1, 0]), a64(ab, [3, 4, 5]))
+    launcher = kc.WriteLauncher(buf, wp, log=log)
+    _assert_same_error(ab, lambda: kc.write(buf, wp, *tokens, log=log, expected_input_tokens=tokens[0]),
+                       lambda: launcher(*tokens, expected_input_tokens=tokens[0]), [buf, *log.arrays().values()])
+
+
+def test_write_launcher_refuses_arrays_of_another_device(gpu_ab):
+    buf, wp, log = _write_setup(gpu_ab)
+    host_ids = i64([7, 8, 9])
+    tokens = (host_ids, a64(gpu_ab, [0, 1, 0]), a64(gpu_ab, [3, 4, 5]))
+    launcher = kc.WriteLauncher(buf, wp, log=log)
+    _assert_same_error(gpu_ab, lambda: kc.write(buf, wp, *tokens, log=log), lambda: launcher(*tokens),
+                       [buf, *log.arrays().values()])
+
+
+def test_planner_refuses_bad_inputs_like_the_free_function(ab):
+    planner = kc.CanaryPlanner.from_engine(kv_pool_size=64, max_running_requests=4, like=ab.like)
+    rtt = ab.asarray(linear_rtt(4, 16))
+    good = (a64(ab, [1, 2]), a64(ab, [2, 3]), a64(ab, [1, 1]))
+    bad_inputs = {
+        "int32 prefix_lens": (good[0], ab.asarray(np.array([2, 3], np.int32)), good[2], rtt),
+        "short extend_seq_lens": (good[0], good[1], a64(ab, [1]), rtt),
+        "int64 req_to_token": (*good, ab.asarray(linear_rtt(4, 16).astype(np.int64))),
+        "1-D req_to_token": (*good, ab.asarray(linear_rtt(4, 16)[0])),
+        "batch above capacity": (a64(ab, [1] * 5), a64(ab, [1] * 5), a64(ab, [1] * 5), rtt),
+    }
+    state = [*planner.verify_plan.arrays().values(), *planner.write_plan.arrays().values()]
+    for inputs in bad_inputs.values():
+        _assert_same_error(ab, lambda: kc.plan(*inputs, verify_capacity=planner.capacities.verify_capacity,
+                                               write_req_capacity=planner.capacities.write_req_capacity,
+                                               out=(planner.verify_plan, planner.write_plan)),
+                           lambda: planner.plan(*inputs), state)
+    pool = ab.asarray(np.zeros((4, 16), np.int32))
+    _assert_same_error(ab, lambda: kc.plan(*good, rtt, verify_capacity=192, req_to_verify_expected_tokens=pool,
+                                           out=(planner.verify_plan, planner.write_plan)),
+                       lambda: planner.plan(*good, rtt, req_to_verify_expected_tokens=pool), state)
+
+
+def test_uncommon_inputs_take_the_free_function_with_the_same_bytes(ab, monkeypatch):
+    """Strided tokens, and (CPU torch) a NumPy array among torch tensors: accepted, copied or viewed
+    by the free function, with the same bytes."""
+    counts = _count_free_calls(monkeypatch)
+    out = {}
+    for path in ("free", "bound"):
+        buf, wp, log = _write_setup(ab)
+        wide = a64(ab, [7, 0, 8, 0, 9, 0])
+        tokens = (wide[::2], a64(ab, [0, 1, 0]), i64([3, 4, 5]) if ab.name == "torch_cpu" else a64(ab, [3, 4, 5]))
+        if path == "free":
+            ops.write(buf, wp, *tokens, log=log)
+        else:
+            kc.WriteLauncher(buf, wp, log=log)(*tokens)
+        out[path] = _snapshot(ab, buf, *log.arrays().values())
+    assert counts["write"] == 2  # the launcher handed the strided call to the free function
+    for x, y in zip(out["bound"], out["free"]):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_strided_bound_plans_take_the_free_function(ab, monkeypatch):
+    """A WritePlan of strided views would be copied by the free function: it cannot be bound."""
+    counts = _count_free_calls(monkeypatch)
+    strided = kc.WritePlan(write_offsets=a64(ab, [0, 9, 1, 9, 2, 9])[::2], write_seed_slot_indices=a64(ab, [5, 9, -1, 9])[::2],
+                           write_num_valid_reqs=ab.asarray(np.array([2], np.int32)), verify_offsets=a64(ab, [0] * 6)[::2])
+    buf, log = ab.asarray(canary(16)), make_log(ab)
+    launcher = kc.WriteLauncher(buf, strided, log=log)
+    for _ in range(2):
+        launcher(a64(ab, [7, 8]), a64(ab, [0, 1]), a64(ab, [3, 4]))
+    assert counts["write"] == 2
+    want_buf, want_log = ab.asarray(canary(16)), make_log(ab)
+    for _ in range(2):
+        ops.write(want_buf, strided, a64(ab, [7, 8]), a64(ab, [0, 1]), a64(ab, [3, 4]), log=want_log)
+    np.testing.assert_array_equal(ab.to_numpy(buf), ab.to_numpy(want_buf))
+
+
+def test_launchers_refuse_bad_bound_buffers_like_the_free_functions(ab):
+    buf, wp, log = _write_setup(ab)
+    tokens = (a64(ab, [7]), a64(ab, [0]), a64(ab, [3]))
+    for kwargs in (dict(log=object()), dict(log=log, kernel_kind=99), dict(log=log, chain_position_assert="yes")):
+        with pytest.raises((TypeError, ValueError)) as want:
+            kc.write(buf, wp, *tokens, **kwargs)
+        with pytest.raises(want.type, match=None) as got:
+            kc.WriteLauncher(buf, wp, **kwargs)
+        assert str(got.value) == str(want.value)
+    vp = kc.VerifyPlan.allocate(4, like=ab.like)
+    with pytest.raises((TypeError, ValueError)) as want:
+        kc.verify(buf, vp, log=log, check_expected_token=1)
+    with pytest.raises(want.type) as got:
+        kc.VerifyLauncher(buf, vp, log=log, check_expected_token=1)
+    assert str(got.value) == str(want.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# bound buffers that move
+
+
+def test_launchers_rebind_a_torch_tensor_that_moved():
+    torch = pytest.importorskip("torch")
+    ab = get_backend_or_skip("torch_cpu")
+    buf, wp, log = _write_setup(ab)
+    vp = kc.VerifyPlan.allocate(4, like=ab.like)
+    write = kc.WriteLauncher(buf, wp, log=log)
+    verify = kc.VerifyLauncher(buf, vp, log=log)
+    old = buf.view(-1)  # keeps the old memory alive and visible
+    buf.set_(torch.zeros(32, 4, dtype=torch.int64))  # reallocated: new address, new shape
+    log.kernel_run_counters.set_(torch.zeros(12, dtype=torch.int64))
+    write(a64(ab, [7, 8, 9]), a64(ab, [0, 1, 0]), a64(ab, [30, 31, 5]))
+    verify()
+    want_buf, want_log = torch.zeros(32, 4, dtype=torch.int64), make_log(ab)
+    kc.write(want_buf, wp, a64(ab, [7, 8, 9]), a64(ab, [0, 1, 0]), a64(ab, [30, 31, 5]), log=want_log)
+    kc.verify(want_buf, vp, log=want_log)
+    assert torch.equal(buf, want_buf) and buf[31, 0].item() == 8  # slot 31 exists only in the new buffer
+    assert not old.any()  # nothing went to the old memory
+    for key, arr in log.arrays().items():
+        assert torch.equal(arr, want_log.arrays()[key]), key
+
+
+def test_planner_rebinds_its_buffers_after_a_resize():
+    pytest.importorskip("torch")
+    ab = get_backend_or_skip("torch_cpu")
+    planner = kc.CanaryPlanner.from_engine(kv_pool_size=8, max_running_requests=2, like=ab.like)
+    inputs = (a64(ab, [1]), a64(ab, [2]), a64(ab, [1]), ab.asarray(linear_rtt(3, 8)))
+    planner.plan(*inputs)
+    planner.write_plan.write_seed_slot_indices.resize_(1)  # shorter than write_req_capacity: the full checks refuse it
+    with pytest.raises(ValueError, match=r"write_req_capacity=2 does not match out\[1\].write_seed_slot_indices.shape\[0\]=1"):
+        planner.plan(*inputs)
+
+
+# ----------------------------------------------------------------------------------------------
+# KVCANARY_FULL_VALIDATION
+
+
+def test_full_validation_env_sends_every_call_to_the_free_functions(ab, monkeypatch):
+    counts = _count_free_calls(monkeypatch)
+    tokens = (a64(ab, [7]), a64(ab, [0]), a64(ab, [3]))
+    plan_inputs = (a64(ab, [1]), a64(ab, [0]), a64(ab, [1]), ab.asarray(linear_rtt(3, 8)))
+
+    def step():
+        buf, log = ab.asarray(canary(32)), make_log(ab)
+        planner = kc.CanaryPlanner.from_engine(kv_pool_size=32, max_running_requests=2, like=ab.like)
+        verify = kc.VerifyLauncher(buf, planner.verify_plan, log=log)
+        write = kc.WriteLauncher(buf, planner.write_plan, log=log)
+        for _ in range(3):
+            planner.plan(*plan_inputs)
+            verify()
+            write(*tokens)
+        return _snapshot(ab, buf, *log.arrays().values())
+
+    fast = step()
+    assert counts == {"plan": 0, "write": 0, "verify": 0}
+    monkeypatch.setenv(launchers.FULL_VALIDATION_ENV, "1")
+    full = step()
+    assert counts == {"plan": 3, "write": 3, "verify": 3}
+    for x, y in zip(full, fast):
+        np.testing.assert_array_equal(x, y)
+    monkeypatch.setenv(launchers.FULL_VALIDATION_ENV, "0")
+    step()
+    assert counts == {"plan": 3, "write": 3, "verify": 3}
