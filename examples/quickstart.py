@@ -40,6 +40,9 @@ def main():
     log = kc.ViolationLog.allocate(ring_capacity=64, like=req_to_token_dev)
     planner = kc.CanaryPlanner.from_engine(kv_pool_size=num_slots, max_running_requests=max_reqs - 1,
                                            like=req_to_token_dev)
+    # Launchers bind the long-lived buffers once; each call then checks only the step's arrays.
+    verify = kc.VerifyLauncher(canary, planner.verify_plan, log=log, kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL)
+    write = kc.WriteLauncher(canary, planner.write_plan, log=log, kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL)
 
     reqs = np.array([1, 2, 3])  # pool rows of the running requests (row 0 = CUDA-graph padding)
     lengths = np.zeros(3, np.int64)
@@ -58,8 +61,8 @@ def main():
         a = lambda v: xp.asarray(np.asarray(v, np.int64))
 
         vp, wp = planner.plan(a(reqs), a(lengths), a(extend), req_to_token_dev)
-        kc.verify(canary, vp, log=log, kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL)  # before the model reads KV
-        kc.write(canary, wp, a(ids), a(pos), a(loc), log=log, kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL)
+        verify()  # before the model reads the KV cache
+        write(a(ids), a(pos), a(loc))
         lengths += extend
         report = log.read()  # a host sync: an engine reads the log one step late instead
         print(f"step {step}: planned {int(vp.verify_num_valid[0])} verify entries, "

@@ -14,8 +14,10 @@ view, mismatched lengths, one of a pair missing ...) sends the call to the free 
 copies or refuses it as it always does: the same bytes and the same errors.
 
 NumPy and CuPy arrays cannot move their memory, and a launcher keeps the bound ones alive.  A torch
-tensor can (``resize_``, ``set_``, ``.data = ...``): the address and shape of every bound tensor are
-compared on each call, and a change re-binds (with the full checks).  Bound read-only buffers that
+tensor can (``resize_`` past its storage, ``set_``, ``.data = ...``): the address of every bound
+tensor is compared on each call (one ``data_ptr()`` each), and a change re-binds (with the full
+checks).  A shape change at the same address (a shrinking ``resize_``) keeps the bound shape,
+which stays inside memory the tensor still holds.  Bound read-only buffers that
 the free functions would copy (not contiguous) cannot be bound: every call then takes the free
 function.  ``KVCANARY_FULL_VALIDATION=1`` in the environment when a launcher or a
 :class:`~kvcanary_cupy.CanaryPlanner` is built makes every call take the free function.
@@ -170,7 +172,9 @@ def _torch_stream_handle(device: int):
 
 
 def _stamp(tensors) -> list:
-    return [(t.data_ptr(), t.shape) for t in tensors]
+    """The bound tensors' addresses: a reallocation always changes one (old and new memory coexist
+    while torch copies), so comparing them keeps every launch inside live memory."""
+    return list(map(sys.modules["torch"].Tensor.data_ptr, tensors)) if tensors else []
 
 
 def _viewed_in_place(arrays) -> bool:
@@ -207,7 +211,7 @@ class _Binding:
         self._functions = {}
 
     def current(self) -> bool:
-        """Whether every bound torch tensor still has the address and shape it was bound with."""
+        """Whether every bound torch tensor still has the address it was bound with."""
         return not self.tensors or _stamp(self.tensors) == self.stamp
 
     def function(self, family: str, name: str):

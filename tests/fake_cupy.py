@@ -69,6 +69,9 @@ class FakeDevice:
             def __exit__(self, *exc):
                 return False
 
+            def synchronize(self):
+                pass
+
         class Function:
             def __init__(self, name):
                 self.name = name

@@ -1,5 +1,6 @@
 """CUDA-graph capture and stream ordering: a whole canary step (plan, verify, write, verify) is
-captured once and replayed with new batch contents, in CuPy and in torch, and matches NumPy."""
+captured once and replayed with new batch contents, in CuPy and in torch, and matches NumPy;
+through the free functions and through a CanaryPlanner with bound launchers."""
 
 import numpy as np
 import pytest
@@ -16,12 +17,13 @@ class Engine:
     ``table`` picks how the plan reads its slots: "rtt" (a req_to_token, row 0 = padding),
     "block" (a block table of pages of PAGE_SIZE slots, every row real) or "csr" (FlashInfer's
     page table: each batch row owns all pages of its block-table row, refilled every step).
-    ``rtt_np`` is the slot of each (row, position) either way.
+    ``rtt_np`` is the slot of each (row, position) either way.  ``bound``: the same step through a
+    CanaryPlanner and launchers bound to these buffers.
     """
 
     PAGE_SIZE = 4
 
-    def __init__(self, ab, bs=16, rows=24, cols=64, tokens_per_step=3, table="rtt"):
+    def __init__(self, ab, bs=16, rows=24, cols=64, tokens_per_step=3, table="rtt", bound=False):
         self.ab, self.kind = ab, table
         rng = np.random.default_rng(0)
         a = ab.asarray
@@ -50,6 +52,15 @@ class Engine:
         zt = np.zeros(self.tokens, np.int64)
         self.ids, self.pos, self.loc = a(zt), a(zt), a(zt)
         self.flag = a(np.zeros(1, np.int32))
+        self.bound = bound
+        if bound:
+            planner = kc.CanaryPlanner(kc.CanaryCapacities(self.vp.capacity, bs), like=ab.like)
+            self.vp, self.wp = planner.verify_plan, planner.write_plan
+            self.plan = lambda: planner.plan(None if table == "csr" else self.rp, self.prefix, self.extend, self.table)
+            self.head = kc.VerifyLauncher(self.canary, self.vp, log=self.log, kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL)
+            self.write = kc.WriteLauncher(self.canary, self.wp, log=self.log, kernel_kind=kc.CanaryLaunchTag.TAIL_K_FULL,
+                                          chain_position_assert=self.flag)
+            self.tail = kc.VerifyLauncher(self.canary, self.vp, log=self.log, kernel_kind=kc.CanaryLaunchTag.TAIL_K_FULL)
 
     def fill(self, step_inputs):
         """Copy a step's inputs into the fixed buffers (in place)."""
@@ -59,6 +70,12 @@ class Engine:
             self.kv_indices[...] = self.ab.asarray(self.blocks_np[step_inputs[0]].reshape(-1))
 
     def step(self):
+        if self.bound:
+            self.plan()
+            self.head()
+            self.write(self.ids, self.pos, self.loc)
+            self.tail()
+            return
         kc.plan(None if self.kind == "csr" else self.rp, self.prefix, self.extend, self.table,
                 verify_capacity=self.vp.capacity, out=(self.vp, self.wp))
         kc.verify(self.canary, self.vp, log=self.log, kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL)
@@ -125,19 +142,20 @@ def _steps(shape, n=4, table="rtt"):
     return [step_inputs(probe, i, rng) for i in range(n)]
 
 
-def _prepare(ab, shape, n=4, table="rtt"):
+def _prepare(ab, shape, n=4, table="rtt", bound=False):
     """Compiled kernels, the steps, NumPy's snapshots after each, and an engine on ``ab``."""
     kc.warmup()
     steps = _steps(SHAPES[shape], n, table)
-    return steps, reference_run(steps, SHAPES[shape], table), Engine(ab, **SHAPES[shape], table=table)
+    return steps, reference_run(steps, SHAPES[shape], table), Engine(ab, **SHAPES[shape], table=table, bound=bound)
 
 
+@pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
 @pytest.mark.parametrize("table", TABLES)
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_cupy_graph_capture_and_replay(shape, table):
+def test_cupy_graph_capture_and_replay(shape, table, bound):
     import cupy
 
-    steps, want, engine = _prepare(get_backend_or_skip("cupy"), shape, table=table)
+    steps, want, engine = _prepare(get_backend_or_skip("cupy"), shape, table=table, bound=bound)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         engine.fill(steps[0])
@@ -151,12 +169,13 @@ def test_cupy_graph_capture_and_replay(shape, table):
             assert_snapshots_equal(engine.snapshot(), expected)
 
 
+@pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
 @pytest.mark.parametrize("table", TABLES)
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_torch_graph_capture_and_replay(shape, table):
+def test_torch_graph_capture_and_replay(shape, table, bound):
     import torch
 
-    steps, want, engine = _prepare(get_backend_or_skip("torch_cuda"), shape, table=table)
+    steps, want, engine = _prepare(get_backend_or_skip("torch_cuda"), shape, table=table, bound=bound)
     engine.fill(steps[0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -176,11 +195,12 @@ def test_torch_graph_capture_and_replay(shape, table):
         assert_snapshots_equal(engine.snapshot(), expected)
 
 
-def test_torch_stream_ordering():
+@pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
+def test_torch_stream_ordering(bound):
     """Kernels run on torch's current stream, ordered after torch work queued before them."""
     import torch
 
-    steps, want, engine = _prepare(get_backend_or_skip("torch_cuda"), "fused", n=2)
+    steps, want, engine = _prepare(get_backend_or_skip("torch_cuda"), "fused", n=2, bound=bound)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for inputs, expected in zip(steps, want):

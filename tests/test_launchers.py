@@ -280,13 +280,14 @@ def test_launchers_rebind_a_torch_tensor_that_moved():
         assert torch.equal(arr, want_log.arrays()[key]), key
 
 
-def test_planner_rebinds_its_buffers_after_a_resize():
-    pytest.importorskip("torch")
+def test_planner_rebinds_its_buffers_after_a_reallocation():
+    torch = pytest.importorskip("torch")
     ab = get_backend_or_skip("torch_cpu")
     planner = kc.CanaryPlanner.from_engine(kv_pool_size=8, max_running_requests=2, like=ab.like)
     inputs = (a64(ab, [1]), a64(ab, [2]), a64(ab, [1]), ab.asarray(linear_rtt(3, 8)))
     planner.plan(*inputs)
-    planner.write_plan.write_seed_slot_indices.resize_(1)  # shorter than write_req_capacity: the full checks refuse it
+    # shorter than write_req_capacity: the full checks of the re-bind refuse it
+    planner.write_plan.write_seed_slot_indices.set_(torch.full((1,), -1, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"write_req_capacity=2 does not match out\[1\].write_seed_slot_indices.shape\[0\]=1"):
         planner.plan(*inputs)
 
