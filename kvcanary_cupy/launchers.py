@@ -33,6 +33,7 @@ import numpy as np
 from . import ops
 from .backends import PlanArgs, get_backend
 from .constants import RealKvHashMode
+from .errors import public_api
 from .interop import array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream
 from .plans import check_count
 from .validation import check_int
@@ -258,6 +259,7 @@ class WriteLauncher:
     input_ids, ..., **options)`` writes, for the options given here.
     """
 
+    @public_api
     def __init__(self, canary_buf, write_plan, *, log, kernel_kind=0, real_kv_sources=(),
                  real_kv_hash_mode=RealKvHashMode.NONE, chain_position_assert=True):
         self.canary_buf, self.write_plan = canary_buf, write_plan
@@ -291,6 +293,7 @@ class WriteLauncher:
                              "expected_input_tokens", "expected_input_positions")
         self._bound = b
 
+    @public_api
     def __call__(self, input_ids, positions, out_cache_loc, expected_input_tokens=None, expected_input_positions=None):
         b = self._bound
         if b is not None and not b.current():
@@ -328,6 +331,7 @@ class VerifyLauncher:
     """:func:`kvcanary_cupy.verify` with every buffer bound once: ``launcher()`` verifies exactly
     what ``kc.verify(canary_buf, verify_plan, **options)`` verifies, for the options given here."""
 
+    @public_api
     def __init__(self, canary_buf, verify_plan, *, log, kernel_kind=0, real_kv_sources=(),
                  real_kv_hash_mode=RealKvHashMode.NONE, check_expected_token=False):
         self.canary_buf, self.verify_plan = canary_buf, verify_plan
@@ -357,6 +361,7 @@ class VerifyLauncher:
             b.kernel = b.function("verify", launch.name)
         self._bound = b
 
+    @public_api
     def __call__(self) -> None:
         b = self._bound
         if b is not None and not b.current():

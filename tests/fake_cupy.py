@@ -53,7 +53,7 @@ class FakeDevice:
         return np.frombuffer(bytes(buf), x.dtype).reshape(x.shape)
 
     def install(self, monkeypatch) -> None:
-        from kvcanary_cupy import jit
+        from kvcanary_cupy import interop, jit
         from kvcanary_cupy.backends import cupy_backend
 
         device = self
@@ -89,6 +89,7 @@ class FakeDevice:
         monkeypatch.setattr(self.cupy, "full", lambda shape, fill, dtype=None: self.asarray(np.full(shape, fill, dtype)))
         monkeypatch.setattr(self.cupy.cuda, "Device", Device)
         monkeypatch.setattr(self.cupy.cuda.runtime, "getDevice", lambda: 0)
+        monkeypatch.setattr(interop, "is_capturing", lambda placement: False)  # no stream to ask
         monkeypatch.setattr(jit, "get_function", lambda family, name: RawKernel(name))
         monkeypatch.setattr(cupy_backend, "get_function", lambda family, name: RawKernel(name))
         monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: FakeDevice.SM_COUNT)

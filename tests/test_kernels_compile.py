@@ -1,9 +1,11 @@
 """CPU-only checks of the CUDA side: every kernel variant compiles with NVRTC for the supported
 architectures (no GPU needed), the header's constants equal the Python ones, the kernel sources
-ship as package data, and variant names change whenever any compiled byte does."""
+ship as package data, variant names change whenever any compiled byte does, and the parameter
+records the launches fill mirror the kernels' signatures."""
 
 import re
 
+import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
@@ -190,3 +192,46 @@ def test_compile_reports_are_cached_by_every_compiled_byte(tmp_path, monkeypatch
     monkeypatch.setenv("KVCANARY_COMPILE_CACHE", "off")
     assert jit.compile_check("sm_90", "session")["session"] == first
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def _kernel_parameter_bytes(kernel, filename):
+    """The by-value size of each parameter of ``kernel`` in ``filename`` (pointers: 8 bytes; the
+    structs: their NumPy mirrors, whose layouts other tests pin)."""
+    from kvcanary_cupy.backends import cupy_backend as cb
+
+    sizes_of = {"CanaryBuffer": cb.CANARY_BUFFER, "RealKvSources": cb.REAL_KV_SOURCES, "LaunchLog": cb.LAUNCH_LOG,
+                "PlanInputs": cb.PLAN_INPUTS, "PlanOutputs": cb.PLAN_OUTPUTS, "i64": np.int64, "int": np.int32}
+    m = re.search(rf"__global__ void (?:__launch_bounds__\(\w+\) )?{kernel}\(([^)]*)\)", jit._read(filename))
+    assert m, kernel
+    sizes = []
+    for param in m.group(1).split(","):
+        words = param.replace("__restrict__", "").split()
+        sizes.append(8 if "*" in param else np.dtype(sizes_of[words[-2]]).itemsize)
+    return sizes
+
+
+@pytest.mark.parametrize("kernel, filename, record", [
+    ("canary_write", "write.cu", "WRITE_PARAMS"), ("canary_verify", "verify.cu", "VERIFY_PARAMS"),
+    ("plan_fused", "plan.cu", "PLAN_PARAMS"), ("plan_offsets", "plan.cu", "PLAN_PARAMS"),
+    ("plan_entries", "plan.cu", "PLAN_PARAMS"),
+])
+def test_parameter_records_mirror_the_kernel_signatures(kernel, filename, record):
+    """Field i of a kernel's parameter record has the size of the kernel's parameter i."""
+    from kvcanary_cupy.backends import cupy_backend as cb
+
+    params = getattr(cb, record)
+    assert [params.fields[name][0].itemsize for name in params.names] == _kernel_parameter_bytes(kernel, filename)
+
+
+def test_kernel_arguments_are_the_addresses_of_the_parameter_fields():
+    from kvcanary_cupy.backends import cupy_backend as cb
+
+    params = np.zeros(1, cb.PLAN_PARAMS)
+    args = cb.kernel_arguments(params)
+    want = [params.ctypes.data + params.dtype.fields[name][1] for name in params.dtype.names]
+    got = [a.ptr if cb._CPointer is not None else a.ctypes.data for a in args]
+    assert got == want
+    view, index = cb.ParamSlots(params)("inputs.bs")
+    assert index * view.itemsize == cb.PLAN_PARAMS.fields["inputs"][1] + cb.PLAN_INPUTS.fields["bs"][1]
+    view[index] = 7
+    assert params["inputs"]["bs"][0] == 7
