@@ -49,20 +49,26 @@ def full_validation_forced() -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# Per-step arrays, common case only.  ``vector(x, n)``: a contiguous int64 [n] array (any length
-# when n < 0); ``table(x)``: an int32 [rows, cols] table with contiguous rows, as
-# ``(value, rows, cols, row stride in elements)``.  The value is what the backend takes (a NumPy
-# array, or a device address); None means "not the common case": the free function decides.
+# Per-step arrays, common case only.  ``vector(x, n)``: a contiguous int64 [n] array;
+# ``leading(x)``: the same for the first array of a call, whose length sets n, as ``(value, n)``;
+# ``table(x)``: an int32 [rows, cols] table with contiguous rows, as ``(value, rows, cols, row
+# stride in elements)``.  The value is what the backend takes (a NumPy array, or a device address);
+# None means "not the common case": the free function decides.  Each attribute read here costs
+# tens of nanoseconds; the obvious spellings (``flags.c_contiguous``, ``len(tensor)``) cost more.
 
 
 class _NumpyArrays:
     @staticmethod
     def vector(x, n):
-        if type(x) is np.ndarray and x.dtype is _I64 and x.ndim == 1 and (n < 0 or x.shape[0] == n):
+        if type(x) is np.ndarray and x.dtype is _I64 and x.ndim == 1 and x.size == n:
             flags = x.flags
             if flags.c_contiguous and flags.aligned:
                 return x
         return None
+
+    def leading(self, x):
+        value = self.vector(x, x.size) if type(x) is np.ndarray else None
+        return None if value is None else (value, x.size)
 
     @staticmethod
     def table(x):
@@ -80,13 +86,16 @@ class _CupyArrays:
         self.device = device
 
     def vector(self, x, n):
-        if (type(x) is self.ndarray and x.dtype is _I64 and x.ndim == 1 and (n < 0 or x.shape[0] == n)
-                and x.flags.c_contiguous):
+        if type(x) is self.ndarray and x.dtype is _I64 and x.ndim == 1 and x.size == n and x.strides[0] == 8:
             mem = x.data
             ptr = mem.ptr
             if mem.device_id == self.device and not ptr & 7:
                 return ptr
         return None
+
+    def leading(self, x):
+        value = self.vector(x, x.size) if type(x) is self.ndarray else None
+        return None if value is None else (value, x.size)
 
     def table(self, x):
         if type(x) is self.ndarray and x.dtype is _I32 and x.ndim == 2:
@@ -115,10 +124,17 @@ class _TorchArrays:
         return None if ptr & align_mask else ptr
 
     def vector(self, x, n):
-        if (type(x) is self.tensor and x.dtype is self.i64 and x.dim() == 1 and x.layout is self.strided
-                and x.device == self.device and (n < 0 or x.shape[0] == n) and x.is_contiguous()):
+        if (type(x) is self.tensor and x.dtype is self.i64 and x.dim() == 1 and x.numel() == n
+                and x.layout is self.strided and x.device == self.device and x.is_contiguous()):
             return self._value(x, 7)
         return None
+
+    def leading(self, x):
+        if type(x) is not self.tensor:
+            return None
+        n = x.numel()
+        value = self.vector(x, n)
+        return None if value is None else (value, n)
 
     def table(self, x):
         if (type(x) is self.tensor and x.dtype is self.i32 and x.dim() == 2 and x.layout is self.strided
@@ -273,24 +289,24 @@ class WriteLauncher:
         flag = o["chain_position_assert"]
         placement, context, named = ops._write_setup(self.canary_buf, self.write_plan, o["log"], o["kernel_kind"],
                                                      o["real_kv_sources"], o["real_kv_hash_mode"], flag, {})
-        with launch_stream(placement):
+        self._bound = None
+        with launch_stream(placement):  # on the bound device: grids are sized from its SM count
             args = ops._write_bound_args(self.canary_buf, self.write_plan, o["log"], flag, context,
                                          array_module(placement))
-        self._bound = None
-        if self._full or not _viewed_in_place([*self.write_plan.arrays().values(), named["chain_position_assert"]]):
-            return
-        b = _Binding(placement, named)
-        if b.numpy:
-            b.args = args
-        else:
-            cb = b.cb
-            launch = cb.write_launch(args)
-            b.words = b.pack(launch.params)
-            b.grid, b.block = (launch.config.grid,), (launch.config.block,)
-            real_kv = cb.has_real_kv(args.sources, args.real_kv_hash_mode)
-            b.kernels = {checked: b.function("write", cb.write_kernel(checked, real_kv)) for checked in (False, True)}
-            b.slots = _words(cb.WRITE_PARAMS, "input_ids", "positions", "out_cache_loc", "num_tokens",
-                             "expected_input_tokens", "expected_input_positions")
+            if self._full or not _viewed_in_place([*self.write_plan.arrays().values(), named["chain_position_assert"]]):
+                return
+            b = _Binding(placement, named)
+            if b.numpy:
+                b.args = args
+            else:
+                cb = b.cb
+                launch = cb.write_launch(args)
+                b.words = b.pack(launch.params)
+                b.grid, b.block = (launch.config.grid,), (launch.config.block,)
+                real_kv = cb.has_real_kv(args.sources, args.real_kv_hash_mode)
+                b.kernels = {checked: b.function("write", cb.write_kernel(checked, real_kv)) for checked in (False, True)}
+                b.slots = _words(cb.WRITE_PARAMS, "input_ids", "positions", "out_cache_loc", "num_tokens",
+                                 "expected_input_tokens", "expected_input_positions")
         self._bound = b
 
     @public_api
@@ -300,10 +316,11 @@ class WriteLauncher:
             self._bind()
             b = self._bound
         if b is not None:
-            vector = b.arrays.vector
-            ids = vector(input_ids, -1)
-            if ids is not None:
-                n = input_ids.shape[0]
+            arrays = b.arrays
+            leading = arrays.leading(input_ids)
+            if leading is not None:
+                vector = arrays.vector
+                ids, n = leading
                 pos, loc = vector(positions, n), vector(out_cache_loc, n)
                 if expected_input_tokens is None:
                     et = ep = None
@@ -345,20 +362,20 @@ class VerifyLauncher:
         placement, context, named = ops._verify_setup(self.canary_buf, self.verify_plan, o["log"], o["kernel_kind"],
                                                       o["real_kv_sources"], o["real_kv_hash_mode"],
                                                       o["check_expected_token"])
-        with launch_stream(placement):
+        self._bound = None
+        with launch_stream(placement):  # on the bound device: grids are sized from its SM count
             args = ops._verify_args(self.canary_buf, self.verify_plan, o["log"], o["check_expected_token"], context,
                                     array_module(placement))
-        self._bound = None
-        if self._full or not _viewed_in_place(self.verify_plan.arrays().values()):
-            return
-        b = _Binding(placement, named)
-        if b.numpy:
-            b.args = args
-        else:
-            launch = b.cb.verify_launch(args)
-            b.pack(launch.params)
-            b.grid, b.block = (launch.config.grid,), (launch.config.block,)
-            b.kernel = b.function("verify", launch.name)
+            if self._full or not _viewed_in_place(self.verify_plan.arrays().values()):
+                return
+            b = _Binding(placement, named)
+            if b.numpy:
+                b.args = args
+            else:
+                launch = b.cb.verify_launch(args)
+                b.pack(launch.params)
+                b.grid, b.block = (launch.config.grid,), (launch.config.block,)
+                b.kernel = b.function("verify", launch.name)
         self._bound = b
 
     @public_api
@@ -431,9 +448,10 @@ class PlanLauncher:
         if kernels is None:
             if len(b.kernels) > 4096:
                 b.kernels.clear()
-            kernels = b.kernels[key] = tuple(
-                (b.function("plan", name), (config.grid,), (config.block,))
-                for name, config in b.cb.plan_kernels(bs, b.capacities[0], b.has_lut, has_pool))
+            with import_cupy().cuda.Device(b.device):  # grids are sized from the bound device's SM count
+                kernels = b.kernels[key] = tuple(
+                    (b.function("plan", name), (config.grid,), (config.block,))
+                    for name, config in b.cb.plan_kernels(bs, b.capacities[0], b.has_lut, has_pool))
         return kernels
 
     def __call__(self, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
@@ -445,10 +463,10 @@ class PlanLauncher:
         if b is None:
             return False
         arrays = b.arrays
-        rp = arrays.vector(req_pool_indices, -1)
-        if rp is None:
+        leading = arrays.leading(req_pool_indices)
+        if leading is None:
             return False
-        bs = req_pool_indices.shape[0]
+        rp, bs = leading
         prefix, extend = arrays.vector(prefix_lens, bs), arrays.vector(extend_seq_lens, bs)
         table = arrays.table(req_to_token)
         if prefix is None or extend is None or table is None or bs > b.capacities[1]:
