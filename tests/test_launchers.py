@@ -73,11 +73,13 @@ def _rows_of_wider_table(asarray, table):
     return asarray(wide)[:, : table.shape[1]]
 
 
-def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device():
-    """Same kernels, grids, blocks, stream and argument bytes as the free functions, for the same arrays."""
+def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device(monkeypatch):
+    """Same kernels, grids, blocks, stream and argument bytes as the free functions, for the same
+    arrays, and all of it on the bound path (empty batches included)."""
     pytest.importorskip("cupy")
     from fake_cupy import fake_device
 
+    free_functions = (ops.write, ops.verify, kc.plan)
     for seed in [*range(40), 10_000]:
         case = make_case(seed, big=seed >= 10_000)
         with fake_device() as dev:
@@ -105,17 +107,20 @@ def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device():
                 verify_options = dict(log=log, kernel_kind=s.kinds[0], check_expected_token=s.check_token,
                                       real_kv_sources=sources, real_kv_hash_mode=case.mode)
 
-                kc.plan(rp, prefix, extend, rtt, verify_capacity=case.verify_capacity,
-                        write_req_capacity=case.write_req_capacity, swa_window_size=case.window,
-                        full_to_swa_index_mapping=lut, kv_token_id_vs_position_offset=case.token_offset,
-                        out=(vp, wp), **expected)
-                kc.verify(buf, vp, **verify_options)
-                kc.write(buf, wp, *tokens, **write_options, **checks)
+                write, verify, plan = free_functions
+                plan(rp, prefix, extend, rtt, verify_capacity=case.verify_capacity,
+                     write_req_capacity=case.write_req_capacity, swa_window_size=case.window,
+                     full_to_swa_index_mapping=lut, kv_token_id_vs_position_offset=case.token_offset,
+                     out=(vp, wp), **expected)
+                verify(buf, vp, **verify_options)
+                write(buf, wp, *tokens, **write_options, **checks)
                 free, dev.launches[:] = list(dev.launches), []
 
-                planner.plan(rp, prefix, extend, rtt, **expected)
-                kc.VerifyLauncher(buf, vp, **verify_options)()
-                kc.WriteLauncher(buf, wp, **write_options)(*tokens, **checks)
+                with monkeypatch.context() as mp:
+                    _free_functions_refused(mp)
+                    planner.plan(rp, prefix, extend, rtt, **expected)
+                    kc.VerifyLauncher(buf, vp, **verify_options)()
+                    kc.WriteLauncher(buf, wp, **write_options)(*tokens, **checks)
                 assert dev.launches == free, f"seed {seed} step {step}"
                 dev.launches[:] = []
 
