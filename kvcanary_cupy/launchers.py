@@ -17,9 +17,9 @@ NumPy and CuPy arrays cannot move their memory, and a launcher keeps the bound o
 tensor can (``resize_`` past its storage, ``set_``, ``.data = ...``): the address of every bound
 tensor is compared on each call (one ``data_ptr()`` each), and a change re-binds (with the full
 checks).  A shape change at the same address (a shrinking ``resize_``) keeps the bound shape,
-which stays inside memory the tensor still holds.  Bound read-only buffers that
-the free functions would copy (not contiguous) cannot be bound: every call then takes the free
-function.  ``KVCANARY_FULL_VALIDATION=1`` in the environment when a launcher or a
+which stays inside memory the tensor still holds.  Bound read-only buffers that the free
+functions would copy (not contiguous) cannot be bound: every call then takes the free function.
+``KVCANARY_FULL_VALIDATION=1`` in the environment when a launcher or a
 :class:`~kvcanary_cupy.CanaryPlanner` is built makes every call take the free function.
 """
 
