@@ -4,7 +4,7 @@ For plan (through a CanaryPlanner, and kc.plan with ``out=``), verify and write 
 and the free functions) at one workload, the backend's own work is taken out so only the front
 door is measured: NumPy arrays with the NumPy backend stubbed, and CuPy arrays on a fake device
 (``tests/fake_cupy.py``: real CuPy arrays over host memory, kernel launches recorded, not run).
-On a GPU the launch itself adds its driver cost (``bench_canary.py`` measures that).
+On a GPU the launch itself adds its driver cost (``kvcanary bench --sections host`` measures that).
 
     python benchmarks/host_profile.py [--workload W3] [--calls 2000] [--top 0]
 """
@@ -21,10 +21,10 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE, os.path.join(os.path.dirname(HERE), "tests")]
+sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
 
-import bench_canary as bc  # noqa: E402
 import kvcanary_cupy as kc  # noqa: E402
+from kvcanary_cupy import bench as bc  # noqa: E402
 
 
 def step_ops(d, move):

@@ -12,8 +12,11 @@ CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend
 
 ``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
 next to the equivalent req_to_token at W1, W3 and W4, against what a user writes without them;
-``capacity`` times the plan at write_req_capacity = bs, 4,096 and 65,536.
-``benchmarks/bench_canary.py`` runs the same from a source checkout.
+``capacity`` times the plan at write_req_capacity = bs, 4,096 and 65,536.  ``host`` (issue #10):
+host microseconds per eager call, back to back, of the free functions and of the bound path
+(CanaryPlanner, VerifyLauncher, WriteLauncher), with CuPy arrays and with CUDA torch tensors,
+against the targets and SGLang's eager calls (``benchmarks/host_profile.py`` profiles the same
+front door on the CPU).  ``benchmarks/bench_canary.py`` runs the same from a source checkout.
 """
 
 from __future__ import annotations
@@ -462,9 +465,53 @@ def detail_rows(cupy, names, rows: list):
     return lines
 
 
-def host_overhead(cupy, rows: list, key="W3", calls=200):
-    """Host microseconds per eager call (validation, views, launch), CuPy inputs vs torch tensors."""
-    lines = [f"host us per eager call at {key} (validation, views, launch; device work overlaps):"]
+# Host time per eager op (issue #10): targets, and SGLang's eager calls measured beside this
+# project on an H200 (back-to-back calls / count, one sync at the end), for comparison only.
+HOST_TARGET_US = {"cupy": 15.0, "torch": 25.0}
+SGLANG_EAGER_US = {
+    "W1": {"plan": 63, "write": 19, "verify": 23},
+    "W2": {"plan": 59, "write": 1192, "verify": 18},
+    "W3": {"plan": 62, "write": 19, "verify": 18},
+}
+
+
+def bound_ops(d):
+    """The calls of :func:`gpu_ops` through a CanaryPlanner and bound launchers (buffers bound once)."""
+    planner = kc.CanaryPlanner(kc.CanaryCapacities(d["total_verify"], d["bs"]), like=d["rp"])
+    log = kc.ViolationLog.allocate(1024, like=d["rp"])
+    verify = kc.VerifyLauncher(d["canary"], planner.verify_plan, log=log)
+    write = kc.WriteLauncher(d["canary"], planner.write_plan, log=log)
+    inputs = (d["rp"], d["prefix"], d["extend"], d["rtt"])
+    ops = {
+        "plan": lambda: planner.plan(*inputs),
+        "verify": verify,
+        "write": lambda: write(d["ids"], d["pos"], d["loc"]),
+    }
+    ops["plan"]()
+    return ops
+
+
+def eager_us(cupy, fn, calls=200) -> float:
+    """Host microseconds per eager call: ``calls`` back-to-back calls, one sync at the end (a call
+    whose device time is longer than its host time shows its device time)."""
+    fn()
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    cupy.cuda.Device().synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def host_times(cupy, names, rows: list):
+    """Host us per eager op: free function vs planner / bound launcher, CuPy arrays vs CUDA torch tensors."""
+    lines = [
+        "host us per eager call (200 back-to-back calls / 200, one sync at the end; target: bound <= "
+        f"{HOST_TARGET_US['cupy']:.0f} us with CuPy arrays, <= {HOST_TARGET_US['torch']:.0f} us with CUDA torch tensors)",
+        "(a call whose device time exceeds its host time shows its device time: W2 write, W4 plan and verify)",
+        f"{'workload':<16} {'arrays':<6} {'op':<7} {'free us':>8} {'bound us':>9} {'x faster':>9} {'x target':>9} "
+        f"{'SGLang eager':>13} {'x SGLang':>9}",
+    ]
     frameworks = [("cupy", lambda d: d)]
     try:
         import torch
@@ -472,20 +519,21 @@ def host_overhead(cupy, rows: list, key="W3", calls=200):
         frameworks.append(("torch", lambda d: {k: torch.from_dlpack(v) if hasattr(v, "__dlpack__") else v for k, v in d.items()}))
     except ImportError:
         pass
-    for name, convert in frameworks:
-        ops = gpu_ops(cupy, convert(build(WORKLOADS[key], cupy)))
-        row = []
-        for op in ("plan", "verify", "write"):
-            ops[op]()
-            cupy.cuda.Device().synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                ops[op]()
-            cupy.cuda.Device().synchronize()
-            us = (time.perf_counter() - t0) / calls * 1e6
-            rows.append({"workload": key, "op": op, "framework": name, "host_us_per_eager_call": round(us, 1)})
-            row.append(f"{op} {us:.0f}")
-        lines.append(f"  {name:<6} " + ", ".join(row))
+    for key in names:
+        for framework, convert in frameworks:
+            d = convert(build(WORKLOADS[key], cupy))
+            free, bound = gpu_ops(cupy, d), bound_ops(d)
+            for op in ("plan", "verify", "write"):
+                free_us, bound_us = eager_us(cupy, free[op]), eager_us(cupy, bound[op])
+                sglang = SGLANG_EAGER_US.get(key, {}).get(op)
+                rows.append({"workload": key, "op": op, "framework": framework, "host_us_free": round(free_us, 1),
+                             "host_us_bound": round(bound_us, 1), "host_target_us": HOST_TARGET_US[framework],
+                             "sglang_eager_us": sglang})
+                lines.append(
+                    f"{WORKLOADS[key].name:<16} {framework:<6} {op:<7} {free_us:>8.1f} {bound_us:>9.1f} "
+                    f"{free_us / bound_us:>9.1f} {bound_us / HOST_TARGET_US[framework]:>9.2f} "
+                    f"{_cell(sglang, '13.0f')} {_cell(sglang and bound_us / sglang, '9.2f')}"
+                )
     return lines
 
 
@@ -550,7 +598,7 @@ def run(args) -> int:
         if "capacity" in sections:
             lines += run_capacity(cupy, rows)
         if "host" in sections:
-            lines += host_overhead(cupy, rows)
+            lines += host_times(cupy, names, rows)
     else:
         lines = run_numpy(names, rows)
     text = "\n".join(lines)
