@@ -31,11 +31,12 @@ import sys
 import numpy as np
 
 from . import ops
-from .backends import PlanArgs, get_backend
+from .backends import PlanArgs, TableView, get_backend
 from .constants import RealKvHashMode
 from .errors import public_api
 from .interop import array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream
-from .plans import check_count
+from .plans import check_count, is_clean, mark_clean
+from .tables import MAX_TABLE_TOKENS, BlockTable, PagedKvIndices, ReqToToken, TableKind
 from .validation import check_int
 
 FULL_VALIDATION_ENV = "KVCANARY_FULL_VALIDATION"
@@ -51,10 +52,14 @@ def full_validation_forced() -> bool:
 # ----------------------------------------------------------------------------------------------
 # Per-step arrays, common case only.  ``vector(x, n)``: a contiguous int64 [n] array;
 # ``leading(x)``: the same for the first array of a call, whose length sets n, as ``(value, n)``;
-# ``table(x)``: an int32 [rows, cols] table with contiguous rows, as ``(value, rows, cols, row
-# stride in elements)``.  The value is what the backend takes (a NumPy array, or a device address);
-# None means "not the common case": the free function decides.  Each attribute read here costs
-# tens of nanoseconds; the obvious spellings (``flags.c_contiguous``, ``len(tensor)``) cost more.
+# ``indices(x, n)``: a contiguous int32 or int64 [n] array (any length when n < 0), as ``(value, n,
+# is_int64)``; ``table(x, wide)``: an int32 (or, when ``wide``, int64) [rows, cols] table with
+# contiguous rows, as ``(value, rows, cols, row stride in elements, is_int64)``.  The value is what
+# the backend takes (a NumPy array, or a device address); None means "not the common case": the
+# free function decides.  Each attribute read here costs tens of nanoseconds; the obvious
+# spellings (``flags.c_contiguous``, ``len(tensor)``) cost more.
+
+_INDEX_DTYPES = (_I32, _I64)
 
 
 class _NumpyArrays:
@@ -71,12 +76,21 @@ class _NumpyArrays:
         return None if value is None else (value, x.size)
 
     @staticmethod
-    def table(x):
-        if type(x) is np.ndarray and x.dtype is _I32 and x.ndim == 2 and x.flags.aligned:
+    def indices(x, n):
+        if type(x) is np.ndarray and x.dtype in _INDEX_DTYPES and x.ndim == 1 and (n < 0 or x.size == n):
+            flags = x.flags
+            if flags.c_contiguous and flags.aligned:
+                return x, x.size, x.dtype is _I64
+        return None
+
+    @staticmethod
+    def table(x, wide=False):
+        if type(x) is np.ndarray and (x.dtype is _I32 or (wide and x.dtype is _I64)) and x.ndim == 2 and x.flags.aligned:
             rows, cols = x.shape
             s0, s1 = x.strides
-            if (cols <= 1 or s1 == 4) and s0 >= 0 and not s0 & 3:
-                return x, rows, cols, s0 >> 2
+            size = x.dtype.itemsize
+            if (cols <= 1 or s1 == size) and s0 >= 0 and not s0 % size or not rows * cols:  # empty: any strides
+                return x, rows, cols, s0 // size, size == 8
         return None
 
 
@@ -85,27 +99,39 @@ class _CupyArrays:
         self.ndarray = import_cupy().ndarray
         self.device = device
 
+    def _address(self, x, size):
+        mem = x.data
+        ptr = mem.ptr
+        return ptr if mem.device_id == self.device and not ptr % size else None
+
     def vector(self, x, n):
         if (type(x) is self.ndarray and x.dtype is _I64 and x.ndim == 1 and x.size == n
                 and (x.strides[0] == 8 or (n <= 1 and x.strides[0] >= 0))):  # empty arrays have stride 0
-            mem = x.data
-            ptr = mem.ptr
-            if mem.device_id == self.device and not ptr & 7:
-                return ptr
+            return self._address(x, 8)
         return None
 
     def leading(self, x):
         value = self.vector(x, x.size) if type(x) is self.ndarray else None
         return None if value is None else (value, x.size)
 
-    def table(self, x):
-        if type(x) is self.ndarray and x.dtype is _I32 and x.ndim == 2:
+    def indices(self, x, n):
+        if type(x) is self.ndarray and x.dtype in _INDEX_DTYPES and x.ndim == 1 and (n < 0 or x.size == n):
+            size = x.dtype.itemsize
+            if x.strides[0] == size or (x.size <= 1 and x.strides[0] >= 0):
+                value = self._address(x, size)
+                if value is not None:
+                    return value, x.size, size == 8
+        return None
+
+    def table(self, x, wide=False):
+        if type(x) is self.ndarray and (x.dtype is _I32 or (wide and x.dtype is _I64)) and x.ndim == 2:
             rows, cols = x.shape
             s0, s1 = x.strides
-            mem = x.data
-            ptr = mem.ptr
-            if (cols <= 1 or s1 == 4) and s0 >= 0 and not s0 & 3 and mem.device_id == self.device and not ptr & 3:
-                return ptr, rows, cols, s0 >> 2
+            size = x.dtype.itemsize
+            if (cols <= 1 or s1 == size) and s0 >= 0 and not s0 % size or not rows * cols:  # empty: any strides
+                value = self._address(x, size)
+                if value is not None:
+                    return value, rows, cols, s0 // size, size == 8
         return None
 
 
@@ -118,16 +144,19 @@ class _TorchArrays:
         self.device = torch.device("cpu") if device is None else torch.device("cuda", device)
         self.cuda = device is not None
 
-    def _value(self, x, align_mask):
+    def _value(self, x, size):
         if not self.cuda:
             return x.numpy()
         ptr = x.data_ptr()
-        return None if ptr & align_mask else ptr
+        return None if ptr % size else ptr
+
+    def _plain(self, x, ndim):
+        return (type(x) is self.tensor and x.dim() == ndim and x.layout is self.strided and x.device == self.device)
 
     def vector(self, x, n):
         if (type(x) is self.tensor and x.dtype is self.i64 and x.dim() == 1 and x.numel() == n
                 and x.layout is self.strided and x.device == self.device and x.is_contiguous()):
-            return self._value(x, 7)
+            return self._value(x, 8)
         return None
 
     def leading(self, x):
@@ -137,15 +166,25 @@ class _TorchArrays:
         value = self.vector(x, n)
         return None if value is None else (value, n)
 
-    def table(self, x):
-        if (type(x) is self.tensor and x.dtype is self.i32 and x.dim() == 2 and x.layout is self.strided
-                and x.device == self.device):
+    def indices(self, x, n):
+        if self._plain(x, 1) and (x.dtype is self.i32 or x.dtype is self.i64) and x.is_contiguous():
+            size = x.element_size()
+            length = x.numel()
+            if n < 0 or length == n:
+                value = self._value(x, size)
+                if value is not None:
+                    return value, length, size == 8
+        return None
+
+    def table(self, x, wide=False):
+        if self._plain(x, 2) and (x.dtype is self.i32 or (wide and x.dtype is self.i64)):
             rows, cols = x.shape
             s0, s1 = x.stride()
-            if (cols <= 1 or s1 == 1) and s0 >= 0:
-                value = self._value(x, 3)
+            if (cols <= 1 or s1 == 1) and s0 >= 0 or not rows * cols:  # empty: any strides
+                size = x.element_size()
+                value = self._value(x, size)
                 if value is not None:
-                    return value, rows, cols, s0
+                    return value, rows, cols, s0, size == 8
         return None
 
 
@@ -242,12 +281,18 @@ class _Binding:
                 fn = self._functions[(family, name)] = get_function(family, name).kernel
         return fn
 
-    def pack(self, params: np.ndarray) -> memoryview:
-        """Keep a kernel parameter record and its launch arguments; returns the record as int64
-        words (a memoryview: the cheapest item writes), where per-step fields are rewritten."""
+    def pack(self, params: np.ndarray, *per_step: str) -> None:
+        """Keep a kernel parameter record and its launch arguments, and the slots of the fields
+        ``per_step`` rewritten on every call."""
         self.params = params
         self.arguments = self.cb.kernel_arguments(params)
-        return memoryview(params.view(np.int64))
+        self.param_slots = self.cb.ParamSlots(params)
+        self.slots = tuple(self.param_slots(name) for name in per_step)
+
+    def set(self, values) -> None:
+        """Write the per-step fields (in the order ``pack`` named them)."""
+        for (view, index), value in zip(self.slots, values):
+            view[index] = value
 
     def launch(self, fn, grid, block) -> None:
         """Launch on the caller's stream (torch's current one when torch tensors are bound), on the bound device."""
@@ -257,12 +302,6 @@ class _Binding:
         else:
             with import_cupy().cuda.Device(self.device):
                 fn(grid, block, self.arguments, stream=stream)
-
-
-def _words(params, *paths) -> tuple:
-    from .backends.cupy_backend import param_word
-
-    return tuple(param_word(params, p) for p in paths)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,12 +341,11 @@ class WriteLauncher:
             else:
                 cb = b.cb
                 launch = cb.write_launch(args)
-                b.words = b.pack(launch.params)
+                b.pack(launch.params, "input_ids", "positions", "out_cache_loc", "num_tokens", "expected_input_tokens",
+                       "expected_input_positions")
                 b.grid, b.block = (launch.config.grid,), (launch.config.block,)
                 real_kv = cb.has_real_kv(args.sources, args.real_kv_hash_mode)
                 b.kernels = {checked: b.function("write", cb.write_kernel(checked, real_kv)) for checked in (False, True)}
-                b.slots = _words(cb.WRITE_PARAMS, "input_ids", "positions", "out_cache_loc", "num_tokens",
-                                 "expected_input_tokens", "expected_input_positions")
         self._bound = b
 
     @public_api
@@ -335,9 +373,7 @@ class WriteLauncher:
                             input_ids=ids, positions=pos, out_cache_loc=loc, expected_input_tokens=et,
                             expected_input_positions=ep))
                     else:
-                        w, (i_ids, i_pos, i_loc, i_n, i_et, i_ep) = b.words, b.slots
-                        w[i_ids], w[i_pos], w[i_loc], w[i_n] = ids, pos, loc, n
-                        w[i_et], w[i_ep] = (0, 0) if et is None else (et, ep)
+                        b.set((ids, pos, loc, n, 0, 0) if et is None else (ids, pos, loc, n, et, ep))
                         b.launch(b.kernels[et is not None], b.grid, b.block)
                     return
         ops.write(self.canary_buf, self.write_plan, input_ids, positions, out_cache_loc,
@@ -393,11 +429,69 @@ class VerifyLauncher:
             b.launch(b.kernel, b.grid, b.block)
 
 
+class _StepTable:
+    """One call's table, common case only: ``kind`` (tables.TableKind), its arrays as the backend
+    takes them (``entries``, ``kv_indptr``, ``virtual_to_physical``), ``rows`` (of entries),
+    ``pool_rows`` (the expected-token pool rows a plan may index) and ``shape``, the arguments of
+    :func:`cupy_backend.table_fields` (what changes only when the table's layout does)."""
+
+    __slots__ = ("kind", "entries", "kv_indptr", "virtual_to_physical", "rows", "pool_rows", "shape", "page_size",
+                 "null_block")
+
+
+def _step_table(arrays, table, bs_rows: int | None):
+    """The table of one call as a :class:`_StepTable`, or None when it is not the common case.
+
+    ``bs_rows`` is the batch size for a table whose rows are the batch rows (PagedKvIndices)."""
+    t = _StepTable()
+    cls = type(table)
+    if cls is ReqToToken:
+        source, v2p = table.req_to_token, table.virtual_to_physical
+    elif cls is BlockTable or cls is PagedKvIndices:
+        source = v2p = None
+    else:  # a bare req_to_token
+        source, v2p = table, None
+    if source is not None:
+        entries = arrays.table(source)
+        if entries is None:
+            return None
+        t.entries, t.rows, cols, stride, _ = entries
+        t.pool_rows, t.null_block, t.kv_indptr = t.rows, 0, None
+        if v2p is None:
+            t.kind, t.virtual_to_physical, t.page_size, pages = TableKind.REQ_TO_TOKEN, None, 1, 0
+        else:
+            pages = arrays.leading(v2p)
+            if pages is None or pages[1] < 1:
+                return None
+            t.kind, t.page_size = TableKind.VIRTUAL_PAGES, table.page_size
+            t.virtual_to_physical, pages = pages
+        t.shape = (t.page_size, 0, cols, stride, False, False, pages)
+        return t
+    t.virtual_to_physical = None
+    if cls is BlockTable:
+        entries = arrays.table(table.block_table, True)
+        if entries is None or entries[2] * table.block_size > MAX_TABLE_TOKENS:
+            return None
+        t.entries, t.rows, cols, stride, wide = entries
+        t.kind, t.kv_indptr, t.pool_rows, t.page_size, t.null_block = TableKind.BLOCK, None, t.rows, table.block_size, table.null_block
+        t.shape = (t.page_size, t.null_block, cols, stride, wide, False, 0)
+        return t
+    indptr, indices = arrays.indices(table.kv_indptr, bs_rows + 1), arrays.indices(table.kv_indices, -1)
+    if indptr is None or indices is None or indices[1] * table.page_size > MAX_TABLE_TOKENS:
+        return None
+    t.kind, t.page_size, t.null_block, t.pool_rows = TableKind.PAGED_KV, table.page_size, 0, bs_rows
+    (t.kv_indptr, _, indptr_wide), (t.entries, t.rows, wide) = indptr, indices
+    t.shape = (t.page_size, 0, 0, 0, wide, indptr_wide, 0)
+    return t
+
+
 class PlanLauncher:
     """The plan of a :class:`~kvcanary_cupy.CanaryPlanner`: its output buffers, capacities and SWA
     settings bound once.  ``launcher(...)`` plans into the buffers and returns True, or returns
     False (nothing done) when the inputs are not the common case or nothing could be bound: the
-    planner then takes the free function."""
+    planner then takes the free function.  Every table kind is taken: a bare req_to_token,
+    :class:`~kvcanary_cupy.ReqToToken` (virtual pages too), :class:`~kvcanary_cupy.BlockTable` and
+    :class:`~kvcanary_cupy.PagedKvIndices`."""
 
     def __init__(self, verify_plan, write_plan, *, verify_capacity, write_req_capacity, swa_window_size,
                  full_to_swa_index_mapping, kv_token_id_vs_position_offset):
@@ -415,8 +509,6 @@ class PlanLauncher:
             return
         try:
             window = check_int(window, "swa_window_size", minimum=0)
-            if window > 0 and lut is None:
-                return
             offset = check_int(offset, "kv_token_id_vs_position_offset")
             vcap, wcap = check_count(vcap, "verify_capacity"), check_count(wcap, "write_req_capacity")
             named = {**ops._record_arrays("out[0]", self.verify_plan), **ops._record_arrays("out[1]", self.write_plan),
@@ -431,31 +523,36 @@ class PlanLauncher:
             return
         args = PlanArgs(None, None, None, None, window, lut_view, None, None, offset, False, ops.PlanOutputs(**outs))
         b = _Binding(placement, named)
-        b.capacities = vcap, wcap
+        b.capacities, b.window, b.has_lut = (vcap, wcap), window, lut is not None
         if b.numpy:
             b.args = args
         else:
-            b.words = b.pack(b.cb.plan_params(args))
-            b.slots = _words(b.cb.PLAN_PARAMS, *(f"inputs.{k}" for k in (
-                "req_pool_indices", "prefix_lens", "extend_seq_lens", "bs", "req_to_token", "rtt_rows", "rtt_cols",
-                "rtt_stride", "pool", "pool_stride", "pool_cols", "valid_lens")))
-            b.has_lut = lut is not None
-            b.kernels = {}  # (bs, has_pool) -> ((function, grid, block), ...)
+            b.pack(b.cb.plan_params(args), *(f"inputs.{k}" for k in (
+                "req_pool_indices", "prefix_lens", "extend_seq_lens", "bs", "table", "table_rows", "kv_indptr",
+                "virtual_to_physical", "pool", "pool_stride", "pool_cols", "valid_lens")), "outputs.clear_whole_capacity")
+            b.table_shape = None  # the table_fields last written
+            b.kernels = {}  # (kind, bs, has_pool) -> ((function, grid, block), ...)
         self._bound = b
 
-    def _kernels(self, b, bs: int, has_pool: bool) -> tuple:
-        key = (bs, has_pool)
+    def _kernels(self, b, kind: int, bs: int, has_pool: bool) -> tuple:
+        key = (kind, bs, has_pool)
         kernels = b.kernels.get(key)
         if kernels is None:
             if len(b.kernels) > 4096:
                 b.kernels.clear()
             with import_cupy().cuda.Device(b.device):  # grids are sized from the bound device's SM count
                 kernels = b.kernels[key] = tuple(
-                    (b.function("plan", name), (config.grid,), (config.block,))
-                    for name, config in b.cb.plan_kernels(bs, b.capacities[0], b.has_lut, has_pool))
+                    (b.function(family, name), (config.grid,), (config.block,))
+                    for family, name, config in b.cb.plan_kernels(kind, bs, b.capacities[0], b.has_lut, has_pool))
         return kernels
 
-    def __call__(self, req_pool_indices, prefix_lens, extend_seq_lens, req_to_token,
+    def _write_table_shape(self, b, shape: tuple) -> None:
+        for name, value in b.cb.table_fields(*shape):
+            view, index = b.param_slots(f"inputs.{name}")
+            view[index] = value
+        b.table_shape = shape
+
+    def __call__(self, req_pool_indices, prefix_lens, extend_seq_lens, table,
                  req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None) -> bool:
         b = self._bound
         if b is not None and not b.current():
@@ -464,13 +561,21 @@ class PlanLauncher:
         if b is None:
             return False
         arrays = b.arrays
-        leading = arrays.leading(req_pool_indices)
-        if leading is None:
+        if req_pool_indices is None:  # only a PagedKvIndices table, whose rows are the batch rows
+            if type(table) is not PagedKvIndices:
+                return False
+            leading, rp = arrays.leading(prefix_lens), None
+        else:
+            leading = arrays.leading(req_pool_indices)
+            rp = None if leading is None else leading[0]
+        if leading is None or (rp is not None and type(table) is PagedKvIndices):
             return False
-        rp, bs = leading
+        bs = leading[1]
         prefix, extend = arrays.vector(prefix_lens, bs), arrays.vector(extend_seq_lens, bs)
-        table = arrays.table(req_to_token)
-        if prefix is None or extend is None or table is None or bs > b.capacities[1]:
+        t = _step_table(arrays, table, bs)
+        if prefix is None or extend is None or t is None or bs > b.capacities[1]:
+            return False
+        if b.window > 0 and not b.has_lut and t.kind in (TableKind.REQ_TO_TOKEN, TableKind.VIRTUAL_PAGES):
             return False
         if req_to_verify_expected_tokens is None:
             if req_to_verify_expected_tokens_valid_lens is not None:
@@ -479,19 +584,20 @@ class PlanLauncher:
         else:
             pool = arrays.table(req_to_verify_expected_tokens)
             lens = arrays.vector(req_to_verify_expected_tokens_valid_lens, bs)
-            if pool is None or lens is None or pool[1] < table[1]:
+            if pool is None or lens is None or pool[1] < t.pool_rows:
                 return False
+        wp = self.write_plan
         if b.numpy:
+            view = TableView(t.kind, t.entries, t.kv_indptr, t.virtual_to_physical, t.page_size, t.null_block, t.pool_rows, "")
             get_backend("numpy").plan(b.args._replace(
-                req_pool_indices=rp, prefix_lens=prefix, extend_seq_lens=extend, req_to_token=table[0],
-                expected_token_pool=pool[0], expected_token_valid_lens=lens))
-            return True
-        w = b.words
-        i_rp, i_prefix, i_extend, i_bs, i_rtt, i_rows, i_cols, i_stride, i_pool, i_pool_stride, i_pool_cols, i_lens = b.slots
-        w[i_rp], w[i_prefix], w[i_extend], w[i_bs] = rp, prefix, extend, bs
-        w[i_rtt], w[i_rows], w[i_cols], w[i_stride] = table
-        w[i_pool], w[i_pool_cols], w[i_pool_stride] = pool[0] or 0, pool[2], pool[3]
-        w[i_lens] = lens or 0
-        for fn, grid, block in self._kernels(b, bs, lens is not None):
-            b.launch(fn, grid, block)
+                req_pool_indices=rp, prefix_lens=prefix, extend_seq_lens=extend, table=view,
+                expected_token_pool=pool[0], expected_token_valid_lens=lens, clear_whole_capacity=not is_clean(wp)))
+        else:
+            if t.shape != b.table_shape:
+                self._write_table_shape(b, t.shape)
+            b.set((rp or 0, prefix, extend, bs, t.entries, t.rows, t.kv_indptr or 0, t.virtual_to_physical or 0,
+                   pool[0] or 0, pool[3], pool[2], lens or 0, not is_clean(wp)))
+            for fn, grid, block in self._kernels(b, t.kind, bs, lens is not None):
+                b.launch(fn, grid, block)
+        mark_clean(wp)
         return True

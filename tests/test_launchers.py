@@ -12,7 +12,7 @@ import kvcanary_cupy as kc
 from kvcanary_cupy import launchers, ops, planner as planner_module
 from canary_builders import a64, canary, i64, linear_rtt, make_log, make_write_plan
 from conftest import get_backend_or_skip
-from fuzz_cases import assert_same, make_case, run_case
+from fuzz_cases import TABLE_KINDS, _plan_inputs, assert_same, make_case, run_case
 
 NUMPY = get_backend_or_skip("numpy")
 
@@ -80,24 +80,26 @@ def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device(monkeypatch)
     from fake_cupy import fake_device
 
     free_functions = (ops.write, ops.verify, kc.plan)
+    kinds = set()
     for seed in [*range(40), 10_000]:
         case = make_case(seed, big=seed >= 10_000)
+        kinds.add(case.table_kind)
         with fake_device() as dev:
             a = dev.asarray
+            wide = lambda x: _rows_of_wider_table(a, x) if x.ndim == 2 else a(x)  # tables with row stride > columns
             buf = a(np.zeros((case.num_slots, 32), np.uint8) if case.uint8_canary else np.zeros((case.num_slots, 4), np.int64))
-            rtt, log = _rows_of_wider_table(a, case.req_to_token), kc.ViolationLog.allocate(case.ring_capacity, like=buf)
+            log = kc.ViolationLog.allocate(case.ring_capacity, like=buf)
             lut = None if case.lut is None else a(case.lut)
-            pool = None if case.pool is None else _rows_of_wider_table(a, case.pool)
             sources = tuple(kc.RealKvSource(a(t), p, n, r) for t, p, n, r in case.sources)
             planner = kc.CanaryPlanner(kc.CanaryCapacities(case.verify_capacity, case.write_req_capacity), like=buf,
                                        swa_window_size=case.window, full_to_swa_index_mapping=lut,
                                        kv_token_id_vs_position_offset=case.token_offset)
             vp, wp = planner.verify_plan, planner.write_plan
             for step, s in enumerate(case.steps):
-                rp, prefix, extend = a(s.req_pool_indices), a(s.prefix_lens), a(s.extend_seq_lens)
-                has_pool = s.valid_lens is not None
-                expected = dict(req_to_verify_expected_tokens=pool if has_pool else None,
-                                req_to_verify_expected_tokens_valid_lens=a(s.valid_lens) if has_pool else None)
+                rp, table, pool = _plan_inputs(case, s, wide)
+                prefix, extend = a(s.prefix_lens), a(s.extend_seq_lens)
+                expected = dict(req_to_verify_expected_tokens=pool,
+                                req_to_verify_expected_tokens_valid_lens=None if pool is None else a(s.valid_lens))
                 tokens = (a(s.input_ids), a(s.positions), a(s.out_cache_loc))
                 checks = {} if s.expected_tokens is None else dict(
                     expected_input_tokens=a(s.expected_tokens), expected_input_positions=a(s.expected_positions))
@@ -108,7 +110,7 @@ def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device(monkeypatch)
                                       real_kv_sources=sources, real_kv_hash_mode=case.mode)
 
                 write, verify, plan = free_functions
-                plan(rp, prefix, extend, rtt, verify_capacity=case.verify_capacity,
+                plan(rp, prefix, extend, table, verify_capacity=case.verify_capacity,
                      write_req_capacity=case.write_req_capacity, swa_window_size=case.window,
                      full_to_swa_index_mapping=lut, kv_token_id_vs_position_offset=case.token_offset,
                      out=(vp, wp), **expected)
@@ -118,11 +120,12 @@ def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device(monkeypatch)
 
                 with monkeypatch.context() as mp:
                     _free_functions_refused(mp)
-                    planner.plan(rp, prefix, extend, rtt, **expected)
+                    planner.plan(rp, prefix, extend, table, **expected)
                     kc.VerifyLauncher(buf, vp, **verify_options)()
                     kc.WriteLauncher(buf, wp, **write_options)(*tokens, **checks)
                 assert dev.launches == free, f"seed {seed} step {step}"
                 dev.launches[:] = []
+    assert kinds == set(TABLE_KINDS)
 
 
 # ----------------------------------------------------------------------------------------------
