@@ -30,7 +30,7 @@ import sys
 
 import numpy as np
 
-from . import ops
+from . import interop, ops
 from .backends import PlanArgs, TableView, get_backend
 from .constants import RealKvHashMode
 from .errors import public_api
@@ -266,6 +266,7 @@ class _Binding:
         self._stream_handle = _torch_stream_handle(self.device) if torch else None
         self._get_device = import_cupy().cuda.runtime.getDevice
         self._functions = {}
+        self.side = None  # a write's side stream (see WriteLauncher)
 
     def current(self) -> bool:
         """Whether every bound torch tensor still has the address it was bound with."""
@@ -294,14 +295,28 @@ class _Binding:
         for (view, index), value in zip(self.slots, values):
             view[index] = value
 
+    def use_side_stream(self, stream) -> None:
+        """Launch on ``stream`` behind everything queued so far on the caller's stream (what
+        :func:`kvcanary_cupy.write` does with ``stream=``), with one event reused by every call."""
+        self.side = interop._cupy_stream(stream, "stream", self.device)
+        self.fork = import_cupy().cuda.Event(block=False, disable_timing=True)
+
     def launch(self, fn, grid, block) -> None:
-        """Launch on the caller's stream (torch's current one when torch tensors are bound), on the bound device."""
-        stream = None if self._stream_handle is None else _cupy_stream(self._stream_handle())
+        """Launch on the bound device, on the caller's stream (torch's current one when torch
+        tensors are bound) or behind it on the side stream."""
         if self._get_device() == self.device:
-            fn(grid, block, self.arguments, stream=stream)
+            self._launch(fn, grid, block)
         else:
             with import_cupy().cuda.Device(self.device):
-                fn(grid, block, self.arguments, stream=stream)
+                self._launch(fn, grid, block)
+
+    def _launch(self, fn, grid, block) -> None:
+        stream = None if self._stream_handle is None else _cupy_stream(self._stream_handle())
+        if self.side is not None:
+            self.fork.record(import_cupy().cuda.get_current_stream() if stream is None else stream)
+            self.side.wait_event(self.fork)
+            stream = self.side
+        fn(grid, block, self.arguments, stream=stream)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,15 +327,17 @@ class WriteLauncher:
 
     ``launcher(input_ids, positions, out_cache_loc, expected_input_tokens=None,
     expected_input_positions=None)`` writes exactly what ``kc.write(canary_buf, write_plan,
-    input_ids, ..., **options)`` writes, for the options given here.
+    input_ids, ..., **options)`` writes, for the options given here: several canary buffers in one
+    launch, and ``stream=`` (the write on a side stream; :func:`kvcanary_cupy.join_stream` joins it).
     """
 
     @public_api
     def __init__(self, canary_buf, write_plan, *, log, kernel_kind=0, real_kv_sources=(),
-                 real_kv_hash_mode=RealKvHashMode.NONE, chain_position_assert=True):
+                 real_kv_hash_mode=RealKvHashMode.NONE, chain_position_assert=True, stream=None):
         self.canary_buf, self.write_plan = canary_buf, write_plan
         self.options = dict(log=log, kernel_kind=kernel_kind, real_kv_sources=real_kv_sources,
-                            real_kv_hash_mode=real_kv_hash_mode, chain_position_assert=chain_position_assert)
+                            real_kv_hash_mode=real_kv_hash_mode, chain_position_assert=chain_position_assert,
+                            stream=stream)
         self._full = full_validation_forced()
         self._bind()
 
@@ -331,21 +348,25 @@ class WriteLauncher:
                                                      o["real_kv_sources"], o["real_kv_hash_mode"], flag, {})
         self._bound = None
         with launch_stream(placement):  # on the bound device: grids are sized from its SM count
-            args = ops._write_bound_args(self.canary_buf, self.write_plan, o["log"], flag, context,
-                                         array_module(placement))
+            args = ops._write_bound_args(self.write_plan, o["log"], flag, context, array_module(placement))
             if self._full or not _viewed_in_place([*self.write_plan.arrays().values(), named["chain_position_assert"]]):
                 return
             b = _Binding(placement, named)
             if b.numpy:
+                if o["stream"] is not None:  # the free function refuses it
+                    return
                 b.args = args
             else:
                 cb = b.cb
                 launch = cb.write_launch(args)
-                b.pack(launch.params, "input_ids", "positions", "out_cache_loc", "num_tokens", "expected_input_tokens",
-                       "expected_input_positions")
+                b.pack(launch.params, *(f"inputs.{k}" for k in (
+                    "input_ids", "positions", "out_cache_loc", "num_tokens", "expected_tokens", "expected_positions")))
                 b.grid, b.block = (launch.config.grid,), (launch.config.block,)
-                real_kv = cb.has_real_kv(args.sources, args.real_kv_hash_mode)
-                b.kernels = {checked: b.function("write", cb.write_kernel(checked, real_kv)) for checked in (False, True)}
+                real_kv = cb.has_real_kv(args.targets, args.real_kv_hash_mode)
+                b.kernels = {checked: b.function("write", cb.write_kernel(len(args.targets), checked, real_kv))
+                             for checked in (False, True)}
+                if o["stream"] is not None:
+                    b.use_side_stream(o["stream"])
         self._bound = b
 
     @public_api
@@ -383,7 +404,8 @@ class WriteLauncher:
 
 class VerifyLauncher:
     """:func:`kvcanary_cupy.verify` with every buffer bound once: ``launcher()`` verifies exactly
-    what ``kc.verify(canary_buf, verify_plan, **options)`` verifies, for the options given here."""
+    what ``kc.verify(canary_buf, verify_plan, **options)`` verifies, for the options given here
+    (several canary buffers in one launch too)."""
 
     @public_api
     def __init__(self, canary_buf, verify_plan, *, log, kernel_kind=0, real_kv_sources=(),
@@ -401,8 +423,7 @@ class VerifyLauncher:
                                                       o["check_expected_token"])
         self._bound = None
         with launch_stream(placement):  # on the bound device: grids are sized from its SM count
-            args = ops._verify_args(self.canary_buf, self.verify_plan, o["log"], o["check_expected_token"], context,
-                                    array_module(placement))
+            args = ops._verify_args(self.verify_plan, o["log"], o["check_expected_token"], context, array_module(placement))
             if self._full or not _viewed_in_place(self.verify_plan.arrays().values()):
                 return
             b = _Binding(placement, named)

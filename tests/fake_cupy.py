@@ -93,6 +93,7 @@ class FakeDevice:
         monkeypatch.setattr(jit, "get_function", lambda family, name: RawKernel(name))
         monkeypatch.setattr(cupy_backend, "get_function", lambda family, name: RawKernel(name))
         monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: FakeDevice.SM_COUNT)
+        monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block: 4)
         if self.record_bytes:  # the arguments as one-element NumPy views, whose bytes can be read back
             monkeypatch.setattr(cupy_backend, "_CPointer", None)
 

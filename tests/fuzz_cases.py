@@ -339,6 +339,19 @@ def _initial_canary(case: Case, buffer: int = 0) -> np.ndarray:
     return canary
 
 
+def launch_targets(case: Case, canaries: list, sources: tuple):
+    """``targets(kind) -> (canary_buf, kernel_kind, real_kv_sources)`` of one write or verify: the
+    one buffer, or (``case.buffers > 1``) every buffer with its own kind and rotated sources."""
+    per_buffer = [sources[b % len(sources):] + sources[:b % len(sources)] if sources else () for b in range(case.buffers)]
+
+    def targets(kind):
+        if case.buffers == 1:
+            return canaries[0], kind, sources
+        return canaries, [(kind + b) % kc.NUM_LAUNCH_TAGS for b in range(case.buffers)], per_buffer
+
+    return targets
+
+
 def run_case(ab, case: Case, *, bound: bool = False) -> dict:
     """Run both steps on ``ab``; returns host copies of every output after each launch.
 
@@ -352,15 +365,7 @@ def run_case(ab, case: Case, *, bound: bool = False) -> dict:
         canary_np = _initial_canary(case, b)
         canaries.append(a(canary_np.view(np.uint8).reshape(case.num_slots, 32)) if case.uint8_canary else a(canary_np))
     sources = tuple(kc.RealKvSource(a(t), p, n, r) for t, p, n, r in case.sources)
-    per_buffer = [sources[b % len(sources):] + sources[:b % len(sources)] if sources else () for b in range(case.buffers)]
-    multi = case.buffers > 1
-
-    def targets(kind):
-        """(canary_buf, kernel_kind, real_kv_sources) of one launch."""
-        if not multi:
-            return canaries[0], kind, sources
-        return canaries, [(kind + b) % kc.NUM_LAUNCH_TAGS for b in range(case.buffers)], per_buffer
-
+    targets = launch_targets(case, canaries, sources)
     log = kc.ViolationLog.allocate(case.ring_capacity, like=ab.like)
     planner = kc.CanaryPlanner(kc.CanaryCapacities(case.verify_capacity, case.write_req_capacity), like=ab.like,
                                swa_window_size=case.window, full_to_swa_index_mapping=None if case.lut is None else a(case.lut),

@@ -196,12 +196,11 @@ def test_compile_reports_are_cached_by_every_compiled_byte(tmp_path, monkeypatch
 
 def _kernel_parameter_bytes(kernel, filename):
     """The by-value size of each parameter of ``kernel`` in ``filename`` (pointers: 8 bytes; the
-    structs: their NumPy mirrors, whose layouts other tests pin)."""
+    structs: their NumPy mirrors, whose layouts the struct asserts pin)."""
     from kvcanary_cupy.backends import cupy_backend as cb
 
-    sizes_of = {"CanaryBuffer": cb.CANARY_BUFFER, "RealKvSources": cb.REAL_KV_SOURCES, "LaunchLog": cb.LAUNCH_LOG,
-                "PlanInputs": cb.PLAN_INPUTS, "PlanOutputs": cb.PLAN_OUTPUTS, "i64": np.int64, "int": np.int32}
-    m = re.search(rf"__global__ void (?:__launch_bounds__\(\w+\) )?{kernel}\(([^)]*)\)", jit._read(filename))
+    sizes_of = {name: dtype for name, (dtype, _) in cb.KERNEL_STRUCTS.items()} | {"i64": np.int64, "int": np.int32}
+    m = re.search(rf"__global__ void (?:__launch_bounds__\(\w+\)\s*)?{kernel}\(([^)]*)\)", jit._read(filename))
     assert m, kernel
     sizes = []
     for param in m.group(1).split(","):

@@ -12,7 +12,7 @@ import kvcanary_cupy as kc
 from kvcanary_cupy import launchers, ops, planner as planner_module
 from canary_builders import a64, canary, i64, linear_rtt, make_log, make_write_plan
 from conftest import get_backend_or_skip
-from fuzz_cases import TABLE_KINDS, _plan_inputs, assert_same, make_case, run_case
+from fuzz_cases import TABLE_KINDS, _plan_inputs, assert_same, launch_targets, make_case, run_case
 
 NUMPY = get_backend_or_skip("numpy")
 
@@ -80,17 +80,20 @@ def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device(monkeypatch)
     from fake_cupy import fake_device
 
     free_functions = (ops.write, ops.verify, kc.plan)
-    kinds = set()
+    kinds, buffers = set(), set()
     for seed in [*range(40), 10_000]:
         case = make_case(seed, big=seed >= 10_000)
         kinds.add(case.table_kind)
+        buffers.add(case.buffers)
         with fake_device() as dev:
             a = dev.asarray
             wide = lambda x: _rows_of_wider_table(a, x) if x.ndim == 2 else a(x)  # tables with row stride > columns
-            buf = a(np.zeros((case.num_slots, 32), np.uint8) if case.uint8_canary else np.zeros((case.num_slots, 4), np.int64))
+            shape = (case.num_slots, 32) if case.uint8_canary else (case.num_slots, 4)
+            canaries = [a(np.zeros(shape, np.uint8 if case.uint8_canary else np.int64)) for _ in range(case.buffers)]
+            buf = canaries[0]
             log = kc.ViolationLog.allocate(case.ring_capacity, like=buf)
             lut = None if case.lut is None else a(case.lut)
-            sources = tuple(kc.RealKvSource(a(t), p, n, r) for t, p, n, r in case.sources)
+            targets = launch_targets(case, canaries, tuple(kc.RealKvSource(a(t), p, n, r) for t, p, n, r in case.sources))
             planner = kc.CanaryPlanner(kc.CanaryCapacities(case.verify_capacity, case.write_req_capacity), like=buf,
                                        swa_window_size=case.window, full_to_swa_index_mapping=lut,
                                        kv_token_id_vs_position_offset=case.token_offset)
@@ -104,28 +107,30 @@ def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device(monkeypatch)
                 checks = {} if s.expected_tokens is None else dict(
                     expected_input_tokens=a(s.expected_tokens), expected_input_positions=a(s.expected_positions))
                 flag = s.chain_flag if isinstance(s.chain_flag, bool) else a(s.chain_flag)
-                write_options = dict(log=log, kernel_kind=s.kinds[1], chain_position_assert=flag,
-                                     real_kv_sources=sources, real_kv_hash_mode=case.mode)
-                verify_options = dict(log=log, kernel_kind=s.kinds[0], check_expected_token=s.check_token,
-                                      real_kv_sources=sources, real_kv_hash_mode=case.mode)
+                head_buf, head_kinds, head_sources = targets(s.kinds[0])
+                tail_buf, tail_kinds, tail_sources = targets(s.kinds[1])
+                write_options = dict(log=log, kernel_kind=tail_kinds, chain_position_assert=flag,
+                                     real_kv_sources=tail_sources, real_kv_hash_mode=case.mode)
+                verify_options = dict(log=log, kernel_kind=head_kinds, check_expected_token=s.check_token,
+                                      real_kv_sources=head_sources, real_kv_hash_mode=case.mode)
 
                 write, verify, plan = free_functions
                 plan(rp, prefix, extend, table, verify_capacity=case.verify_capacity,
                      write_req_capacity=case.write_req_capacity, swa_window_size=case.window,
                      full_to_swa_index_mapping=lut, kv_token_id_vs_position_offset=case.token_offset,
                      out=(vp, wp), **expected)
-                verify(buf, vp, **verify_options)
-                write(buf, wp, *tokens, **write_options, **checks)
+                verify(head_buf, vp, **verify_options)
+                write(tail_buf, wp, *tokens, **write_options, **checks)
                 free, dev.launches[:] = list(dev.launches), []
 
                 with monkeypatch.context() as mp:
                     _free_functions_refused(mp)
                     planner.plan(rp, prefix, extend, table, **expected)
-                    kc.VerifyLauncher(buf, vp, **verify_options)()
-                    kc.WriteLauncher(buf, wp, **write_options)(*tokens, **checks)
+                    kc.VerifyLauncher(head_buf, vp, **verify_options)()
+                    kc.WriteLauncher(tail_buf, wp, **write_options)(*tokens, **checks)
                 assert dev.launches == free, f"seed {seed} step {step}"
                 dev.launches[:] = []
-    assert kinds == set(TABLE_KINDS)
+    assert kinds == set(TABLE_KINDS) and len(buffers) > 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,12 +253,15 @@ def test_strided_bound_plans_take_the_free_function(ab, monkeypatch):
 
 def test_launchers_refuse_bad_bound_buffers_like_the_free_functions(ab):
     buf, wp, log = _write_setup(ab)
+    other = ab.asarray(canary(16))
     tokens = (a64(ab, [7]), a64(ab, [0]), a64(ab, [3]))
-    for kwargs in (dict(log=object()), dict(log=log, kernel_kind=99), dict(log=log, chain_position_assert="yes")):
+    for bufs, kwargs in ((buf, dict(log=object())), (buf, dict(log=log, kernel_kind=99)),
+                         (buf, dict(log=log, chain_position_assert="yes")), ([buf, other], dict(log=log, kernel_kind=1)),
+                         ([buf, buf], dict(log=log, kernel_kind=[0, 1]))):
         with pytest.raises((TypeError, ValueError)) as want:
-            kc.write(buf, wp, *tokens, **kwargs)
-        with pytest.raises(want.type, match=None) as got:
-            kc.WriteLauncher(buf, wp, **kwargs)
+            kc.write(bufs, wp, *tokens, **kwargs)
+        with pytest.raises(want.type) as got:
+            kc.WriteLauncher(bufs, wp, **kwargs)
         assert str(got.value) == str(want.value)
     vp = kc.VerifyPlan.allocate(4, like=ab.like)
     with pytest.raises((TypeError, ValueError)) as want:
@@ -261,6 +269,14 @@ def test_launchers_refuse_bad_bound_buffers_like_the_free_functions(ab):
     with pytest.raises(want.type) as got:
         kc.VerifyLauncher(buf, vp, log=log, check_expected_token=1)
     assert str(got.value) == str(want.value)
+
+
+def test_a_side_stream_on_the_cpu_is_refused_like_the_free_function():
+    buf, wp, log = _write_setup(NUMPY)
+    tokens = (i64([7]), i64([0]), i64([3]))
+    launcher = kc.WriteLauncher(buf, wp, log=log, stream=object())
+    _assert_same_error(NUMPY, lambda: kc.write(buf, wp, *tokens, log=log, stream=object()), lambda: launcher(*tokens),
+                       [buf, *log.arrays().values()])
 
 
 # ----------------------------------------------------------------------------------------------

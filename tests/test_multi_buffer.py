@@ -204,7 +204,15 @@ def _prefill(ab, n=4096):
     return dict(offsets=[0, n], ids=rng.integers(0, 50000, n), pos=np.arange(n), loc=loc, n=n)
 
 
-def test_side_stream_write_runs_after_queued_work_and_is_joined(gpu_ab):
+def _side_writer(bound, buf, wp, log, side):
+    """``write(ids, pos, loc)`` on ``side``: the free function or a bound WriteLauncher."""
+    if bound:
+        return kc.WriteLauncher(buf, wp, log=log, stream=side)
+    return lambda ids, pos, loc: kc.write(buf, wp, ids, pos, loc, log=log, stream=side)
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
+def test_side_stream_write_runs_after_queued_work_and_is_joined(gpu_ab, bound):
     """Inputs filled on the current stream behind a ~5 ms spin are seen by the side-stream write,
     and after join_stream the current stream sees the whole 4,096-token chain."""
     import cupy
@@ -220,18 +228,20 @@ def test_side_stream_write_runs_after_queued_work_and_is_joined(gpu_ab):
     ab.synchronize()
     spin = cupy.RawKernel(SPIN, "spin")
     side = _new_side_stream(ab)
+    write = _side_writer(bound, buf, wp, log, side)
     current = _current_cupy_stream(ab)
     with current:
         spin((1,), (1,), (np.int64(10_000_000),))
     for dst, src in zip((ids, pos, loc), new):
         dst[...] = src  # queued behind the spin on the current stream
-    kc.write(buf, wp, ids, pos, loc, log=log, stream=side)
+    write(ids, pos, loc)
     kc.join_stream(side)
     assert np.array_equal(ab.to_numpy(buf), want)
     assert int(host(ab, log)["slot_run_counters"][0]) == p["n"]
 
 
-def test_side_stream_write_inside_a_graph_capture(gpu_ab):
+@pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
+def test_side_stream_write_inside_a_graph_capture(gpu_ab, bound):
     """write(..., stream=side) + join_stream captured in a CUDA graph (CuPy's or torch's) and
     replayed with new inputs gives the NumPy backend's bytes."""
     ab = gpu_ab
@@ -241,9 +251,10 @@ def test_side_stream_write_inside_a_graph_capture(gpu_ab):
     wp, log = make_write_plan(ab, p["offsets"], [-1]), make_log(ab)
     kc.warmup()
     side = _new_side_stream(ab)
+    write = _side_writer(bound, buf, wp, log, side)
 
     def step():
-        kc.write(buf, wp, ids, pos, loc, log=log, stream=side)
+        write(ids, pos, loc)
         kc.join_stream(side)
 
     if ab.name == "torch_cuda":
