@@ -206,7 +206,7 @@ class _RawStream:
         return (0, self.handle)
 
 
-def _cupy_stream(handle: int):
+def _wrapped_torch_stream(handle: int):
     stream = _CUPY_STREAMS.get(handle)
     if stream is None:
         if len(_CUPY_STREAMS) >= 64:  # torch pools its streams; this only bounds a pathological caller
@@ -311,7 +311,7 @@ class _Binding:
                 self._launch(fn, grid, block)
 
     def _launch(self, fn, grid, block) -> None:
-        stream = None if self._stream_handle is None else _cupy_stream(self._stream_handle())
+        stream = None if self._stream_handle is None else _wrapped_torch_stream(self._stream_handle())
         if self.side is not None:
             self.fork.record(import_cupy().cuda.get_current_stream() if stream is None else stream)
             self.side.wait_event(self.fork)
