@@ -84,7 +84,7 @@ class CanaryPlanner:
 
     The buffers, capacities and SWA settings are bound once (:mod:`kvcanary_cupy.launchers`): a
     plan whose inputs are contiguous arrays of the buffers' framework and device costs only their
-    checks and one launch.  The settings are read-only for that reason.
+    checks and its launches.  The settings are read-only for that reason.
     """
 
     @public_api
