@@ -460,7 +460,7 @@ class _StepTable:
                  "null_block")
 
 
-def _step_table(arrays, table, bs_rows: int | None):
+def _step_table(arrays, table, bs_rows: int):
     """The table of one call as a :class:`_StepTable`, or None when it is not the common case.
 
     ``bs_rows`` is the batch size for a table whose rows are the batch rows (PagedKvIndices)."""
