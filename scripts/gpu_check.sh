@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# The GPU run: GPU tests (failing, not skipping, without a usable GPU), compute-sanitizer over a
-# fuzz subset, and the benchmarks, in one call on the GPU machine.  Logs go under $OUT.
+# The GPU run: GPU tests (failing, not skipping, without a usable GPU), the quickstart and the
+# simulator on CUDA, compute-sanitizer over a fuzz subset and captured-graph replays, and the
+# benchmarks, in one call on the GPU machine.  Each stage has a time limit so the call returns
+# inside the device tool's limit; logs go under $OUT.
 #
-#   bash scripts/gpu_check.sh [all|tests|sanitizer|bench]
-# Installs nothing from the network: the package itself is installed in editable mode without
-# dependencies (CuPy, torch, pytest and hypothesis come with the machine's image).
+#   bash scripts/gpu_check.sh [all|tests|sanitizer|bench] [pytest args...]
+#
+# Stage limits (seconds) can be changed with TESTS_S, SANITIZER_S, BENCH_S.  Installs nothing from
+# the network: the package itself is installed in editable mode without dependencies (CuPy, torch,
+# pytest and hypothesis come with the machine's image).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 what=${1:-all}
+shift $(( $# > 0 ? 1 : 0 ))
 export PYTHONUNBUFFERED=1 KVCANARY_EXPECT_GPU=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/kvcanary-cupy-cache}
 status=0
 
 {
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  date -u +%Y-%m-%dT%H:%MZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
   python3 -c "import cupy, torch, numpy; print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion())"
 } > "$OUT/env.log" 2>&1
 cat "$OUT/env.log"
@@ -23,26 +29,30 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > 
   echo "editable install failed:"; tail -20 "$OUT/install.log"; exit 1
 fi
 
-run() {  # run NAME CMD...: tee the output to $OUT/NAME.log, remember a failure
-  local name=$1; shift
+stage() {  # stage NAME SECONDS CMD...: log to $OUT/NAME.log under a time limit, remember a failure
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
   echo "=== $name: $*"
-  "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 25
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name exit $rc"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-15}" "$OUT/$name.log"
+  echo "=== $name exit $rc after $((SECONDS - t0)) s$([ "$rc" -eq 124 ] && echo ' (time limit)')"
   [ "$rc" -eq 0 ] || status=1
 }
 
+python3 -c "import kvcanary_cupy as kc; kc.warmup()" > "$OUT/warmup.log" 2>&1 || { echo "warmup failed"; tail "$OUT/warmup.log"; status=1; }
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  run gpu-tests python3 -m pytest -q -rs tests
-  run quickstart python3 examples/quickstart.py --gpu
-  run sim-cuda python3 -m kvcanary_cupy sim --device cuda --steps 400 --json "$OUT/sim-cuda.json" --plot "$OUT/sim-cuda.png"
+  TAIL=40 stage gpu-tests "${TESTS_S:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests "$@"
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -40
+  stage quickstart 60 python3 examples/quickstart.py --gpu
+  stage sim-cuda 120 python3 -m kvcanary_cupy sim --device cuda --steps 400 --quiet --json "$OUT/sim-cuda.json" --plot "$OUT/sim-cuda.png"
 fi
 if [ "$what" = all ] || [ "$what" = sanitizer ]; then
-  run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 40
-  run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 6
+  stage memcheck "${SANITIZER_S:-150}" compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 24
+  stage racecheck "${SANITIZER_S:-150}" compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 4
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  run bench python3 -m kvcanary_cupy bench --out "$OUT/bench.txt" --json "$OUT/bench.json"
-  run bench-session python3 benchmarks/bench_session.py --out "$OUT/bench-session.txt"
+  stage bench "${BENCH_S:-150}" python3 -m kvcanary_cupy bench --out "$OUT/bench.txt" --json "$OUT/bench.json"
+  stage bench-session 60 python3 benchmarks/bench_session.py --out "$OUT/bench-session.txt"
 fi
 exit $status
