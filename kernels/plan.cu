@@ -345,7 +345,10 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
   i64 clamped = 0;
   for (i64 chunk = begin; chunk < end; chunk += 32) {
     t = chunk + lane;
-    if (t < end) {
+    const bool live = t < end;
+    i64 p = 0, slot = 0, slot_errors = 0;
+    bool prev_is_left_lane = false;
+    if (live) {
       if (t >= row_next) {  // verify_offsets[bs] == total > t ends the walk
         do row_next = verify_offsets[++r + 1]; while (t >= row_next);
         row_begin = verify_offsets[r];
@@ -353,10 +356,26 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
         row = table_row<kTable>(in, r, pool_row);
         start = window_start(in.prefix_lens[r], in.window);
       }
-      const i64 p = start + (t - row_begin);
-      out.verify_slot_indices[t] = swa_translate<kHasLut>(table_slot<kTable>(in, row, p, clamped), in.lut, in.lut_len, clamped);
-      out.verify_prev_slot_indices[t] =
-          p > 0 ? swa_translate<kHasLut>(table_slot<kTable>(in, row, p - 1, clamped), in.lut, in.lut_len, clamped) : -1;
+      p = start + (t - row_begin);
+      slot = swa_translate<kHasLut>(table_slot<kTable>(in, row, p, slot_errors), in.lut, in.lut_len, slot_errors);
+      prev_is_left_lane = lane > 0 && t > row_begin;  // entry t - 1 is position p - 1 of this row
+    }
+    // The predecessor of entry t is usually entry t - 1, looked up by the lane to the left: take
+    // its slot (and the out-of-range counts of that lookup, so the count is the same as looking
+    // it up again) instead of reading the table a second time.
+    const i64 left_slot = __shfl_up_sync(0xffffffffu, slot, 1);
+    const i64 left_errors = __shfl_up_sync(0xffffffffu, slot_errors, 1);
+    if (live) {
+      clamped += slot_errors;
+      i64 prev = -1;
+      if (prev_is_left_lane) {
+        prev = left_slot;
+        clamped += left_errors;
+      } else if (p > 0) {
+        prev = swa_translate<kHasLut>(table_slot<kTable>(in, row, p - 1, clamped), in.lut, in.lut_len, clamped);
+      }
+      out.verify_slot_indices[t] = slot;
+      out.verify_prev_slot_indices[t] = prev;
       out.verify_expected_positions[t] = p;
       i64 token = -1;
       if (kHasPool) {
