@@ -50,7 +50,8 @@ def _run_sim(args) -> int:
 
     if args.list_faults:
         for name, cls in FAULTS.items():
-            print(f"{name}: {cls.description}" + ("" if cls.detectable else f" [blind by design: {cls.why_not_detectable}]"))
+            print(f"{name}: {cls.description}" + ("" if cls.detectable_with(args.addressing)
+                                                  else f" [blind by design: {cls.why_not_detectable}]"))
         return 0
     if args.device == "cuda":
         reason = cuda_unavailable_reason()

@@ -5,7 +5,9 @@ admits requests (prefix-cache lookup), runs chunked prefill and, for colocated r
 a finished prefill of a disaggregated request is transferred (KV bytes and canary rows) to pool
 ``decode``, which decodes it.  Requests may decode speculatively (several draft tokens per step,
 rejected ones rolled back), may be aborted, and blocks may be moved by compaction (with their
-canary rows).  The engine is correct by construction: a clean run reports no violation.
+canary rows, through ``kc.move_pages``).  Each step hands the canary the engine tables of the
+chosen addressing mode (``tables.py``).  The engine is correct by construction: a clean run
+reports no violation.
 
 Faults (``faults.py``) act through the hook object ``Engine.hook`` (the live episode) and by
 editing the engine's structures; :meth:`Engine.repair` restores a consistent state afterwards.
@@ -21,8 +23,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .kvpool import KvPool
-from .session import canary_buffers, copy_canary_rows, make_session, move_canary_rows
-from .tables import NULL_BLOCK, session_table
+from .session import (
+    Sightings,
+    allocate_move_workspace,
+    canary_buffers,
+    copy_canary_rows,
+    make_session,
+    move_canary_pages,
+)
+from .tables import NULL_BLOCK, PageMap, session_table
 
 
 @dataclass(frozen=True)
@@ -244,17 +253,21 @@ class NoHook:
 
 
 class Pool:
-    """One server's KV: bytes, allocator, prefix cache (prefill pool only) and canary session."""
+    """One server's KV: bytes, allocator, prefix cache (prefill pool only), page map (SGLang's
+    unified-pool view of the blocks) and canary session."""
 
-    def __init__(self, name: str, config: EngineConfig, xp, like, on_violation, *, cache: bool):
+    def __init__(self, name: str, config: EngineConfig, xp, like, *, cache: bool):
         self.name = name
         self.config = config
         self.allocator = BlockAllocator(config.num_blocks)
+        self.page_map = PageMap(config.num_blocks)
         self.cache = PrefixCache(config.block_size) if cache else None
         self.kv = KvPool(xp, config.num_slots, num_layers=config.num_layers, row_bytes=config.kv_row_bytes)
         self.session = make_session(config.num_slots, max_batch_size=config.max_running,
                                     verify_capacity=config.verify_capacity, like=like,
-                                    real_kv_sources=self.kv.real_kv_sources(), on_violation=on_violation)
+                                    real_kv_sources=self.kv.real_kv_sources())
+        self.sightings = Sightings(self.session)
+        self.move_workspace = allocate_move_workspace(1, config.block_size, like=like)  # compaction moves one block
         self.running: list[Request] = []
         self.ran = False  # whether this step ran a forward (and so the canary)
 
@@ -346,8 +359,7 @@ class Engine:
         self.addressing = addressing
         self.xp = xp
         like = xp.zeros(1, xp.int64) if xp is not np else None
-        self.inbox: list = []  # (pool name, Violation) reported since the last take
-        self.pools = {name: Pool(name, config, xp, like, self._collector(name), cache=name == "prefill")
+        self.pools = {name: Pool(name, config, xp, like, cache=name == "prefill")
                       for name in ("prefill", "decode")}
         seeds = np.random.SeedSequence(seed).spawn(3)
         self.workload_rng = np.random.default_rng(seeds[0])
@@ -367,19 +379,14 @@ class Engine:
 
     # -- plumbing --------------------------------------------------------------------------
 
-    def _collector(self, name):
-        def collect(report):
-            self.inbox.extend((name, v) for v in report.violations)
-        return collect
-
     def alloc(self, pool: Pool, req: Request) -> int:
         block = pool.alloc()
         self.hook.on_alloc(self, pool, req, block)
         return block
 
     def take_violations(self) -> list:
-        out, self.inbox = self.inbox, []
-        return out
+        """(pool name, Violation) of every violation seen since the last take."""
+        return [(name, v) for name, pool in self.pools.items() for v in pool.sightings.take()]
 
     def dev(self, a):
         return a if self.xp is np else self.xp.asarray(a)
@@ -494,12 +501,12 @@ class Engine:
             return
         self.hook.on_batch(self, pool, batch)
         table = session_table(self.addressing, [r.blocks for r in batch.reqs], [r.tokens for r in batch.reqs],
-                              batch.prefix, self.config.block_size)
+                              batch.prefix, self.config.block_size, pool.page_map, self.dev)
         d = self.dev
         with self.timer.canary():
-            pool.session.pre_forward(d(table.req_pool_indices), d(batch.prefix), d(batch.extend), d(table.table),
+            pool.session.pre_forward(table.req_pool_indices, d(batch.prefix), d(batch.extend), table.table,
                                      d(batch.input_ids), d(batch.positions), d(batch.out_cache_loc),
-                                     expected_tokens=d(table.expected_tokens), expected_tokens_valid_lens=d(batch.prefix))
+                                     expected_tokens=table.expected_tokens, expected_tokens_valid_lens=d(batch.prefix))
         keep = batch.out_cache_loc >= 0
         keep[list(batch.kv_skip)] = False
         with self.timer.model():
@@ -569,15 +576,26 @@ class Engine:
         if not candidates:
             return
         pool, req, i = candidates[int(self.engine_rng.integers(len(candidates)))]
+        if self.move_block(pool, req, i) is not None:
+            self.counters["compactions"] += 1
+
+    def move_block(self, pool: Pool, req: Request, i: int, *, move_canary=True, update_table=True):
+        """Compaction of block ``i`` of ``req`` to a free block: its KV bytes, its canary rows
+        (``kc.move_pages`` on both buffers) and its table (the request's block list and the page
+        map, which SGLang's unified pool rebinds).  Returns ``(old, new)``, or None when no block is
+        free.  The faults leave a piece out."""
         if not pool.allocator.free:
-            return
+            return None
         old, new = req.blocks[i], pool.allocator.alloc()
-        src, dst = self.dev(pool.block_slots([old])), self.dev(pool.block_slots([new]))
-        pool.kv.copy_rows(src, dst)
-        move_canary_rows(pool.session, src, dst)
-        req.blocks[i] = new
+        pool.kv.copy_rows(self.dev(pool.block_slots([old])), self.dev(pool.block_slots([new])))
+        if move_canary:
+            move_canary_pages(pool.session, self.dev(np.array([old], np.int64)), self.dev(np.array([new], np.int64)),
+                              page_size=self.config.block_size, workspace=pool.move_workspace)
+        if update_table:
+            req.blocks[i] = new
+            pool.page_map.rebind(old, new)
         pool.allocator.release(old)
-        self.counters["compactions"] += 1
+        return old, new
 
     def maybe_abort(self) -> None:
         if self.engine_rng.random() >= self.config.abort_rate:
@@ -604,9 +622,9 @@ class Engine:
         for chunk in chunks:
             lens = np.array([len(p) * bs for p in chunk], np.int64)
             table = session_table(self.addressing, chunk, [np.zeros(0, np.int64)] * len(chunk),
-                                  np.zeros(len(chunk), np.int64), bs)
+                                  np.zeros(len(chunk), np.int64), bs, pool.page_map, self.dev)
             with self.timer.canary():
-                pool.session.sweep(self.dev(table.req_pool_indices), self.dev(lens), self.dev(table.table))
+                pool.session.sweep(table.req_pool_indices, self.dev(lens), table.table)
 
     # -- helpers for faults ----------------------------------------------------------------
 
@@ -632,11 +650,13 @@ class Engine:
 
     def blast_radius(self, pool_name: str, ep) -> set:
         """Slots whose violations fault episode ``ep`` explains: the slots it touched, the blocks its
-        victims held during the episode, every block of a request holding one of those, and the
-        cached blocks below them (a corrupted record also breaks its successor's chain check)."""
+        victims read or held during the episode (finished victims included), every block of a
+        request holding one of those, and the cached blocks below them (a corrupted record also
+        breaks its successor's chain check)."""
         pool = self.pools[pool_name]
         blocks = self._fault_blocks(pool_name, ep)
         slots = {s for p, s in ep.touched if p == pool_name}
+        slots.update(pool.block_slots(sorted({b for p, b in ep.read if p == pool_name} - {NULL_BLOCK})).tolist())
         for req in pool.running:
             if req in ep.victims or blocks & set(req.blocks):
                 blocks |= set(req.blocks) - {NULL_BLOCK}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 from .engine import NULL_BLOCK, Batch, Engine, NoHook, Pool, Request
-from .session import move_canary_rows
 
 
 class Episode(NoHook):
@@ -26,6 +25,7 @@ class Episode(NoHook):
         self.touched: set = set()  # (pool, slot) the fault wrote or mis-addressed
         self.victims: set = set()  # requests it hurt
         self.held: set = set()  # (pool, block) its victims wrote into while it was live
+        self.read: set = set()  # (pool, block) its victims' tables named while it was live
         self.state: dict = {}
 
     def fire(self, engine: Engine) -> None:
@@ -46,8 +46,10 @@ class Episode(NoHook):
 
     def _note_writes(self, engine, pool_name, req):
         """Blocks from ``req``'s write frontier on: where its records (chained, perhaps, from a
-        corrupted one) land from now on."""
+        corrupted one) land from now on; and every block it reads (kept for the blast radius after
+        it finishes, perhaps in the very step that reads a bad record)."""
         self.held.update((pool_name, b) for b in req.blocks[req.computed // engine.config.block_size:])
+        self.read.update((pool_name, b) for b in req.blocks)
 
     # Hooks: only an armed (not yet fired) fault acts; where victims write is always recorded.
     def on_batch(self, engine, pool, batch):
@@ -80,6 +82,12 @@ class Fault:
     description = ""
     detectable = True
     why_not_detectable: str | None = None
+    visible_with: tuple = ()  # addressing modes whose tables let the canary see a class blind elsewhere
+
+    @classmethod
+    def detectable_with(cls, addressing: str) -> bool:
+        """Whether the canary can see this class by design when the engine hands it ``addressing``'s tables."""
+        return cls.detectable or addressing in cls.visible_with
 
     def inject(self, engine: Engine, ep: Episode) -> bool:
         """Arm (or fire) the fault; False when the engine offers no target right now."""
@@ -292,9 +300,12 @@ class ZeroedTableEntry(Fault):
     description = ("A request's block-table entry is reset to 0 (the null block / padding slot), as by a "
                    "table cleared too early or a padding fill that hits a live row.")
     detectable = False
-    why_not_detectable = ("Slot 0 is the padding slot: verify skips it by design (CUDA-graph padding tokens "
-                          "all write there), and a predecessor of 0 means 'unknown', so the next record's "
-                          "chain check is skipped too.")
+    why_not_detectable = ("With req_to_token or a block table (sglang, vllm addressing) the entry addresses slot "
+                          "0, the padding slot: verify skips it by design (CUDA-graph padding tokens all write "
+                          "there), and a predecessor of 0 means 'unknown', so the next record's chain check is "
+                          "skipped too. A CSR page table (flashinfer) has no null block: the entry addresses page "
+                          "0, whose slots past the padding slot hold no record of the request, and verify sees it.")
+    visible_with = ("flashinfer",)
 
     def inject(self, engine, ep):
         target = _exclusive_block(engine, transferable=False)
@@ -302,6 +313,7 @@ class ZeroedTableEntry(Fault):
             return False
         pool, req, i = target
         ep.touch_blocks(pool, [req.blocks[i]])
+        ep.touch(pool, pool.block_slots([NULL_BLOCK]))  # what it now addresses (all of page 0 in a CSR table)
         req.blocks[i] = NULL_BLOCK
         ep.hurt(engine, req)
         ep.fire(engine)
@@ -390,17 +402,10 @@ class _PageMove(Fault):
         if target is None:
             return False
         pool, req, i = target
-        if not pool.allocator.free:
+        moved = engine.move_block(pool, req, i, move_canary=self.move_canary, update_table=self.update_table)
+        if moved is None:
             return False
-        old, new = req.blocks[i], pool.allocator.alloc()
-        src, dst = engine.dev(pool.block_slots([old])), engine.dev(pool.block_slots([new]))
-        pool.kv.copy_rows(src, dst)
-        if self.move_canary:
-            move_canary_rows(pool.session, src, dst)
-        if self.update_table:
-            req.blocks[i] = new
-        pool.allocator.release(old)
-        ep.touch_blocks(pool, [old, new])
+        ep.touch_blocks(pool, moved)
         ep.hurt(engine, req)
         ep.fire(engine)
         return True
@@ -408,15 +413,17 @@ class _PageMove(Fault):
 
 class PageMoveStaleTable(_PageMove):
     name = "page_move_stale_table"
-    description = ("Compaction moves a block (KV and canary rows) but the request's table still names the old "
-                   "place, which is freed: the request reads a vacated, soon reused block.")
+    description = ("Compaction moves a block (KV and canary rows) but the request's table (with SGLang "
+                   "addressing, the unified pool's virtual-to-physical page map) still names the old place, "
+                   "which is freed: the request reads a vacated, soon reused block.")
     update_table = False
 
 
 class PageMoveWithoutCanary(_PageMove):
     name = "page_move_without_canary"
-    description = ("Compaction moves a block's KV and updates the table but not the canary rows (a move path "
-                   "that forgets the side buffers): the new place holds another block's records.")
+    description = ("Compaction moves a block's KV and updates the table (or SGLang's page map) but not the "
+                   "canary rows (a move path that forgets the side buffers): the new place holds another "
+                   "block's records.")
     move_canary = False
 
 

@@ -3,10 +3,11 @@
 **Attribution.**  One fault is live at a time.  A violation counts as a detection of the live
 fault only if its slot lies in the fault's blast radius (:meth:`Engine.blast_radius`: the slots it
 touched, every slot of a request or cached block path holding a touched block, since a corrupted
-record also breaks its successor's chain check).  An episode ends at its first detection or
-``window`` steps after it fired; then the engine is repaired (requests holding touched blocks are
-aborted, touched blocks leave the prefix cache, reference counts and free lists are rebuilt from the
-live tables).  A freed block is always written before it is read again, so nothing corrupted
+record also breaks its successor's chain check, and the blocks its victims read or wrote).  Every
+sighting counts, a repeat of a violation the session saw before included.  An episode ends at its
+first detection or ``window`` steps after it fired; then the engine is repaired (requests holding
+touched blocks are aborted, touched blocks leave the prefix cache, reference counts and free lists
+are rebuilt from the live tables).  A freed block is always written before it is read again, so nothing corrupted
 outlives its episode.  Any violation outside a radius is counted as *unattributed*: it would be a
 false positive of the canary or a bug of the simulator.  A clean run (no faults, same seed and
 length) must report no violation at all.
@@ -87,7 +88,7 @@ class FaultResult:
 @dataclass
 class RunStats:
     steps: int = 0
-    violations: int = 0  # distinct violations reported
+    violations: int = 0  # violations seen (a distinct one once per step it is seen in)
     unattributed: int = 0
     unattributed_examples: list = field(default_factory=list)  # the first few, as text
     step_us: list = field(default_factory=list)  # host CPU time of each engine step
@@ -151,7 +152,11 @@ def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, Ru
     names = config.faults if faults is None else faults
     xp, cupy = _array_modules(config.device)
     engine = Engine(config.engine, seed=config.seed, addressing=config.addressing, xp=xp, cupy=cupy)
-    results = {n: FaultResult(n, FAULTS[n].description, FAULTS[n].detectable, FAULTS[n].why_not_detectable) for n in names}
+    results = {}
+    for n in names:
+        cls = FAULTS[n]
+        detectable = cls.detectable_with(config.addressing)
+        results[n] = FaultResult(n, cls.description, detectable, None if detectable else cls.why_not_detectable)
     rotation = [FAULTS[n]() for n in names]
     turn = 0
     episode: Episode | None = None

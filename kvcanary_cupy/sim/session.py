@@ -1,22 +1,50 @@
 """The canary session of each simulated pool, and the one place that touches its buffers.
 
-:func:`make_session` builds the :class:`~kvcanary_cupy.CanarySession` of a pool;
-:func:`canary_buffers` is the one place that reaches into a session for its HEAD and TAIL
-buffers (moving canary rows with KV pages, transferring them between pools, a late write).
+:func:`make_session` builds the :class:`~kvcanary_cupy.CanarySession` of a pool and
+:class:`Sightings` reads what it reports; :func:`canary_buffers` is the one place that reaches
+into a session for its HEAD and TAIL buffers (moving canary rows with KV pages, transferring them
+between pools, a late write).
 """
 
 from __future__ import annotations
 
 from ..constants import RealKvHashMode
+from ..ops import move_pages
+from ..plans import allocate_canary_buffer
 from ..session import CanarySession
 
 
-def make_session(num_slots: int, *, max_batch_size: int, verify_capacity: int, like, real_kv_sources, on_violation):
+def make_session(num_slots: int, *, max_batch_size: int, verify_capacity: int, like, real_kv_sources):
     """The session of one KV pool: HEAD (chain only) and TAIL (real-KV fingerprints of every byte
-    of ``real_kv_sources``) buffers, with the expected-token check on."""
+    of ``real_kv_sources``) buffers, with the expected-token check on.  Its violations are read
+    through :class:`Sightings`, so its policy only records them."""
     return CanarySession(num_slots, max_batch_size=max_batch_size, verify_capacity=verify_capacity, like=like,
-                         on_violation=on_violation, real_kv_sources=tuple(real_kv_sources),
+                         on_violation="ignore", real_kv_sources=tuple(real_kv_sources),
                          real_kv_hash_mode=RealKvHashMode.ALL, check_expected_tokens=True)
+
+
+class Sightings:
+    """The violations a session saw since the last :meth:`take`, those seen before included.
+
+    A session reports a distinct violation (launch tag, slot, stored position, reasons) once and
+    then only counts its repeats; but the same bad record met again in a later fault episode (a
+    page reused at the same position) is that episode's detection, so the simulator takes every
+    distinct violation whose count grew."""
+
+    def __init__(self, session):
+        self.session = session
+        self._rows_read = 0
+        self._repeats: list = []  # per distinct violation, in the report's (first-seen) order
+
+    def take(self) -> list:
+        rows_read = self.session.stats["rows_read"]
+        if rows_read == self._rows_read:
+            return []
+        self._rows_read = rows_read
+        violations = self.session.report().violations
+        seen = [v for i, v in enumerate(violations) if i >= len(self._repeats) or v.repeats > self._repeats[i]]
+        self._repeats = [v.repeats for v in violations]
+        return seen
 
 
 def canary_buffers(session) -> tuple:
@@ -24,13 +52,17 @@ def canary_buffers(session) -> tuple:
     return session.head_canary, session.tail_canary
 
 
-def move_canary_rows(session, src_slots, dst_slots) -> None:
-    """Move canary rows with KV pages: ``rows = buf[src]; buf[src] = 0; buf[dst] = rows``, on both
-    buffers (what ``kc.move_pages`` will do once it exists)."""
+def allocate_move_workspace(max_pages: int, page_size: int, *, like):
+    """The staging area of :func:`move_canary_pages` for up to ``max_pages`` pages, allocated once
+    (so that a move allocates nothing and could be captured in a CUDA graph)."""
+    return allocate_canary_buffer(max_pages * page_size, like=like)
+
+
+def move_canary_pages(session, src_pages, dst_pages, *, page_size: int, workspace) -> None:
+    """Move the canary rows of KV pages with the pages (``kc.move_pages``), in both buffers: the
+    pages' old places are zeroed, so a table still naming them fails verify."""
     for buf in canary_buffers(session):
-        rows = buf[src_slots].copy()
-        buf[src_slots] = 0
-        buf[dst_slots] = rows
+        move_pages(buf, src_pages, dst_pages, page_size=page_size, workspace=workspace)
 
 
 def copy_canary_rows(src_session, dst_session, src_slots, dst_slots) -> None:
