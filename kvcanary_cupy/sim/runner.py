@@ -1,16 +1,16 @@
 """Run the simulated engine with faults injected one at a time, and measure what the canary sees.
 
-**Attribution.**  One fault is live at a time.  A violation counts as a detection of the live
-fault only if its slot lies in the fault's blast radius (:meth:`Engine.blast_radius`: the slots it
+**Attribution.**  One fault is live at a time.  A violation counts as a detection of the live fault
+only if its slot lies in the fault's blast radius (:meth:`Engine.blast_radius`: the slots it
 touched, every slot of a request or cached block path holding a touched block, since a corrupted
 record also breaks its successor's chain check, and the blocks its victims read or wrote).  Every
 sighting counts, a repeat of a violation the session saw before included.  An episode ends at its
 first detection or ``window`` steps after it fired; then the engine is repaired (requests holding
 touched blocks are aborted, touched blocks leave the prefix cache, reference counts and free lists
-are rebuilt from the live tables).  A freed block is always written before it is read again, so nothing corrupted
-outlives its episode.  Any violation outside a radius is counted as *unattributed*: it would be a
-false positive of the canary or a bug of the simulator.  A clean run (no faults, same seed and
-length) must report no violation at all.
+are rebuilt from the live tables).  A freed block is always written before it is read again, so
+nothing corrupted outlives its episode.  Any violation outside a radius is counted as
+*unattributed*: it would be a false positive of the canary or a bug of the simulator.  A clean run
+(no faults, same seed and length) must report no violation at all.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ session its engine's own table, read natively by the plan:
 - ``flashinfer``: ``kc.PagedKvIndices(kv_indptr, kv_indices, block_size)``, rows are batch rows
   (``req_pool_indices`` is None).
 
-Every mode addresses the same physical slots, so the canary's plans are byte for byte the same.
+Every mode addresses the same physical slots, so the canary's plans are byte for byte the same,
+except where a request's list holds the null block (a zeroed entry): req_to_token and the block
+table map it to the padding slot 0, but a CSR table has no null block, so it addresses page 0.
 """
 
 from __future__ import annotations
