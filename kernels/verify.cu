@@ -14,8 +14,10 @@ namespace kvcanary {
 
 constexpr int kVerifyThreads = 256;
 
+// minBlocks 1: without it ptxas (NVRTC 12.8, sm_80) caps one variant at 64 registers and spills;
+// the grid is sized from each variant's occupancy anyway.
 template <int kBuffers, bool kCheckToken, bool kHasRealKv>
-__global__ void __launch_bounds__(kVerifyThreads)
+__global__ void __launch_bounds__(kVerifyThreads, 1)
     canary_verify(const __grid_constant__ CanaryTargets targets, const i64* __restrict__ slots, const i64* __restrict__ expected_tokens,
                   const i64* __restrict__ expected_positions, const i64* __restrict__ prev_slots,
                   const int* __restrict__ verify_num_valid, const int* __restrict__ enable, i64 verify_capacity,

@@ -366,6 +366,7 @@ def run_capacity(cupy, rows: list, names=("W1", "W3"), capacities=(None, 4096, 6
             rows.append({"workload": key, "op": "plan", "write_req_capacity": cap, "device_us": round(us, 3)})
             row.append(f"{cap}: {us:.2f}")
         lines.append(f"  {WORKLOADS[key].name:<16} " + ", ".join(row))
+    return lines
 
 
 # Reference kernels for the detail table: the loads of a verify alone (a gather floor that counts

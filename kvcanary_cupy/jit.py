@@ -154,6 +154,49 @@ class CompileReport(NamedTuple):
     spill_bytes: dict  # name expression -> bytes of spill stores + loads
 
 
+def _nvrtc():
+    import_cupy()
+    from cupy_backends.cuda.libs import nvrtc
+
+    return nvrtc
+
+
+def _nvrtc_options(arch: str) -> list:
+    """The options RawModule compiles with (CuPy's include paths and flags) for ``arch``."""
+    from cupy._core import core  # private: the include paths CuPy adds for RawModule
+
+    return list(core.assemble_cupy_compiler_options(NVRTC_OPTIONS)) + [
+        "-ftz=true", f"-arch={arch}", "--device-as-default-execution-space"]
+
+
+_PTX_MOV = re.compile(r"^\s*mov\.[bu]64\s+(%rd\d+),\s*(-?\d+);", re.M)
+_PTX_STORE = re.compile(r"^\s*st\.global\.[bu]64\s+\[%rd\d+(?:\+(\d+))?\],\s*(%rd\d+|-?\d+);", re.M)
+
+
+def ptx_stored_constants(family: str, extra_source: str, kernel: str, arch: str = "sm_90") -> dict:
+    """``{i: value}`` for each ``out[i] = <constant>`` (64-bit) the ``extern "C"`` ``kernel`` of
+    ``extra_source`` stores, read from the PTX of ``family``'s source plus ``extra_source``.
+
+    A way to read compile-time layout facts (member offsets) from any NVRTC without a GPU.
+    """
+    nvrtc = _nvrtc()
+    options = _nvrtc_options(arch.replace("sm_", "compute_"))
+    prog = nvrtc.createProgram(family_source(family) + extra_source, FAMILIES[family].filename, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"kv-canary: {FAMILIES[family].filename} failed to compile for {arch}:\n{nvrtc.getProgramLog(prog)}") from exc
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    body = ptx[ptx.index(f".entry {kernel}("):]
+    body = body[: body.index("\n}")]
+    registers = dict(_PTX_MOV.findall(body))
+    return {int(offset or 0) // 8: int(registers.get(value, value)) for offset, value in _PTX_STORE.findall(body)}
+
+
 def _compile_cache_dir() -> str | None:
     """Where :func:`compile_check` keeps its reports; ``KVCANARY_COMPILE_CACHE=off`` disables it."""
     where = os.environ.get("KVCANARY_COMPILE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "kvcanary-cupy", "compile-check"))
@@ -169,15 +212,11 @@ def compile_check(arch: str = "sm_90", family: str | None = None, extra_source: 
     on a compile error.  Successful reports are cached on disk under a key covering every compiled
     byte (source, options, architecture, name expressions, NVRTC version), as CuPy caches cubins.
     """
-    import_cupy()
-    from cupy._core import core  # private: the include paths CuPy adds for RawModule
-    from cupy_backends.cuda.libs import nvrtc
-
+    nvrtc = _nvrtc()
     cache_dir = _compile_cache_dir()
     sizes = {}
     for fam in [family] if family else FAMILIES:
-        options = list(core.assemble_cupy_compiler_options(NVRTC_OPTIONS))
-        options += ["-ftz=true", f"-arch={arch}", "--device-as-default-execution-space", "--ptxas-options=-v"]
+        options = _nvrtc_options(arch) + ["--ptxas-options=-v"]
         filename = FAMILIES[fam].filename
         source = family_source(fam) + extra_source
         exprs = FAMILIES[fam].instantiations()

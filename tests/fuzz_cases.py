@@ -446,7 +446,7 @@ def make_move_case(seed: int) -> MoveCase:
     num_pages = int(rng.integers(1, 40))
     fields = int(rng.choice([4, 6]))
     canary = rng.integers(-(2**62), 2**62, (num_pages * page_size + int(rng.integers(0, page_size)), fields), dtype=np.int64)
-    n = int(rng.integers(0, 30))
+    n = int(rng.integers(0, min(30, num_pages + 3) + 1))  # dst draws n distinct pages of num_pages + 3
     dst = rng.permutation(num_pages + 3)[:n] - int(rng.integers(0, 2))  # distinct; sometimes -1 or past the end
     src = rng.integers(-1, num_pages + 2, n) if rng.random() < 0.5 else rng.permutation(num_pages + 3)[:n]
     dtype = rng.choice([np.int32, np.int64])

@@ -13,12 +13,15 @@ from kvcanary_cupy import jit
 
 pytest.importorskip("cupy")
 
+from kvcanary_cupy.backends.cupy_backend import KERNEL_STRUCTS  # noqa: E402
+
 
 @pytest.mark.parametrize("arch", jit.SUPPORTED_ARCHS)
 @pytest.mark.parametrize("family", sorted(jit.FAMILIES))
 def test_every_variant_compiles_and_fits_its_launch(family, arch):
-    """Every instantiation compiles with the layout asserts of its structs (every field's offset and
-    width equal to its NumPy mirror's), spills nothing, and its registers fit its block size."""
+    """Every instantiation compiles with the layout asserts of its structs (every field's width and
+    the size equal to its NumPy mirror's; offsets: test_every_kernel_struct_matches_its_mirror),
+    spills nothing, and its registers fit its block size."""
     from kvcanary_cupy.backends import cupy_backend as cb
 
     report = jit.compile_check(arch, family, cb.family_struct_asserts(family))[family]
@@ -43,8 +46,17 @@ def test_every_kernel_struct_is_checked_field_by_field():
     assert c_structs <= set(cb.KERNEL_STRUCTS), c_structs - set(cb.KERNEL_STRUCTS)
     text = cb.struct_asserts(cb.LAUNCH_LOG, "LaunchLog")
     assert "sizeof(kvcanary::LaunchLog) == 56" in text
-    assert "__builtin_offsetof(kvcanary::LaunchLog, capacity) == 48" in text
-    assert text.count("static_assert") == 1 + 2 * len(cb.LAUNCH_LOG.names)
+    assert "sizeof(kvcanary::LaunchLog::capacity) == 4" in text
+    assert text.count("static_assert") == 1 + len(cb.LAUNCH_LOG.names)
+
+
+@pytest.mark.parametrize("struct", sorted(KERNEL_STRUCTS))
+def test_every_kernel_struct_matches_its_mirror(struct):
+    """Every member's offset in the compiled C struct equals its NumPy mirror's (read from PTX)."""
+    from kvcanary_cupy.backends import cupy_backend as cb
+
+    dtype, family = cb.KERNEL_STRUCTS[struct]
+    assert cb.struct_offsets_differ(dtype, struct, family) == []
 
 
 @pytest.mark.parametrize("struct, first, second", [("LaunchLog", "slot_run_counters", "kernel_run_counters"),
@@ -61,8 +73,9 @@ def test_swapped_mirror_fields_fail_to_compile(struct, first, second):
     swapped = np.dtype({"names": names, "formats": [dtype.fields[n][0] for n in dtype.names],
                         "offsets": [dtype.fields[n][1] for n in dtype.names], "itemsize": dtype.itemsize})
     assert swapped.itemsize == dtype.itemsize
-    with pytest.raises(RuntimeError, match=f"{struct}.({first}|{second}): offset differs"):
-        jit.compile_check("sm_90", family, cb.struct_asserts(swapped, struct))
+    jit.compile_check("sm_90", family, cb.struct_asserts(swapped, struct))  # sizes and widths still agree
+    differ = cb.struct_offsets_differ(swapped, struct, family)
+    assert [d.split(":")[0] for d in differ] == [f"{struct}.{n}" for n in names if n in (first, second)], differ
 
 
 def test_compile_errors_name_the_family(monkeypatch):
@@ -190,7 +203,9 @@ def test_compile_reports_are_cached_by_every_compiled_byte(tmp_path, monkeypatch
         with pytest.raises(AssertionError, match="compiled again"):
             jit.compile_check("sm_90", "session", "\n// one more byte\n")
     monkeypatch.setenv("KVCANARY_COMPILE_CACHE", "off")
-    assert jit.compile_check("sm_90", "session")["session"] == first
+    # another byte, since some NVRTC versions skip ptxas (and its register report) for a source
+    # compiled before in the same process
+    assert jit.compile_check("sm_90", "session", "\n// off\n")["session"].registers == first.registers
     assert len(list(tmp_path.iterdir())) == 1
 
 
@@ -200,7 +215,7 @@ def _kernel_parameter_bytes(kernel, filename):
     from kvcanary_cupy.backends import cupy_backend as cb
 
     sizes_of = {name: dtype for name, (dtype, _) in cb.KERNEL_STRUCTS.items()} | {"i64": np.int64, "int": np.int32}
-    m = re.search(rf"__global__ void (?:__launch_bounds__\(\w+\)\s*)?{kernel}\(([^)]*)\)", jit._read(filename))
+    m = re.search(rf"__global__ void (?:__launch_bounds__\([\w, ]+\)\s*)?{kernel}\(([^)]*)\)", jit._read(filename))
     assert m, kernel
     sizes = []
     for param in m.group(1).split(","):
