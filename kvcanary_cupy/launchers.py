@@ -266,7 +266,7 @@ class _Binding:
         self._stream_handle = _torch_stream_handle(self.device) if torch else None
         self._get_device = import_cupy().cuda.runtime.getDevice
         self._functions = {}
-        self.side = None  # a write's side stream (see WriteLauncher)
+        self.side = None  # a write's _SideStream (see WriteLauncher)
 
     def current(self) -> bool:
         """Whether every bound torch tensor still has the address it was bound with."""
@@ -295,12 +295,6 @@ class _Binding:
         for (view, index), value in zip(self.slots, values):
             view[index] = value
 
-    def use_side_stream(self, stream) -> None:
-        """Launch on ``stream`` behind everything queued so far on the caller's stream (what
-        :func:`kvcanary_cupy.write` does with ``stream=``), with one event reused by every call."""
-        self.side = interop._cupy_stream(stream, "stream", self.device)
-        self.fork = import_cupy().cuda.Event(block=False, disable_timing=True)
-
     def launch(self, fn, grid, block) -> None:
         """Launch on the bound device, on the caller's stream (torch's current one when torch
         tensors are bound) or behind it on the side stream."""
@@ -313,10 +307,38 @@ class _Binding:
     def _launch(self, fn, grid, block) -> None:
         stream = None if self._stream_handle is None else _wrapped_torch_stream(self._stream_handle())
         if self.side is not None:
-            self.fork.record(import_cupy().cuda.get_current_stream() if stream is None else stream)
-            self.side.wait_event(self.fork)
-            stream = self.side
+            self.side.fork(import_cupy().cuda.get_current_stream() if stream is None else stream)
+            stream = self.side.stream
         fn(grid, block, self.arguments, stream=stream)
+
+
+class _SideStream:
+    """A write's side stream (what :func:`kvcanary_cupy.write` does with ``stream=``): ``fork``
+    orders it behind everything queued so far on the caller's stream, ``join`` orders the caller's
+    current stream behind it.  One event each, reused by every call: recording an event allocates
+    nothing, so both are capture-safe."""
+
+    def __init__(self, stream, placement):
+        cupy = import_cupy()
+        self.device = placement.device
+        self.stream = interop._cupy_stream(stream, "stream", self.device)
+        with cupy.cuda.Device(self.device):
+            self._forked = cupy.cuda.Event(block=False, disable_timing=True)
+            self._joined = cupy.cuda.Event(block=False, disable_timing=True)
+        self._torch_stream_handle = _torch_stream_handle(self.device) if placement.framework == "torch" else None
+
+    def fork(self, caller) -> None:
+        self._forked.record(caller)
+        self.stream.wait_event(self._forked)
+
+    def join(self) -> None:
+        """The caller's current stream (torch's, when torch tensors are bound) waits for the side stream."""
+        if self._torch_stream_handle is None:
+            caller = import_cupy().cuda.get_current_stream(self.device)
+        else:
+            caller = _wrapped_torch_stream(self._torch_stream_handle())
+        self._joined.record(self.stream)
+        caller.wait_event(self._joined)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,7 +350,8 @@ class WriteLauncher:
     ``launcher(input_ids, positions, out_cache_loc, expected_input_tokens=None,
     expected_input_positions=None)`` writes exactly what ``kc.write(canary_buf, write_plan,
     input_ids, ..., **options)`` writes, for the options given here: several canary buffers in one
-    launch, and ``stream=`` (the write on a side stream; :func:`kvcanary_cupy.join_stream` joins it).
+    launch, and ``stream=`` (the write on a side stream; :meth:`join` or
+    :func:`kvcanary_cupy.join_stream` joins it).
     """
 
     @public_api
@@ -339,7 +362,15 @@ class WriteLauncher:
                             real_kv_hash_mode=real_kv_hash_mode, chain_position_assert=chain_position_assert,
                             stream=stream)
         self._full = full_validation_forced()
+        self._side = None
         self._bind()
+
+    def join(self) -> None:
+        """Make the caller's current stream (torch's for torch tensors) wait for every write queued
+        so far on the side stream: :func:`kvcanary_cupy.join_stream` with one event, reused.
+        Capture-safe; nothing to do without ``stream=``."""
+        if self._side is not None:
+            self._side.join()
 
     def _bind(self) -> None:
         o = self.options
@@ -347,6 +378,8 @@ class WriteLauncher:
         placement, context, named = ops._write_setup(self.canary_buf, self.write_plan, o["log"], o["kernel_kind"],
                                                      o["real_kv_sources"], o["real_kv_hash_mode"], flag, {})
         self._bound = None
+        if o["stream"] is not None and self._side is None and placement.backend == "cupy":
+            self._side = _SideStream(o["stream"], placement)  # on the CPU the free function refuses stream=
         with launch_stream(placement):  # on the bound device: grids are sized from its SM count
             args = ops._write_bound_args(self.write_plan, o["log"], flag, context, array_module(placement))
             if self._full or not _viewed_in_place([*self.write_plan.arrays().values(), named["chain_position_assert"]]):
@@ -365,8 +398,7 @@ class WriteLauncher:
                 real_kv = cb.has_real_kv(args.targets, args.real_kv_hash_mode)
                 b.kernels = {checked: b.function("write", cb.write_kernel(len(args.targets), checked, real_kv))
                              for checked in (False, True)}
-                if o["stream"] is not None:
-                    b.use_side_stream(o["stream"])
+                b.side = self._side
         self._bound = b
 
     @public_api
