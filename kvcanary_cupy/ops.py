@@ -488,16 +488,16 @@ def write(
         args = _write_bound_args(write_plan, log, chain_position_assert, context, xp)
         views = {}
         for key, arr in tokens.items():
-            if arr is None:
-                views[key] = None
-                continue
-            view = backend_view(arr, key)
-            check_1d(view, key, I64, views["input_ids"].shape[0] if views else None, length_name="len(input_ids)")
-            views[key] = contiguous_input(view, key, xp)
-        args = args._replace(**views)
-        if strict:
-            strict_checks.check_write(args)
+            if arr is not None:
+                view = backend_view(arr, key)
+                check_1d(view, key, I64, views["input_ids"].shape[0] if views else None, length_name="len(input_ids)")
+                views[key] = view
+        # On a side stream, strided inputs are copied there too: the copies' memory then returns to
+        # the side stream's pool, so nothing queued on the caller's stream reuses it before the write.
         with side_stream(stream, placement):
+            args = args._replace(**{key: contiguous_input(view, key, xp) for key, view in views.items()})
+            if strict:
+                strict_checks.check_write(args)
             get_backend(placement.backend).write(args)
 
 
