@@ -9,6 +9,7 @@ against these oracles.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import numpy as np
@@ -183,6 +184,28 @@ def sorted_rows(rows) -> list:
 
 def is_sub_multiset(small, big) -> bool:
     return not (Counter(small) - Counter(big))
+
+
+SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {}
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _spin_kernel():
+    import cupy
+
+    return cupy.RawKernel(SPIN, "spin")
+
+
+def spin(cycles: int, stream=None) -> None:
+    """Keep ``stream`` (a CuPy stream; the current one when None) busy for ``cycles`` GPU clock
+    cycles (about 2e6 per millisecond on an H200): for stream-ordering tests and stand-in work.
+    Capture-safe once compiled (the kernel is kept)."""
+    _spin_kernel()((1,), (1,), (np.int64(cycles),), stream=stream)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from canary_builders import (
     HostSource,
     ring_rows,
     sorted_rows,
+    spin,
 )
 from conftest import get_backend_or_skip
 
@@ -170,14 +171,6 @@ def test_sequence_argument_errors():
 
 # ---- the write on a side stream (GPU) ----------------------------------------------------------
 
-SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {}
-}
-"""
-
-
 def _current_cupy_stream(ab):
     import cupy
 
@@ -215,8 +208,6 @@ def _side_writer(bound, buf, wp, log, side):
 def test_side_stream_write_runs_after_queued_work_and_is_joined(gpu_ab, bound):
     """Inputs filled on the current stream behind a ~5 ms spin are seen by the side-stream write,
     and after join_stream the current stream sees the whole 4,096-token chain."""
-    import cupy
-
     ab = gpu_ab
     p = _prefill(ab)
     want = np.zeros((p["n"] + 1, 4), np.int64)
@@ -226,12 +217,9 @@ def test_side_stream_write_runs_after_queued_work_and_is_joined(gpu_ab, bound):
     wp, log = make_write_plan(ab, p["offsets"], [-1]), make_log(ab)
     new = [ab.asarray(p[k]) for k in ("ids", "pos", "loc")]
     ab.synchronize()
-    spin = cupy.RawKernel(SPIN, "spin")
     side = _new_side_stream(ab)
     write = _side_writer(bound, buf, wp, log, side)
-    current = _current_cupy_stream(ab)
-    with current:
-        spin((1,), (1,), (np.int64(10_000_000),))
+    spin(10_000_000, _current_cupy_stream(ab))
     for dst, src in zip((ids, pos, loc), new):
         dst[...] = src  # queued behind the spin on the current stream
     write(ids, pos, loc)
