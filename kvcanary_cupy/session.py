@@ -26,7 +26,7 @@ from .backends import ATTRIBUTION, STAGE_HEADER, LogViews, StageArgs, StageLayou
 from .constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
 from .errors import CanaryHealthError, CanaryViolationError, fail, public_api
 from .interop import allocate, backend_view, import_cupy, is_capturing, placement_of
-from .ops import verify, write
+from .launchers import VerifyLauncher, WriteLauncher
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import ViolationLog, allocate_canary_buffer, check_count, check_num_sources
 from .reporting import Violation, ViolationReport, reason_name, tag_name
@@ -52,6 +52,7 @@ _TAGS = {  # (head, tail, sweep) launch tags of a FULL and of an SWA session
     True: (CanaryLaunchTag.HEAD_K_SWA, CanaryLaunchTag.TAIL_K_SWA, CanaryLaunchTag.SWEEP_K_SWA),
 }
 _ATTRIBUTION = {name: i for i, name in enumerate(ATTRIBUTION)}
+_INT64 = np.dtype(np.int64)
 
 
 class _Copy:
@@ -172,7 +173,13 @@ class CanarySession:
     receives the :class:`ViolationReport` of the new violations.  ``swa_window_size > 0`` makes it
     a sliding-window group (SWA launch tags, the LUT translates slots).  ``sweep_every=N`` with
     ``sweep_source`` (a callable returning ``(req_pool_indices, seq_lens, table)`` or None) runs
-    :meth:`sweep` from every N-th ``end_step``.
+    :meth:`sweep` from every N-th ``end_step``.  ``overlap_head_write`` (GPU sessions) runs the HEAD
+    write on a side stream of the session, overlapping the forward pass; ``post_forward`` joins it,
+    so both must be captured in the same CUDA graph (pass False to capture them apart).
+
+    Every launch goes through launchers bound once here (:mod:`kvcanary_cupy.launchers`): the
+    planner's plan, the HEAD verify and write, the TAIL verify and write, and (bound with the sweep's
+    plan buffers) the sweep's verify.
     """
 
     @public_api
@@ -180,7 +187,7 @@ class CanarySession:
                  ring_capacity=DEFAULT_RING_CAPACITY, on_violation="raise", swa_window_size=0,
                  full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
                  real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
-                 sweep_source=None):
+                 sweep_source=None, overlap_head_write=True):
         num_slots = check_count(num_slots, "num_slots", maximum=2**62)
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
@@ -198,8 +205,9 @@ class CanarySession:
             self.real_kv_hash_mode = RealKvHashMode(real_kv_hash_mode)
         except (ValueError, TypeError):
             fail(ValueError, f"real_kv_hash_mode must be a RealKvHashMode (NONE, PARTIAL or ALL), got {real_kv_hash_mode!r}")
-        if not isinstance(check_expected_tokens, (bool, np.bool_)):
-            fail(TypeError, f"check_expected_tokens must be a bool, got {type(check_expected_tokens).__name__}")
+        for name, flag in (("check_expected_tokens", check_expected_tokens), ("overlap_head_write", overlap_head_write)):
+            if not isinstance(flag, (bool, np.bool_)):
+                fail(TypeError, f"{name} must be a bool, got {type(flag).__name__}")
         self.sweep_every = check_int(sweep_every, "sweep_every", minimum=0)
         if self.sweep_every and not callable(sweep_source):
             fail(ValueError, "sweep_every > 0 needs sweep_source: a callable returning (req_pool_indices, seq_lens, table) or None")
@@ -232,7 +240,22 @@ class CanarySession:
         self._transport = (_HostTransport(staging_view) if placement.backend == "numpy"
                            else _CudaTransport(placement, staging_view))
         self._step_stager = self._stager(self.planner)
-        self._sweep_planner = self._sweep_stager = self._sweep_zeros = None
+        self._sweep_planner = self._sweep_stager = self._sweep_zeros = self._sweep_verify = None
+
+        vp, wp = self.planner.verify_plan, self.planner.write_plan
+        common = dict(log=self.log, check_expected_token=self.check_expected_tokens)
+        self._kv = dict(real_kv_sources=self.real_kv_sources, real_kv_hash_mode=self.real_kv_hash_mode)
+        self._head_verify = VerifyLauncher(self.head_canary, vp, kernel_kind=self.head_tag, **common)
+        self._tail_verify = VerifyLauncher(self.tail_canary, vp, kernel_kind=self.tail_tag, **common, **self._kv)
+        self._tail_write = WriteLauncher(self.tail_canary, wp, log=self.log, kernel_kind=self.tail_tag, **self._kv)
+        self._head_write_stream = None
+        if overlap_head_write and placement.backend == "cupy":
+            cupy = import_cupy()
+            with cupy.cuda.Device(placement.device):
+                self._head_write_stream = cupy.cuda.Stream(non_blocking=True)
+        self._head_write = WriteLauncher(self.head_canary, wp, log=self.log, kernel_kind=self.head_tag,
+                                         stream=self._head_write_stream)
+        self._head_write_unjoined = False
 
         self._pending = collections.deque()
         self._stamp = 0
@@ -257,36 +280,43 @@ class CanarySession:
         Capture-safe: allocates nothing, reads nothing back, never synchronises.  Pass the
         per-step arrays contiguous (they are used in place); ``table`` is anything ``plan``
         accepts.  ``expected_tokens``/``expected_tokens_valid_lens`` are the expected-token pool
-        and its valid lengths (checked when ``check_expected_tokens``).
+        and its valid lengths (checked when ``check_expected_tokens``).  With
+        ``overlap_head_write`` the HEAD write runs on the session's side stream until
+        :meth:`post_forward` joins it: ``input_ids``, ``positions`` and ``out_cache_loc`` must stay
+        alive and unchanged until then (the TAIL write reads them there too).
         """
         bs = _length(prefix_lens, "prefix_lens")  # req_pool_indices is None with a PagedKvIndices table
         if bs > self.max_batch_size:
             fail(ValueError, f"bs={bs} (len(prefix_lens)) exceeds the session's max_batch_size={self.max_batch_size}")
         tokens = _length(input_ids, "input_ids")
         for name, x in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
-            if _length(x, name) != tokens:
-                fail(ValueError, f"{name} length must be len(input_ids)={tokens}, got {_length(x, name)}")
-            if str(x.dtype) not in ("int64", "torch.int64"):
-                fail(TypeError, f"{name} must have dtype int64, got {x.dtype}")
-        vp, wp = self.planner.plan(req_pool_indices, prefix_lens, extend_seq_lens, table,
-                                   req_to_verify_expected_tokens=expected_tokens,
-                                   req_to_verify_expected_tokens_valid_lens=expected_tokens_valid_lens)
-        verify(self.head_canary, vp, log=self.log, kernel_kind=self.head_tag, check_expected_token=self.check_expected_tokens)
-        write(self.head_canary, wp, input_ids, positions, out_cache_loc, log=self.log, kernel_kind=self.head_tag)
+            n = _length(x, name)
+            if n != tokens:
+                fail(ValueError, f"{name} length must be len(input_ids)={tokens}, got {n}")
+            dtype = x.dtype
+            if dtype is not _INT64 and str(dtype) not in ("int64", "torch.int64"):  # str() of a NumPy dtype costs ~1.5 us
+                fail(TypeError, f"{name} must have dtype int64, got {dtype}")
+        self._join_head_write()  # a pre_forward without post_forward: its write still reads the plan
+        self.planner.plan(req_pool_indices, prefix_lens, extend_seq_lens, table,
+                          req_to_verify_expected_tokens=expected_tokens,
+                          req_to_verify_expected_tokens_valid_lens=expected_tokens_valid_lens)
+        self._head_verify()
+        self._head_write(input_ids, positions, out_cache_loc)
+        self._head_write_unjoined = self._head_write_stream is not None
         self._step_inputs = (input_ids, positions, out_cache_loc)
         self._step_open = True
 
     def post_forward(self):
-        """After the forward: verify the TAIL buffer (real KV included) and write it, on this step's plan.
+        """After the forward: verify the TAIL buffer (real KV included) and write it, on this step's plan,
+        then make the step's stream wait for the HEAD write when it ran on the side stream.
 
         Capture-safe like :meth:`pre_forward`.
         """
         if self._step_inputs is None:
             fail(RuntimeError, "post_forward() needs a pre_forward() of the same step before it")
-        vp, wp = self.planner.verify_plan, self.planner.write_plan
-        kv = dict(real_kv_sources=self.real_kv_sources, real_kv_hash_mode=self.real_kv_hash_mode)
-        verify(self.tail_canary, vp, log=self.log, kernel_kind=self.tail_tag, check_expected_token=self.check_expected_tokens, **kv)
-        write(self.tail_canary, wp, *self._step_inputs, log=self.log, kernel_kind=self.tail_tag, **kv)
+        self._tail_verify()
+        self._tail_write(*self._step_inputs)
+        self._join_head_write()
         self._step_inputs = None
 
     def end_step(self):
@@ -296,6 +326,7 @@ class CanarySession:
         ``on_violation="raise"`` when a handled step brought new violations / ran no canary kernel.
         """
         self._refuse_in_capture("end_step")
+        self._join_head_write()  # post_forward was not called: the staging reads the log the write fills
         self._step_open = False
         earlier = len(self._pending)
         self._stage("step", self._stats["steps"], self._step_stager)
@@ -327,11 +358,16 @@ class CanarySession:
                                "step's; call it after end_step()")
         n = _length(seq_lens, "seq_lens")  # req_pool_indices is None with a PagedKvIndices table
         planner = self._sweep_planner_for(n)
-        vp, _ = planner.plan(req_pool_indices, seq_lens, self._sweep_zeros[:n], table)
-        verify(self.tail_canary, vp, log=self.log, kernel_kind=self.sweep_tag, real_kv_sources=self.real_kv_sources,
-               real_kv_hash_mode=self.real_kv_hash_mode)
+        planner.plan(req_pool_indices, seq_lens, self._sweep_zeros[:n], table)
+        self._sweep_verify()
         self._stats["sweeps"] += 1
         self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager)
+
+    @property
+    def overlap_head_write(self) -> bool:
+        """Whether the HEAD write runs on the session's side stream (GPU sessions built with
+        ``overlap_head_write=True``); fixed at construction."""
+        return self._head_write_stream is not None
 
     # -- results -----------------------------------------------------------------------------------
 
@@ -379,6 +415,12 @@ class CanarySession:
             fail(RuntimeError, f"{what}() must run outside CUDA graph capture (it stages copies and reads host "
                                "memory); capture only pre_forward() and post_forward()")
 
+    def _join_head_write(self) -> None:
+        """The step's stream waits for the HEAD write queued on the side stream (when one is)."""
+        if self._head_write_unjoined:
+            self._head_write.join()
+            self._head_write_unjoined = False
+
     def _stager(self, planner: CanaryPlanner):
         """The backend's staging of the log against ``planner``'s plan, its arguments viewed once."""
         view = lambda x, name: backend_view(x, name, writable=True)
@@ -412,6 +454,8 @@ class CanarySession:
             planner = self._sweep_planner = grown
             self._sweep_zeros = allocate((capacity,), np.int64, like=self._like, fill=0)
             self._sweep_stager = self._stager(planner)
+            self._sweep_verify = VerifyLauncher(self.tail_canary, planner.verify_plan, log=self.log,
+                                                kernel_kind=self.sweep_tag, **self._kv)
         return planner
 
     def _stage(self, kind: str, step: int, stager) -> None:

@@ -1,11 +1,17 @@
 """CanarySession inside CUDA graphs: pre_forward/post_forward captured once (cupy.cuda.Graph and
-torch.cuda.graph), replayed with changing batches and a stale table entry, end_step outside the
-graph reading each step one step late; the final report equals the eager NumPy session's."""
+torch.cuda.graph), with and without the HEAD write on the side stream, replayed with changing
+batches and a stale table entry, end_step outside the graph reading each step one step late; the
+final report equals the eager NumPy session's.  And the side stream's order on the GPU: the HEAD
+write waits for what the step's stream queued before it, the forward does not wait for the HEAD
+write, and what follows post_forward does."""
 
 import gc
+
+import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from canary_builders import spin
 from conftest import get_backend_or_skip
 from session_engine import ToyEngine
 
@@ -76,14 +82,19 @@ def _assert_same_as_numpy(session, reference):
     assert session.stats == reference.stats
 
 
-def test_cupy_graph_capture_replay_read_one_step_late():
+OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in_order"])
+
+
+@OVERLAP
+def test_cupy_graph_capture_replay_read_one_step_late(overlap):
     import cupy
 
     ab = get_backend_or_skip("cupy")
     kc.warmup()
     engine, steps = _steps()
     reference = _numpy_reference(engine, steps)
-    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore")
+    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore",
+                               overlap_head_write=overlap)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         bufs = _Buffers(ab, *steps[0])
@@ -102,14 +113,16 @@ def test_cupy_graph_capture_replay_read_one_step_late():
     _assert_same_as_numpy(session, reference)
 
 
-def test_torch_graph_capture_replay_read_one_step_late():
+@OVERLAP
+def test_torch_graph_capture_replay_read_one_step_late(overlap):
     import torch
 
     ab = get_backend_or_skip("torch_cuda")
     kc.warmup()
     engine, steps = _steps()
     reference = _numpy_reference(engine, steps)
-    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore")
+    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore",
+                               overlap_head_write=overlap)
     bufs = _Buffers(ab, *steps[0])
     torch.cuda.synchronize()
     gc.collect()  # a CuPy graph of an earlier test freed by the GC inside torch's capture would invalidate it
@@ -146,3 +159,93 @@ def test_end_step_does_not_wait_for_the_device():
     session.check()
     assert session.stats["pending_steps"] == 0 and session.stats["steps"] == 2
     assert session.report().violations == ()
+
+
+def test_pre_and_post_forward_in_separate_graphs_without_overlap():
+    """overlap_head_write=False: nothing forks in pre_forward, so it can be captured apart from post_forward."""
+    import cupy
+
+    ab = get_backend_or_skip("cupy")
+    kc.warmup()
+    engine, steps = _steps()
+    reference = _numpy_reference(engine, steps)
+    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore",
+                               overlap_head_write=False)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        bufs = _Buffers(ab, *steps[0])
+        stream.synchronize()
+        graphs = []
+        for part in (lambda: bufs.pre_forward(session), session.post_forward):
+            stream.begin_capture()
+            part()
+            graphs.append(stream.end_capture())
+        for step, (arrays, table) in enumerate(steps):
+            bufs.fill(arrays, table)
+            for graph in graphs:
+                graph.launch(stream)
+            _end_step_one_step_late(session, step)
+        session.check()
+    _assert_same_as_numpy(session, reference)
+
+
+def _step_stream(ab):
+    """The stream a session step runs on, as a CuPy stream (torch's current one for torch tensors)."""
+    import cupy
+
+    if ab.name == "torch_cuda":
+        import torch
+
+        return cupy.cuda.Stream.from_external(torch.cuda.current_stream())
+    return cupy.cuda.get_current_stream()
+
+
+def test_head_write_waits_for_queued_inputs_overlaps_the_forward_and_is_joined(gpu_ab):
+    import cupy
+
+    ab = gpu_ab
+    kc.warmup()
+    engine, steps = _steps()
+    reference = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, on_violation="raise")
+    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="raise")
+    side, main = session._head_write_stream, _step_stream(ab)
+    bufs = _Buffers(ab, *steps[0])
+    for x in bufs.arrays.values():
+        x[...] = 0
+    ab.synchronize()
+
+    # 1. The step's inputs land on the step's stream behind ~5 ms of work: the HEAD write sees them.
+    arrays, table = steps[0]
+    spin(10_000_000, main)
+    bufs.fill(arrays, table)
+    bufs.pre_forward(session)
+    session.post_forward()
+    reference.pre_forward(*(arrays[k] for k in ("rp", "prefix", "extend")), table, *(arrays[k] for k in ("ids", "pos", "loc")))
+    reference.post_forward()
+    cupy.cuda.Device().synchronize()
+    np.testing.assert_array_equal(ab.to_numpy(session.head_canary), reference.head_canary)
+
+    # 2. With the side stream busy for ~200 ms, the forward (here an event on the step's stream) does
+    #    not wait for the HEAD write; what is queued after post_forward does.
+    arrays, table = steps[1]
+    bufs.fill(arrays, table)
+    cupy.cuda.Device().synchronize()
+    spin(400_000_000, side)
+    bufs.pre_forward(session)
+    forward = cupy.cuda.Event(disable_timing=True)
+    forward.record(main)
+    forward.synchronize()
+    assert not side.done, "the side stream finished early: the spin is too short for this check"
+    session.post_forward()
+    after = cupy.cuda.Event(disable_timing=True)
+    after.record(main)
+    assert not after.done  # the step's stream now waits for the HEAD write
+    head = session.head_canary.clone() if ab.name == "torch_cuda" else session.head_canary.copy()  # on the step's stream
+    reference.pre_forward(*(arrays[k] for k in ("rp", "prefix", "extend")), table, *(arrays[k] for k in ("ids", "pos", "loc")))
+    reference.post_forward()
+    cupy.cuda.Device().synchronize()
+    np.testing.assert_array_equal(ab.to_numpy(head), reference.head_canary)
+    for s in (session, reference):
+        s.end_step()
+        s.check()
+    assert session.stats == reference.stats
