@@ -1,8 +1,9 @@
 """CPU profile of the eager host path: microseconds and Python-level calls per op, no GPU needed.
 
 For plan (through a CanaryPlanner, and kc.plan with ``out=``), verify and write (bound launchers,
-and the free functions) at one workload, the backend's own work is taken out so only the front
-door is measured: NumPy arrays with the NumPy backend stubbed, and CuPy arrays on a fake device
+and the free functions), and a CanarySession's pre_forward (plan + HEAD verify + HEAD write) and
+whole step (pre_forward + post_forward: 5 ops) against the free functions it would otherwise call,
+at one workload, the backend's own work is taken out so only the front door is measured: NumPy arrays with the NumPy backend stubbed, and CuPy arrays on a fake device
 (``tests/fake_cupy.py``: real CuPy arrays over host memory, kernel launches recorded, not run).
 On a GPU the launch itself adds its driver cost (``kvcanary bench --sections host`` measures that).
 
@@ -37,13 +38,35 @@ def step_ops(d, move):
     inputs = (a["rp"], a["prefix"], a["extend"], a["rtt"])
     verify = kc.VerifyLauncher(a["canary"], vp, log=log)
     write = kc.WriteLauncher(a["canary"], wp, log=log)
+    tokens = (a["ids"], a["pos"], a["loc"])
+    free = {
+        "plan": lambda: kc.plan(*inputs, verify_capacity=vcap, out=(vp, wp)),
+        "verify": lambda: kc.verify(a["canary"], vp, log=log),
+        "write": lambda: kc.write(a["canary"], wp, *tokens, log=log),
+    }
+    session = kc.CanarySession(a["canary"].shape[0], max_batch_size=bs, verify_capacity=vcap, like=a["rp"])
+
+    def free_pre_forward():
+        free["plan"]()
+        free["verify"]()
+        free["write"]()
+
+    def pre_forward():
+        session.pre_forward(*inputs, *tokens)
+
+    def step():
+        pre_forward()
+        session.post_forward()
+
     return {
-        ("plan", "free"): lambda: kc.plan(*inputs, verify_capacity=vcap, out=(vp, wp)),
+        **{(op, "free"): fn for op, fn in free.items()},
         ("plan", "bound"): lambda: planner.plan(*inputs),
-        ("verify", "free"): lambda: kc.verify(a["canary"], vp, log=log),
         ("verify", "bound"): verify,
-        ("write", "free"): lambda: kc.write(a["canary"], wp, a["ids"], a["pos"], a["loc"], log=log),
-        ("write", "bound"): lambda: write(a["ids"], a["pos"], a["loc"]),
+        ("write", "bound"): lambda: write(*tokens),
+        ("pre_forward", "free"): free_pre_forward,
+        ("pre_forward", "bound"): pre_forward,
+        ("step", "free"): lambda: (free_pre_forward(), free["verify"](), free["write"]()),
+        ("step", "bound"): step,
     }
 
 
@@ -72,7 +95,7 @@ def main():
     args = parser.parse_args()
     d = bc.build(bc.WORKLOADS[args.workload], np)
     print(f"host us and Python-level calls per eager op at {args.workload} (backend work stubbed out)")
-    print(f"{'arrays':<20} {'op':<7} {'free us':>8} {'calls':>6} {'bound us':>9} {'calls':>6} {'x faster':>9}")
+    print(f"{'arrays':<20} {'op':<11} {'free us':>8} {'calls':>6} {'bound us':>9} {'calls':>6} {'x faster':>9}")
 
     from kvcanary_cupy.backends import numpy_backend
     import pytest
@@ -90,10 +113,10 @@ def main():
 
 
 def report(label, ops, args):
-    for op in ("plan", "verify", "write"):
+    for op in ("plan", "verify", "write", "pre_forward", "step"):
         free_us, free_calls = measure(ops[(op, "free")], args.calls, args.top)
         bound_us, bound_calls = measure(ops[(op, "bound")], args.calls, args.top)
-        print(f"{label:<20} {op:<7} {free_us:>8.1f} {free_calls:>6.0f} {bound_us:>9.1f} {bound_calls:>6.0f} "
+        print(f"{label:<20} {op:<11} {free_us:>8.1f} {free_calls:>6.0f} {bound_us:>9.1f} {bound_calls:>6.0f} "
               f"{free_us / bound_us:>9.1f}")
 
 
