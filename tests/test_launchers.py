@@ -339,3 +339,37 @@ def test_full_validation_env_sends_every_call_to_the_free_functions(ab, monkeypa
     monkeypatch.setenv(launchers.FULL_VALIDATION_ENV, "0")
     step()
     assert counts == {"plan": 3, "write": 3, "verify": 3}
+
+
+# ----------------------------------------------------------------------------------------------
+# the write on a side stream, on a fake CuPy device
+
+
+@pytest.mark.parametrize("full_validation", [False, True], ids=["bound", "free"])
+def test_side_stream_write_forks_and_join_joins_with_one_event_each(monkeypatch, full_validation):
+    """Each call records the fork event on the caller's stream and launches behind it on the side
+    stream; join() records the join event there and the caller's stream waits for it.  Under
+    KVCANARY_FULL_VALIDATION the free function forks (an event of its own per call) and join() still joins."""
+    cupy = pytest.importorskip("cupy")
+    from fake_cupy import fake_device
+
+    monkeypatch.setenv(launchers.FULL_VALIDATION_ENV, "1" if full_validation else "0")
+    with fake_device(record_bytes=False) as dev:
+        buf = dev.asarray(canary(16))
+        wp = kc.WritePlan.allocate(2, like=buf)
+        side = cupy.cuda.Stream(non_blocking=True)
+        write = kc.WriteLauncher(buf, wp, log=kc.ViolationLog.allocate(8, like=buf), stream=side)
+        tokens = tuple(dev.asarray(np.array(v, np.int64)) for v in ([7, 8, 9], [0, 1, 0], [3, 4, 5]))
+        dev.timeline.clear()
+        write(*tokens)
+        write(*tokens)
+        write.join()
+        records = [(e, s) for op, e, s in dev.timeline if op == "record"]
+        forks = [e for e, s in records if s == "main"]
+        (join,) = [e for e, s in records if s == side.name]
+        expected = [("record", forks[0], "main"), ("wait", side.name, forks[0]), ("launch", "write", side.name),
+                    ("record", forks[1], "main"), ("wait", side.name, forks[1]), ("launch", "write", side.name),
+                    ("record", join, side.name), ("wait", "main", join)]
+        short = [(op, "write" if op == "launch" and "canary_write" in what else what, where) for op, what, where in dev.timeline]
+        assert short == expected
+        assert (forks[0] == forks[1]) != full_validation  # the bound path reuses its fork event

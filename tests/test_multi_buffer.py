@@ -204,10 +204,11 @@ def _side_writer(bound, buf, wp, log, side):
     return lambda ids, pos, loc: kc.write(buf, wp, ids, pos, loc, log=log, stream=side)
 
 
-@pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
-def test_side_stream_write_runs_after_queued_work_and_is_joined(gpu_ab, bound):
+@pytest.mark.parametrize("bound,join", [(False, "join_stream"), (True, "join_stream"), (True, "launcher")],
+                         ids=["free", "bound", "bound-launcher-join"])
+def test_side_stream_write_runs_after_queued_work_and_is_joined(gpu_ab, bound, join):
     """Inputs filled on the current stream behind a ~5 ms spin are seen by the side-stream write,
-    and after join_stream the current stream sees the whole 4,096-token chain."""
+    and after join_stream (or WriteLauncher.join) the current stream sees the whole 4,096-token chain."""
     ab = gpu_ab
     p = _prefill(ab)
     want = np.zeros((p["n"] + 1, 4), np.int64)
@@ -223,7 +224,10 @@ def test_side_stream_write_runs_after_queued_work_and_is_joined(gpu_ab, bound):
     for dst, src in zip((ids, pos, loc), new):
         dst[...] = src  # queued behind the spin on the current stream
     write(ids, pos, loc)
-    kc.join_stream(side)
+    if join == "launcher":
+        write.join()
+    else:
+        kc.join_stream(side)
     assert np.array_equal(ab.to_numpy(buf), want)
     assert int(host(ab, log)["slot_run_counters"][0]) == p["n"]
 
