@@ -186,6 +186,25 @@ def is_sub_multiset(small, big) -> bool:
     return not (Counter(small) - Counter(big))
 
 
+def count_free_calls(monkeypatch) -> dict:
+    """Count the calls of the free plan, write and verify that bound launchers fall back to (the
+    module attributes: ``kc.plan``/``kc.write``/``kc.verify`` called directly are not counted)."""
+    from kvcanary_cupy import ops, planner
+
+    counts = {"plan": 0, "write": 0, "verify": 0}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(ops, "write", counting("write", ops.write))
+    monkeypatch.setattr(ops, "verify", counting("verify", ops.verify))
+    monkeypatch.setattr(planner, "plan_step", counting("plan", planner.plan_step))
+    return counts
+
+
 SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
   const long long t0 = clock64();

@@ -10,7 +10,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from kvcanary_cupy import launchers, ops, planner as planner_module
-from canary_builders import a64, canary, i64, linear_rtt, make_log, make_write_plan
+from canary_builders import a64, canary, count_free_calls, i64, linear_rtt, make_log, make_write_plan
 from conftest import get_backend_or_skip
 from fuzz_cases import TABLE_KINDS, _plan_inputs, assert_same, launch_targets, make_case, run_case
 
@@ -25,21 +25,6 @@ def _free_functions_refused(monkeypatch):
     for name in ("write", "verify"):
         monkeypatch.setattr(ops, name, refuse)
     monkeypatch.setattr(planner_module, "plan_step", refuse)
-
-
-def _count_free_calls(monkeypatch) -> dict:
-    counts = {"plan": 0, "write": 0, "verify": 0}
-
-    def counting(name, fn):
-        def wrapper(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(ops, "write", counting("write", ops.write))
-    monkeypatch.setattr(ops, "verify", counting("verify", ops.verify))
-    monkeypatch.setattr(planner_module, "plan_step", counting("plan", planner_module.plan_step))
-    return counts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,7 +197,7 @@ def test_planner_refuses_bad_inputs_like_the_free_function(ab):
 def test_uncommon_inputs_take_the_free_function_with_the_same_bytes(ab, monkeypatch):
     """Strided tokens, and (CPU torch) a NumPy array among torch tensors: accepted, copied or viewed
     by the free function, with the same bytes."""
-    counts = _count_free_calls(monkeypatch)
+    counts = count_free_calls(monkeypatch)
     out = {}
     for path in ("free", "bound"):
         buf, wp, log = _write_setup(ab)
@@ -230,7 +215,7 @@ def test_uncommon_inputs_take_the_free_function_with_the_same_bytes(ab, monkeypa
 
 def test_strided_bound_plans_take_the_free_function(ab, monkeypatch):
     """A WritePlan of strided views would be copied by the free function: it cannot be bound."""
-    counts = _count_free_calls(monkeypatch)
+    counts = count_free_calls(monkeypatch)
     strided = kc.WritePlan(write_offsets=a64(ab, [0, 9, 1, 9, 2, 9])[::2], write_seed_slot_indices=a64(ab, [5, 9, -1, 9])[::2],
                            write_num_valid_reqs=ab.asarray(np.array([2], np.int32)), verify_offsets=a64(ab, [0] * 6)[::2])
     buf, log = ab.asarray(canary(16)), make_log(ab)
@@ -314,7 +299,7 @@ def test_planner_rebinds_its_buffers_after_a_reallocation():
 
 
 def test_full_validation_env_sends_every_call_to_the_free_functions(ab, monkeypatch):
-    counts = _count_free_calls(monkeypatch)
+    counts = count_free_calls(monkeypatch)
     tokens = (a64(ab, [7]), a64(ab, [0]), a64(ab, [3]))
     plan_inputs = (a64(ab, [1]), a64(ab, [0]), a64(ab, [1]), ab.asarray(linear_rtt(3, 8)))
 

@@ -31,12 +31,15 @@ def _steps():
     return engine, out
 
 
+def _eager_step(session, a, table):
+    session.pre_forward(a["rp"], a["prefix"], a["extend"], table, a["ids"], a["pos"], a["loc"])
+    session.post_forward()
+
+
 def _numpy_reference(engine, steps):
     session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, on_violation="ignore")
     for arrays, table in steps:
-        a = arrays
-        session.pre_forward(a["rp"], a["prefix"], a["extend"], table, a["ids"], a["pos"], a["loc"])
-        session.post_forward()
+        _eager_step(session, arrays, table)
         session.end_step()
     session.check()
     return session
@@ -220,8 +223,7 @@ def test_head_write_waits_for_queued_inputs_overlaps_the_forward_and_is_joined(g
     bufs.fill(arrays, table)
     bufs.pre_forward(session)
     session.post_forward()
-    reference.pre_forward(*(arrays[k] for k in ("rp", "prefix", "extend")), table, *(arrays[k] for k in ("ids", "pos", "loc")))
-    reference.post_forward()
+    _eager_step(reference, arrays, table)
     cupy.cuda.Device().synchronize()
     np.testing.assert_array_equal(ab.to_numpy(session.head_canary), reference.head_canary)
 
@@ -241,8 +243,7 @@ def test_head_write_waits_for_queued_inputs_overlaps_the_forward_and_is_joined(g
     after.record(main)
     assert not after.done  # the step's stream now waits for the HEAD write
     head = session.head_canary.clone() if ab.name == "torch_cuda" else session.head_canary.copy()  # on the step's stream
-    reference.pre_forward(*(arrays[k] for k in ("rp", "prefix", "extend")), table, *(arrays[k] for k in ("ids", "pos", "loc")))
-    reference.post_forward()
+    _eager_step(reference, arrays, table)
     cupy.cuda.Device().synchronize()
     np.testing.assert_array_equal(ab.to_numpy(head), reference.head_canary)
     for s in (session, reference):

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from kvcanary_cupy import ops, planner as planner_module
-from canary_builders import CHAIN, POSITION, REAL_KV, TOKEN, host, ring_rows
+from canary_builders import CHAIN, POSITION, REAL_KV, TOKEN, count_free_calls, host, ring_rows
 from conftest import get_backend_or_skip
 from session_engine import ToyEngine
 
@@ -19,23 +18,6 @@ HEAD, TAIL, SWEEP = kc.CanaryLaunchTag.HEAD_K_FULL, kc.CanaryLaunchTag.TAIL_K_FU
 SCHEDULE = [[1, 2], [1, 2, 3], [2, 1, 3, 4], [1, 2, 4], [3, 1, 2], [1, 2, 5, 4], [2, 1], [1, 2, 3]]
 STALE_ENTRY_STEP, KV_FLIP_STEP = 4, 6
 KV_WIDTH = 2  # int64 per slot: 16 bytes of "real KV", fingerprinted whole
-
-
-def _count_free_calls(monkeypatch) -> dict:
-    """Count the calls of the free functions (the reference path below calls the kc.* names, which
-    these patches do not reach)."""
-    counts = {"plan": 0, "write": 0, "verify": 0}
-
-    def counting(name, fn):
-        def wrapper(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(ops, "write", counting("write", ops.write))
-    monkeypatch.setattr(ops, "verify", counting("verify", ops.verify))
-    monkeypatch.setattr(planner_module, "plan_step", counting("plan", planner_module.plan_step))
-    return counts
 
 
 class _FreeFunctionSession:
@@ -110,7 +92,7 @@ def test_session_steps_launch_the_free_functions_bytes_through_bound_launchers(a
                                real_kv_sources=(source,), real_kv_hash_mode=kc.RealKvHashMode.ALL,
                                check_expected_tokens=True)
     ref = _FreeFunctionSession(ab, session, source)
-    counts = _count_free_calls(monkeypatch)
+    counts = count_free_calls(monkeypatch)  # the reference calls kc.plan/verify/write, which it does not reach
     tokens = (lambda x: _strided(ab, x)) if strided_tokens else ab.asarray
     for step, rows in enumerate(SCHEDULE):
         arrays = engine.step(rows)
