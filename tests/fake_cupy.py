@@ -4,8 +4,14 @@ Arrays are real ``cupy.ndarray`` objects whose device pointers are host addresse
 dereferenced: nothing runs on a device; ``cupy.empty``/``cupy.full`` make them too, so
 ``allocate(..., like=)`` works), the device calls the launch path makes are answered on the
 host, and every kernel launch is recorded with its name, grid, block, stream and the bytes
-of each argument.  Streams and events are stand-ins too: ``timeline`` lists, in call order,
-every launch, event record and stream wait, so stream ordering can be checked without a GPU.
+of each argument.  Streams, events, pinned memory and copies are stand-ins too: ``timeline``
+lists, in call order, every launch, event record, stream wait, copy and event query (and
+``capture_queries`` counts capture queries), so stream ordering and the device calls of an op
+can be checked without a GPU.  A copy happens at once; an event completes at once unless
+``hold_events`` is set, in which case it stays pending until it is synchronised or
+:meth:`FakeDevice.complete` runs (the host running ahead of the device).
+:meth:`FakeDevice.emulate_session_staging` runs the NumPy reference of the session's staging
+kernels at their launch, so a session's end_step computes real records.
 Used by ``tests/test_launchers.py``, ``tests/test_session_launchers.py`` and
 ``benchmarks/host_profile.py``.
 """
@@ -33,15 +39,21 @@ class FakeStream:
 
     def __init__(self, device, name):
         self.device, self.name, self.ptr, self.device_id = device, name, id(self), 0
+        self.capturing = False
+        device.streams[self.ptr] = self
 
     def wait_event(self, event):
         self.device.timeline.append(("wait", self.name, event.name))
 
     def synchronize(self):
-        pass
+        self.device.timeline.append(("sync", self.name, "host"))
+        for event in self.device.events:
+            if event.stream is self:
+                event.pending = False
 
     def is_capturing(self):
-        return False
+        self.device.capture_queries += 1
+        return self.capturing
 
     def __enter__(self):
         self.device.current.append(self)
@@ -57,22 +69,36 @@ class FakeStream:
 
 class FakeEvent:
     def __init__(self, device, name):
-        self.device, self.name, self.done = device, name, True
+        self.device, self.name, self.stream, self.pending = device, name, None, False
+        device.events.append(self)
 
     def record(self, stream=None):
         stream = self.device.current[-1] if stream is None else stream
+        self.stream, self.pending = stream, self.device.hold_events
         self.device.timeline.append(("record", self.name, stream.name))
 
+    @property
+    def done(self):
+        self.device.timeline.append(("query", self.name, "pending" if self.pending else "done"))
+        return not self.pending
+
     def synchronize(self):
-        pass
+        self.device.timeline.append(("sync", self.name, "host"))
+        self.pending = False
 
 
 class FakeDevice:
     """Install with :meth:`install` (a ``pytest.MonkeyPatch``); ``launches`` records every launch
-    and ``timeline`` every launch (by kernel name), event record and stream wait, in call order
-    (``("launch", kernel, stream)``, ``("record", event, stream)``, ``("wait", stream, event)``;
+    and ``timeline`` every device call, in call order: ``("launch", kernel, stream)``, ``("record",
+    event, stream)``, ``("wait", stream, event)``, ``("copy", "d2h", stream)``, ``("query", event,
+    "done" or "pending")`` and ``("sync", event or stream, "host")``; ``capture_queries`` counts
+    capture queries, which answer ``capturing`` of the stream asked (False unless set);
     streams and events by name: the current stream at install is ``"main"``, the others are
-    numbered in creation order, ``"stream1"``, ``"event1"`` ...)."""
+    numbered in creation order, ``"stream1"``, ``"event1"`` ...  ``hold_events``: events
+    recorded while it is set stay pending (``done`` False) until synchronised or :meth:`complete`.
+    ``emulated``: kernel name -> a function of the launch's argument bytes run at the launch
+    (needs ``record_bytes``); ``on_copy``: a function of ``(dst, src, nbytes)`` run after each
+    copy (a stand-in for what the device would have written)."""
 
     SM_COUNT = 132
 
@@ -83,6 +109,12 @@ class FakeDevice:
         self.record_bytes = record_bytes
         self.launches: list[Launch] = []
         self.timeline: list[tuple] = []
+        self.streams: dict = {}  # pointer -> FakeStream
+        self.events: list = []
+        self.hold_events = False
+        self.capture_queries = 0
+        self.emulated: dict = {}
+        self.on_copy = None
         self.current = [FakeStream(self, "main")]
         self._created = {"stream": 0, "event": 0}
         self._keep = []
@@ -90,6 +122,17 @@ class FakeDevice:
     def _name(self, kind: str) -> str:
         self._created[kind] += 1
         return f"{kind}{self._created[kind]}"
+
+    def complete(self) -> None:
+        """Everything queued so far has run: every pending event completes."""
+        for event in self.events:
+            event.pending = False
+
+    def emulate_session_staging(self) -> None:
+        """Run the NumPy reference of session_stage (staging and attribution both) at each launch
+        of session_stage, on host views of the addresses in its SessionStage argument."""
+        assert self.record_bytes, "emulation reads the argument bytes"
+        self.emulated["kvcanary::session_stage"] = _session_stage_on_host
 
     def asarray(self, host: np.ndarray):
         """A CuPy array sharing ``host``'s memory (a copy of it, kept alive here)."""
@@ -125,7 +168,7 @@ class FakeDevice:
                 return False
 
             def synchronize(self):
-                pass
+                device.complete()
 
         class Function:
             def __init__(self, name):
@@ -136,6 +179,9 @@ class FakeDevice:
                 stream = device.current[-1] if stream is None else stream
                 device.launches.append(Launch(self.name, tuple(grid), tuple(block), stream, args))
                 device.timeline.append(("launch", self.name, stream.name))
+                emulate = device.emulated.get(self.name)
+                if emulate is not None:
+                    emulate(args)
 
         class RawKernel(Function):
             @property
@@ -153,8 +199,15 @@ class FakeDevice:
         import cupyx
 
         monkeypatch.setattr(cupyx, "empty_pinned", lambda shape, dtype=float: np.zeros(shape, dtype))
-        monkeypatch.setattr(self.cupy.cuda.runtime, "memcpyAsync",
-                            lambda dst, src, size, kind, stream: ctypes.memmove(dst, src, size))  # host addresses
+
+        def memcpy_async(dst, src, size, kind, stream):
+            assert kind == self.cupy.cuda.runtime.memcpyDeviceToHost  # the only copy the session makes
+            ctypes.memmove(dst, src, size)  # host addresses
+            self.timeline.append(("copy", "d2h", self.streams[stream].name))
+            if self.on_copy is not None:
+                self.on_copy(dst, src, size)
+
+        monkeypatch.setattr(self.cupy.cuda.runtime, "memcpyAsync", memcpy_async)
         monkeypatch.setattr(self.cupy.cuda.runtime, "getDevice", lambda: 0)
         monkeypatch.setattr(interop, "is_capturing", lambda placement: False)  # no stream to ask
         monkeypatch.setattr(jit, "get_function", lambda family, name: RawKernel(name))
@@ -163,6 +216,36 @@ class FakeDevice:
         monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block: 4)
         if self.record_bytes:  # the arguments as one-element NumPy views, whose bytes can be read back
             monkeypatch.setattr(cupy_backend, "_CPointer", None)
+
+
+def host_view(ptr: int, dtype, count: int) -> np.ndarray:
+    """A writable NumPy view of ``count`` items at the host address ``ptr`` (a fake device array)."""
+    import ctypes
+
+    dtype = np.dtype(dtype)
+    return np.frombuffer((ctypes.c_char * (dtype.itemsize * count)).from_address(ptr), dtype) if count else np.zeros(0, dtype)
+
+
+def _session_stage_on_host(args) -> None:
+    from kvcanary_cupy.backends import LogViews, StageArgs, StageLayout, numpy_backend
+    from kvcanary_cupy.backends.cupy_backend import SESSION_STAGE
+    from kvcanary_cupy.constants import VIOLATION_FIELDS
+
+    s = np.frombuffer(args[0], SESSION_STAGE)[0]
+    (stamp,) = np.frombuffer(args[1], np.int64)
+    kinds, ring, vcap, wcap = (int(s[k]) for k in ("num_kinds", "ring_capacity", "verify_capacity", "write_req_capacity"))
+    layout = StageLayout(kinds, ring, int(s["attribution_capacity"]))
+    i64 = lambda name, n: host_view(int(s[name]), np.int64, n)  # noqa: E731
+    i32 = lambda name: host_view(int(s[name]), np.int32, 1)  # noqa: E731
+    log = LogViews(ring=i64("ring", ring * VIOLATION_FIELDS).reshape(ring, VIOLATION_FIELDS), write_index=i32("write_index"),
+                   **{k: i64(k, kinds) for k in ("violation_counters", "slot_run_counters", "kernel_run_counters",
+                                                  "out_of_range_counters")})
+    numpy_backend.session_stage(StageArgs(
+        log=log, verify_slot_indices=i64("slots", vcap), verify_expected_tokens=i64("expected_tokens", vcap),
+        verify_expected_positions=i64("expected_positions", vcap), verify_prev_slot_indices=i64("prev_slots", vcap),
+        verify_num_valid=i32("verify_num_valid"), enable=i32("enable"), plan_out_of_range_count=i64("plan_out_of_range", 1),
+        verify_offsets=i64("verify_offsets", wcap + 1), write_num_valid_reqs=i32("write_num_valid_reqs"),
+        marks=i64("marks", int(s["num_slots"])), staging=i64("staging", layout.size), layout=layout), int(stamp))
 
 
 @contextlib.contextmanager
