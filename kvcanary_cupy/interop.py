@@ -195,10 +195,14 @@ def is_capturing(placement: Placement) -> bool:
         torch = sys.modules["torch"]
         with torch.cuda.device(placement.device):
             return torch.cuda.is_current_stream_capturing()
-    cupy = import_cupy()
+    return stream_is_capturing(import_cupy().cuda.get_current_stream(placement.device))
+
+
+def stream_is_capturing(stream) -> bool:
+    """Whether a CuPy stream (a wrapped torch stream too) is capturing a CUDA graph: one driver query."""
     try:
-        return cupy.cuda.get_current_stream(placement.device).is_capturing()
-    except cupy.cuda.runtime.CUDARuntimeError:
+        return stream.is_capturing()
+    except import_cupy().cuda.runtime.CUDARuntimeError:
         return True  # the legacy stream cannot be queried while another stream captures in global mode
 
 

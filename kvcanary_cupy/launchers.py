@@ -225,6 +225,17 @@ def _torch_stream_handle(device: int):
     return lambda: current(device).cuda_stream
 
 
+def launch_stream_getter(placement):
+    """A function returning the stream a launch on ``placement`` goes on, as a CuPy stream: CuPy's
+    current stream on its device, or torch's current stream (wrapped once per handle) when the
+    arrays are torch tensors."""
+    if placement.framework == "torch":
+        handle = _torch_stream_handle(placement.device)
+        return lambda: _wrapped_torch_stream(handle())
+    current, device = import_cupy().cuda.get_current_stream, placement.device
+    return lambda: current(device)
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -325,7 +336,7 @@ class _SideStream:
         with cupy.cuda.Device(self.device):
             self._forked = cupy.cuda.Event(block=False, disable_timing=True)
             self._joined = cupy.cuda.Event(block=False, disable_timing=True)
-        self._torch_stream_handle = _torch_stream_handle(self.device) if placement.framework == "torch" else None
+        self._caller = launch_stream_getter(placement)
 
     def fork(self, caller) -> None:
         self._forked.record(caller)
@@ -333,10 +344,7 @@ class _SideStream:
 
     def join(self) -> None:
         """The caller's current stream (torch's, when torch tensors are bound) waits for the side stream."""
-        if self._torch_stream_handle is None:
-            caller = import_cupy().cuda.get_current_stream(self.device)
-        else:
-            caller = _wrapped_torch_stream(self._torch_stream_handle())
+        caller = self._caller()
         self._joined.record(self.stream)
         caller.wait_event(self._joined)
 

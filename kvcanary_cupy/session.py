@@ -4,9 +4,10 @@ Per step, an engine calls :meth:`CanarySession.pre_forward` before the model rea
 (plan, HEAD verify, HEAD write), :meth:`~CanarySession.post_forward` after it (TAIL verify and
 write, with real-KV fingerprints) and :meth:`~CanarySession.end_step` outside any CUDA graph.
 ``end_step`` stages the step's log on the device (one block copies the counters and the new ring
-rows into a record, resets the ring and lists the verify entries that read a violating slot),
-copies the record to pinned host memory on a side stream behind an event, and handles every
-earlier record whose copy has completed: no host sync anywhere.  Violations are deduplicated by
+rows into a record of a fixed ring, resets the ring and lists the verify entries that read a
+violating slot), copies the record to pinned host memory on a side stream behind an event, and
+handles every earlier record whose copy has completed: no host sync, unless every record of the
+ring is in flight (the host ran ``STAGED_RECORDS`` stagings ahead of the device).  Violations are deduplicated by
 ``(kernel_kind, slot_idx, position, fail_reason_bits)`` and handed to the ``on_violation``
 policy.  docs/guide.md ("Using the canary in an engine") explains every choice.
 """
@@ -15,18 +16,16 @@ from __future__ import annotations
 
 import collections
 import logging
-import sys
 import warnings
 from dataclasses import replace
-from typing import NamedTuple
 
 import numpy as np
 
-from .backends import ATTRIBUTION, STAGE_HEADER, LogViews, StageArgs, StageLayout, get_backend
+from .backends import ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS, LogViews, StageArgs, StageLayout, get_backend
 from .constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
 from .errors import CanaryHealthError, CanaryViolationError, fail, public_api
-from .interop import allocate, backend_view, import_cupy, is_capturing, placement_of
-from .launchers import VerifyLauncher, WriteLauncher
+from .interop import allocate, backend_view, import_cupy, placement_of, stream_is_capturing
+from .launchers import VerifyLauncher, WriteLauncher, launch_stream_getter
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import ViolationLog, allocate_canary_buffer, check_count, check_num_sources
 from .reporting import Violation, ViolationReport, reason_name, tag_name
@@ -41,8 +40,10 @@ VERIFY_HEADROOM = 3
 MAX_DISTINCT_VIOLATIONS = 65536
 #: Under ``on_violation="log"``, this many new violations at once add a summary line.
 LOG_SUMMARY_AT = 5
-#: Pinned host records a GPU session allocates up front (more are added while the host runs ahead).
-PINNED_RECORDS = 4
+#: Staged records a session allocates up front (each on the device and in pinned host memory on a
+#: GPU): the host may run this many stagings (steps and sweeps) ahead of the device; a staging
+#: past that waits for the oldest copy (counted in ``stats["staging_waits"]``).
+STAGED_RECORDS = 8
 #: The violations an error message lists (the rest are in its ``report``).
 MESSAGE_MAX_LINES = 20
 POLICIES = ("raise", "log", "ignore")
@@ -52,103 +53,107 @@ _TAGS = {  # (head, tail, sweep) launch tags of a FULL and of an SWA session
     True: (CanaryLaunchTag.HEAD_K_SWA, CanaryLaunchTag.TAIL_K_SWA, CanaryLaunchTag.SWEEP_K_SWA),
 }
 _ATTRIBUTION = {name: i for i, name in enumerate(ATTRIBUTION)}
+_ROWS, _MATCHES, _ENABLE, _NUM_VALID, _PLAN_OUT_OF_RANGE = (
+    STAGE_HEADER.index(k) for k in ("rows", "matches", "enable", "verify_num_valid", "plan_out_of_range"))
 _INT64 = np.dtype(np.int64)
 
 
-class _Copy:
-    """A host record and the event that says when its copy from the device has landed."""
+class _Record:
+    """One staged record: ``host`` (what the session reads; pinned memory on a GPU) and ``head``,
+    its header and counters as one view; ``target``, what the staging writes (the host record
+    itself on the CPU, a device record on a GPU) and ``staging``, how the stager takes it (the
+    array, or the device address); the ``event`` of its copy; and, while in flight, the ``kind``
+    ("step" or "sweep"), ``step`` (0-based; a sweep: of the last step ended before it) and
+    ``stamp`` of the staging."""
 
-    __slots__ = ("host", "event")
+    __slots__ = ("host", "head", "target", "staging", "host_ptr", "event", "kind", "step", "stamp")
 
-    def __init__(self, host, event):
-        self.host, self.event = host, event
-
-
-class _Pending(NamedTuple):
-    kind: str  # "step" or "sweep"
-    step: int  # 0-based index of the step it belongs to (a sweep: of the last step ended before it)
-    copy: _Copy
+    def __init__(self, host, layout: StageLayout, target, staging, event=None):
+        self.host, self.head, self.target, self.staging, self.event = host, host[: layout.ring], target, staging, event
+        self.host_ptr = host.ctypes.data
+        self.kind, self.step, self.stamp = None, -1, 0
 
 
 class _HostTransport:
-    """NumPy sessions: the record is host memory and every copy has landed when it returns."""
+    """NumPy sessions: the staging writes the host record; it has landed when it returns."""
 
-    def __init__(self, staging):
-        self._staging = staging
-        self._free = []
+    def new_record(self, layout: StageLayout) -> _Record:
+        host = np.zeros(layout.size, np.int64)
+        return _Record(host, layout, host, host)
 
-    def stage(self, stager, stamp: int) -> _Copy:
-        stager(stamp, None)
-        copy = self._free.pop() if self._free else _Copy(np.empty_like(self._staging), None)
-        np.copyto(copy.host, self._staging)
-        return copy
+    def launch_stream(self):
+        return None
 
-    def done(self, copy: _Copy) -> bool:
+    def capturing(self, stream) -> bool:
+        return False
+
+    def stage(self, stager, record: _Record, stamp: int, stream) -> None:
+        stager(stamp, None, record.staging)
+
+    def done(self, record: _Record) -> bool:
         return True
+
+    def wait(self, record: _Record) -> None:
+        pass
 
     def synchronize(self) -> None:
         pass
 
-    def release(self, copy: _Copy) -> None:
-        self._free.append(copy)
-
 
 class _CudaTransport:
-    """GPU sessions: staging kernels on the step's stream, then a copy to pinned host memory on a
-    side stream behind an event; the next staging waits (on the device) until that copy is done."""
+    """GPU sessions: the staging kernels write a record's device memory on the step's stream; an
+    event orders the side stream behind them, which copies it to the record's pinned host memory
+    and records the copy's event.  A record is staged again only after the host has handled it
+    (its copy event completed), so no staging waits on the device for an earlier copy."""
 
-    def __init__(self, placement, staging):
+    def __init__(self, placement, like, layout: StageLayout):
         self._cupy = cupy = import_cupy()
         import cupyx
 
         self._empty_pinned = cupyx.empty_pinned
+        self._like = like
         self._device = placement.device
-        self._torch = sys.modules["torch"] if placement.framework == "torch" else None
+        self._get_device = cupy.cuda.runtime.getDevice
+        self._memcpy, self._d2h = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToHost
+        self._nbytes = layout.size * _INT64.itemsize
+        self.launch_stream = launch_stream_getter(placement)
         with cupy.cuda.Device(self._device):
             self._side = cupy.cuda.Stream(non_blocking=True)
             self._staged = cupy.cuda.Event(disable_timing=True)
-        self._src, self._nbytes, self._shape = staging.data.ptr, staging.nbytes, staging.shape
-        self._free = [self._new_copy() for _ in range(PINNED_RECORDS)]
-        self._last_copy = None
-        self._external = {}  # torch stream handle -> CuPy view of it
 
-    def _main_stream(self):
-        if self._torch is None:
-            return self._cupy.cuda.get_current_stream()
-        stream = self._torch.cuda.current_stream(self._device)
-        ours = self._external.get(stream.cuda_stream)
-        if ours is None:
-            ours = self._external[stream.cuda_stream] = self._cupy.cuda.Stream.from_external(stream)
-        return ours
-
-    def stage(self, stager, stamp: int) -> _Copy:
-        cupy = self._cupy
-        with cupy.cuda.Device(self._device):
-            main = self._main_stream()
-            if self._last_copy is not None:
-                main.wait_event(self._last_copy)  # the device record is read out before it is rewritten
-            stager(stamp, main)
-            self._staged.record(main)
-            self._side.wait_event(self._staged)
-            copy = self._free.pop() if self._free else self._new_copy()
-            cupy.cuda.runtime.memcpyAsync(copy.host.ctypes.data, self._src, self._nbytes,
-                                          cupy.cuda.runtime.memcpyDeviceToHost, self._side.ptr)
-            copy.event.record(self._side)
-            self._last_copy = copy.event
-        return copy
-
-    def _new_copy(self) -> _Copy:
+    def new_record(self, layout: StageLayout) -> _Record:
         with self._cupy.cuda.Device(self._device):
-            return _Copy(self._empty_pinned(self._shape, np.int64), self._cupy.cuda.Event(disable_timing=True))
+            target = allocate((layout.size,), np.int64, like=self._like, fill=0)
+            address = backend_view(target, "staging", writable=True).data.ptr
+            return _Record(self._empty_pinned((layout.size,), np.int64), layout, target, address,
+                           self._cupy.cuda.Event(disable_timing=True))
 
-    def done(self, copy: _Copy) -> bool:
-        return copy.event.done
+    def capturing(self, stream) -> bool:
+        return stream_is_capturing(stream)
+
+    def stage(self, stager, record: _Record, stamp: int, stream) -> None:
+        if self._get_device() == self._device:
+            self._stage(stager, record, stamp, stream)
+        else:
+            with self._cupy.cuda.Device(self._device):
+                self._stage(stager, record, stamp, stream)
+
+    def _stage(self, stager, record: _Record, stamp: int, stream) -> None:
+        stager(stamp, stream, record.staging)
+        side, staged = self._side, self._staged
+        staged.record(stream)
+        side.wait_event(staged)
+        self._memcpy(record.host_ptr, record.staging, self._nbytes, self._d2h, side.ptr)
+        record.event.record(side)
+
+    def done(self, record: _Record) -> bool:
+        return record.event.done
+
+    def wait(self, record: _Record) -> None:
+        record.event.synchronize()
 
     def synchronize(self) -> None:
         self._side.synchronize()
-
-    def release(self, copy: _Copy) -> None:
-        self._free.append(copy)
 
 
 def _length(x, name: str) -> int:
@@ -179,7 +184,8 @@ class CanarySession:
 
     Every launch goes through launchers bound once here (:mod:`kvcanary_cupy.launchers`): the
     planner's plan, the HEAD verify and write, the TAIL verify and write, and (bound with the sweep's
-    plan buffers) the sweep's verify.
+    plan buffers) the sweep's verify; ``end_step``'s staging kernels through parameters packed
+    here too (``prepare_stage`` of the backend).
     """
 
     @public_api
@@ -233,12 +239,13 @@ class CanarySession:
         self.log = ViolationLog.allocate(ring_capacity, like=like)
         self._layout = StageLayout(self.log.num_kinds, ring_capacity, attribution_capacity=ring_capacity)
         self._marks = allocate((num_slots,), np.int64, like=like, fill=0)
-        self._staging = allocate((self._layout.size,), np.int64, like=like, fill=0)
         self._placement = placement = placement_of(self.log.ring, "like")
         self._backend = get_backend(placement.backend)
-        staging_view = backend_view(self._staging, "staging", writable=True)
-        self._transport = (_HostTransport(staging_view) if placement.backend == "numpy"
-                           else _CudaTransport(placement, staging_view))
+        self._transport = (_HostTransport() if placement.backend == "numpy"
+                           else _CudaTransport(placement, like, self._layout))
+        self._records = tuple(self._transport.new_record(self._layout) for _ in range(STAGED_RECORDS))
+        self._free = list(self._records)
+        self._pending = collections.deque()  # records staged and not handled yet, oldest first
         self._step_stager = self._stager(self.planner)
         self._sweep_planner = self._sweep_stager = self._sweep_zeros = self._sweep_verify = None
 
@@ -257,18 +264,20 @@ class CanarySession:
                                          stream=self._head_write_stream)
         self._head_write_unjoined = False
 
-        self._pending = collections.deque()
         self._stamp = 0
         self._step_inputs = None  # (input_ids, positions, out_cache_loc) between pre_ and post_forward
         self._step_open = False
         self._distinct = {}  # key -> [Violation, repeats, last step]
-        self._counters = [0] * (4 * self.log.num_kinds)  # the latest handled record's four counter arrays, flat
-        self._runs_at_last_step = [0, 0]  # kernel runs of the HEAD and TAIL tags at the last step handled
+        self._new, self._problems = [], []  # handled since the policy was last applied: new keys, health messages
+        self._latest = [0] * self._layout.ring  # the latest handled record's header and four counter arrays
+        runs = self._layout.counters + 2 * self.log.num_kinds  # where the kernel-run counters start
+        self._runs_at = (runs + self.head_tag, runs + self.tail_tag)
+        self._runs_at_last_step = (0, 0)  # kernel runs of the HEAD and TAIL tags at the last step handled
         self._rows_by_reason = {reason_name(m): 0 for m in FailReason}
         self._plan_out_of_range = {"step": 0, "sweep": 0}  # the plans' cumulative counts, as last handled
         self._capacity_warned = False
         self._stats = dict(steps=0, verified_entries=0, verify_skipped_steps=0, verify_skipped_sweeps=0, sweeps=0,
-                           rows_read=0, health_failures=0, untracked_rows=0, unattributed_entries=0)
+                           rows_read=0, health_failures=0, untracked_rows=0, unattributed_entries=0, staging_waits=0)
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -322,26 +331,31 @@ class CanarySession:
     def end_step(self):
         """Outside CUDA graphs, once per step: stage this step's log and handle earlier steps.
 
-        Never blocks.  Raises :class:`CanaryViolationError` / :class:`CanaryHealthError` under
-        ``on_violation="raise"`` when a handled step brought new violations / ran no canary kernel.
+        Never blocks, unless the host has run ``STAGED_RECORDS`` stagings ahead of the device:
+        then it waits for the oldest one's copy (counted in ``stats["staging_waits"]``).  Raises
+        :class:`CanaryViolationError` / :class:`CanaryHealthError` under ``on_violation="raise"``
+        when a handled step brought new violations / ran no canary kernel.
         """
-        self._refuse_in_capture("end_step")
+        stream = self._launch_stream("end_step")
         self._join_head_write()  # post_forward was not called: the staging reads the log the write fills
         self._step_open = False
-        earlier = len(self._pending)
-        self._stage("step", self._stats["steps"], self._step_stager)
-        self._stats["steps"] += 1
-        if self.sweep_every and self._stats["steps"] % self.sweep_every == 0:
+        stats = self._stats
+        first = self._stamp + 1  # the stamp of this step's staging: it and later ones stay pending
+        self._stage("step", stats["steps"], self._step_stager, stream)
+        stats["steps"] += 1
+        if self.sweep_every and stats["steps"] % self.sweep_every == 0:
             source = self.sweep_source()
             if source is not None:
                 self.sweep(*source)
-        self._handle(earlier)
+        self._drain(first)
+        self._apply_policy()
 
     def check(self):
         """Block until every staged step and sweep is handled, then apply the policy."""
-        self._refuse_in_capture("check")
+        self._launch_stream("check")
         self._transport.synchronize()
-        self._handle(None)
+        self._drain(None)
+        self._apply_policy()
 
     @public_api
     def sweep(self, req_pool_indices, seq_lens, table):
@@ -352,7 +366,7 @@ class CanarySession:
         ``pre_forward``; staged like a step and handled by the next ``end_step``/``check``.  A
         violation's ``batch_rows`` are indices into these sequences.
         """
-        self._refuse_in_capture("sweep")
+        stream = self._launch_stream("sweep")
         if self._step_open:
             fail(RuntimeError, "sweep() between pre_forward() and end_step() would mix the sweep's violations with the "
                                "step's; call it after end_step()")
@@ -361,7 +375,7 @@ class CanarySession:
         planner.plan(req_pool_indices, seq_lens, self._sweep_zeros[:n], table)
         self._sweep_verify()
         self._stats["sweeps"] += 1
-        self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager)
+        self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
 
     @property
     def overlap_head_write(self) -> bool:
@@ -386,14 +400,15 @@ class CanarySession:
         ``dropped_rows`` (never read: the ring filled within one step), ``rows_read``, ``sweeps``,
         ``health_failures``, ``out_of_range_skipped``, ``untracked_rows`` (rows of new violations
         past ``MAX_DISTINCT_VIOLATIONS``), ``unattributed_entries`` (verify entries of violating
-        slots past the attribution capacity).
+        slots past the attribution capacity), ``staging_waits`` (stagings that waited for the oldest
+        staged record: the host was ``STAGED_RECORDS`` stagings ahead of the device).
         """
         s = dict(self._stats)
         counters = self._counter_arrays()
         total = int(counters[0].sum())
         oor = self._plan_out_of_range
         s.update(
-            pending_steps=sum(p.kind == "step" for p in self._pending),
+            pending_steps=sum(r.kind == "step" for r in self._pending),
             violations=total,
             distinct_violations=len(self._distinct),
             violations_by_reason={k: n for k, n in self._rows_by_reason.items() if n},
@@ -410,10 +425,14 @@ class CanarySession:
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _refuse_in_capture(self, what: str) -> None:
-        if is_capturing(self._placement):
+    def _launch_stream(self, what: str):
+        """The stream the session stages on (None on the CPU), refusing one that captures a CUDA graph."""
+        transport = self._transport
+        stream = transport.launch_stream()
+        if transport.capturing(stream):
             fail(RuntimeError, f"{what}() must run outside CUDA graph capture (it stages copies and reads host "
                                "memory); capture only pre_forward() and post_forward()")
+        return stream
 
     def _join_head_write(self) -> None:
         """The step's stream waits for the HEAD write queued on the side stream (when one is)."""
@@ -437,7 +456,7 @@ class CanarySession:
             verify_offsets=view(wp.verify_offsets, "verify_offsets"),
             write_num_valid_reqs=view(wp.write_num_valid_reqs, "write_num_valid_reqs"),
             marks=view(self._marks, "marks"),
-            staging=view(self._staging, "staging"),
+            staging=view(self._records[0].target, "staging"),  # each staging names its record
             layout=self._layout,
         )
         return self._backend.prepare_stage(args)
@@ -458,46 +477,51 @@ class CanarySession:
                                                 kernel_kind=self.sweep_tag, **self._kv)
         return planner
 
-    def _stage(self, kind: str, step: int, stager) -> None:
+    def _stage(self, kind: str, step: int, stager, stream) -> None:
+        if not self._free:  # every record is in flight: the host ran STAGED_RECORDS stagings ahead of the device
+            self._stats["staging_waits"] += 1
+            self._transport.wait(self._pending[0])
+            self._handle_oldest()  # its results reach the policy with this end_step's (or the next one's)
+        record = self._free.pop()
         self._stamp += 1
-        copy = self._transport.stage(stager, self._stamp)
-        self._pending.append(_Pending(kind, step, copy))
+        record.kind, record.step, record.stamp = kind, step, self._stamp
+        self._transport.stage(stager, record, self._stamp, stream)
+        self._pending.append(record)
 
-    def _handle(self, limit) -> None:
-        """Handle up to ``limit`` (None: all) staged records, oldest first, whose copy has landed."""
-        new, problems = [], []
-        handled = 0
-        while self._pending and (limit is None or handled < limit) and self._transport.done(self._pending[0].copy):
-            pending = self._pending.popleft()
-            handled += 1
-            try:
-                self._process(pending, new, problems)
-            finally:
-                self._transport.release(pending.copy)
-        self._apply_policy(new, problems)
+    def _drain(self, before) -> None:
+        """Handle, oldest first, the staged records stamped before ``before`` (None: all) whose copy has landed."""
+        pending, done = self._pending, self._transport.done
+        while pending and (before is None or pending[0].stamp < before) and done(pending[0]):
+            self._handle_oldest()
 
-    def _process(self, pending: _Pending, new: list, problems: list) -> None:
-        layout, host = self._layout, pending.copy.host
-        rows, _, matches, enable, num_valid, _, plan_out_of_range = host[: len(STAGE_HEADER)].tolist()
-        self._counters = host[layout.counters : layout.ring].tolist()  # host totals, exact int64 counts
-        self._plan_out_of_range[pending.kind] = plan_out_of_range
-        if enable == 0:
-            self._stats[f"verify_skipped_{pending.kind}s"] += 1
-            self._warn_capacity(pending.kind)
+    def _handle_oldest(self) -> None:
+        """Handle the oldest staged record (its copy has landed) and free it."""
+        record = self._pending.popleft()
+        try:
+            self._process(record)
+        finally:
+            self._free.append(record)
+
+    def _process(self, record: _Record) -> None:
+        head = record.head.tolist()  # the header and the exact int64 counters, in one read
+        self._latest = head
+        kind = record.kind
+        self._plan_out_of_range[kind] = head[_PLAN_OUT_OF_RANGE]
+        if head[_ENABLE] == 0:
+            self._stats[f"verify_skipped_{kind}s"] += 1
+            self._warn_capacity(kind)
         else:
-            self._stats["verified_entries"] += max(num_valid, 0)
-        if pending.kind == "step":
-            runs = self._counters[2 * layout.num_kinds :]
-            runs = [runs[self.head_tag], runs[self.tail_tag]]
-            stalled = [tag.name for tag, now, before in zip((self.head_tag, self.tail_tag), runs, self._runs_at_last_step)
-                       if now <= before]
+            self._stats["verified_entries"] += max(head[_NUM_VALID], 0)
+        if kind == "step":
+            runs, before = (head[self._runs_at[0]], head[self._runs_at[1]]), self._runs_at_last_step
             self._runs_at_last_step = runs
-            if stalled:
+            if runs[0] <= before[0] or runs[1] <= before[1]:
+                stalled = [tag.name for tag, now, was in zip((self.head_tag, self.tail_tag), runs, before) if now <= was]
                 self._stats["health_failures"] += 1
-                problems.append(f"kv-canary: no canary kernel ran for launch tags {stalled} in step {pending.step} "
-                                "(between two end_step calls); is pre_forward()/post_forward() part of the graph you replay?")
-        if rows:
-            self._collect(pending, host, rows, matches, new)
+                self._problems.append(f"kv-canary: no canary kernel ran for launch tags {stalled} in step {record.step} "
+                                      "(between two end_step calls); is pre_forward()/post_forward() part of the graph you replay?")
+        if head[_ROWS]:
+            self._collect(record, head[_ROWS], head[_MATCHES])
 
     def _warn_capacity(self, kind: str) -> None:
         if self._capacity_warned:
@@ -508,9 +532,9 @@ class CanarySession:
             "its verify was skipped; further skips are counted in session.stats['verify_skipped_steps'/'_sweeps']. "
             "Raise verify_capacity.", CanaryCapacityWarning, stacklevel=5)  # the caller of end_step or check
 
-    def _collect(self, pending: _Pending, host, n: int, matches: int, new: list) -> None:
+    def _collect(self, record: _Record, n: int, matches: int) -> None:
         """Decode the ring rows of one record into distinct violations (attributed when new)."""
-        layout = self._layout
+        layout, host = self._layout, record.host
         rows = host[layout.ring : layout.ring + 8 * n].reshape(n, 8)
         rows = rows[np.lexsort((rows[:, 7], rows[:, 2], rows[:, 1], rows[:, 0]))]  # a fixed order on every backend
         self._stats["rows_read"] += n
@@ -526,7 +550,7 @@ class CanarySession:
             seen = self._distinct.get(key)
             if seen is not None:
                 seen[1] += 1
-                seen[2] = pending.step
+                seen[2] = record.step
                 continue
             if len(self._distinct) >= MAX_DISTINCT_VIOLATIONS:
                 self._stats["untracked_rows"] += 1
@@ -538,12 +562,12 @@ class CanarySession:
                     for entry in attribution[np.argsort(attribution[:, _ATTRIBUTION["entry"]], kind="stable")].tolist():
                         by_slot[entry[_ATTRIBUTION["slot"]]].append(entry)
                 v = _attribute(v, by_slot.get(v.slot_idx, ()))
-            self._distinct[key] = [replace(v, first_step=pending.step), 1, pending.step]
-            new.append(key)
+            self._distinct[key] = [replace(v, first_step=record.step), 1, record.step]
+            self._new.append(key)
 
     def _counter_arrays(self) -> np.ndarray:
         """The latest handled record's violation, slot-run, kernel-run and out-of-range counters."""
-        return np.array(self._counters, np.int64).reshape(4, self.log.num_kinds)
+        return np.array(self._latest[STAGE_HEADER_FIELDS:], np.int64).reshape(4, self.log.num_kinds)
 
     def _report(self, keys) -> ViolationReport:
         c = self._counter_arrays()
@@ -553,7 +577,11 @@ class CanarySession:
                                out_of_range_counters=c[3],
                                rows_read=self._stats["rows_read"], steps=self._stats["steps"])
 
-    def _apply_policy(self, new: list, problems: list) -> None:
+    def _apply_policy(self) -> None:
+        new, problems = self._new, self._problems
+        if not new and not problems:
+            return
+        self._new, self._problems = [], []
         report = self._report(new) if new else None
         policy = self.on_violation
         if policy == "raise":

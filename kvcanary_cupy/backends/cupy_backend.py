@@ -465,34 +465,55 @@ def scatter(a: ScatterArgs) -> None:
     ))
 
 
-def prepare_stage(a: StageArgs):
-    """``stage(stamp, stream)``: session_stage (one block) then session_attribute on ``stream``.
+STAGE_PARAMS = _param_record(("s", SESSION_STAGE), ("stamp", "i8"))  # session_stage's; session_attribute takes s alone
+_ONE_BLOCK, _STAGE_BLOCK = (1,), (THREADS,)
 
-    The argument struct is packed once: every address is fixed for the life of a session.
-    """
-    cupy = import_cupy()
-    s = np.zeros(1, SESSION_STAGE)
-    for key, arr in (("ring", a.log.ring), ("write_index", a.log.write_index),
-                     ("violation_counters", a.log.violation_counters), ("slot_run_counters", a.log.slot_run_counters),
-                     ("kernel_run_counters", a.log.kernel_run_counters),
-                     ("out_of_range_counters", a.log.out_of_range_counters), ("slots", a.verify_slot_indices),
-                     ("expected_tokens", a.verify_expected_tokens), ("expected_positions", a.verify_expected_positions),
-                     ("prev_slots", a.verify_prev_slot_indices), ("verify_num_valid", a.verify_num_valid),
-                     ("enable", a.enable), ("plan_out_of_range", a.plan_out_of_range_count),
-                     ("verify_offsets", a.verify_offsets), ("write_num_valid_reqs", a.write_num_valid_reqs),
-                     ("marks", a.marks), ("staging", a.staging)):
-        s[key] = _ptr(arr)
-    s["num_slots"], s["ring_capacity"] = a.marks.shape[0], a.log.ring.shape[0]
-    s["verify_capacity"], s["write_req_capacity"] = a.verify_slot_indices.shape[0], a.verify_offsets.shape[0] - 1
-    s["attribution_capacity"], s["num_kinds"] = a.layout.attribution_capacity, a.layout.num_kinds
-    with cupy.cuda.Device(a.staging.device.id):
-        stage_fn = get_function("session", kernel_name("session_stage"))
-        attribute_fn = get_function("session", kernel_name("session_attribute"))
-        grid = (_sm_count(a.staging.device.id) * ATTRIBUTE_BLOCKS_PER_SM,)
-    block = (THREADS,)
 
-    def stage(stamp: int, stream) -> None:
-        stage_fn((1,), block, (s, I64(stamp)), stream=stream)
-        attribute_fn(grid, block, (s,), stream=stream)
+class BoundStage:
+    """The session's staging of one plan (kernels/session.cu) with its parameters packed once:
+    ``stage(stamp, stream, staging=None)`` launches session_stage (one block) then
+    session_attribute on ``stream`` (None: CuPy's current one), into the device record at address
+    ``staging`` (None: the one it was bound with).  Per call only the stamp and the record's
+    address are written into the packed parameters; the launch arguments are their addresses,
+    built once.  Launch on the bound device."""
 
-    return stage
+    def __init__(self, a: StageArgs):
+        params = np.zeros(1, STAGE_PARAMS)
+        s = params["s"]
+        for key, arr in (("ring", a.log.ring), ("write_index", a.log.write_index),
+                         ("violation_counters", a.log.violation_counters), ("slot_run_counters", a.log.slot_run_counters),
+                         ("kernel_run_counters", a.log.kernel_run_counters),
+                         ("out_of_range_counters", a.log.out_of_range_counters), ("slots", a.verify_slot_indices),
+                         ("expected_tokens", a.verify_expected_tokens), ("expected_positions", a.verify_expected_positions),
+                         ("prev_slots", a.verify_prev_slot_indices), ("verify_num_valid", a.verify_num_valid),
+                         ("enable", a.enable), ("plan_out_of_range", a.plan_out_of_range_count),
+                         ("verify_offsets", a.verify_offsets), ("write_num_valid_reqs", a.write_num_valid_reqs),
+                         ("marks", a.marks), ("staging", a.staging)):
+            s[key] = _ptr(arr)
+        s["num_slots"], s["ring_capacity"] = a.marks.shape[0], a.log.ring.shape[0]
+        s["verify_capacity"], s["write_req_capacity"] = a.verify_slot_indices.shape[0], a.verify_offsets.shape[0] - 1
+        s["attribution_capacity"], s["num_kinds"] = a.layout.attribution_capacity, a.layout.num_kinds
+        device = a.staging.device.id
+        with import_cupy().cuda.Device(device):
+            self._stage_fn = get_function("session", kernel_name("session_stage")).kernel
+            self._attribute_fn = get_function("session", kernel_name("session_attribute")).kernel
+            self._grid = (_sm_count(device) * ATTRIBUTE_BLOCKS_PER_SM,)
+        self._params = params  # the launch arguments point into it
+        self._stage_arguments = kernel_arguments(params)
+        self._attribute_arguments = self._stage_arguments[:1]  # the same SessionStage, by address
+        slots = ParamSlots(params)
+        self._stamp, self._staging = slots("stamp"), slots("s.staging")
+
+    def __call__(self, stamp: int, stream=None, staging: int | None = None) -> None:
+        view, index = self._stamp
+        view[index] = stamp
+        if staging is not None:
+            view, index = self._staging
+            view[index] = staging
+        self._stage_fn(_ONE_BLOCK, _STAGE_BLOCK, self._stage_arguments, stream=stream)
+        self._attribute_fn(self._grid, _STAGE_BLOCK, self._attribute_arguments, stream=stream)
+
+
+def prepare_stage(a: StageArgs) -> BoundStage:
+    """``stage(stamp, stream, staging=None)``: session_stage then session_attribute (:class:`BoundStage`)."""
+    return BoundStage(a)

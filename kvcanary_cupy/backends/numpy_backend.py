@@ -514,8 +514,9 @@ def session_stage(a: StageArgs, stamp: int) -> None:
 
 
 def prepare_stage(a: StageArgs):
-    """``stage(stamp, stream)``: :func:`session_stage` on fixed arguments (``stream`` unused)."""
-    return lambda stamp, stream=None: session_stage(a, stamp)
+    """``stage(stamp, stream=None, staging=None)``: :func:`session_stage` on fixed arguments, into
+    the record ``staging`` (an int64 array of ``a.layout.size``; None: ``a.staging``); ``stream`` unused."""
+    return lambda stamp, stream=None, staging=None: session_stage(a if staging is None else a._replace(staging=staging), stamp)
 
 
 # ----------------------------------------------------------------------------------------------
