@@ -1,7 +1,9 @@
 """Benchmark of CanarySession on the workloads of `kvcanary bench`; prints one row per workload.
 
 - ``end_step us``: host time of ``end_step`` when nothing happened (median and 90th percentile
-  over 500 steps; the step itself is a graph replay of pre_forward + post_forward); target <= 30 us.
+  over 500 steps, each a graph replay of pre_forward + post_forward that the device finishes before
+  the timed end_step, which so handles the previous step's record and stages this one), and the
+  median as a ratio of issue 7's target (``x target``: <= 1 meets 30 us).
 - ``step device us``: device time of a whole session step (pre_forward + post_forward: plan, HEAD
   verify + write, TAIL verify + write): a CUDA graph of K = 50 steps, median synchronised replay / K.
 - ``step eager us``: host wall time per eager step (pre_forward + post_forward + end_step) over
@@ -37,6 +39,7 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "test
 import kvcanary_cupy as kc  # noqa: E402
 from kvcanary_cupy.bench import HOST_TARGET_US, WORKLOADS, build  # noqa: E402
 
+END_STEP_TARGET_US = 30.0  # issue 7: end_step's host cost when nothing happened
 OVERLAP_WORKLOAD = "W2"
 SPIN_CYCLES_PER_US = 1980  # an H200 SM's clock (1.98 GHz): the stand-in forward's length
 
@@ -111,14 +114,16 @@ def device_us(cupy, framework, step, session=None, k=50, replays=20) -> float:
     return statistics.median(times) * 1e6
 
 
-def end_step_cost(framework, session, step, steps=500):
-    """end_step host time, each step a graph replay of pre_forward + post_forward."""
+def end_step_cost(cupy, framework, session, step, steps=500):
+    """end_step host time, each step a graph replay of pre_forward + post_forward finished by the
+    device before end_step (so the host never runs ahead: no staging waits)."""
     replay, stream = capture(framework, step)
     times = []
     with stream:
         session.end_step()  # the eager warm-up step of capture()
         for _ in range(steps):
             replay()
+            cupy.cuda.Device().synchronize()
             t0 = time.perf_counter()
             session.end_step()
             times.append(time.perf_counter() - t0)
@@ -175,7 +180,10 @@ def run_gpu(names, forward_us: float):
     import cupy
 
     kc.warmup()
-    step_lines = [f"{'workload':<16} {'frame':<6} {'end_step us (median, p90)':>26} {'step device us':>15} {'step eager us':>14}"]
+    step_lines = [f"end_step host us when nothing happened against its target of {END_STEP_TARGET_US:.0f} us; a whole step "
+                  "(pre_forward + post_forward) on the device and eagerly",
+                  f"{'workload':<16} {'frame':<6} {'end_step us (median, p90)':>26} {'x target':>9} {'step device us':>15} "
+                  f"{'step eager us':>14}"]
     op_lines = [
         "host us per op through the session (eager, 200 back-to-back calls, one sync at the end; pre_forward = plan "
         f"+ HEAD verify + HEAD write, post_forward = TAIL verify + TAIL write; target per op: "
@@ -189,13 +197,14 @@ def run_gpu(names, forward_us: float):
             d = convert(build(WORKLOADS[key], cupy))
             session = make_session(d)
             step = step_fn(session, d)
-            median, p90 = end_step_cost(name, session, step)
+            median, p90 = end_step_cost(cupy, name, session, step)
             device = device_us(cupy, name, step, session)
             eager = eager_step_us(sync, session, step)
             pre_us, post_us = host_per_op(sync, session, d)
             check_clean(session)
             target = HOST_TARGET_US[name]
-            step_lines.append(f"{WORKLOADS[key].name:<16} {name:<6} {median:>15.1f} {p90:>10.1f} {device:>15.2f} {eager:>14.0f}")
+            step_lines.append(f"{WORKLOADS[key].name:<16} {name:<6} {median:>15.1f} {p90:>10.1f} "
+                              f"{median / END_STEP_TARGET_US:>9.2f} {device:>15.2f} {eager:>14.0f}")
             op_lines.append(f"{WORKLOADS[key].name:<16} {name:<6} {pre_us:>15.1f} {pre_us / 3:>7.1f} {pre_us / 3 / target:>9.2f} "
                             f"{post_us:>16.1f} {post_us / 2:>7.1f} {post_us / 2 / target:>9.2f}")
     return step_lines + [""] + op_lines + [""] + overlap_rows(cupy, forward_us)

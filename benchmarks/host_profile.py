@@ -7,12 +7,20 @@ at one workload, the backend's own work is taken out so only the front door is m
 (``tests/fake_cupy.py``: real CuPy arrays over host memory, kernel launches recorded, not run).
 On a GPU the launch itself adds its driver cost (``kvcanary bench --sections host`` measures that).
 
+Then the session's ``end_step`` when nothing happened (the HEAD and TAIL kernels ran, no
+violation), with the device calls it makes per call on the fake device (launches, event records,
+stream waits, copies, event queries, capture queries).  The staging kernels' work is stood in for
+by marking the HEAD and TAIL tags as run in each staged record (NumPy: in place of the staging;
+fake device: when the record is copied), about a microsecond of the figure;
+``benchmarks/bench_session.py`` measures end_step on the GPU against its 30 us target.
+
     python benchmarks/host_profile.py [--workload W3] [--calls 2000] [--top 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import os
 import pstats
@@ -100,16 +108,65 @@ def main():
     from kvcanary_cupy.backends import numpy_backend
     import pytest
 
+    end_step_lines = [f"{'arrays':<20} {'op':<11} {'us':>8} {'calls':>6}   device calls per call"]
     with pytest.MonkeyPatch.context() as mp:
         for op in ("plan", "verify", "write"):
             mp.setattr(numpy_backend, op, lambda a: None)
         report("NumPy", step_ops(d, lambda x: x), args)
+        session, mark = quiet_session(d, lambda x: x)
+        mp.setattr(numpy_backend, "session_stage", lambda a, stamp: mark(a.staging))
+        end_step_lines.append(end_step_row("NumPy", session, None, args))
     try:
-        from fake_cupy import fake_device
+        from fake_cupy import fake_device, host_view
     except ImportError:
+        print("\n".join(["", *end_step_lines]))
         return
     with fake_device(record_bytes=False) as dev:
         report("CuPy (fake device)", step_ops(d, dev.asarray), args)
+        session, mark = quiet_session(d, dev.asarray)
+        size = session._layout.size
+        records = {}  # host address -> its view
+        dev.on_copy = lambda dst, src, nbytes: mark(records.get(dst) if dst in records else
+                                                    records.setdefault(dst, host_view(dst, np.int64, size)))
+        end_step_lines.append(end_step_row("CuPy (fake device)", session, dev, args))
+    print("\n".join(["", "end_step when nothing happened (HEAD and TAIL ran, no violation)", *end_step_lines]))
+
+
+def quiet_session(d, move):
+    """A session on the workload's arrays, and a function marking a staged record as a step in
+    which the HEAD and TAIL kernels ran and nothing happened (the staging's stand-in)."""
+    from kvcanary_cupy.backends import STAGE_HEADER
+
+    a = {k: move(v) for k, v in d.items() if isinstance(v, np.ndarray)}
+    session = kc.CanarySession(a["canary"].shape[0], max_batch_size=d["bs"], verify_capacity=d["total_verify"],
+                               like=a["rp"], on_violation="raise")
+    layout, enable = session._layout, STAGE_HEADER.index("enable")
+    runs = [layout.counters + 2 * layout.num_kinds + tag for tag in (session.head_tag, session.tail_tag)]
+    step = [0]
+
+    def mark(record):
+        step[0] += 1
+        record[enable] = 1
+        record[runs[0]] = record[runs[1]] = step[0]
+
+    return session, mark
+
+
+def end_step_row(label, session, dev, args) -> str:
+    us, calls = measure(session.end_step, args.calls, args.top)
+    if dev is None:
+        device = "-"
+    else:
+        dev.timeline.clear()
+        dev.capture_queries = 0
+        for _ in range(100):
+            session.end_step()
+        ops = collections.Counter(op for op, *_ in dev.timeline)
+        ops["capture query"] = dev.capture_queries
+        device = ", ".join(f"{n / 100:g} {op}" for op, n in ops.items())
+    s = session.stats
+    assert s["health_failures"] == s["violations"] == 0 and s["steps"] > args.calls, s  # nothing happened
+    return f"{label:<20} {'end_step':<11} {us:>8.1f} {calls:>6.0f}   {device}"
 
 
 def report(label, ops, args):
