@@ -460,3 +460,23 @@ def _current_stream(ab):
     import cupy
 
     return cupy.cuda.get_current_stream()
+
+
+def test_staging_into_a_record_of_the_ring_matches_the_numpy_reference(ab):
+    """A session stages each step into a record of its ring, named per call (a device address on a
+    GPU): the bytes there are the reference's, and the bound record is left alone."""
+    from kvcanary_cupy.interop import backend_view
+
+    got, layout, stage = _stage_case(ab, attribution_capacity=1000)  # room for every match
+    want, _, want_stage = _stage_case(NUMPY, attribution_capacity=1000)
+    record = ab.asarray(np.full(layout.size, -7, np.int64))
+    view = backend_view(record, "record", writable=True)
+    stage(3, _current_stream(ab), view.data.ptr if ab.is_gpu else view)
+    want_stage(3, None)
+    written = layout.ring + 8 * int(want["staging"][0])  # header, counters, the ring rows read
+    np.testing.assert_array_equal(ab.to_numpy(record)[:written], want["staging"][:written])
+    a, kept = layout.attribution, int(want["staging"][2])
+    assert kept > 5 and int(ab.to_numpy(record)[2]) == kept
+    rows = lambda s: sorted(map(tuple, s[a : a + 6 * kept].reshape(kept, 6).tolist()))  # GPU threads: any order
+    assert rows(ab.to_numpy(record)) == rows(want["staging"])
+    assert (ab.to_numpy(got["staging"]) == -9).all()
