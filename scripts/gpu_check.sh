@@ -6,7 +6,9 @@
 #
 #   bash scripts/gpu_check.sh [all|tests|sanitizer|bench] [pytest args...]
 #
-# Stage limits (seconds) can be changed with TESTS_S, SANITIZER_S, BENCH_S.  Installs nothing from
+# Stage limits (seconds) can be changed with TESTS_S, SANITIZER_S, BENCH_S; JOBS (default 4) pytest
+# processes share the GPU, each with a slice of the test files, and the sanitizer runs beside them;
+# the benchmarks run alone afterwards.  Installs nothing from
 # the network: the package itself is installed in editable mode without dependencies (CuPy, torch,
 # pytest and hypothesis come with the machine's image).
 set -uo pipefail
@@ -33,23 +35,43 @@ stage() {  # stage NAME SECONDS CMD...: log to $OUT/NAME.log under a time limit,
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   echo "=== $name: $*"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" bash -c '"$@"' _ "$@" > "$OUT/$name.log" 2>&1  # bash -c: CMD may be an exported function
   local rc=$?
   tail -n "${TAIL:-15}" "$OUT/$name.log"
   echo "=== $name exit $rc after $((SECONDS - t0)) s$([ "$rc" -eq 124 ] && echo ' (time limit)')"
   [ "$rc" -eq 0 ] || status=1
+  return "$rc"
 }
 
 python3 -c "import kvcanary_cupy as kc; kc.warmup()" > "$OUT/warmup.log" 2>&1 || { echo "warmup failed"; tail "$OUT/warmup.log"; status=1; }
+pytest_slice() {  # pytest_slice I JOBS [pytest args...]: every JOBS-th test file, by size
+  local i=$1 jobs=$2; shift 2
+  python3 -m pytest -q -rs -p no:cacheprovider "$@" $(ls -S tests/test_*.py | awk -v i="$i" -v n="$jobs" 'NR % n == i')
+}
+sanitizer() {
+  compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases "${SANITIZER_CASES:-16}" &&
+    compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 4
+}
+export -f pytest_slice sanitizer
+pids=()
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  TAIL=40 stage gpu-tests "${TESTS_S:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests "$@"
-  grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -40
-  stage quickstart 60 python3 examples/quickstart.py --gpu
-  stage sim-cuda 120 python3 -m kvcanary_cupy sim --device cuda --steps 400 --quiet --json "$OUT/sim-cuda.json" --plot "$OUT/sim-cuda.png"
+  jobs=${JOBS:-4}
+  for i in $(seq 0 $((jobs - 1))); do
+    TAIL=6 stage "gpu-tests-$i" "${TESTS_S:-300}" pytest_slice "$i" "$jobs" "$@" > "$OUT/stage-tests-$i.txt" &
+    pids+=($!)
+  done
 fi
 if [ "$what" = all ] || [ "$what" = sanitizer ]; then
-  stage memcheck "${SANITIZER_S:-150}" compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 24
-  stage racecheck "${SANITIZER_S:-150}" compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 4
+  stage sanitizer "${SANITIZER_S:-300}" sanitizer > "$OUT/stage-sanitizer.txt" &
+  pids+=($!)
+fi
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+cat "$OUT"/stage-*.txt 2>/dev/null
+grep -hE "^(FAILED|ERROR)|Error:|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/gpu-tests-*.log "$OUT"/sanitizer.log 2>/dev/null | head -60
+grep -q "exit [^0]" "$OUT"/stage-*.txt 2>/dev/null && status=1
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  stage quickstart 60 python3 examples/quickstart.py --gpu
+  stage sim-cuda 120 python3 -m kvcanary_cupy sim --device cuda --steps 400 --quiet --json "$OUT/sim-cuda.json" --plot "$OUT/sim-cuda.png"
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   stage bench "${BENCH_S:-150}" python3 -m kvcanary_cupy bench --out "$OUT/bench.txt" --json "$OUT/bench.json"
