@@ -12,6 +12,9 @@ from canary_builders import (
     plan_entries,
     run_plan,
 )
+from conftest import get_backend_or_skip
+
+NUMPY = get_backend_or_skip("numpy")
 
 
 def check(ab, rp, prefix, extend, rtt, *, verify_capacity=4096, **kw):
@@ -278,13 +281,21 @@ def test_returned_plans_are_in_the_callers_framework(ab):
 
 
 def test_replay_is_deterministic(ab):
+    """Replaying a step into reused buffers (what a CUDA graph replay does) gives what a fresh plan
+    on the NumPy reference gives, whatever the buffers held before, every time."""
     rtt = linear_rtt(6, 32)
     args = ([1, 0, 3, 5], [7, 99, 31, 0], [1, 99, 1, 6], rtt)
-    _, _, v1, w1 = run_plan(ab, *args, verify_capacity=64)
-    _, _, v2, w2 = run_plan(ab, *args, verify_capacity=64)
-    assert plan_entries(v1) == plan_entries(v2)
-    for key in w1:
-        assert np.array_equal(w1[key], w2[key])
+    _, _, ref_v, ref_w = run_plan(NUMPY, *args, verify_capacity=64, write_req_capacity=6)
+    assert_plan_equals_oracle(ref_v, ref_w, oracle_plan(*args, verify_capacity=64, write_req_capacity=6))
+    out = _poisoned_out(ab, 64, 6)
+    run_plan(ab, [2, 4, 1, 3, 5, 0], [32, 5, 0, 2, 9, 0], [0, 3, 4, 1, 2, 0], rtt, verify_capacity=64, out=out)
+    for _ in range(2):
+        _, _, vph, wph = run_plan(ab, *args, verify_capacity=64, out=out)
+        assert plan_entries(vph) == plan_entries(ref_v)
+        for key in ("verify_num_valid", "enable", "out_of_range_count"):
+            assert vph[key].tolist() == ref_v[key].tolist(), key
+        for key in ref_w:
+            assert wph[key].tolist() == ref_w[key].tolist(), key
 
 
 # ---- expected tokens ------------------------------------------------------------------------

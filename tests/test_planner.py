@@ -32,6 +32,24 @@ def test_int32_overflow_is_clamped():
     assert any("overflows int32" in n for n in caps.notes)
 
 
+@pytest.mark.parametrize("name", ["kv_pool_size", "max_running_requests", "req_to_token_pool_size", "cuda_graph_max_bs"])
+def test_int32_max_itself_is_not_clamped(name):
+    """2**31 - 1 fits int32: no clamp, no note (a planner built from it would not warn)."""
+    numbers = {"kv_pool_size": 1, "max_running_requests": 1, "verify_headroom": 1, name: INT32_MAX}
+    caps = CanaryCapacities.from_engine(**numbers)
+    want_verify = INT32_MAX if name == "kv_pool_size" else 1
+    want_write = 1 if name == "kv_pool_size" else INT32_MAX
+    assert (caps.verify_capacity, caps.write_req_capacity, caps.notes) == (want_verify, want_write, ())
+    caps = CanaryCapacities.from_engine(**{**numbers, name: INT32_MAX + 1})
+    assert (caps.verify_capacity, caps.write_req_capacity) == (want_verify, want_write)
+    assert caps.notes[0] == f"{name}={INT32_MAX + 1} overflows int32; clamped to {INT32_MAX}"
+
+
+def test_zero_is_not_clamped():
+    caps = CanaryCapacities.from_engine(kv_pool_size=0, max_running_requests=0, verify_headroom=0)
+    assert (caps.verify_capacity, caps.write_req_capacity, caps.notes) == (0, 0, ())
+
+
 def test_capacities_reject_non_ints():
     with pytest.raises(TypeError, match="kv_pool_size must be an int, got float"):
         CanaryCapacities.from_engine(kv_pool_size=1.5, max_running_requests=1)

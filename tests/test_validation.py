@@ -1,12 +1,16 @@
 """Bad arguments (the README's array conventions): the right exception, a message naming the
 argument, what was expected and what came, and a rejected call that changed nothing."""
 
+import re
+
 import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy import interop
 from kvcanary_cupy import RealKvHashMode, RealKvSource, VerifyPlan, ViolationLog, WritePlan
-from canary_builders import a64, canary, linear_rtt, make_log, make_verify_plan, make_write_plan
+from conftest import get_backend_or_skip
+from canary_builders import a64, canary, kv_bytes, linear_rtt, make_log, make_verify_plan, make_write_plan
 
 
 def snapshot(ab, *things) -> list:
@@ -27,6 +31,9 @@ def assert_rejected(ab, exc, match, call, *outputs):
     assert len(before) == len(after)
     for b, a in zip(before, after):
         assert np.array_equal(b, a)
+
+
+NUMPY = get_backend_or_skip("numpy")
 
 
 # ---- plan ------------------------------------------------------------------------------------------
@@ -141,7 +148,13 @@ def test_plan_req_to_token_may_have_a_wider_row_stride(ab):
     (dict(verify_capacity=-1, out=None), ValueError, "verify_capacity must be non-negative, got -1"),
     (dict(verify_capacity=2.0, out=None), TypeError, "verify_capacity must be an int, got float"),
     (dict(verify_capacity=True, out=None), TypeError, "verify_capacity must be an int, got bool"),
-    (dict(verify_capacity=2**31, out=None), ValueError, "verify_capacity must be at most 2147483647"),
+    (dict(verify_capacity=2**31, out=None), ValueError, "verify_capacity must be at most 2147483647, got 2147483648"),
+    # 2**31 - 1 (what CanaryCapacities.from_engine clamps to) is a valid capacity: only the out size differs
+    (dict(verify_capacity=2**31 - 1), ValueError,
+     r"plan verify_capacity=2147483647 does not match out\[0\].verify_slot_indices.shape\[0\]=32"),
+    (dict(write_req_capacity=2**31 - 1), ValueError,
+     r"plan write_req_capacity=2147483647 does not match out\[1\].write_seed_slot_indices.shape\[0\]=2"),
+    (dict(write_req_capacity=2**31), ValueError, "write_req_capacity must be at most 2147483647, got 2147483648"),
     (dict(write_req_capacity=-1, out=None), ValueError, "write_req_capacity must be non-negative, got -1"),
     (dict(write_req_capacity=1, out=None), ValueError, "bs=2 exceeds write_req_capacity=1"),
     (dict(verify_capacity=31), ValueError,
@@ -425,6 +438,113 @@ def test_scatter_rejections(ab, case, exc, match):
                     native["pool_out"], count)
 
 
+# ---- every array's dtype -------------------------------------------------------------------------
+
+
+def _wrong_dtype(ab, arr):
+    """``arr`` (a native array) with the other integer width: int32 for int64 and vice versa."""
+    host_arr = ab.to_numpy(arr)
+    return ab.asarray(host_arr.astype(np.int32 if host_arr.dtype == np.int64 else np.int64))
+
+
+def _with(record, key, value):
+    return type(record)(**{**record.arrays(), key: value})
+
+
+def _record_arrays(prefix, record):
+    return {f"{prefix}.{k}": v for k, v in record.arrays().items()}
+
+
+PLAN_OUT_KEYS = [(0, k) for k in VerifyPlan.__dataclass_fields__] + [(1, k) for k in WritePlan.__dataclass_fields__]
+
+
+@pytest.mark.parametrize("which, key", PLAN_OUT_KEYS)
+def test_plan_out_array_dtypes(ab, which, key):
+    call = PlanCall(ab)
+    out = list(call.out)
+    arr = getattr(out[which], key)
+    out[which] = _with(out[which], key, _wrong_dtype(ab, arr))
+    want, got = ab.to_numpy(arr).dtype.name, "int32" if ab.to_numpy(arr).dtype == np.int64 else "int64"
+    assert_rejected(ab, TypeError, rf"out\[{which}\]\.{key} must have dtype {want}, got {got}",
+                    lambda: call(out=tuple(out)), *out)
+
+
+def test_plan_valid_lens_dtype(ab):
+    call = PlanCall(ab)
+    pool = ab.asarray(np.zeros((4, 16), np.int32))
+    lens = ab.asarray(np.array([1, 1], np.int32))
+    assert_rejected(ab, TypeError, "req_to_verify_expected_tokens_valid_lens must have dtype int64, got int32",
+                    lambda: call(req_to_verify_expected_tokens=pool, req_to_verify_expected_tokens_valid_lens=lens),
+                    *call.out)
+
+
+@pytest.mark.parametrize("key", ["positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions"])
+def test_write_token_array_dtypes(ab, key):
+    call = WriteCall(ab)
+    kw = dict(expected_input_tokens=a64(ab, [1, 2]), expected_input_positions=a64(ab, [0, 1]))
+    kw[key] = ab.asarray(np.array([1, 2], np.int32))
+    assert_rejected(ab, TypeError, rf"^kv-canary: {key} must have dtype int64, got int32",
+                    lambda: call(**kw), *call.outputs())
+
+
+@pytest.mark.parametrize("key", ["write_offsets", "write_seed_slot_indices", "write_num_valid_reqs"])
+def test_write_plan_array_dtypes(ab, key):
+    call = WriteCall(ab)
+    arr = getattr(call.wp, key)
+    wp = _with(call.wp, key, _wrong_dtype(ab, arr))
+    assert_rejected(ab, TypeError, rf"write_plan\.{key} must have dtype {ab.to_numpy(arr).dtype.name}",
+                    lambda: call(write_plan=wp), *call.outputs(), wp)
+
+
+@pytest.mark.parametrize("key", [k for k in VerifyPlan.__dataclass_fields__ if k != "out_of_range_count"])
+def test_verify_plan_array_dtypes(ab, key):
+    buf = ab.asarray(canary(16))
+    log = make_log(ab)
+    vp = make_verify_plan(ab, [1, 2], [0, 1], [-1, 1])
+    arr = getattr(vp, key)
+    bad = _with(vp, key, _wrong_dtype(ab, arr))
+    assert_rejected(ab, TypeError, rf"verify_plan\.{key} must have dtype {ab.to_numpy(arr).dtype.name}",
+                    lambda: kc.verify(buf, bad, log=log), buf, bad, log)
+
+
+@pytest.mark.parametrize("op", ["write", "verify"])
+@pytest.mark.parametrize("key, dtype, exc, match", [
+    ("ring", np.int32, ValueError, r"log\.ring must be int64 \[capacity, 8\], got int32 \(4, 8\)"),
+    ("ring", np.float64, ValueError, r"log\.ring must be int64 \[capacity, 8\], got float64 \(4, 8\)"),
+    ("write_index", np.int64, TypeError, r"log\.write_index must have dtype int32, got int64"),
+    ("slot_run_counters", np.int32, TypeError, r"log\.slot_run_counters must have dtype int64, got int32"),
+    ("kernel_run_counters", np.int32, TypeError, r"log\.kernel_run_counters must have dtype int64, got int32"),
+    ("out_of_range_counters", np.uint64, TypeError, r"log\.out_of_range_counters must have dtype int64, got uint64"),
+])
+def test_log_array_dtypes(ab, op, key, dtype, exc, match):
+    """An int32 ring would cut the 64-bit chain hashes of every violation row: refused like the rest."""
+    log = make_log(ab, capacity=4)
+    bad = _with(log, key, ab.asarray(ab.to_numpy(getattr(log, key)).astype(dtype)))
+    buf = ab.asarray(canary(16))
+    if op == "write":
+        call = WriteCall(ab)
+        assert_rejected(ab, exc, match, lambda: call(log=bad), *call.outputs(), bad)
+    else:
+        vp = make_verify_plan(ab, [1, 2], [5, 5], [-1, -1])  # two violations if it ran
+        assert_rejected(ab, exc, match, lambda: kc.verify(buf, vp, log=bad), buf, bad)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.uint64, np.int32])
+@pytest.mark.parametrize("op", ["write", "verify"])
+def test_canary_buffer_dtypes(ab, op, dtype):
+    """Only int64 [N, >=4] (or its bytes, uint8 [N, >=32]) is a canary buffer: a float64 one would
+    store hashes lossily, a uint64 one would compare them unsigned."""
+    buf = ab.asarray(np.zeros((16, 4), dtype))
+    log = make_log(ab)
+    match = rf"canary_buf must be int64 \[num_slots, 4\] or uint8 \[num_slots, >=32\], got dtype {np.dtype(dtype).name}"
+    if op == "write":
+        call = WriteCall(ab)
+        assert_rejected(ab, TypeError, match, lambda: call(canary_buf=buf), buf, call.wp, call.log)
+    else:
+        vp = make_verify_plan(ab, [1, 2], [0, 1], [-1, 1])
+        assert_rejected(ab, TypeError, match, lambda: kc.verify(buf, vp, log=log), buf, vp, log)
+
+
 # ---- records ---------------------------------------------------------------------------------------
 
 
@@ -513,6 +633,74 @@ def test_real_kv_source_row_stride(ab):
     assert RealKvSource(ok, 1, 32, 32).num_rows == 4
 
 
+@pytest.mark.parametrize("layout", ["dims_swapped", "dim0_reversed"])
+def test_real_kv_source_rows_must_be_contiguous(ab, layout):
+    """A transposed pool would be hashed in memory order, not slot order: it is refused."""
+    if layout == "dim0_reversed" and ab.name.startswith("torch"):
+        pytest.skip("torch tensors cannot have negative strides")
+    data = ab.asarray(kv_bytes(16, 32, 3).reshape(16, 16, 2))
+    tensor = data.swapaxes(1, 2) if layout == "dims_swapped" else data[::-1]  # [16, 2, 16] or [16, 16, 2]
+    src = RealKvSource(tensor, 1, 32, 32)  # row stride and width fit: only the layout is wrong
+    call = WriteCall(ab)
+    assert_rejected(ab, ValueError, r"real_kv_sources\[0\]\.tensor must be contiguous within each dim-0 row",
+                    lambda: call(real_kv_sources=(src,), real_kv_hash_mode=RealKvHashMode.PARTIAL), *call.outputs())
+    vp = make_verify_plan(ab, [3, 4], [0, 1], [-1, 3])
+    assert_rejected(ab, ValueError, r"real_kv_sources\[0\]\.tensor must be contiguous within each dim-0 row",
+                    lambda: kc.verify(call.buf, vp, log=call.log, real_kv_sources=(src,),
+                                      real_kv_hash_mode=RealKvHashMode.ALL), *call.outputs())
+
+
+# ---- negative strides ---------------------------------------------------------------------------------
+
+
+def _flipped(ab, x):
+    """A native view of ``x`` (an array or a record) with negative strides and the same contents."""
+    if hasattr(x, "arrays"):
+        return type(x)(**{k: _flipped(ab, v) for k, v in x.arrays().items()})
+    return ab.asarray(ab.to_numpy(x)[::-1].copy())[::-1]
+
+
+def _plan_and_step(ab, flip):
+    """plan, write (with the input assert) and verify on inputs that are flipped or not: host results."""
+    f = (lambda x: _flipped(ab, x)) if flip else (lambda x: x)
+    vp, wp = kc.plan(f(a64(ab, [1, 2])), f(a64(ab, [3, 4])), f(a64(ab, [2, 1])), f(ab.asarray(linear_rtt(4, 16))),
+                     verify_capacity=7)
+    buf, log = ab.asarray(canary(64)), make_log(ab)
+    kc.write(buf, f(make_write_plan(ab, [0, 2, 3], [-1, 5])), f(a64(ab, [7, 8, 9])), f(a64(ab, [0, 1, 4])),
+             f(a64(ab, [10, 11, 12])), log=log, expected_input_tokens=f(a64(ab, [7, 0, 9])),
+             expected_input_positions=f(a64(ab, [0, 1, 4])))
+    kc.verify(f(buf), f(make_verify_plan(ab, [10, 11, 12], [0, 1, 4], [-1, 10, 5])), log=log)  # buf is read-only here
+    named = {"canary": buf, **_record_arrays("vp", vp), **_record_arrays("wp", wp), **_record_arrays("log", log)}
+    return {k: ab.to_numpy(v) for k, v in named.items()}
+
+
+def test_negative_stride_inputs_are_read_in_order(ab):
+    """Read-only inputs with negative strides are copied (DLPack cannot export them) and read in
+    logical order: every result equals the one of contiguous inputs."""
+    if ab.name.startswith("torch"):
+        pytest.skip("torch tensors cannot have negative strides")
+    want, got = _plan_and_step(ab, False), _plan_and_step(ab, True)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    assert want["vp.verify_slot_indices"].tolist() == [16, 17, 18, 32, 33, 34, 35]
+    assert want["log.ring"][0, [1, 3, 4, 7]].tolist() == [11, 8, 0, 8]  # the write-input assert row of token 8
+    assert want["log.slot_run_counters"][0] == 6  # 3 written + 3 verified
+
+
+@pytest.mark.parametrize("target", ["canary_buf", "log.ring", "log.write_index", "log.out_of_range_counters"])
+def test_negative_stride_outputs_are_refused(ab, target):
+    if ab.name.startswith("torch"):
+        pytest.skip("torch tensors cannot have negative strides")
+    call = WriteCall(ab)
+    if target == "canary_buf":
+        kw = dict(canary_buf=_flipped(ab, call.buf))
+    else:
+        key = target.split(".")[1]
+        kw = dict(log=_with(call.log, key, _flipped(ab, getattr(call.log, key))))
+    outputs = [kw.get("canary_buf", call.buf), call.wp, kw.get("log", call.log)]
+    assert_rejected(ab, ValueError, rf"{re.escape(target)} has negative strides; kv-canary writes into it",
+                    lambda: call(**kw), *outputs)
+
+
 # ---- devices ------------------------------------------------------------------------------------------
 
 
@@ -527,6 +715,75 @@ def test_mixing_cpu_and_gpu_arrays_is_rejected(gpu_ab):
     assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(gpu_ab, buf, log)))
     with pytest.raises(ValueError, match="pass every array of one call on the same device"):
         kc.plan(np.array([1]), gpu_ab.asarray(np.array([1])), np.array([1]), linear_rtt(2, 4), verify_capacity=4)
+
+
+class FakeDevices:
+    """Pretends chosen NumPy arrays live on a GPU: placement_of reports them as CuPy (or CUDA torch)
+    arrays on a device, so the one-device rule is checked on a CPU-only machine."""
+
+    def __init__(self, monkeypatch):
+        self.where = {}  # id(array) -> (framework, device)
+        real = interop.placement_of
+        monkeypatch.setattr(interop, "placement_of", lambda x, name: self._placement(real, x, name))
+
+    def _placement(self, real, x, name):
+        if id(x) in self.where:
+            framework, device = self.where[id(x)]
+            return interop.Placement("cupy", framework, device)
+        return real(x, name)
+
+    def put(self, x, device=0, framework="cupy"):
+        self.where[id(x)] = (framework, device)
+        return x
+
+
+def test_mixing_cpu_and_gpu_arrays_is_rejected_before_anything_runs(monkeypatch):
+    gpu = FakeDevices(monkeypatch)
+    buf, log = canary(8), make_log(NUMPY)
+    vp = make_verify_plan(NUMPY, [1], [0], [-1])
+    vp = VerifyPlan(**{**vp.arrays(), "verify_slot_indices": gpu.put(np.array([1], np.int64))})
+    assert_rejected(NUMPY, ValueError, r"^kv-canary: verify_plan\.verify_slot_indices is a cupy on cuda:0 array but "
+                    r"canary_buf is a numpy array; pass every array of one call on the same device$",
+                    lambda: kc.verify(buf, vp, log=log), buf, log)
+    rtt = gpu.put(linear_rtt(2, 4), framework="torch")
+    out = (VerifyPlan.allocate(4), WritePlan.allocate(1))
+    assert_rejected(NUMPY, ValueError, r"req_to_token is a torch on cuda:0 array but req_pool_indices is a numpy array",
+                    lambda: kc.plan(np.array([1]), np.array([1]), np.array([1]), rtt, verify_capacity=4, out=out), *out)
+
+
+def test_arrays_on_two_gpus_are_rejected(monkeypatch):
+    gpu = FakeDevices(monkeypatch)
+    buf = gpu.put(canary(8))
+    wp = WritePlan(**{k: gpu.put(v) for k, v in make_write_plan(NUMPY, [0, 1], [-1]).arrays().items()})
+    log = ViolationLog(**{k: gpu.put(v, device=1 if k == "ring" else 0) for k, v in make_log(NUMPY).arrays().items()})
+    ids = [gpu.put(np.array([v], np.int64)) for v in (1, 0, 3)]
+    assert_rejected(NUMPY, ValueError, r"log\.ring is a cupy on cuda:1 array but canary_buf is a cupy on cuda:0 array",
+                    lambda: kc.write(buf, wp, *ids, log=log), buf, wp, log)
+
+
+@pytest.mark.parametrize("placements, want", [
+    ([("numpy", "numpy", None), ("numpy", "torch", None)], ("numpy", "torch", None)),
+    ([("cupy", "cupy", 1), ("cupy", "torch", 1), ("cupy", "cupy", 1)], ("cupy", "torch", 1)),
+    ([("cupy", "cupy", 0), ("cupy", "cupy", 0)], ("cupy", "cupy", 0)),
+    ([("cupy", "torch", 0), ("cupy", "torch", 1)], "b is a torch on cuda:1 array but a is a torch on cuda:0 array"),
+    ([("cupy", "cupy", 0), ("numpy", "torch", None)], "b is a torch array but a is a cupy on cuda:0 array"),
+])
+def test_common_placement(monkeypatch, placements, want):
+    """One placement per call: the first array's device, torch as framework if any array is torch."""
+    arrays = {name: np.zeros(1) for name in "abc"[: len(placements)]}
+    by_id = {id(a): interop.Placement(*p) for a, p in zip(arrays.values(), placements)}
+    monkeypatch.setattr(interop, "placement_of", lambda x, name: by_id[id(x)])
+    arrays["skipped"] = None
+    if isinstance(want, tuple):
+        assert interop.common_placement(arrays) == interop.Placement(*want)
+    else:
+        with pytest.raises(ValueError, match=re.escape(want)):
+            interop.common_placement(arrays)
+
+
+def test_common_placement_needs_an_array():
+    with pytest.raises(ValueError, match="no array arguments were given"):
+        interop.common_placement({"a": None})
 
 
 def test_real_kv_source_must_start_16_byte_aligned(ab):

@@ -396,6 +396,34 @@ def test_bfloat16_torch_source_is_read_as_bytes(ab):
     assert [int(b[s, 3]) for s in (4, 7)] == [signed(real_kv(hs, 2, s)) for s in (4, 7)]
 
 
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL])
+def test_fp8_torch_source_is_read_as_bytes(ab, fp8, mode):
+    """fp8 KV pools (one byte per element, NaN patterns included) are fingerprinted from their bytes."""
+    if not ab.name.startswith("torch"):
+        pytest.skip("fp8 tensors are a torch thing")
+    import torch
+
+    data = kv_bytes(8, 2 * 64, 13)  # 8 pages of 2 slots x [4 heads, 16] fp8
+    data[:, :8] = 0x7F  # NaN in e4m3fn and e5m2: the bytes, not the values, are hashed
+    tensor = ab.asarray(data).view(getattr(torch, fp8)).reshape(8, 2, 4, 16)
+    verify_plan = make_verify_plan(ab, [3, 12], [0, 1], [-1, 3])
+    src = (RealKvSource(tensor, 2, 64, 48),)
+    log = make_log(ab)
+    b, _ = write(ab, ab.asarray(canary(16)), [0, 2], [-1], [1, 2], [0, 1], [3, 12], log=log, real_kv_sources=src,
+                 real_kv_hash_mode=mode)
+    hs = (HostSource(data, 2, 64, 48),)
+    assert [int(b[s, 3]) for s in (3, 12)] == [signed(real_kv(hs, int(mode), s)) for s in (3, 12)]
+    buf = ab.asarray(b)
+    kc.verify(buf, verify_plan, log=log, real_kv_sources=src, real_kv_hash_mode=mode)
+    data[6, 64 + 47] ^= 1  # slot 13's last read byte: not a verified slot
+    data[6, 47] ^= 1  # slot 12's last read byte: ALL reads it, PARTIAL does not
+    tensor.view(torch.uint8).reshape(8, -1)[...] = ab.asarray(data)
+    kc.verify(buf, verify_plan, log=log, real_kv_sources=src, real_kv_hash_mode=mode)
+    rows = ring_rows(host(ab, log))
+    assert [(r[1], r[7]) for r in rows] == ([(12, 4)] if mode == RealKvHashMode.ALL else [])
+
+
 def test_source_rows_must_cover_every_slot(ab):
     src = (RealKvSource(ab.asarray(np.zeros((3, 64), np.uint8)), 4, 16, 16),)  # 12 slots
     buf = ab.asarray(canary(13))
