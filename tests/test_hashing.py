@@ -148,6 +148,15 @@ def test_numpy_scalars_take_the_int_path(scalar):
     assert type(got) is int and got == hmix3(2**64 - 1, 5, 7)
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.uint64, np.int64])
+def test_array_forms_take_any_integer_dtype(dtype):
+    """Narrow arrays are widened value by value (never reinterpreted as 64-bit words)."""
+    values = np.array([0, 1, 7, 200], dtype)
+    assert [int(v) for v in kc.splitmix64(values)] == [sm64(int(v)) for v in values]
+    assert [int(v) for v in kc.mix3(values, values[::-1], values + 3)] == [
+        hmix3(int(a), int(b), 3 + int(a)) for a, b in zip(values, values[::-1])]
+
+
 @pytest.mark.parametrize("u, s", [(0, 0), (1, 1), (2**63 - 1, 2**63 - 1), (2**63, -(2**63)), (2**64 - 1, -1),
                                   (0xDE7FAE23A9A1B716, -2414019407054260458)])
 def test_to_signed_to_unsigned(u, s):

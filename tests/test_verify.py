@@ -454,6 +454,10 @@ def test_out_of_range_slots_are_skipped_and_counted(ab):
     assert int(lg["write_index"][0]) == 0
     assert int(lg["slot_run_counters"][11]) == 5  # skipped entries are still scanned
     assert int(lg["out_of_range_counters"][11]) == 3
+    log = make_log(ab)
+    for _ in range(2):
+        lg = verify(ab, buf, [-1, 16, 99, 2, 0], [0, 0, 0, 1, 0], [-1, -1, -1, 1, -1], kernel_kind=11, log=log)
+    assert int(lg["out_of_range_counters"][11]) == 6 and int(lg["out_of_range_counters"].sum()) == 6  # accumulated
 
 
 def test_out_of_range_predecessor_skips_chain_check(ab):
@@ -468,6 +472,7 @@ def test_out_of_range_predecessor_skips_chain_check(ab):
     ([1, 16], [-1, 1], r"verify_plan.verify_slot_indices\[1\] = 16 is outside canary_buf's 16 slots"),
     ([-3, 2], [-1, 1], r"verify_plan.verify_slot_indices\[0\] = -3 is outside"),
     ([1, 2], [-1, 20], r"verify_plan.verify_prev_slot_indices\[1\] = 20 is outside canary_buf's 16 slots"),
+    ([1, 2], [-1, 16], r"verify_plan.verify_prev_slot_indices\[1\] = 16 is outside canary_buf's 16 slots"),
 ])
 def test_strict_verify(ab, slots, prevs, message):
     log = make_log(ab)
@@ -485,7 +490,9 @@ def test_strict_verify_ignores_disabled_plans_and_tail_entries(ab):
     buf = ab.asarray(clean_chain())
     kc.verify(buf, make_verify_plan(ab, [99], [0], [-1], enable=0), log=log, strict=True)
     kc.verify(buf, make_verify_plan(ab, [1, 99], [0, 0], [-1, -1], num_valid=1), log=log, strict=True)
-    assert int(ab.to_numpy(log.kernel_run_counters)[0]) == 2
+    kc.verify(buf, make_verify_plan(ab, [99], [0], [99], num_valid=0), log=log, strict=True)
+    kc.verify(buf, make_verify_plan(ab, [99], [0], [99], num_valid=-1), log=log, strict=True)
+    assert int(ab.to_numpy(log.kernel_run_counters)[0]) == 4
     assert int(ab.to_numpy(log.write_index)[0]) == 0
 
 
@@ -523,3 +530,10 @@ def test_random_out_of_range_entries_match_oracle(ab, seed):
     want, scanned, oor = oracle_verify(buf, list(zip(slots, [-1] * n, positions, prevs))[:active], kind=2)
     assert ring_rows(lg) == sorted_rows(want)
     assert (int(lg["slot_run_counters"][2]), int(lg["out_of_range_counters"][2])) == (scanned, oor)
+    # strict=True raises exactly when some entry is skipped (and counted)
+    call = lambda: verify(ab, buf, slots, positions, prevs, num_valid=num_valid, strict=True)
+    if oor:
+        with pytest.raises(ValueError, match="is outside canary_buf's 20 slots"):
+            call()
+    else:
+        call()
