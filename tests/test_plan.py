@@ -542,6 +542,29 @@ def test_random_plans_with_out_of_range_values_match_oracle(ab, seed):
         run_plan(ab, rp, prefix, extend, rtt, verify_capacity=cap, write_req_capacity=wcap, strict=True, **kw)
 
 
+@pytest.mark.parametrize("rp, window, prefix, extend, bad_at, lookups", [
+    (1, 0, 3, 0, 0, 2),  # position 0: an entry and the predecessor of position 1
+    (1, 1, 4, 0, 2, 1),  # a one-entry window: its predecessor is looked up
+    (1, 1, 4, 0, 1, 0),  # before the window's predecessor
+    (1, 2, 6, 0, 3, 1),
+    (1, 2, 6, 0, 2, 0),
+    (1, 2, 6, 1, 5, 2),  # an entry and the seed
+    (0, 0, 3, 1, 2, 0),  # a padding row looks nothing up
+    (1, 0, 0, 1, 0, 0),  # nothing before position 0
+])
+def test_strict_lut_checks_exactly_the_looked_up_values(ab, rp, window, prefix, extend, bad_at, lookups):
+    rtt = linear_rtt(2, 8)
+    rtt[rp, bad_at] = 50  # past the 20-entry LUT
+    kw = dict(lut=np.arange(20) + 100, swa_window_size=window, verify_capacity=8)
+    vph, _ = check(ab, [rp], [prefix], [extend], rtt, **kw)
+    assert int(vph["out_of_range_count"][0]) == lookups
+    if lookups:
+        with pytest.raises(ValueError, match=rf"req_to_token\[{rp}, {bad_at}\] = 50 \(batch row 0\) is outside"):
+            run_plan(ab, [rp], [prefix], [extend], rtt, strict=True, **kw)
+    else:
+        run_plan(ab, [rp], [prefix], [extend], rtt, strict=True, **kw)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_strict_lut_checks_match_the_counted_lookups(ab, seed):
     """With an SWA window or not, strict raises iff a LUT lookup the plan makes was clamped: padding
@@ -550,6 +573,7 @@ def test_strict_lut_checks_match_the_counted_lookups(ab, seed):
     rows, max_len, bs = 5, 12, int(rng.integers(1, 6))
     lut_len = 60
     rtt = np.where(rng.random((rows, max_len)) < 0.04, lut_len + 5, rng.integers(0, lut_len, (rows, max_len)))
+    rtt[0] = lut_len + 5  # the padding row of req_to_token holds garbage
     rp = rng.permutation(np.arange(1, rows))[:bs] if bs < rows else np.arange(1, rows)
     bs = rp.shape[0]
     rp[rng.random(bs) < 0.2] = 0  # padding rows: nothing of theirs is looked up
