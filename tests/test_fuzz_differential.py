@@ -40,7 +40,7 @@ def test_torch_cpu_matches_numpy():
         assert_same(run_case(NUMPY, case), run_case(ab, case), context=f"torch_cpu seed {seed}")
 
 
-@pytest.mark.parametrize("seed", [0, 3])
+@pytest.mark.parametrize("seed", [0, 5])
 def test_torch_cpu_matches_numpy_wide_batches(seed):
     """Thousands of requests through DLPack views of CPU tensors (real-KV sources, a small ring)."""
     ab = get_backend_or_skip("torch_cpu")
