@@ -2,7 +2,8 @@
 
 On the GPU this is the 2,000-case differential of the CUDA kernels against the NumPy backend
 (every engine table, padding rows, SWA + LUT, expected-token pool, overflow, out-of-range values,
-batches up to 20,000 requests).  Without a GPU it runs a smaller set on CPU torch tensors.
+batches up to 20,000 requests).  Without a GPU it runs a smaller set, wide batches included, on CPU
+torch tensors.
 """
 
 import pytest
@@ -37,6 +38,17 @@ def test_torch_cpu_matches_numpy():
     for seed in range(40):
         case = make_case(seed)
         assert_same(run_case(NUMPY, case), run_case(ab, case), context=f"torch_cpu seed {seed}")
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_torch_cpu_matches_numpy_wide_batches(seed):
+    """Thousands of requests through DLPack views of CPU tensors (real-KV sources, a small ring)."""
+    ab = get_backend_or_skip("torch_cpu")
+    case = make_case(10_000 + seed, big=True)
+    assert case.steps[0].req_pool_indices.shape[0] >= 4000 and case.sources
+    ref = run_case(NUMPY, case)
+    assert ref["snapshots"][-1]["log.slot_run_counters"].sum() > 4000
+    assert_same(ref, run_case(ab, case), context=f"torch_cpu big seed {seed}")
 
 
 def test_fuzz_cases_exercise_every_path():

@@ -44,26 +44,58 @@ def test_mix3_is_ordered_prev_token_position():
     assert kc.mix3(a, b, c) != kc.mix3(a, c, b)
 
 
+def _library_chain(tokens, positions, seed_record=None):
+    """prev_hashes (unsigned) that ``kc.write`` stamps for one request, and the ``kc.mix3`` fold.
+
+    The request writes ``tokens`` at ``positions`` into slots 1.. of a NumPy canary; with
+    ``seed_record`` (token, position, prev_hash) in the last slot, it continues that chain.
+    """
+    n = len(tokens)
+    buf = np.zeros((n + 2, 4), np.int64)
+    seed = -1
+    if seed_record is not None:
+        seed = n + 1
+        buf[seed, :3] = [seed_record[0], seed_record[1], kc.to_signed(seed_record[2])]
+    wp = kc.WritePlan.allocate(1)
+    wp.write_offsets[:] = [0, n]
+    wp.write_seed_slot_indices[0] = seed
+    wp.write_num_valid_reqs[0] = 1
+    log = kc.ViolationLog.allocate(4)
+    kc.write(buf, wp, np.asarray(tokens, np.int64), np.asarray(positions, np.int64), np.arange(1, n + 1),
+             log=log)
+    assert int(log.slot_run_counters[0]) == n and not log.ring.any()  # positions follow the seed
+    stored = [kc.to_unsigned(v) for v in buf[1 : n + 1, 2]]
+    running = kc.ANCHOR_HASH if seed_record is None else kc.mix3(seed_record[2], seed_record[0], seed_record[1])
+    folded = []
+    for t, p in zip(tokens, positions):
+        folded.append(running)
+        running = kc.mix3(running, t, p)
+    return stored, folded, running
+
+
 def test_chain_vectors_tokens_101_to_505():
-    hashes, nxt = chain([101, 202, 303, 404, 505], range(5))
-    assert hashes == [0xDE7FAE23A9A1B716, 0x542FE5061275A6AB, 0x9890D56BDE53142E, 0x5213C65EEE8A1DD1,
-                      0xC749AFFE5A5A9634]
+    want = [0xDE7FAE23A9A1B716, 0x542FE5061275A6AB, 0x9890D56BDE53142E, 0x5213C65EEE8A1DD1, 0xC749AFFE5A5A9634]
+    stored, folded, nxt = _library_chain([101, 202, 303, 404, 505], range(5))
+    assert stored == folded == want
     assert nxt == 0x3A650FCC4023CD13
+    assert chain([101, 202, 303, 404, 505], range(5)) == (want, nxt)  # the suite's oracle agrees
 
 
 def test_chain_vectors_with_seed_record():
-    start = hmix3(ANCHOR_H, 7, 10)  # seed record (token 7, position 10, prev anchor_hash)
-    hashes, _ = chain([101, 202, 303, 404, 505], range(11, 16), start)
-    assert hashes == [0x5E35681BCFCE7CF6, 0x56D3E7D2989B8E36, 0xDD87E0146C9036A8, 0x1CBB47092FF8336E,
-                      0x3579999BB482D1FC]
+    want = [0x5E35681BCFCE7CF6, 0x56D3E7D2989B8E36, 0xDD87E0146C9036A8, 0x1CBB47092FF8336E, 0x3579999BB482D1FC]
+    seed = (7, 10, ANCHOR_H)  # seed record (token 7, position 10, prev anchor_hash)
+    stored, folded, _ = _library_chain([101, 202, 303, 404, 505], range(11, 16), seed)
+    assert stored == folded == want
+    assert chain([101, 202, 303, 404, 505], range(11, 16), hmix3(ANCHOR_H, 7, 10))[0] == want
 
 
 def test_chain_vectors_golden_ratio_tokens_mix3_not_xor():
     tokens = [(i * 0x9E3779B97F4A7C15) & 0x7FFFFFFF for i in range(5)]
-    hashes, _ = chain(tokens, range(5))
-    assert hashes == [0xDE7FAE23A9A1B716, 0xF0D7FE5EB92C788F, 0x3DDFEAFEC17352BC, 0xF2A3DB1523A7D509,
-                      0xFCEC3D0431BB9378]
-    assert hashes[1] != 0xF0F807B576DF665D  # the stale XOR-era golden value
+    want = [0xDE7FAE23A9A1B716, 0xF0D7FE5EB92C788F, 0x3DDFEAFEC17352BC, 0xF2A3DB1523A7D509, 0xFCEC3D0431BB9378]
+    stored, folded, _ = _library_chain(tokens, range(5))
+    assert stored == folded == want
+    assert stored[1] != 0xF0F807B576DF665D  # the stale XOR-era golden value
+    assert chain(tokens, range(5))[0] == want
 
 
 REAL_KV_PATTERN = bytes([0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80, 0x81, 0x82, 0x84, 0x88, 0x90, 0xA0, 0xC0, 0xFF])
@@ -105,7 +137,24 @@ def test_int_and_array_forms_agree():
     assert m.dtype == np.uint64
     assert [int(v) for v in m] == [hmix3(int(x), int(y), int(z)) for x, y, z in zip(a, b, c)]
     assert np.array_equal(mix3_array(a, b, c), m)
-    assert kc.splitmix64(np.int64(-1)) == sm64(2**64 - 1)  # NumPy scalars take the int path
+
+
+@pytest.mark.parametrize("scalar", [np.int64(-1), np.uint64(2**64 - 1), np.int32(-1), -1])
+def test_numpy_scalars_take_the_int_path(scalar):
+    """A NumPy scalar gives a Python int (as a Python int would), never a 0-d array."""
+    got = kc.splitmix64(scalar)
+    assert type(got) is int and got == sm64(2**64 - 1)
+    got = kc.mix3(scalar, np.int64(5), 7)
+    assert type(got) is int and got == hmix3(2**64 - 1, 5, 7)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.uint64, np.int64])
+def test_array_forms_take_any_integer_dtype(dtype):
+    """Narrow arrays are widened value by value (never reinterpreted as 64-bit words)."""
+    values = np.array([0, 1, 7, 200], dtype)
+    assert [int(v) for v in kc.splitmix64(values)] == [sm64(int(v)) for v in values]
+    assert [int(v) for v in kc.mix3(values, values[::-1], values + 3)] == [
+        hmix3(int(a), int(b), 3 + int(a)) for a, b in zip(values, values[::-1])]
 
 
 @pytest.mark.parametrize("u, s", [(0, 0), (1, 1), (2**63 - 1, 2**63 - 1), (2**63, -(2**63)), (2**64 - 1, -1),

@@ -12,6 +12,9 @@ from canary_builders import (
     plan_entries,
     run_plan,
 )
+from conftest import get_backend_or_skip
+
+NUMPY = get_backend_or_skip("numpy")
 
 
 def check(ab, rp, prefix, extend, rtt, *, verify_capacity=4096, **kw):
@@ -111,6 +114,20 @@ def test_lut_negative_values_pass_through(ab):
     assert vph["verify_prev_slot_indices"][:3].tolist() == [-1, -5, 18]
     assert wph["write_seed_slot_indices"].tolist() == [-1]  # seed -1 passes through the LUT too
     assert int(vph["out_of_range_count"][0]) == 0
+
+
+def test_lut_translates_slot_zero_and_passes_any_negative(ab):
+    """Slot 0 is an index like any other (lut[0], not 0); negatives of any size pass through, even
+    with a one-entry LUT."""
+    rtt = linear_rtt(2, 8)
+    rtt[1, :4] = [0, -1000, 0, 3]
+    vph, wph = check(ab, [1], [4], [1], rtt, lut=np.array([7, 8, 9, 10]))
+    assert vph["verify_slot_indices"][:4].tolist() == [7, -1000, 7, 10]
+    assert vph["verify_prev_slot_indices"][:4].tolist() == [-1, 7, -1000, 7]
+    assert wph["write_seed_slot_indices"].tolist() == [10]
+    vph, wph = check(ab, [1], [3], [1], rtt, lut=np.array([5]))
+    assert vph["verify_slot_indices"][:3].tolist() == [5, -1000, 5]
+    assert int(vph["out_of_range_count"][0]) == 0  # 0 is in a one-entry LUT's range
 
 
 def test_extend_all_zero(ab):
@@ -278,13 +295,21 @@ def test_returned_plans_are_in_the_callers_framework(ab):
 
 
 def test_replay_is_deterministic(ab):
+    """Replaying a step into reused buffers (what a CUDA graph replay does) gives what a fresh plan
+    on the NumPy reference gives, whatever the buffers held before, every time."""
     rtt = linear_rtt(6, 32)
     args = ([1, 0, 3, 5], [7, 99, 31, 0], [1, 99, 1, 6], rtt)
-    _, _, v1, w1 = run_plan(ab, *args, verify_capacity=64)
-    _, _, v2, w2 = run_plan(ab, *args, verify_capacity=64)
-    assert plan_entries(v1) == plan_entries(v2)
-    for key in w1:
-        assert np.array_equal(w1[key], w2[key])
+    _, _, ref_v, ref_w = run_plan(NUMPY, *args, verify_capacity=64, write_req_capacity=6)
+    assert_plan_equals_oracle(ref_v, ref_w, oracle_plan(*args, verify_capacity=64, write_req_capacity=6))
+    out = _poisoned_out(ab, 64, 6)
+    run_plan(ab, [2, 4, 1, 3, 5, 0], [32, 5, 0, 2, 9, 0], [0, 3, 4, 1, 2, 0], rtt, verify_capacity=64, out=out)
+    for _ in range(2):
+        _, _, vph, wph = run_plan(ab, *args, verify_capacity=64, out=out)
+        assert plan_entries(vph) == plan_entries(ref_v)
+        for key in ("verify_num_valid", "enable", "out_of_range_count"):
+            assert vph[key].tolist() == ref_v[key].tolist(), key
+        for key in ref_w:
+            assert wph[key].tolist() == ref_w[key].tolist(), key
 
 
 # ---- expected tokens ------------------------------------------------------------------------
@@ -442,6 +467,12 @@ STRICT_CASES = [  # (change, message, count without strict)
     (dict(extend=[1, -4]), r"extend_seq_lens\[1\] = -4 is negative", 1),
     (dict(valid_lens=[3, 40]), r"req_to_verify_expected_tokens_valid_lens\[1\] = 40 is outside \[0, 16\]", 1),
     (dict(lut=np.arange(34)), r"req_to_token\[2, 2\] = 34 \(batch row 1\) is outside full_to_swa_index_mapping of length 34", 2),
+    # at the bounds, and a row whose first bad value is not its first checked one
+    (dict(rp=[1, 4]), r"req_pool_indices\[1\] = 4 is outside \[0, 4\)", 1),
+    (dict(prefix=[0, 3], extend=[-1, 1]), r"extend_seq_lens\[0\] = -1 is negative", 1),
+    (dict(prefix=[16, 3], extend=[-1, 1]), r"extend_seq_lens\[0\] = -1 is negative", 1),
+    (dict(extend=[0, 1], valid_lens=[17, 3]), r"req_to_verify_expected_tokens_valid_lens\[0\] = 17 is outside", 1),
+    (dict(valid_lens=[16, -1]), r"req_to_verify_expected_tokens_valid_lens\[1\] = -1 is outside", 1),
 ]
 
 
@@ -501,4 +532,59 @@ def test_random_plans_with_out_of_range_values_match_oracle(ab, seed):
         kw["valid_lens"] = rng.integers(-2, 32, size=bs)
         kw["kv_token_id_vs_position_offset"] = int(rng.integers(-1, 2))
     cap = int(rng.integers(0, 80))
-    check(ab, rp, prefix, extend, rtt, verify_capacity=cap, write_req_capacity=bs + int(rng.integers(0, 3)), **kw)
+    wcap = bs + int(rng.integers(0, 3))
+    vph, _ = check(ab, rp, prefix, extend, rtt, verify_capacity=cap, write_req_capacity=wcap, **kw)
+    # strict=True raises exactly when the plan skips or clamps a value (and counts it)
+    if int(vph["out_of_range_count"][0]):
+        with pytest.raises(ValueError, match="is outside|is negative"):
+            run_plan(ab, rp, prefix, extend, rtt, verify_capacity=cap, write_req_capacity=wcap, strict=True, **kw)
+    else:
+        run_plan(ab, rp, prefix, extend, rtt, verify_capacity=cap, write_req_capacity=wcap, strict=True, **kw)
+
+
+@pytest.mark.parametrize("rp, window, prefix, extend, bad_at, lookups", [
+    (1, 0, 3, 0, 0, 2),  # position 0: an entry and the predecessor of position 1
+    (1, 1, 4, 0, 2, 1),  # a one-entry window: its predecessor is looked up
+    (1, 1, 4, 0, 1, 0),  # before the window's predecessor
+    (1, 2, 6, 0, 3, 1),
+    (1, 2, 6, 0, 2, 0),
+    (1, 2, 6, 1, 5, 2),  # an entry and the seed
+    (0, 0, 3, 1, 2, 0),  # a padding row looks nothing up
+    (1, 0, 0, 1, 0, 0),  # nothing before position 0
+])
+def test_strict_lut_checks_exactly_the_looked_up_values(ab, rp, window, prefix, extend, bad_at, lookups):
+    rtt = linear_rtt(2, 8)
+    rtt[rp, bad_at] = 50  # past the 20-entry LUT
+    kw = dict(lut=np.arange(20) + 100, swa_window_size=window, verify_capacity=8)
+    vph, _ = check(ab, [rp], [prefix], [extend], rtt, **kw)
+    assert int(vph["out_of_range_count"][0]) == lookups
+    if lookups:
+        with pytest.raises(ValueError, match=rf"req_to_token\[{rp}, {bad_at}\] = 50 \(batch row 0\) is outside"):
+            run_plan(ab, [rp], [prefix], [extend], rtt, strict=True, **kw)
+    else:
+        run_plan(ab, [rp], [prefix], [extend], rtt, strict=True, **kw)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_strict_lut_checks_match_the_counted_lookups(ab, seed):
+    """With an SWA window or not, strict raises iff a LUT lookup the plan makes was clamped: padding
+    rows, entries outside the window and plans that overflow look nothing up."""
+    rng = np.random.default_rng(300 + seed)
+    rows, max_len, bs = 5, 12, int(rng.integers(1, 6))
+    lut_len = 60
+    rtt = np.where(rng.random((rows, max_len)) < 0.04, lut_len + 5, rng.integers(0, lut_len, (rows, max_len)))
+    rtt[0] = lut_len + 5  # the padding row of req_to_token holds garbage
+    rp = rng.permutation(np.arange(1, rows))[:bs] if bs < rows else np.arange(1, rows)
+    bs = rp.shape[0]
+    rp[rng.random(bs) < 0.2] = 0  # padding rows: nothing of theirs is looked up
+    prefix = rng.integers(0, max_len + 1, bs)
+    extend = rng.integers(0, 3, bs)
+    kw = dict(lut=np.arange(100, 100 + lut_len), swa_window_size=int(rng.choice([0, 1, 2, 5])),
+              verify_capacity=int(rng.choice([0, 3, 64])))
+    vph, _ = check(ab, rp, prefix, extend, rtt.astype(np.int32), **kw)
+    counted = int(vph["out_of_range_count"][0])
+    if counted:
+        with pytest.raises(ValueError, match=r"is outside full_to_swa_index_mapping of length 60"):
+            run_plan(ab, rp, prefix, extend, rtt.astype(np.int32), strict=True, **kw)
+    else:
+        run_plan(ab, rp, prefix, extend, rtt.astype(np.int32), strict=True, **kw)

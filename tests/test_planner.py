@@ -1,5 +1,6 @@
 """CanaryCapacities / CanaryPlanner: clamped capacities, buffers reused at fixed addresses."""
 
+import os
 import warnings
 
 import numpy as np
@@ -30,6 +31,24 @@ def test_int32_overflow_is_clamped():
     caps = CanaryCapacities.from_engine(kv_pool_size=2**30, max_running_requests=2**40)
     assert (caps.verify_capacity, caps.write_req_capacity) == (INT32_MAX, INT32_MAX)
     assert any("overflows int32" in n for n in caps.notes)
+
+
+@pytest.mark.parametrize("name", ["kv_pool_size", "max_running_requests", "req_to_token_pool_size", "cuda_graph_max_bs"])
+def test_int32_max_itself_is_not_clamped(name):
+    """2**31 - 1 fits int32: no clamp, no note (a planner built from it would not warn)."""
+    numbers = {"kv_pool_size": 1, "max_running_requests": 1, "verify_headroom": 1, name: INT32_MAX}
+    caps = CanaryCapacities.from_engine(**numbers)
+    want_verify = INT32_MAX if name == "kv_pool_size" else 1
+    want_write = 1 if name == "kv_pool_size" else INT32_MAX
+    assert (caps.verify_capacity, caps.write_req_capacity, caps.notes) == (want_verify, want_write, ())
+    caps = CanaryCapacities.from_engine(**{**numbers, name: INT32_MAX + 1})
+    assert (caps.verify_capacity, caps.write_req_capacity) == (want_verify, want_write)
+    assert caps.notes[0] == f"{name}={INT32_MAX + 1} overflows int32; clamped to {INT32_MAX}"
+
+
+def test_zero_is_not_clamped():
+    caps = CanaryCapacities.from_engine(kv_pool_size=0, max_running_requests=0, verify_headroom=0)
+    assert (caps.verify_capacity, caps.write_req_capacity, caps.notes) == (0, 0, ())
 
 
 def test_capacities_reject_non_ints():
@@ -121,6 +140,43 @@ def test_planner_swa_and_expected_tokens(ab):
     assert ab.to_numpy(vp.verify_slot_indices)[:n].tolist() == [1019, 1020]
     assert ab.to_numpy(vp.verify_expected_tokens)[:n].tolist() == [20, -1]  # p+1 < valid_lens only
     assert ab.to_numpy(wp.write_seed_slot_indices).tolist() == [1020, -1]
+
+
+@pytest.mark.parametrize("build", ["init", "from_engine"])
+def test_planner_defaults_are_a_full_group_without_offset(build):
+    """No window, no LUT, token ids at their own positions, and out-of-range values counted (not raised)."""
+    caps = dict(kv_pool_size=16, max_running_requests=2)
+    planner = CanaryPlanner(CanaryCapacities.from_engine(**caps)) if build == "init" else CanaryPlanner.from_engine(**caps)
+    pool = np.arange(4 * 16, dtype=np.int32).reshape(4, 16)
+    vp, wp = planner.plan(i64([1, 2]), i64([3, 17]), i64([1, 1]), linear_rtt(4, 16), req_to_verify_expected_tokens=pool,
+                          req_to_verify_expected_tokens_valid_lens=i64([16, 16]))
+    n = int(vp.verify_num_valid[0])
+    assert vp.verify_slot_indices[:n].tolist() == [16, 17, 18] + list(range(32, 48))
+    assert vp.verify_expected_tokens[:n].tolist() == [16, 17, 18] + list(range(32, 48))
+    assert int(vp.out_of_range_count[0]) == 1  # prefix 17 > 16
+
+
+@pytest.mark.skipif("MUTANT_UNDER_TEST" in os.environ, reason="mutmut's trampolines add a stack frame")
+def test_capacity_warnings_point_at_the_caller():
+    with pytest.warns(CanaryCapacityWarning, match="clamped") as caught:
+        planner = CanaryPlanner(CanaryCapacities.from_engine(kv_pool_size=-1, max_running_requests=1))
+    assert caught[0].filename == __file__
+    planner.plan(i64([1]), i64([2]), i64([1]), linear_rtt(2, 4))
+    with pytest.warns(CanaryCapacityWarning, match="overflowed") as caught:
+        planner.verify_overflowed()
+    assert caught[0].filename == __file__
+    assert str(caught[0].message) == (
+        "kv-canary: the verify plan overflowed verify_capacity=0: this step's verify is skipped; "
+        "raise verify_headroom or kv_pool_size in CanaryCapacities.from_engine")
+
+
+def test_clamp_notes_name_what_was_clamped():
+    caps = CanaryCapacities.from_engine(kv_pool_size=2**30, max_running_requests=-3, verify_headroom=3)
+    assert caps.notes == (f"verify_capacity (verify_headroom * kv_pool_size)={3 * 2**30} overflows int32; clamped to {INT32_MAX}",
+                          "max_running_requests=-3 is negative; clamped to 0")
+    with pytest.warns(CanaryCapacityWarning) as caught:
+        CanaryPlanner(caps)
+    assert str(caught[0].message) == "kv-canary: CanaryPlanner capacities were clamped: " + "; ".join(caps.notes)
 
 
 def test_planner_rejects_batches_above_capacity(ab):

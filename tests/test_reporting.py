@@ -155,3 +155,26 @@ def test_summary_and_html(monkeypatch):
         assert cell in row, cell
     empty = ViolationReport((), 0, 4, *(np.zeros(12, np.int64),) * 4)
     assert "No violations." in empty._repr_html_()
+
+
+def test_report_of_a_negative_write_index(ab):
+    """A write_index the kernels never produce (negative) decodes no rows, not the ring's tail."""
+    log = make_log(ab, capacity=4)
+    kc.verify(ab.asarray(canary(16)), make_verify_plan(ab, [1, 2, 3], [3] * 3, [-1] * 3), log=log, kernel_kind=2)
+    for index, shown in ((-3, 0), (-1, 0), (0, 0), (2, 2), (3, 3)):
+        log.write_index[...] = index
+        report = log.read()
+        assert (len(report.violations), report.total_violations, report.dropped) == (shown, 3, 3 - shown)
+        assert len({v.slot_idx for v in report.violations} & {1, 2, 3}) == shown
+
+
+def test_report_keeps_every_stored_row_and_the_per_kind_totals(ab):
+    log = make_log(ab, capacity=16)
+    kc.verify(ab.asarray(canary(16)), make_verify_plan(ab, list(range(1, 11)), [3] * 10, [-1] * 10), log=log,
+              kernel_kind=5)
+    kc.verify(ab.asarray(canary(16)), make_verify_plan(ab, [1, 2], [3] * 2, [-1] * 2), log=log, kernel_kind=1)
+    report = log.read()
+    assert (len(report.violations), report.total_violations, report.dropped) == (12, 12, 0)
+    assert report.violation_counters.tolist() == [0, 2, 0, 0, 0, 10] + [0] * 6
+    log.reset()
+    assert report.violation_counters.tolist() == [0, 2, 0, 0, 0, 10] + [0] * 6  # a copy, not a view

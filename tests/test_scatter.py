@@ -175,6 +175,8 @@ def test_repeated_pool_rows_match_numpy_on_the_gpu(gpu_ab, bs):
     ("source before flat_in", [1, 2, 3, 4, 5], [-2, 2], [2], 1),
     ("every kind at once", [1, 2, 3, 4, 5], [0, 2, 1, 4, 9], [9, 1, 2, 3], 3),
     ("empty range out of bounds is fine", [1, 2], [5, 5], [1], 0),
+    ("one value just past flat_in", [1, 2, 3, 4, 5], [5, 6], [1], 1),
+    ("a single value", [7], [0, 1], [2], 0),
 ])
 def test_out_of_range_rows(ab, name, flat, offsets, rp, bad):
     got, count = scatter(ab, flat, offsets, rp, poisoned(4, 5))
@@ -182,6 +184,11 @@ def test_out_of_range_rows(ab, name, flat, offsets, rp, bad):
     assert oracle_scatter(flat, offsets, rp, want) == bad
     assert count == bad, name
     assert np.array_equal(got, want), name
+    if bad:  # strict=True raises exactly when a value is skipped
+        with pytest.raises(ValueError, match="is outside|is not a range"):
+            scatter(ab, flat, offsets, rp, poisoned(4, 5), strict=True)
+    else:
+        scatter(ab, flat, offsets, rp, poisoned(4, 5), strict=True)
 
 
 def test_partial_source_writes_only_in_range_elements(ab):
@@ -205,6 +212,7 @@ def test_counter_accumulates(ab):
     ([0, 1, 3], [4, 1], r"req_pool_indices\[0\] = 4 is outside \[0, 4\) \(pool_out has 4 rows\)"),
     ([0, 3, 1], [1, 2], r"offsets\[1:3\] = \[3, 1\] is not a range within the 3 values of flat_in"),
     ([0, 1, 9], [1, 2], r"offsets\[1:3\] = \[1, 9\] is not a range within the 3 values of flat_in"),
+    ([0, 9, 9], [0, 2], r"offsets\[0:2\] = \[0, 9\] is not a range"),  # pool row 0 is a row like any other
 ])
 def test_strict_scatter(ab, offsets, rp, message):
     pool = ab.asarray(poisoned(4, 5))

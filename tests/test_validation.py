@@ -1,12 +1,27 @@
 """Bad arguments (the README's array conventions): the right exception, a message naming the
 argument, what was expected and what came, and a rejected call that changed nothing."""
 
+import re
+
 import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy import interop, plans
 from kvcanary_cupy import RealKvHashMode, RealKvSource, VerifyPlan, ViolationLog, WritePlan
-from canary_builders import a64, canary, linear_rtt, make_log, make_verify_plan, make_write_plan
+from conftest import get_backend_or_skip
+from canary_builders import (
+    HostSource,
+    a64,
+    canary,
+    kv_bytes,
+    linear_rtt,
+    make_log,
+    make_verify_plan,
+    make_write_plan,
+    real_kv,
+    signed,
+)
 
 
 def snapshot(ab, *things) -> list:
@@ -27,6 +42,9 @@ def assert_rejected(ab, exc, match, call, *outputs):
     assert len(before) == len(after)
     for b, a in zip(before, after):
         assert np.array_equal(b, a)
+
+
+NUMPY = get_backend_or_skip("numpy")
 
 
 # ---- plan ------------------------------------------------------------------------------------------
@@ -85,19 +103,21 @@ def test_plan_lut_checks(ab, kw_name, value, exc, match):
     assert_rejected(ab, exc, match, lambda: call(**{kw_name: ab.asarray(value)}), *call.out)
 
 
-def test_plan_window_requires_lut(ab):
+@pytest.mark.parametrize("window", [1, 4])
+def test_plan_window_requires_lut(ab, window):
     call = PlanCall(ab)
-    assert_rejected(ab, ValueError, "plan requires full_to_swa_index_mapping when swa_window_size > 0",
-                    lambda: call(swa_window_size=4), *call.out)
+    assert_rejected(ab, ValueError, r"^kv-canary: plan requires full_to_swa_index_mapping when swa_window_size > 0; "
+                    r"pass the full->SWA slot LUT \(int64\)$", lambda: call(swa_window_size=window), *call.out)
 
 
 def test_plan_pool_and_valid_lens_come_together(ab):
     call = PlanCall(ab)
     pool = ab.asarray(np.zeros((4, 16), np.int32))
     lens = a64(ab, [1, 1])
-    assert_rejected(ab, ValueError, "requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set",
-                    lambda: call(req_to_verify_expected_tokens=pool), *call.out)
-    assert_rejected(ab, ValueError, "valid_lens was given without req_to_verify_expected_tokens",
+    assert_rejected(ab, ValueError, "^kv-canary: plan requires req_to_verify_expected_tokens_valid_lens when "
+                    "req_to_verify_expected_tokens is set$", lambda: call(req_to_verify_expected_tokens=pool), *call.out)
+    assert_rejected(ab, ValueError, "^kv-canary: req_to_verify_expected_tokens_valid_lens was given without "
+                    "req_to_verify_expected_tokens; pass both or neither$",
                     lambda: call(req_to_verify_expected_tokens_valid_lens=lens), *call.out)
 
 
@@ -141,9 +161,17 @@ def test_plan_req_to_token_may_have_a_wider_row_stride(ab):
     (dict(verify_capacity=-1, out=None), ValueError, "verify_capacity must be non-negative, got -1"),
     (dict(verify_capacity=2.0, out=None), TypeError, "verify_capacity must be an int, got float"),
     (dict(verify_capacity=True, out=None), TypeError, "verify_capacity must be an int, got bool"),
-    (dict(verify_capacity=2**31, out=None), ValueError, "verify_capacity must be at most 2147483647"),
+    (dict(verify_capacity=2**31, out=None), ValueError, "verify_capacity must be at most 2147483647, got 2147483648"),
+    # 2**31 - 1 (what CanaryCapacities.from_engine clamps to) is a valid capacity: only the out size differs
+    (dict(verify_capacity=2**31 - 1), ValueError,
+     r"plan verify_capacity=2147483647 does not match out\[0\].verify_slot_indices.shape\[0\]=32"),
+    (dict(write_req_capacity=2**31 - 1), ValueError,
+     r"plan write_req_capacity=2147483647 does not match out\[1\].write_seed_slot_indices.shape\[0\]=2"),
+    (dict(write_req_capacity=2**31), ValueError, "write_req_capacity must be at most 2147483647, got 2147483648"),
     (dict(write_req_capacity=-1, out=None), ValueError, "write_req_capacity must be non-negative, got -1"),
-    (dict(write_req_capacity=1, out=None), ValueError, "bs=2 exceeds write_req_capacity=1"),
+    (dict(write_req_capacity=1, out=None), ValueError,
+     r"^kv-canary: bs=2 exceeds write_req_capacity=1; size the WritePlan for the largest batch "
+     r"\(CanaryCapacities.from_engine\(max_running_requests=...\) for a CanaryPlanner\)$"),
     (dict(verify_capacity=31), ValueError,
      r"plan verify_capacity=31 does not match out\[0\].verify_slot_indices.shape\[0\]=32"),
     (dict(write_req_capacity=3), ValueError,
@@ -253,7 +281,8 @@ def _source(ab, rows=16):
     ("kind_high", ValueError, r"kernel_kind must be in \[0, 12\) \(the log's num_kinds\), got 12"),
     ("kind_negative", ValueError, r"kernel_kind must be in \[0, 12\) .* got -1"),
     ("kind_type", TypeError, "kernel_kind must be an int, got float"),
-    ("one_expected", ValueError, "pass both or neither"),
+    ("one_expected", ValueError, "^kv-canary: expected_input_tokens and expected_input_positions enable the "
+                                 "write-input assert together; pass both or neither$"),
     ("flag_int", TypeError, "chain_position_assert must be a bool or a one-element int32 array, got int 1"),
     ("flag_dtype", TypeError, "chain_position_assert must have dtype int32, got int64"),
     ("flag_len", ValueError, "chain_position_assert length must be 1, got 2"),
@@ -266,7 +295,7 @@ def _source(ab, rows=16):
     ("buf_u8_ragged", ValueError, "canary_buf slot stride .* got 36 bytes"),
     ("buf_i64_narrow", ValueError, "canary_buf slot stride must hold at least 4 int64 fields, got 3"),
     ("buf_1d", ValueError, r"canary_buf must be 2-D, got shape \(64,\)"),
-    ("buf_empty", ValueError, "canary_buf must have at least 1 slot"),
+    ("buf_empty", ValueError, r"^kv-canary: canary_buf must have at least 1 slot \(slot 0 is the padding slot\), got 0$"),
     ("buf_strided", ValueError, "canary_buf must be contiguous"),
     ("offsets_len", ValueError, r"write_plan.write_offsets length must be write_req_capacity \+ 1=2, got 3"),
     ("seeds_dtype", TypeError, "write_plan.write_seed_slot_indices must have dtype int64, got int32"),
@@ -377,6 +406,25 @@ def test_verify_rejections(ab, case, exc, match):
     assert_rejected(ab, exc, match, lambda: kc.verify(buf, vp, **kw), buf, vp, log)
 
 
+def test_verify_needs_a_contiguous_canary_buffer(ab):
+    buf = ab.asarray(canary(32))[::2]
+    log = make_log(ab)
+    vp = make_verify_plan(ab, [1, 2], [0, 1], [-1, 1])
+    assert_rejected(ab, ValueError, r"^kv-canary: canary_buf must be contiguous, got strides \(64, 8\) for shape \(16, 4\)$",
+                    lambda: kc.verify(buf, vp, log=log), buf, vp, log)
+
+
+def test_a_canary_of_only_the_padding_slot(ab):
+    """One slot (slot 0, never stored) is a valid buffer: writes are counted and chained, nothing else."""
+    buf = ab.asarray(canary(1))
+    log = make_log(ab)
+    kc.write(buf, make_write_plan(ab, [0, 2, 3], [-1, 0]), a64(ab, [1, 2, 3]), a64(ab, [0, 1, 0]), a64(ab, [0, 0, 0]),
+             log=log)
+    kc.verify(buf, make_verify_plan(ab, [0, 0], [0, 1], [-1, 0]), log=log)
+    assert not ab.to_numpy(buf).any()
+    assert ab.to_numpy(log.slot_run_counters)[0] == 5 and not ab.to_numpy(log.ring).any()
+
+
 # ---- scatter -------------------------------------------------------------------------------------
 
 
@@ -425,6 +473,166 @@ def test_scatter_rejections(ab, case, exc, match):
                     native["pool_out"], count)
 
 
+# ---- every array's dtype -------------------------------------------------------------------------
+
+
+def dtype_error(name: str, want: str, got: str) -> str:
+    """The full message of a dtype check, conversion hint included."""
+    method = "long" if want == "int64" else "int"
+    return (rf"^kv-canary: {re.escape(name)} must have dtype {want}, got {got}; "
+            rf"convert with \.astype\({want}\) \(NumPy/CuPy\) or \.{method}\(\) \(torch\)$")
+
+
+def _wrong_dtype(ab, arr):
+    """``arr`` (a native array) with the other integer width: int32 for int64 and vice versa."""
+    host_arr = ab.to_numpy(arr)
+    return ab.asarray(host_arr.astype(np.int32 if host_arr.dtype == np.int64 else np.int64))
+
+
+def _with(record, key, value):
+    return type(record)(**{**record.arrays(), key: value})
+
+
+def _record_arrays(prefix, record):
+    return {f"{prefix}.{k}": v for k, v in record.arrays().items()}
+
+
+PLAN_OUT_KEYS = [(0, k) for k in VerifyPlan.__dataclass_fields__] + [(1, k) for k in WritePlan.__dataclass_fields__]
+
+
+@pytest.mark.parametrize("which, key", PLAN_OUT_KEYS)
+def test_plan_out_array_dtypes(ab, which, key):
+    call = PlanCall(ab)
+    out = list(call.out)
+    arr = getattr(out[which], key)
+    out[which] = _with(out[which], key, _wrong_dtype(ab, arr))
+    want, got = ab.to_numpy(arr).dtype.name, "int32" if ab.to_numpy(arr).dtype == np.int64 else "int64"
+    assert_rejected(ab, TypeError, dtype_error(f"out[{which}].{key}", want, got), lambda: call(out=tuple(out)), *out)
+
+
+def test_plan_valid_lens_dtype(ab):
+    call = PlanCall(ab)
+    pool = ab.asarray(np.zeros((4, 16), np.int32))
+    lens = ab.asarray(np.array([1, 1], np.int32))
+    assert_rejected(ab, TypeError, dtype_error("req_to_verify_expected_tokens_valid_lens", "int64", "int32"),
+                    lambda: call(req_to_verify_expected_tokens=pool, req_to_verify_expected_tokens_valid_lens=lens),
+                    *call.out)
+
+
+@pytest.mark.parametrize("key", ["positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions"])
+def test_write_token_array_dtypes(ab, key):
+    call = WriteCall(ab)
+    kw = dict(expected_input_tokens=a64(ab, [1, 2]), expected_input_positions=a64(ab, [0, 1]))
+    kw[key] = ab.asarray(np.array([1, 2], np.int32))
+    assert_rejected(ab, TypeError, dtype_error(key, "int64", "int32"),
+                    lambda: call(**kw), *call.outputs())
+
+
+@pytest.mark.parametrize("key", ["write_offsets", "write_seed_slot_indices", "write_num_valid_reqs"])
+def test_write_plan_array_dtypes(ab, key):
+    call = WriteCall(ab)
+    arr = getattr(call.wp, key)
+    wp = _with(call.wp, key, _wrong_dtype(ab, arr))
+    want = ab.to_numpy(arr).dtype.name
+    assert_rejected(ab, TypeError, dtype_error(f"write_plan.{key}", want, "int32" if want == "int64" else "int64"),
+                    lambda: call(write_plan=wp), *call.outputs(), wp)
+
+
+@pytest.mark.parametrize("key", [k for k in VerifyPlan.__dataclass_fields__ if k != "out_of_range_count"])
+def test_verify_plan_array_dtypes(ab, key):
+    buf = ab.asarray(canary(16))
+    log = make_log(ab)
+    vp = make_verify_plan(ab, [1, 2], [0, 1], [-1, 1])
+    arr = getattr(vp, key)
+    bad = _with(vp, key, _wrong_dtype(ab, arr))
+    want = ab.to_numpy(arr).dtype.name
+    assert_rejected(ab, TypeError, dtype_error(f"verify_plan.{key}", want, "int32" if want == "int64" else "int64"),
+                    lambda: kc.verify(buf, bad, log=log), buf, bad, log)
+
+
+@pytest.mark.parametrize("op", ["write", "verify"])
+@pytest.mark.parametrize("key, dtype, exc, match", [
+    ("ring", np.int32, ValueError, r"log\.ring must be int64 \[capacity, 8\], got int32 \(4, 8\)"),
+    ("ring", np.float64, ValueError, r"log\.ring must be int64 \[capacity, 8\], got float64 \(4, 8\)"),
+    ("write_index", np.int64, TypeError, r"log\.write_index must have dtype int32, got int64"),
+    ("slot_run_counters", np.int32, TypeError, r"log\.slot_run_counters must have dtype int64, got int32"),
+    ("kernel_run_counters", np.int32, TypeError, r"log\.kernel_run_counters must have dtype int64, got int32"),
+    ("out_of_range_counters", np.uint64, TypeError, r"log\.out_of_range_counters must have dtype int64, got uint64"),
+])
+def test_log_array_dtypes(ab, op, key, dtype, exc, match):
+    """An int32 ring would cut the 64-bit chain hashes of every violation row: refused like the rest."""
+    log = make_log(ab, capacity=4)
+    bad = _with(log, key, ab.asarray(ab.to_numpy(getattr(log, key)).astype(dtype)))
+    buf = ab.asarray(canary(16))
+    if op == "write":
+        call = WriteCall(ab)
+        assert_rejected(ab, exc, match, lambda: call(log=bad), *call.outputs(), bad)
+    else:
+        vp = make_verify_plan(ab, [1, 2], [5, 5], [-1, -1])  # two violations if it ran
+        assert_rejected(ab, exc, match, lambda: kc.verify(buf, vp, log=bad), buf, bad)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.uint64, np.int32])
+@pytest.mark.parametrize("op", ["write", "verify"])
+def test_canary_buffer_dtypes(ab, op, dtype):
+    """Only int64 [N, >=4] (or its bytes, uint8 [N, >=32]) is a canary buffer: a float64 one would
+    store hashes lossily, a uint64 one would compare them unsigned."""
+    buf = ab.asarray(np.zeros((16, 4), dtype))
+    log = make_log(ab)
+    match = rf"canary_buf must be int64 \[num_slots, 4\] or uint8 \[num_slots, >=32\], got dtype {np.dtype(dtype).name}"
+    if op == "write":
+        call = WriteCall(ab)
+        assert_rejected(ab, TypeError, match, lambda: call(canary_buf=buf), buf, call.wp, call.log)
+    else:
+        vp = make_verify_plan(ab, [1, 2], [0, 1], [-1, 1])
+        assert_rejected(ab, TypeError, match, lambda: kc.verify(buf, vp, log=log), buf, vp, log)
+
+
+# ---- lengths ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which, key, length, match", [
+    (0, "verify_expected_positions", 31, r"out\[0\]\.verify_expected_positions length must be verify_capacity=32, got 31"),
+    (0, "out_of_range_count", 2, r"out\[0\]\.out_of_range_count length must be 1, got 2"),
+    (1, "write_num_valid_reqs", 2, r"out\[1\]\.write_num_valid_reqs length must be 1, got 2"),
+])
+def test_plan_out_array_lengths(ab, which, key, length, match):
+    call = PlanCall(ab)
+    out = list(call.out)
+    dtype = ab.to_numpy(getattr(out[which], key)).dtype
+    out[which] = _with(out[which], key, ab.asarray(np.zeros(length, dtype)))
+    assert_rejected(ab, ValueError, "^kv-canary: " + match + "$", lambda: call(out=tuple(out)), *out)
+
+
+def test_single_element_arrays_of_write_and_verify(ab):
+    call = WriteCall(ab)
+    wp = _with(call.wp, "write_num_valid_reqs", ab.asarray(np.ones(2, np.int32)))
+    assert_rejected(ab, ValueError, r"^kv-canary: write_plan\.write_num_valid_reqs length must be 1, got 2$",
+                    lambda: call(write_plan=wp), *call.outputs())
+    log = _with(call.log, "write_index", ab.asarray(np.zeros(2, np.int32)))
+    assert_rejected(ab, ValueError, r"^kv-canary: log\.write_index length must be 1, got 2$",
+                    lambda: call(log=log), call.buf, log)
+
+
+def test_ring_capacity_fits_int32(tmp_path):
+    """A ring of 2**31 rows is refused (tickets are int32), one of 2**31 - 1 rows is used: both are
+    sparse memory-mapped files (one page is written)."""
+    log = make_log(NUMPY)
+    buf = canary(16)
+    vp = make_verify_plan(NUMPY, [1], [0], [-1])  # slot 1 was never written: one violation row
+    for rows, ok in ((2**31, False), (2**31 - 1, True)):
+        ring = np.memmap(tmp_path / f"ring{rows}", np.int64, "w+", shape=(rows, 8))
+        big = _with(log, "ring", ring)
+        if ok:
+            kc.verify(buf, vp, log=big)
+            assert int(big.write_index[0]) == 1 and int(ring[0, 1]) == 1 and int(big.violation_counters[0]) == 1
+        else:
+            assert_rejected(NUMPY, ValueError, rf"^kv-canary: log\.ring capacity must be at most {2**31 - 1}, got {2**31}$",
+                            lambda: kc.verify(buf, vp, log=big), buf, big.write_index, big.kernel_run_counters)
+        del big, ring
+        (tmp_path / f"ring{rows}").unlink()
+
+
 # ---- records ---------------------------------------------------------------------------------------
 
 
@@ -463,10 +671,10 @@ def test_violation_log_allocate(ab):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(ring_capacity=0), "ViolationLog ring_capacity must be positive, got 0"),
-    (dict(ring_capacity=-1), "ViolationLog ring_capacity must be positive, got -1"),
-    (dict(num_kinds=0), "ViolationLog num_kinds must be positive, got 0"),
-    (dict(num_kinds=-2), "ViolationLog num_kinds must be positive, got -2"),
+    (dict(ring_capacity=0), "^kv-canary: ViolationLog ring_capacity must be positive, got 0$"),
+    (dict(ring_capacity=-1), "^kv-canary: ViolationLog ring_capacity must be positive, got -1$"),
+    (dict(num_kinds=0), "^kv-canary: ViolationLog num_kinds must be positive, got 0$"),
+    (dict(num_kinds=-2), "^kv-canary: ViolationLog num_kinds must be positive, got -2$"),
 ])
 def test_violation_log_allocate_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -486,8 +694,19 @@ def test_allocate_canary_buffer(ab):
     assert type(buf) is type(ab.like)
     host = ab.to_numpy(buf)
     assert host.shape == (5, 4) and host.dtype == np.int64 and (host == 0).all()
+    assert ab.to_numpy(kc.allocate_canary_buffer(125, like=ab.like)).shape == (125, 4)
     with pytest.raises(ValueError, match="num_slots must be non-negative, got -1"):
         kc.allocate_canary_buffer(-1)
+    with pytest.raises(ValueError, match=f"num_slots must be at most {2**62}, got {2**62 + 1}"):
+        kc.allocate_canary_buffer(2**62 + 1)
+
+
+def test_allocate_canary_buffer_beyond_int32_slots(monkeypatch):
+    """More than 2**31 slots are fine: the buffer asked for (not made here) is int64 [num_slots, 4], zeroed."""
+    asked = []
+    monkeypatch.setattr(plans, "allocate", lambda shape, dtype, *, like=None, fill=None: asked.append((shape, dtype, fill)))
+    kc.allocate_canary_buffer(2**40)
+    assert asked == [((2**40, 4), np.int64, 0)]
 
 
 @pytest.mark.parametrize("shape, page_size, nbpt, read_bytes, match", [
@@ -499,6 +718,10 @@ def test_allocate_canary_buffer(ab):
     ((4, 64), 1, 32, 48, r"RealKvSource.read_bytes .* got 48"),
     ((64,), 1, 16, 16, r"RealKvSource.tensor must be at least 2-D, got shape \(64,\)"),
     ((4, 16), 2, 16, 16, r"RealKvSource row is too narrow for its slot layout: dim-1 is 16 bytes but page_size=2 x num_bytes_per_token=16 needs 32"),
+    ((4, 64), 1.0, 16, 16, r"RealKvSource.page_size must be >= 1, got 1.0"),
+    ((4, 64), True, 16, 16, r"RealKvSource.page_size must be >= 1, got True"),
+    ((4, 64), 1, 16.0, 16, r"RealKvSource.num_bytes_per_token must be a positive multiple of 16, got 16.0"),
+    ((4, 64), 1, 16, np.float32(16), r"RealKvSource.read_bytes .* got 16.0"),
 ])
 def test_real_kv_source_checks(ab, shape, page_size, nbpt, read_bytes, match):
     with pytest.raises(ValueError, match=match):
@@ -511,6 +734,163 @@ def test_real_kv_source_row_stride(ab):
         RealKvSource(holey, 1, 32, 32)
     ok = ab.asarray(np.zeros((4, 48), np.uint8))[:, :32]
     assert RealKvSource(ok, 1, 32, 32).num_rows == 4
+
+
+@pytest.mark.parametrize("layout", ["dims_swapped", "dim0_reversed", "inner_strided", "middle_strided"])
+def test_real_kv_source_rows_must_be_contiguous(ab, layout):
+    """A transposed or strided pool would be hashed in memory order, not slot order: it is refused."""
+    if layout == "dim0_reversed" and ab.name.startswith("torch"):
+        pytest.skip("torch tensors cannot have negative strides")
+    data = ab.asarray(kv_bytes(16, 64, 3))
+    tensor = {  # each [16, 32 bytes per row] in logical order
+        "dims_swapped": lambda: data[:, :32].reshape(16, 16, 2).swapaxes(1, 2),  # [16, 2, 16]
+        "dim0_reversed": lambda: data[::-1, :32],
+        "inner_strided": lambda: data[:, ::2],  # [16, 32], elements 2 bytes apart
+        "middle_strided": lambda: data.reshape(16, 4, 16)[:, ::2],  # [16, 2, 16], halves 32 bytes apart
+    }[layout]()
+    src = RealKvSource(tensor, 1, 32, 32)  # row stride and width fit: only the layout is wrong
+    call = WriteCall(ab)
+    assert_rejected(ab, ValueError, r"real_kv_sources\[0\]\.tensor must be contiguous within each dim-0 row",
+                    lambda: call(real_kv_sources=(src,), real_kv_hash_mode=RealKvHashMode.PARTIAL), *call.outputs())
+    vp = make_verify_plan(ab, [3, 4], [0, 1], [-1, 3])
+    assert_rejected(ab, ValueError, r"real_kv_sources\[0\]\.tensor must be contiguous within each dim-0 row",
+                    lambda: kc.verify(call.buf, vp, log=call.log, real_kv_sources=(src,),
+                                      real_kv_hash_mode=RealKvHashMode.ALL), *call.outputs())
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float16])
+def test_real_kv_source_layouts_that_are_read(ab, dtype):
+    """Rows may be multi-dimensional and may even alias (dim-0 stride 0): each slot hashes its bytes."""
+    data = kv_bytes(8, 64, 21)
+    pages = ab.asarray(data.view(dtype).reshape(8, 2, -1))  # 8 pages of 2 slots, 3-D
+    row = ab.asarray(data[3].view(dtype))
+    if ab.name.startswith("torch"):
+        aliased = row.reshape(1, -1).expand(8, -1)
+    else:
+        xp = np if ab.name == "numpy" else pytest.importorskip("cupy")
+        aliased = xp.lib.stride_tricks.as_strided(row, (8, row.shape[0]), (0, row.strides[0]))
+    slots = [1, 2, 5, 14]
+    for tensor, host_rows in ((pages, data), (aliased, np.repeat(data[3:4], 8, axis=0))):
+        src = (RealKvSource(tensor, 2, 32, 32),)
+        buf, log = ab.asarray(canary(16)), make_log(ab)
+        kc.write(buf, make_write_plan(ab, [0, 4], [-1]), a64(ab, [1, 2, 3, 4]), a64(ab, range(4)), a64(ab, slots),
+                 log=log, real_kv_sources=src, real_kv_hash_mode=RealKvHashMode.ALL)
+        hs = (HostSource(host_rows, 2, 32, 32),)
+        assert [int(v) for v in ab.to_numpy(buf)[slots, 3]] == [signed(real_kv(hs, 2, s)) for s in slots]
+
+
+# ---- strided and negative-stride arrays ------------------------------------------------------------------
+
+
+def _flipped(ab, x):
+    """A native view of ``x`` (an array or a record) with negative strides and the same contents."""
+    if hasattr(x, "arrays"):
+        return type(x)(**{k: _flipped(ab, v) for k, v in x.arrays().items()})
+    return ab.asarray(ab.to_numpy(x)[::-1].copy())[::-1]
+
+
+def _spread(ab, x):
+    """A native view of ``x`` (an array or a record) with every other element: not contiguous."""
+    if hasattr(x, "arrays"):
+        return type(x)(**{k: _spread(ab, v) for k, v in x.arrays().items()})
+    return ab.asarray(np.repeat(ab.to_numpy(x), 2, axis=0))[::2]
+
+
+def _every_op(ab, f, f_canary):
+    """plan (with a LUT and the expected-token pool), write (with both asserts), verify and scatter,
+    every read-only input passed through ``f`` (the canary verify reads through ``f_canary``): host
+    copies of every output."""
+    vp, wp = kc.plan(f(a64(ab, [1, 2])), f(a64(ab, [3, 4])), f(a64(ab, [2, 1])), f(ab.asarray(linear_rtt(4, 16))),
+                     verify_capacity=7, full_to_swa_index_mapping=f(a64(ab, np.arange(64) + 100)),
+                     req_to_verify_expected_tokens=f(ab.asarray(np.arange(64, dtype=np.int32).reshape(4, 16))),
+                     req_to_verify_expected_tokens_valid_lens=f(a64(ab, [2, 16])))
+    buf, log = ab.asarray(canary(64)), make_log(ab)
+    kc.write(buf, f(make_write_plan(ab, [0, 2, 3], [-1, 5])), f(a64(ab, [7, 8, 9])), f(a64(ab, [0, 1, 4])),
+             f(a64(ab, [10, 11, 12])), log=log, expected_input_tokens=f(a64(ab, [7, 0, 9])),
+             expected_input_positions=f(a64(ab, [0, 1, 4])), chain_position_assert=f(ab.asarray(np.ones(1, np.int32))))
+    kc.verify(f_canary(buf), f(make_verify_plan(ab, [10, 11, 12], [0, 1, 4], [-1, 10, 5])), log=log)  # buf is read-only here
+    pool, count = ab.asarray(np.full((3, 4), -7, np.int32)), a64(ab, [0])
+    kc.scatter_req_token_ids(f(a64(ab, [1, 2, 3, 4, 5])), f(a64(ab, [0, 3, 9])), f(a64(ab, [2, 0])), pool,
+                             out_of_range_count=count)
+    named = {"canary": buf, "pool": pool, "count": count, **_record_arrays("vp", vp), **_record_arrays("wp", wp),
+             **_record_arrays("log", log)}
+    return {k: ab.to_numpy(v) for k, v in named.items()}
+
+
+@pytest.mark.parametrize("layout", ["negative_strides", "every_other_element"])
+def test_strided_inputs_are_read_in_order(ab, layout):
+    """Read-only inputs that are not contiguous are copied (those with negative strides because
+    DLPack cannot export them) and read in logical order: every result equals the contiguous one."""
+    if layout == "negative_strides" and ab.name.startswith("torch"):
+        pytest.skip("torch tensors cannot have negative strides")
+    same = lambda x: x
+    if layout == "negative_strides":
+        got = _every_op(ab, lambda x: _flipped(ab, x), lambda x: _flipped(ab, x))
+    else:  # a canary buffer must be contiguous, even where it is only read
+        got = _every_op(ab, lambda x: _spread(ab, x), same)
+    want = _every_op(ab, same, same)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want), \
+        [k for k in want if not np.array_equal(got[k], want[k])]
+    assert want["vp.verify_slot_indices"].tolist() == [116, 117, 118, 132, 133, 134, 135]
+    assert want["vp.verify_expected_tokens"].tolist() == [16, 17, -1, 32, 33, 34, 35]
+    assert want["log.ring"][0, [1, 3, 4, 7]].tolist() == [11, 8, 0, 8]  # the write-input assert row of token 8
+    assert want["log.slot_run_counters"][0] == 6  # 3 written + 3 verified
+    assert want["pool"].tolist() == [[4, 5, -7, -7], [-7] * 4, [1, 2, 3, -7]] and want["count"].tolist() == [1]
+
+
+@pytest.mark.parametrize("target", ["canary_buf", "log.ring", "log.write_index", "log.out_of_range_counters"])
+def test_negative_stride_outputs_are_refused(ab, target):
+    if ab.name.startswith("torch"):
+        pytest.skip("torch tensors cannot have negative strides")
+    call = WriteCall(ab)
+    if target == "canary_buf":
+        kw = dict(canary_buf=_flipped(ab, call.buf))
+    else:
+        key = target.split(".")[1]
+        kw = dict(log=_with(call.log, key, _flipped(ab, getattr(call.log, key))))
+    outputs = [kw.get("canary_buf", call.buf), call.wp, kw.get("log", call.log)]
+    assert_rejected(ab, ValueError, rf"{re.escape(target)} has negative strides; kv-canary writes into it",
+                    lambda: call(**kw), *outputs)
+
+
+@pytest.mark.parametrize("target", ["pool_out", "out_of_range_count"])
+def test_negative_stride_scatter_outputs_are_refused(ab, target):
+    if ab.name.startswith("torch"):
+        pytest.skip("torch tensors cannot have negative strides")
+    args = dict(pool_out=ab.asarray(np.full((3, 4), -7, np.int32)), out_of_range_count=a64(ab, [0, 0]))
+    args[target] = args[target][::-1]
+    if target == "pool_out":
+        args["out_of_range_count"] = args["out_of_range_count"][:1]
+    assert_rejected(ab, ValueError, rf"^kv-canary: {target} has negative strides; kv-canary writes into it",
+                    lambda: kc.scatter_req_token_ids(a64(ab, [1, 2]), a64(ab, [0, 2]), a64(ab, [1]), args["pool_out"],
+                                                     out_of_range_count=args["out_of_range_count"]), *args.values())
+
+
+def test_req_to_token_row_layouts(ab):
+    """Rows must be contiguous; the row stride may be anything, 0 included (every row the same)."""
+    call = PlanCall(ab)
+    narrow = ab.asarray(np.zeros((4, 4), np.int32))[:, ::2]  # two columns 8 bytes apart
+    assert_rejected(ab, ValueError, r"req_to_token must have contiguous rows, got strides \(16, 8\) bytes",
+                    lambda: call((3, narrow)), *call.out)
+    one_column = ab.asarray(linear_rtt(4, 3))[:, ::3]  # a single column: its stride does not matter
+    vp, _ = call((1, a64(ab, [1, 1])), (3, one_column))
+    assert ab.to_numpy(vp.verify_slot_indices)[:2].tolist() == [3, 6]
+    row = ab.asarray(np.arange(16, dtype=np.int32) + 40)
+    if ab.name.startswith("torch"):
+        same_rows = row.expand(4, 16)
+    else:
+        xp = np if ab.name == "numpy" else pytest.importorskip("cupy")
+        same_rows = xp.lib.stride_tricks.as_strided(row, (4, 16), (0, 4))
+    vp, _ = call((3, same_rows))
+    assert ab.to_numpy(vp.verify_slot_indices)[:7].tolist() == [40, 41, 42, 40, 41, 42, 43]
+
+
+def test_req_to_token_rows_must_start_on_an_element():
+    base = np.zeros(64, np.int32)
+    odd = np.lib.stride_tricks.as_strided(base, (4, 2), (6, 4))  # rows 6 bytes apart: misaligned int32
+    call = PlanCall(NUMPY)
+    assert_rejected(NUMPY, ValueError, r"req_to_token must have contiguous rows, got strides \(6, 4\) bytes",
+                    lambda: call((3, odd)), *call.out)
 
 
 # ---- devices ------------------------------------------------------------------------------------------
@@ -527,6 +907,133 @@ def test_mixing_cpu_and_gpu_arrays_is_rejected(gpu_ab):
     assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(gpu_ab, buf, log)))
     with pytest.raises(ValueError, match="pass every array of one call on the same device"):
         kc.plan(np.array([1]), gpu_ab.asarray(np.array([1])), np.array([1]), linear_rtt(2, 4), verify_capacity=4)
+
+
+class FakeDevices:
+    """Pretends chosen NumPy arrays live on a GPU: placement_of reports them as CuPy (or CUDA torch)
+    arrays on a device, so the one-device rule is checked on a CPU-only machine."""
+
+    def __init__(self, monkeypatch):
+        self.where = {}  # id(array) -> (framework, device)
+        real = interop.placement_of
+        monkeypatch.setattr(interop, "placement_of", lambda x, name: self._placement(real, x, name))
+
+    def _placement(self, real, x, name):
+        if id(x) in self.where:
+            framework, device = self.where[id(x)]
+            return interop.Placement("cupy", framework, device)
+        return real(x, name)
+
+    def put(self, x, device=0, framework="cupy"):
+        self.where[id(x)] = (framework, device)
+        return x
+
+
+def test_mixing_cpu_and_gpu_arrays_is_rejected_before_anything_runs(monkeypatch):
+    gpu = FakeDevices(monkeypatch)
+    buf, log = canary(8), make_log(NUMPY)
+    vp = make_verify_plan(NUMPY, [1], [0], [-1])
+    vp = VerifyPlan(**{**vp.arrays(), "verify_slot_indices": gpu.put(np.array([1], np.int64))})
+    assert_rejected(NUMPY, ValueError, r"^kv-canary: verify_plan\.verify_slot_indices is a cupy on cuda:0 array but "
+                    r"canary_buf is a numpy array; pass every array of one call on the same device$",
+                    lambda: kc.verify(buf, vp, log=log), buf, log)
+    rtt = gpu.put(linear_rtt(2, 4), framework="torch")
+    out = (VerifyPlan.allocate(4), WritePlan.allocate(1))
+    assert_rejected(NUMPY, ValueError, r"req_to_token is a torch on cuda:0 array but req_pool_indices is a numpy array",
+                    lambda: kc.plan(np.array([1]), np.array([1]), np.array([1]), rtt, verify_capacity=4, out=out), *out)
+
+
+@pytest.mark.parametrize("op, name", [
+    ("plan", "out[0].verify_slot_indices"),
+    ("plan", "out[1].write_offsets"),
+    ("write", "write_plan.write_offsets"),
+    ("write", "chain_position_assert"),
+])
+def test_every_array_of_a_call_is_placed(monkeypatch, op, name):
+    """Records and the chain-position flag are part of the one-device rule, under their own names."""
+    gpu = FakeDevices(monkeypatch)
+    if op == "plan":
+        out = (VerifyPlan.allocate(4), WritePlan.allocate(1))
+        record = out[int(name[4])]
+        gpu.put(getattr(record, name.split(".")[1]))
+        call = lambda: kc.plan(np.array([1]), np.array([1]), np.array([1]), linear_rtt(2, 4), verify_capacity=4, out=out)
+        first, outputs = "req_pool_indices", out
+    else:
+        wp, flag = make_write_plan(NUMPY, [0, 1], [-1]), np.ones(1, np.int32)
+        gpu.put(flag if name == "chain_position_assert" else wp.write_offsets)
+        buf, log = canary(8), make_log(NUMPY)
+        call = lambda: kc.write(buf, wp, *[np.array([v]) for v in (1, 0, 3)], log=log, chain_position_assert=flag)
+        first, outputs = "canary_buf", (buf, wp, log)
+    assert_rejected(NUMPY, ValueError, rf"^kv-canary: {re.escape(name)} is a cupy on cuda:0 array but {first} is a numpy array",
+                    call, *outputs)
+
+
+@pytest.mark.parametrize("op, name", [
+    ("plan", "req_pool_indices"),
+    ("write", "input_ids"),
+    ("write", "expected_input_positions"),
+    ("write", "chain_position_assert"),
+    ("scatter", "flat_in"),
+    ("scatter", "pool_out"),
+])
+def test_sparse_torch_tensors_are_refused(ab, op, name):
+    if not ab.name.startswith("torch"):
+        pytest.skip("sparse layouts are a torch thing")
+    sparse = lambda a: ab.asarray(np.asarray(a)).to_sparse()
+    if op == "plan":
+        call = PlanCall(ab)
+        assert_rejected(ab, TypeError, "^kv-canary: req_pool_indices must be a plain strided torch tensor, got layout torch.sparse_coo$",
+                        lambda: call((0, sparse(np.array([1, 2])))), *call.out)
+    elif op == "write":
+        call = WriteCall(ab)
+        kw = dict(expected_input_tokens=a64(ab, [1, 2]), expected_input_positions=a64(ab, [0, 1]),
+                  chain_position_assert=ab.asarray(np.ones(1, np.int32)))
+        kw[name] = sparse(ab.to_numpy(kw.get(name, call.ids)))
+        assert_rejected(ab, TypeError, rf"^kv-canary: {name} must be a plain strided torch tensor, got layout torch.sparse_coo$",
+                        lambda: call(**kw), *call.outputs())
+    else:
+        args = dict(flat_in=a64(ab, [1, 2]), offsets=a64(ab, [0, 2]), req_pool_indices=a64(ab, [1]),
+                    pool_out=ab.asarray(np.zeros((2, 2), np.int32)))
+        args[name] = args[name].to_sparse()
+        assert_rejected(ab, TypeError, rf"^kv-canary: {name} must be a plain strided torch tensor, got layout torch.sparse_coo$",
+                        lambda: kc.scatter_req_token_ids(**args), *([] if name == "pool_out" else [args["pool_out"]]))
+
+
+def test_arrays_on_two_gpus_are_rejected(monkeypatch):
+    gpu = FakeDevices(monkeypatch)
+    buf = gpu.put(canary(8))
+    wp = WritePlan(**{k: gpu.put(v) for k, v in make_write_plan(NUMPY, [0, 1], [-1]).arrays().items()})
+    log = ViolationLog(**{k: gpu.put(v, device=1 if k == "ring" else 0) for k, v in make_log(NUMPY).arrays().items()})
+    ids = [gpu.put(np.array([v], np.int64)) for v in (1, 0, 3)]
+    assert_rejected(NUMPY, ValueError, r"log\.ring is a cupy on cuda:1 array but canary_buf is a cupy on cuda:0 array",
+                    lambda: kc.write(buf, wp, *ids, log=log), buf, wp, log)
+
+
+@pytest.mark.parametrize("placements, want", [
+    ([("numpy", "numpy", None), ("numpy", "torch", None)], ("numpy", "torch", None)),
+    ([("cupy", "cupy", 1), ("cupy", "torch", 1), ("cupy", "cupy", 1)], ("cupy", "torch", 1)),
+    ([("cupy", "cupy", 0), ("cupy", "cupy", 0)], ("cupy", "cupy", 0)),
+    ([("cupy", "torch", 0), ("cupy", "torch", 1)], "b is a torch on cuda:1 array but a is a torch on cuda:0 array"),
+    ([("cupy", "cupy", 0), ("numpy", "torch", None)], "b is a torch array but a is a cupy on cuda:0 array"),
+])
+def test_common_placement(monkeypatch, placements, want):
+    """One placement per call: the first array's device, torch as framework if any array is torch."""
+    arrays = {name: np.zeros(1) for name in "abc"[: len(placements)]}
+    by_id = {id(a): interop.Placement(*p) for a, p in zip(arrays.values(), placements)}
+    monkeypatch.setattr(interop, "placement_of", lambda x, name: by_id[id(x)])
+    arrays["skipped"] = None
+    if isinstance(want, tuple):
+        assert interop.common_placement(arrays) == interop.Placement(*want)
+    else:
+        with pytest.raises(ValueError, match=re.escape(want)):
+            interop.common_placement(arrays)
+
+
+def test_common_placement_needs_an_array():
+    with pytest.raises(ValueError, match="no array arguments were given"):
+        interop.common_placement({"a": None})
+    with pytest.raises(ValueError, match="^kv-canary: no array arguments were given$"):
+        interop.common_placement({})
 
 
 def test_real_kv_source_must_start_16_byte_aligned(ab):

@@ -218,7 +218,9 @@ def test_write_index_never_wraps(ab):
     log.write_index[...] = -2
     lg = verify(ab, canary(16), [1, 2, 3], [7] * 3, [-1] * 3, log=log)
     assert int(lg["write_index"][0]) == 1 and int(lg["violation_counters"][0]) == 3
-    assert len(ring_rows(lg)) == 1
+    expected, _, _ = oracle_verify(canary(16), [(s, -1, 7, -1) for s in (1, 2, 3)])
+    assert ring_rows(lg)[0] in sorted_rows(expected)
+    assert (lg["ring"][1:] == 0).all()  # negative tickets never index the ring from its end
 
 
 def test_fifty_simultaneous_violations(ab):
@@ -235,7 +237,8 @@ def test_fifty_simultaneous_violations(ab):
 @pytest.mark.parametrize("where", [0, 2, 4])
 @pytest.mark.parametrize("ring_full", [False, True])
 def test_corruption_matrix(ab, corruption, where, ring_full):
-    """{position, prev_hash, real_kv} x {head, mid, last} x {ring open, ring full}."""
+    """{position, prev_hash, real_kv} x {head, mid, last} x {ring open, ring full}: the library's
+    ring rows, counters and report, against hand-made bits and the oracle's rows."""
     data = kv_bytes(16, 32, 1)
     src = (RealKvSource(ab.asarray(data), 1, 32, 32),)
     hs = (HostSource(data, 1, 32, 32),)
@@ -244,32 +247,42 @@ def test_corruption_matrix(ab, corruption, where, ring_full):
     for s in slots:
         buf[s, 3] = signed(real_kv(hs, 2, s))
     target = slots[where]
+    successor = {slots[where + 1]: CHAIN} if where < 4 else {}
     if corruption == "position":
         buf[target, 1] += 100
+        want_bits = {target: POSITION, **successor}
     elif corruption == "prev_hash":
         buf[target, 2] ^= 1
+        want_bits = {target: CHAIN, **successor}
     else:
         buf[target, 3] ^= 1 << 40
-    log = make_log(ab, capacity=2)
-    if ring_full:
-        verify(ab, canary(16), [1, 2], [5, 5], [0, 0], log=log)  # two filler rows
+        want_bits = {target: REAL_KV}
     entries = [(s, -1, i, slots[i - 1] if i else -1) for i, s in enumerate(slots)]
+    want, _, _ = oracle_verify(buf, entries, sources=hs, mode=2)
+    assert {r[1]: r[7] for r in want} == want_bits  # the oracle agrees with the hand-made bits
+
+    capacity = 2 if ring_full else 8
+    log = make_log(ab, capacity=capacity)
+    fillers = []
+    if ring_full:
+        fillers = ring_rows(verify(ab, canary(16), [1, 2], [5, 5], [0, 0], log=log))
+        assert [(r[1], r[7]) for r in fillers] == [(1, POSITION), (2, POSITION)]
     lg = verify(ab, buf, slots, range(5), [e[3] for e in entries], log=log, real_kv_sources=src,
                 real_kv_hash_mode=RealKvHashMode.ALL)
-    want, _, _ = oracle_verify(buf, entries, sources=hs, mode=2)
-    got_bits = {r[1]: r[7] for r in want}
-    if corruption == "position":
-        assert got_bits == {target: POSITION, **({slots[where + 1]: CHAIN} if where < 4 else {})}
-    elif corruption == "prev_hash":
-        assert got_bits == {target: CHAIN, **({slots[where + 1]: CHAIN} if where < 4 else {})}
-    else:
-        assert got_bits == {target: REAL_KV}
-    assert int(lg["violation_counters"][0]) == len(want) + (2 if ring_full else 0)
-    assert int(lg["write_index"][0]) == min(len(want) + (2 if ring_full else 0), 2)
+    runs = 2 if ring_full else 1
+    assert (int(lg["kernel_run_counters"][0]), int(lg["slot_run_counters"][0])) == (runs, 5 + 2 * (runs - 1))
+    assert not lg["kernel_run_counters"][1:].any() and not lg["slot_run_counters"][1:].any()
+    assert not lg["out_of_range_counters"].any()
+    assert int(lg["violation_counters"][0]) == len(fillers) + len(want) and not lg["violation_counters"][1:].any()
+    assert int(lg["write_index"][0]) == min(len(fillers) + len(want), capacity)
+    report = log.read()
+    assert (report.total_violations, report.dropped) == (len(fillers) + len(want), len(want) if ring_full else 0)
     if ring_full:
-        assert all(r[1] in (1, 2) and r[7] == POSITION for r in ring_rows(lg))
+        assert ring_rows(lg) == fillers  # a full ring keeps its rows
     else:
-        assert is_sub_multiset(ring_rows(lg), sorted_rows(want)) and len(ring_rows(lg)) == min(2, len(want))
+        assert ring_rows(lg) == sorted_rows(want)
+        assert {r[1]: r[7] for r in ring_rows(lg)} == want_bits
+        assert not lg["ring"][len(want):].any()  # rows past the violations are untouched
 
 
 # ---- real KV ------------------------------------------------------------------------------------
@@ -441,6 +454,10 @@ def test_out_of_range_slots_are_skipped_and_counted(ab):
     assert int(lg["write_index"][0]) == 0
     assert int(lg["slot_run_counters"][11]) == 5  # skipped entries are still scanned
     assert int(lg["out_of_range_counters"][11]) == 3
+    log = make_log(ab)
+    for _ in range(2):
+        lg = verify(ab, buf, [-1, 16, 99, 2, 0], [0, 0, 0, 1, 0], [-1, -1, -1, 1, -1], kernel_kind=11, log=log)
+    assert int(lg["out_of_range_counters"][11]) == 6 and int(lg["out_of_range_counters"].sum()) == 6  # accumulated
 
 
 def test_out_of_range_predecessor_skips_chain_check(ab):
@@ -455,6 +472,7 @@ def test_out_of_range_predecessor_skips_chain_check(ab):
     ([1, 16], [-1, 1], r"verify_plan.verify_slot_indices\[1\] = 16 is outside canary_buf's 16 slots"),
     ([-3, 2], [-1, 1], r"verify_plan.verify_slot_indices\[0\] = -3 is outside"),
     ([1, 2], [-1, 20], r"verify_plan.verify_prev_slot_indices\[1\] = 20 is outside canary_buf's 16 slots"),
+    ([1, 2], [-1, 16], r"verify_plan.verify_prev_slot_indices\[1\] = 16 is outside canary_buf's 16 slots"),
 ])
 def test_strict_verify(ab, slots, prevs, message):
     log = make_log(ab)
@@ -472,8 +490,22 @@ def test_strict_verify_ignores_disabled_plans_and_tail_entries(ab):
     buf = ab.asarray(clean_chain())
     kc.verify(buf, make_verify_plan(ab, [99], [0], [-1], enable=0), log=log, strict=True)
     kc.verify(buf, make_verify_plan(ab, [1, 99], [0, 0], [-1, -1], num_valid=1), log=log, strict=True)
-    assert int(ab.to_numpy(log.kernel_run_counters)[0]) == 2
+    kc.verify(buf, make_verify_plan(ab, [99], [0], [99], num_valid=0), log=log, strict=True)
+    kc.verify(buf, make_verify_plan(ab, [99], [0], [99], num_valid=-1), log=log, strict=True)
+    assert int(ab.to_numpy(log.kernel_run_counters)[0]) == 4
     assert int(ab.to_numpy(log.write_index)[0]) == 0
+
+
+def test_strict_verify_skips_slot_zero_like_the_backends(ab):
+    """A padding entry (slot 0) is never checked, its predecessor included: strict does not raise
+    where the backends skip without counting."""
+    log = make_log(ab)
+    buf = ab.asarray(clean_chain())
+    vp = make_verify_plan(ab, [1, 0, 2], [0, 7, 1], [-1, 99, 1])
+    kc.verify(buf, vp, log=log, strict=True)
+    lg = host(ab, log)
+    assert (int(lg["slot_run_counters"][0]), int(lg["out_of_range_counters"][0])) == (3, 0)
+    assert int(lg["write_index"][0]) == 0
 
 
 def test_chain_helper_matches_written_chain(ab):
@@ -498,3 +530,10 @@ def test_random_out_of_range_entries_match_oracle(ab, seed):
     want, scanned, oor = oracle_verify(buf, list(zip(slots, [-1] * n, positions, prevs))[:active], kind=2)
     assert ring_rows(lg) == sorted_rows(want)
     assert (int(lg["slot_run_counters"][2]), int(lg["out_of_range_counters"][2])) == (scanned, oor)
+    # strict=True raises exactly when some entry is skipped (and counted)
+    call = lambda: verify(ab, buf, slots, positions, prevs, num_valid=num_valid, strict=True)
+    if oor:
+        with pytest.raises(ValueError, match="is outside canary_buf's 20 slots"):
+            call()
+    else:
+        call()

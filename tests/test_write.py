@@ -151,12 +151,15 @@ def test_two_requests_counters(ab):
 def test_counters_accumulate_per_kind(ab):
     buf = ab.asarray(canary(8))
     log = make_log(ab)
-    for kind in (2, 2, 7):
-        write(ab, buf, [0, 2], [-1], [1, 2], [0, 1], [1, -1], log=log, kernel_kind=kind)
+    for kind in (2, 2, 7):  # each call: 2 tokens written, 1 past the buffer, 1 input-assert violation
+        write(ab, buf, [0, 4], [-1], [1, 2, 3, 4], [0, 1, 2, 3], [1, -1, 99, 2], log=log, kernel_kind=kind,
+              exp=([1, 2, 3, 0], [0, 1, 2, 3]))
     lg = host(ab, log)
-    assert lg["kernel_run_counters"][[2, 7]].tolist() == [2, 1]
-    assert lg["slot_run_counters"][[2, 7]].tolist() == [2, 1]
-    assert int(lg["kernel_run_counters"].sum()) == 3
+    for key, per_call in (("kernel_run_counters", 1), ("slot_run_counters", 2), ("out_of_range_counters", 1),
+                          ("violation_counters", 1)):
+        want = np.zeros(12, np.int64)
+        want[[2, 7]] = [2 * per_call, per_call]
+        assert lg[key].tolist() == want.tolist(), key
 
 
 def test_tokens_past_the_plan_are_not_written(ab):
@@ -254,6 +257,23 @@ def test_input_assert_row_precedes_chain_position_row(ab):
     run = signed(hmix3(ANCHOR_H, 100, 4))
     rows = lg["ring"][: int(lg["write_index"][0])].tolist()  # one request: rows in program order
     assert rows == [[0, 2, 9, 1, 2, run, 5, WRITE_TOKEN | WRITE_POSITION], [0, 2, 9, 1, 1, run, 5, WRITE_POSITION]]
+
+
+def test_ring_rows_follow_token_order_on_the_cpu(ab):
+    """The NumPy backend draws tickets in flat token order, a token's input-assert row first; GPU
+    threads draw them in any order (the same rows)."""
+    buf = canary(16, {7: (100, 4, ANCHOR_H)})
+    offsets, seeds = [0, 4, 6], [7, -1]
+    ids, pos, loc = [1, 2, 3, 4, 5, 6], [9, 6, 7, 12, 0, 3], [2, 3, 4, 5, 10, 11]
+    exp = ([1, 0, 0, 0, 0, 6], [9, 6, 8, 1, 0, 3])  # input-assert rows for tokens 1, 2, 3 and 4
+    want_buf = buf.copy()
+    want, _, _ = oracle_write(want_buf, offsets, seeds, 2, ids, pos, loc, kind=4, expected_tokens=exp[0],
+                              expected_positions=exp[1])
+    assert [r[1] for r in want] == [2, 3, 3, 4, 5, 5, 10]  # chain-position rows of tokens 0, 1 and 3
+    b, lg = write(ab, ab.asarray(buf), offsets, seeds, ids, pos, loc, exp=exp, kernel_kind=4)
+    assert np.array_equal(b, want_buf)
+    rows = [tuple(int(x) for x in r) for r in lg["ring"][: int(lg["write_index"][0])]]
+    assert (sorted(rows) if ab.is_gpu else rows) == (sorted(want) if ab.is_gpu else want)
 
 
 # ---- boundary values ---------------------------------------------------------------------------
@@ -396,6 +416,34 @@ def test_bfloat16_torch_source_is_read_as_bytes(ab):
     assert [int(b[s, 3]) for s in (4, 7)] == [signed(real_kv(hs, 2, s)) for s in (4, 7)]
 
 
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("mode", [RealKvHashMode.PARTIAL, RealKvHashMode.ALL])
+def test_fp8_torch_source_is_read_as_bytes(ab, fp8, mode):
+    """fp8 KV pools (one byte per element, NaN patterns included) are fingerprinted from their bytes."""
+    if not ab.name.startswith("torch"):
+        pytest.skip("fp8 tensors are a torch thing")
+    import torch
+
+    data = kv_bytes(8, 2 * 64, 13)  # 8 pages of 2 slots x [4 heads, 16] fp8
+    data[:, :8] = 0x7F  # NaN in e4m3fn and e5m2: the bytes, not the values, are hashed
+    tensor = ab.asarray(data).view(getattr(torch, fp8)).reshape(8, 2, 4, 16)
+    verify_plan = make_verify_plan(ab, [3, 12], [0, 1], [-1, 3])
+    src = (RealKvSource(tensor, 2, 64, 48),)
+    log = make_log(ab)
+    b, _ = write(ab, ab.asarray(canary(16)), [0, 2], [-1], [1, 2], [0, 1], [3, 12], log=log, real_kv_sources=src,
+                 real_kv_hash_mode=mode)
+    hs = (HostSource(data, 2, 64, 48),)
+    assert [int(b[s, 3]) for s in (3, 12)] == [signed(real_kv(hs, int(mode), s)) for s in (3, 12)]
+    buf = ab.asarray(b)
+    kc.verify(buf, verify_plan, log=log, real_kv_sources=src, real_kv_hash_mode=mode)
+    data[6, 64 + 47] ^= 1  # slot 13's last read byte: not a verified slot
+    data[6, 47] ^= 1  # slot 12's last read byte: ALL reads it, PARTIAL does not
+    tensor.view(torch.uint8).reshape(8, -1)[...] = ab.asarray(data)
+    kc.verify(buf, verify_plan, log=log, real_kv_sources=src, real_kv_hash_mode=mode)
+    rows = ring_rows(host(ab, log))
+    assert [(r[1], r[7]) for r in rows] == ([(12, 4)] if mode == RealKvHashMode.ALL else [])
+
+
 def test_source_rows_must_cover_every_slot(ab):
     src = (RealKvSource(ab.asarray(np.zeros((3, 64), np.uint8)), 4, 16, 16),)  # 12 slots
     buf = ab.asarray(canary(13))
@@ -510,6 +558,9 @@ def test_slot_past_buffer_is_skipped_and_counted(ab):
     (dict(offsets=[0, 5]), r"write_plan.write_offsets\[0:2\] = \[0, 5\] is not a range within the 2 tokens"),
     (dict(seeds=[8]), r"write_plan.write_seed_slot_indices\[0\] = 8 is outside canary_buf's 8 slots"),
     (dict(loc=[1, 12]), r"out_cache_loc\[1\] = 12 is outside canary_buf's 8 slots"),
+    (dict(loc=[8, 1]), r"out_cache_loc\[0\] = 8 is outside canary_buf's 8 slots"),
+    (dict(offsets=[0, 1, 5], seeds=[-1, -1]),
+     r"^kv-canary: write_plan.write_offsets\[1:3\] = \[1, 5\] is not a range within the 2 tokens of input_ids$"),
 ])
 def test_strict_write(ab, case, message):
     args = dict(offsets=[0, 2], seeds=[-1], loc=[1, 2])
@@ -527,6 +578,13 @@ def test_strict_write(ab, case, message):
 def test_strict_write_accepts_negative_slots_and_seeds(ab):
     b, lg = write(ab, ab.asarray(canary(8)), [0, 2], [-1], [1, 2], [0, 1], [-1, 2], strict=True)
     assert int(lg["slot_run_counters"][0]) == 1
+
+
+@pytest.mark.parametrize("num_valid", [0, -1])
+def test_strict_write_ignores_requests_past_num_valid(ab, num_valid):
+    b, lg = write(ab, ab.asarray(canary(8)), [0, 5], [99], [1, 2], [0, 1], [1, 20], num_valid=num_valid, strict=True)
+    assert (int(lg["kernel_run_counters"][0]), int(lg["out_of_range_counters"][0])) == (1, 0)
+    assert not b.any()
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -556,3 +614,10 @@ def test_random_out_of_range_values_match_oracle(ab, seed):
     assert np.array_equal(b, want)
     assert ring_rows(lg) == sorted_rows(rows)
     assert (int(lg["slot_run_counters"][1]), int(lg["out_of_range_counters"][1])) == (written, oor)
+    # strict=True raises exactly when some value is skipped or clamped (and counted)
+    call = lambda: write(ab, ab.asarray(start), offsets, seeds, ids, pos, loc, num_valid=num_valid, strict=True)
+    if oor:
+        with pytest.raises(ValueError, match="is outside|is not a range"):
+            call()
+    else:
+        call()
