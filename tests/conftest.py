@@ -109,3 +109,25 @@ def pytest_collection_modifyitems(config, items):
         callspec = getattr(item, "callspec", None)
         if callspec and any(isinstance(v, str) and v in GPU_BACKENDS for v in callspec.params.values()):
             item.add_marker(pytest.mark.gpu)
+
+
+_CUPY_GUARDED = {"cuda": ("Stream", "Event", "Device", "get_current_stream"), "": ("empty", "full", "zeros", "asarray")}
+
+
+def _cupy_attributes():
+    try:
+        import cupy
+    except ImportError:
+        return {}
+    return {(where, name): getattr(cupy.cuda if where else cupy, name) for where, names in _CUPY_GUARDED.items() for name in names}
+
+
+@pytest.fixture(autouse=True)
+def no_fake_cupy_leaks():
+    """Tests that fake a CUDA device (tests/fake_cupy.py) patch CuPy; a patch outliving its test
+    would break every real-GPU test after it, so each test must leave CuPy as it found it."""
+    before = _cupy_attributes()
+    yield
+    leaked = [f"cupy.{where + '.' if where else ''}{name}" for key, value in _cupy_attributes().items()
+              if value is not before[key] for where, name in [key]]
+    assert not leaked, f"this test left CuPy patched: {leaked}"

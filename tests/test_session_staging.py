@@ -79,14 +79,16 @@ def _restaged_early(timeline, copy_events) -> list:
     return early
 
 
-def test_end_step_launches_the_bound_staging_and_creates_nothing(monkeypatch):
+def test_end_step_launches_the_bound_staging_and_creates_nothing():
     """Every end_step launches session_stage and session_attribute with the parameters packed in the
     constructor (only the stamp and the record's address change) and creates no array, event,
     stream, parameter record or kernel handle."""
     from kvcanary_cupy import jit
     from kvcanary_cupy.backends import cupy_backend
 
-    with fake_device() as dev:
+    # The counting patches wrap the fake device's own patches, so they must be undone inside its
+    # block: undone after it, they would restore the fake (cupy.cuda.Stream...) for later tests.
+    with fake_device() as dev, pytest.MonkeyPatch.context() as monkeypatch:
         dev.emulate_session_staging()
         session = _session(dev.asarray(np.zeros(1, np.int32)))
         log = _StepLog(session)

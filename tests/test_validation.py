@@ -829,11 +829,13 @@ def test_strided_inputs_are_read_in_order(ab, layout):
     else:  # a canary buffer must be contiguous, even where it is only read
         got = _every_op(ab, lambda x: _spread(ab, x), same)
     want = _every_op(ab, same, same)
+    for result in (got, want):  # GPU threads store ring rows in any order: compare them as a multiset
+        result["log.ring"] = np.array(sorted(result["log.ring"].tolist()))
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want), \
         [k for k in want if not np.array_equal(got[k], want[k])]
     assert want["vp.verify_slot_indices"].tolist() == [116, 117, 118, 132, 133, 134, 135]
     assert want["vp.verify_expected_tokens"].tolist() == [16, 17, -1, 32, 33, 34, 35]
-    assert want["log.ring"][0, [1, 3, 4, 7]].tolist() == [11, 8, 0, 8]  # the write-input assert row of token 8
+    assert [11, 8, 0, 8] in want["log.ring"][:, [1, 3, 4, 7]].tolist()  # the write-input assert row of token 8
     assert want["log.slot_run_counters"][0] == 6  # 3 written + 3 verified
     assert want["pool"].tolist() == [[4, 5, -7, -7], [-7] * 4, [1, 2, 3, -7]] and want["count"].tolist() == [1]
 
