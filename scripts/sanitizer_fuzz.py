@@ -20,26 +20,16 @@ import cupy  # noqa: E402
 import kvcanary_cupy as kc  # noqa: E402
 from conftest import get_backend_or_skip  # noqa: E402
 from fuzz_cases import assert_same, make_case, make_move_case, run_case, run_move_case  # noqa: E402
-from test_gpu_graphs import SHAPES, TABLES, _prepare, assert_snapshots_equal  # noqa: E402
+from test_gpu_graphs import SHAPES, TABLES, _prepare, replay_in_cupy_graph  # noqa: E402
 
 
 def replay_graphs(cupy_ab) -> int:
     """Capture one step per plan path and table in a cupy.cuda.Graph and replay it over changing batches."""
     replays = 0
-    for shape, table in ((shape, table) for shape in sorted(SHAPES) for table in TABLES):
-        steps, want, engine = _prepare(cupy_ab, shape, table=table)
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            engine.fill(steps[0])
-            stream.begin_capture()
-            engine.step()
-            graph = stream.end_capture()
-            for inputs, expected in zip(steps, want):
-                engine.fill(inputs)
-                graph.launch(stream)
-                stream.synchronize()
-                assert_snapshots_equal(engine.snapshot(), expected)
-                replays += 1
+    for shape in sorted(SHAPES):
+        for table in TABLES:
+            steps, want, engine = _prepare(cupy_ab, shape, table=table)
+            replays += replay_in_cupy_graph(engine, steps, want)
     return replays
 
 

@@ -153,9 +153,15 @@ def _prepare(ab, shape, n=4, table="rtt", bound=False):
 @pytest.mark.parametrize("table", TABLES)
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_cupy_graph_capture_and_replay(shape, table, bound):
+    steps, want, engine = _prepare(get_backend_or_skip("cupy"), shape, table=table, bound=bound)
+    assert replay_in_cupy_graph(engine, steps, want) == len(steps)
+
+
+def replay_in_cupy_graph(engine, steps, want) -> int:
+    """Capture one step of ``engine`` in a cupy.cuda.Graph, replay it over ``steps`` and compare
+    each replay with NumPy's snapshot (``want``); returns the number of replays."""
     import cupy
 
-    steps, want, engine = _prepare(get_backend_or_skip("cupy"), shape, table=table, bound=bound)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         engine.fill(steps[0])
@@ -167,6 +173,7 @@ def test_cupy_graph_capture_and_replay(shape, table, bound):
             graph.launch(stream)
             stream.synchronize()
             assert_snapshots_equal(engine.snapshot(), expected)
+    return len(steps)
 
 
 @pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
