@@ -157,6 +157,33 @@ def test_summary_and_html(monkeypatch):
     assert "No violations." in empty._repr_html_()
 
 
+def test_html_table_cell_by_cell(monkeypatch):
+    """The exact table: headers, every cell (a dash where a value does not apply), the overflow row."""
+    import re
+
+    report = _hand_report()
+    page = report._repr_html_()
+    assert page.startswith(f'<div class="kvcanary-report"><p>{report.summary()}</p><table><thead><tr><th>tag</th>')
+    assert page.endswith("</tr></tbody></table></div>")
+    assert re.findall(r"<th>(.*?)</th>", page) == [
+        "tag", "reasons", "slot", "position", "expected position", "stored token", "expected token",
+        "stored chain hash", "expected chain hash", "batch rows", "predecessor slot", "repeats", "first step"]
+    rows = [re.findall(r"<td>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", page)[1:]]
+    assert rows == [
+        ["TAIL_K_FULL", "chain hash mismatch, position mismatch", "17", "4", "2", "204", "not checked",
+         "0xfedcba9876543210", "0x0123456789abcdef", "3, 0", "34", "5", "4"],
+        ["HEAD_K_FULL", "written token is not the expected input, written position is not the expected one", "9", "7", "6", "11", "12",
+         "0x0000000000000005", "&ndash;", "&ndash;", "&ndash;", "1", "1"],
+    ]
+    monkeypatch.setattr(reporting, "HTML_MAX_ROWS", 1)
+    page = report._repr_html_()
+    assert page.count("<tr>") == 3 and '<tr><td colspan="13">&hellip; 1 more (see to_pandas())</td></tr>' in page
+    monkeypatch.setattr(reporting, "HTML_MAX_ROWS", 2)
+    assert "more (see to_pandas())" not in report._repr_html_()
+    empty = ViolationReport((), 0, 4, *(np.zeros(12, np.int64),) * 4)
+    assert empty._repr_html_() == f'<div class="kvcanary-report"><p>{empty.summary()}</p><p>No violations.</p></div>'
+
+
 def test_report_of_a_negative_write_index(ab):
     """A write_index the kernels never produce (negative) decodes no rows, not the ring's tail."""
     log = make_log(ab, capacity=4)

@@ -444,6 +444,18 @@ def test_fp8_torch_source_is_read_as_bytes(ab, fp8, mode):
     assert [(r[1], r[7]) for r in rows] == ([(12, 4)] if mode == RealKvHashMode.ALL else [])
 
 
+def test_out_of_range_slots_are_never_fingerprinted(ab):
+    """Slots past the buffer (or negative) are skipped before their real-KV bytes would be read:
+    a source covering exactly the buffer's slots is never read out of bounds."""
+    data = kv_bytes(16, 32, 17)
+    src = (RealKvSource(ab.asarray(data), 1, 32, 32),)
+    b, lg = write(ab, ab.asarray(canary(16)), [0, 5], [-1], [1, 2, 3, 4, 5], range(5), [3, 16, -2, 99, 4],
+                  real_kv_sources=src, real_kv_hash_mode=RealKvHashMode.ALL)
+    hs = (HostSource(data, 1, 32, 32),)
+    assert [int(b[s, 3]) for s in (3, 4)] == [signed(real_kv(hs, 2, s)) for s in (3, 4)]
+    assert (int(lg["slot_run_counters"][0]), int(lg["out_of_range_counters"][0])) == (2, 2)
+
+
 def test_source_rows_must_cover_every_slot(ab):
     src = (RealKvSource(ab.asarray(np.zeros((3, 64), np.uint8)), 4, 16, 16),)  # 12 slots
     buf = ab.asarray(canary(13))
