@@ -40,6 +40,8 @@ def test_numpy_gives_a_repeated_destination_its_last_pair():
     buf = np.arange(4 * 4, dtype=I64).reshape(4, 4) + 1
     out = kc.move_pages(buf.copy(), np.array([1, 2, 3]), np.array([0, 0, 0]))
     assert out[0].tolist() == buf[3].tolist() and (out[1:] == 0).all()
+    out = kc.move_pages(buf.copy(), np.array([1, 2, 3]), np.array([0, 0, 2]))  # the repeat first, then another
+    assert out.tolist() == [buf[2].tolist(), [0] * 4, buf[3].tolist(), [0] * 4]
 
 
 def test_a_move_clears_the_source(ab):

@@ -157,6 +157,39 @@ def test_summary_and_html(monkeypatch):
     assert "No violations." in empty._repr_html_()
 
 
+def test_violation_defaults_are_set_when_it_is_made():
+    """Made here, not at import, so that a mutant of __post_init__ is live while it runs."""
+    write = Violation(1, 9, 7, 11, 12, 5, 6, 16, batch_rows=[2, 0])
+    verify = Violation(1, 9, 7, 11, 12, 5, 6, 1)
+    assert (write.expected_position, write.batch_rows) == (6, (2, 0))
+    assert (verify.expected_position, verify.batch_rows) == (None, ())
+    assert Violation(1, 9, 7, 11, 12, 5, 6, 16, expected_position=3).expected_position == 3
+
+
+def test_summary_counts_rows_per_reason_across_rows():
+    rows = (Violation(0, 1, 0, 5, -1, 1, 2, 1 | 2, repeats=2), Violation(0, 2, 0, 5, -1, 1, 2, 1))
+    counters = np.zeros(12, np.int64)
+    counters[0] = 3
+    report = ViolationReport(rows, 3, 8, counters, *(np.zeros(12, np.int64),) * 3)
+    assert report.rows_by_reason() == {"verify_chain_hash": 3, "verify_position": 2}
+    empty = ViolationReport((), 0, 4, *(np.zeros(12, np.int64),) * 4)
+    assert empty.summary() == "kv_canary summary: 0 violations listed, 0 counted, 0 read, 0 dropped; by reason: -; by tag: -"
+
+
+def test_json_and_pandas_edges(monkeypatch):
+    report = _hand_report()
+    back = ViolationReport.from_json(report.to_json())
+    assert (back.ring_capacity, back.rows_read) == (16, 6)
+    with pytest.raises(ValueError, match=r"^kv-canary: not a kvcanary-cupy/violation-report/1 document \(schema='other'\)$"):
+        ViolationReport.from_json('{"schema": "other"}')
+    if "pandas" in sys.modules or pytest.importorskip("pandas"):
+        empty = ViolationReport((), 0, 4, *(np.zeros(12, np.int64),) * 4)
+        assert list(empty.to_pandas().columns) == ["launch_tag", "reasons"] + [f.name for f in dataclasses.fields(Violation)]
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    with pytest.raises(ImportError, match=r"^kv-canary: ViolationReport.to_pandas needs pandas: pip install kvcanary-cupy\[pandas\]$"):
+        report.to_pandas()
+
+
 def test_html_table_cell_by_cell(monkeypatch):
     """The exact table: headers, every cell (a dash where a value does not apply), the overflow row."""
     import re

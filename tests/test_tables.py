@@ -118,6 +118,11 @@ def test_virtual_pages_past_the_map_and_negative_ids(ab):
     assert vph["verify_prev_slot_indices"][:3].tolist() == [-1, -3, 0]
     assert wph["write_seed_slot_indices"].tolist() == [9]
     assert int(vph["out_of_range_count"][0]) == 2  # the slot and the predecessor lookups of id 13
+    rtt[1, 1] = 6  # the first id past the map: page 3 of a 3-page map
+    table = kc.ReqToToken(_a(ab, rtt), virtual_to_physical=_a(ab, v2p), page_size=2)
+    vph, _ = plan_through(ab, [1], [3], [1], table, verify_capacity=8)
+    assert vph["verify_slot_indices"][:3].tolist() == [-3, 0, 9]
+    assert int(vph["out_of_range_count"][0]) == 2
 
 
 def test_int64_ids_saturate(ab):
@@ -372,6 +377,7 @@ STRICT_TABLE_CASES = [  # (table kind, change, message)
     ("csr", dict(prefix=[2, 5]),
      r"prefix_lens\[1\] = 5 is outside \[0, 4\] \(request 1 holds 2 pages x page_size 2 = 4 positions\)"),
     ("virtual", dict(rtt_value=40), r"req_to_token\[1, 1\] = 40 \(batch row 0\) is in virtual page 10, outside virtual_to_physical of length 4"),
+    ("virtual", dict(rtt_value=16), r"req_to_token\[1, 1\] = 16 \(batch row 0\) is in virtual page 4, outside virtual_to_physical of length 4"),
     ("block", dict(lut=np.arange(20)), r"slot 20 of batch row 1, position 0 \(block_table\) is outside full_to_swa_index_mapping of length 20"),
 ]
 

@@ -760,7 +760,7 @@ def test_real_kv_source_rows_must_be_contiguous(ab, layout):
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.float16])
 def test_real_kv_source_layouts_that_are_read(ab, dtype):
-    """Rows may be multi-dimensional and may even alias (dim-0 stride 0): each slot hashes its bytes."""
+    """Rows may be multi-dimensional, spaced apart, even aliased (dim-0 stride 0): each slot hashes its bytes."""
     data = kv_bytes(8, 64, 21)
     pages = ab.asarray(data.view(dtype).reshape(8, 2, -1))  # 8 pages of 2 slots, 3-D
     row = ab.asarray(data[3].view(dtype))
@@ -769,8 +769,11 @@ def test_real_kv_source_layouts_that_are_read(ab, dtype):
     else:
         xp = np if ab.name == "numpy" else pytest.importorskip("cupy")
         aliased = xp.lib.stride_tricks.as_strided(row, (8, row.shape[0]), (0, row.strides[0]))
+    holey = np.zeros((8, 3, 32), np.uint8)  # pages 96 bytes apart, 64 used
+    holey[:, :2] = data.reshape(8, 2, 32)
+    holey_pages = ab.asarray(holey.view(dtype))[:, :2]
     slots = [1, 2, 5, 14]
-    for tensor, host_rows in ((pages, data), (aliased, np.repeat(data[3:4], 8, axis=0))):
+    for tensor, host_rows in ((pages, data), (holey_pages, data), (aliased, np.repeat(data[3:4], 8, axis=0))):
         src = (RealKvSource(tensor, 2, 32, 32),)
         buf, log = ab.asarray(canary(16)), make_log(ab)
         kc.write(buf, make_write_plan(ab, [0, 4], [-1]), a64(ab, [1, 2, 3, 4]), a64(ab, range(4)), a64(ab, slots),
