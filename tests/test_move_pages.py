@@ -36,6 +36,12 @@ def test_swap_two_pages(ab):
     assert out[2:4].tolist() == buf[2:4].tolist()
 
 
+def test_strict_accepts_distinct_destinations(ab):
+    buf = np.arange(4 * 4, dtype=I64).reshape(4, 4) + 1
+    out = ab.to_numpy(kc.move_pages(ab.asarray(buf), a64(ab, [1, 2]), a64(ab, [2, 1]), strict=True))
+    assert out.tolist() == [buf[0].tolist(), buf[2].tolist(), buf[1].tolist(), buf[3].tolist()]
+
+
 def test_numpy_gives_a_repeated_destination_its_last_pair():
     buf = np.arange(4 * 4, dtype=I64).reshape(4, 4) + 1
     out = kc.move_pages(buf.copy(), np.array([1, 2, 3]), np.array([0, 0, 0]))
@@ -92,6 +98,12 @@ def _rejected(ab, canary, call, exc, match):
     ([0], [1], dict(out_of_range_count=np.zeros(2, I64)), ValueError, "out_of_range_count length must be 1, got 2"),
     ([0, 9], [1, 2], dict(strict=True), ValueError, r"src_pages\[1\] = 9 is outside \[0, 8\)"),
     ([0, 1], [2, 2], dict(strict=True), ValueError, r"dst_pages\[0\] and dst_pages\[1\] are both 2"),
+    ([0, 1, 3], [2, 2, 2], dict(strict=True), ValueError,
+     r"^kv-canary: dst_pages\[0\] and dst_pages\[1\] are both 2; a page can receive one source only$"),
+    ([0, 1], [3, 8], dict(strict=True), ValueError, r"^kv-canary: dst_pages\[1\] = 8 is outside \[0, 8\) \(canary_buf's "
+                                                    r"8 slots hold 8 whole pages of page_size=1\)$"),
+    ([0, 1], [3, 5], dict(strict=True, page_size=2), ValueError, r"^kv-canary: dst_pages\[1\] = 5 is outside \[0, 4\) "
+                                                                 r"\(canary_buf's 8 slots hold 4 whole pages of page_size=2\)$"),
 ])
 def test_bad_input_changes_nothing(ab, src, dst, kw, exc, match):
     canary = ab.asarray(random_canary(np.random.default_rng(0), 8))

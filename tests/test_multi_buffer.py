@@ -148,13 +148,15 @@ def test_sequence_argument_errors():
         write([a, b], kernel_kind=3)
     with pytest.raises(ValueError, match=r"kernel_kind\[1\] must be in \[0, 12\)"):
         write([a, b], kernel_kind=[0, 12])
-    with pytest.raises(ValueError, match=r"canary_buf\[1\] has 8 slots but canary_buf\[0\] has 16"):
+    with pytest.raises(ValueError, match=r"^kv-canary: canary_buf\[1\] has 8 slots but canary_buf\[0\] has 16; the canary "
+                                         r"buffers of one call share its plan and need the same num_slots$"):
         write([a, kc.allocate_canary_buffer(8)])
     with pytest.raises(ValueError, match=r"canary_buf\[0\] and canary_buf\[1\] overlap in memory"):
         write([a, a])
     with pytest.raises(ValueError, match=r"canary_buf\[\d\] and canary_buf\[\d\] overlap in memory"):
         big = kc.allocate_canary_buffer(32)
         write([big[:16], big[8:24]])
+    write([big[16:], big[:16]])  # adjacent is not overlapping
     src = RealKvSource(kv_bytes(16, 32), 1, 32, 32)
     with pytest.raises(ValueError, match=r"real_kv_sources must be empty or a sequence of 2 tuples"):
         write([a, b], real_kv_sources=(src, src))

@@ -462,7 +462,7 @@ def test_out_of_range_count_accumulates(ab):
 STRICT_CASES = [  # (change, message, count without strict)
     (dict(rp=[1, 7]), r"req_pool_indices\[1\] = 7 is outside \[0, 4\)", 1),
     (dict(rp=[-2, 1]), r"req_pool_indices\[0\] = -2", 1),
-    (dict(prefix=[3, 17]), r"prefix_lens\[1\] = 17 is outside \[0, 16\]", 1),
+    (dict(prefix=[3, 17]), r"prefix_lens\[1\] = 17 is outside \[0, 16\] \(req_to_token rows hold 16 positions\)$", 1),
     (dict(prefix=[-1, 3]), r"prefix_lens\[0\] = -1", 1),
     (dict(extend=[1, -4]), r"extend_seq_lens\[1\] = -4 is negative", 1),
     (dict(valid_lens=[3, 40]), r"req_to_verify_expected_tokens_valid_lens\[1\] = 40 is outside \[0, 16\]", 1),

@@ -201,6 +201,8 @@ def test_html_table_cell_by_cell(monkeypatch):
     assert re.findall(r"<th>(.*?)</th>", page) == [
         "tag", "reasons", "slot", "position", "expected position", "stored token", "expected token",
         "stored chain hash", "expected chain hash", "batch rows", "predecessor slot", "repeats", "first step"]
+    assert re.fullmatch(r'<div class="kvcanary-report"><p>[^<]*</p><table><thead><tr>(<th>[^<]*</th>){13}</tr></thead>'
+                        r'<tbody>(<tr>(<td>[^<]*</td>){13}</tr>){2}</tbody></table></div>', page)
     rows = [re.findall(r"<td>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", page)[1:]]
     assert rows == [
         ["TAIL_K_FULL", "chain hash mismatch, position mismatch", "17", "4", "2", "204", "not checked",
@@ -208,6 +210,10 @@ def test_html_table_cell_by_cell(monkeypatch):
         ["HEAD_K_FULL", "written token is not the expected input, written position is not the expected one", "9", "7", "6", "11", "12",
          "0x0000000000000005", "&ndash;", "&ndash;", "&ndash;", "1", "1"],
     ]
+    checked = ViolationReport((Violation(0, 1, 0, 5, 5, 1, 2, 32), Violation(0, 2, 0, 5, -1, 1, 2, 8)), 2, 4,
+                              *(np.zeros(12, np.int64),) * 4)
+    assert [re.findall(r"<td>(.*?)</td>", r)[6] for r in re.findall(r"<tr>(.*?)</tr>", checked._repr_html_())[1:]] == [
+        "5", "-1"]  # "not checked" only for a verify row without an expected token
     monkeypatch.setattr(reporting, "HTML_MAX_ROWS", 1)
     page = report._repr_html_()
     assert page.count("<tr>") == 3 and '<tr><td colspan="13">&hellip; 1 more (see to_pandas())</td></tr>' in page

@@ -107,6 +107,26 @@ def test_virtual_pages_worked_example(ab):
     assert vph["verify_prev_slot_indices"][:6].tolist() == [-1, 28, 29, 30, 31, 0]
     assert wph["write_seed_slot_indices"].tolist() == [0, -1]  # row 0 stays the padding row
     assert int(vph["out_of_range_count"][0]) == 0
+    vph, _ = plan_through(ab, [1], [7], [1], table, verify_capacity=8)  # rows hold 6 token ids, not 6 pages
+    assert int(vph["out_of_range_count"][0]) == 1 and int(vph["verify_num_valid"][0]) == 6
+
+
+def test_strict_names_a_seed_past_the_map(ab):
+    """On overflow only the seed is looked up: the one position named is the seed's."""
+    rtt = np.array([[0, 0, 0], [1, 9, 2]], I32)
+    table = kc.ReqToToken(_a(ab, rtt), virtual_to_physical=_a(ab, np.array([3, 4], I64)), page_size=2)
+    vph, _ = plan_through(ab, [1], [2], [1], table, verify_capacity=0)
+    assert int(vph["out_of_range_count"][0]) == 1
+    with pytest.raises(ValueError, match=r"^kv-canary: req_to_token\[1, 1\] = 9 \(batch row 0\) is in virtual page 4, "):
+        plan_through(ab, [1], [2], [1], table, verify_capacity=0, strict=True)
+
+
+def test_a_one_page_map(ab):
+    rtt = np.array([[0, 0, 0], [1, -2, 2]], I32)
+    table = kc.ReqToToken(_a(ab, rtt), virtual_to_physical=_a(ab, np.array([3], I64)), page_size=2)
+    vph, _ = plan_through(ab, [1], [3], [0], table, verify_capacity=8)
+    assert vph["verify_slot_indices"][:3].tolist() == [7, -2, 0]  # id 2 lies in page 1: past the map
+    assert int(vph["out_of_range_count"][0]) == 1
 
 
 def test_virtual_pages_past_the_map_and_negative_ids(ab):
