@@ -1,10 +1,12 @@
 // Plan kernels (docs/format.md §4 with the project's out-of-range rules, README "Out-of-range values").
 //
-// plan_fused (bs <= kFusedMaxBs, one launch): every block scans the batch into shared memory;
-//   block 0 also writes the per-request outputs; then all blocks expand the verify entries.
-// plan_offsets + plan_entries (any bs, two launches): one block scans the batch in tiles and
-//   writes the per-request outputs; then a fixed grid expands the entries, reading the total on
-//   the device.
+// Every block scans the whole batch on its own (no block waits on another: nothing to reset, no
+// order between blocks to rely on), keeping each row's verify offset in shared memory; the
+// per-request outputs are spread over the blocks.  Then:
+// plan_fused (the batch fits the shared memory, one launch): all blocks expand the verify entries
+//   from the offsets in their shared memory.
+// plan_offsets + plan_entries (a larger batch, two launches): the scan runs in tiles and writes the
+//   offsets; then a fixed grid expands the entries, reading the total on the device.
 // Either way the grid depends only on shapes, so a captured graph replays any batch content.
 //
 // Every kernel is instantiated for each table kind (kTable): the slot of a request's position is
@@ -13,7 +15,8 @@
 
 namespace kvcanary {
 
-constexpr int kPlanItemsPerThread = 4;
+constexpr int kPlanThreads = 512;  // plan_fused and plan_offsets blocks
+constexpr int kPlanUnroll = 4;  // rows whose loads a thread issues together
 constexpr i64 kI64Max = 0x7fffffffffffffffLL;
 constexpr i64 kNoSeed = -kI64Max - 1;  // INT64_MIN: table_slot never returns it (slots saturate at +-kI64Max)
 
@@ -59,8 +62,6 @@ __device__ __forceinline__ void scan_warp_totals(i64 a, i64 b, i64& before_a, i6
   __syncthreads();  // warp_a/warp_b are reused by the next tile
 }
 
-constexpr int kPlanMaxThreads = 1024;
-constexpr i64 kFusedMaxBs = 2048;  // plan_fused keeps verify offsets in shared memory
 
 // Everything a plan reads, passed by value (mirrored by PLAN_INPUTS in cupy_backend.py).
 struct PlanInputs {
@@ -176,143 +177,164 @@ __device__ __forceinline__ i64 table_slot(const PlanInputs& in, const TableRow& 
 // Rows [bs, end) may still hold an earlier plan's per-request outputs: up to the batch size that
 // plan wrote (read before this plan overwrites it), or the whole capacity when that count is not
 // a batch size or the host does not know the WritePlan to be clean past it.
-__device__ __forceinline__ i64 stale_rows_end(const PlanOutputs& out) {
-  const i64 previous = *out.write_num_valid_reqs;
+__device__ __forceinline__ i64 stale_rows_end(const PlanOutputs& out, i64 previous) {
   if (out.clear_whole_capacity || previous < 0 || previous > out.write_req_capacity) return out.write_req_capacity;
   return previous;
 }
 
-// Scans the whole batch with one block in tiles of blockDim * kPlanItemsPerThread rows.  Rows are
-// warp-striped (item k of lane l in warp w is row tile + (w * K + k) * 32 + l), so every load and
-// store is coalesced; the scan follows row order.  Returns the total number of verify entries
-// (to every thread).  With write_outputs the block writes the per-request outputs, the counts
-// and the out-of-range count; with smem_verify_offsets (bs <= kFusedMaxBs) it also keeps the
-// verify offsets in shared memory.
-template <int kTable, bool kHasLut, bool kHasPool>
-__device__ i64 plan_scan(const PlanInputs& in, const PlanOutputs& out, bool write_outputs, i64* smem_verify_offsets) {
-  __shared__ i64 carry_v, carry_w, stale_end;
-  __shared__ unsigned long long block_errors;
-  if (threadIdx.x == 0) {
-    carry_v = 0; carry_w = 0; block_errors = 0;
-    stale_end = write_outputs ? stale_rows_end(out) : 0;
-  }
-  __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  i64 errors = 0;
-  const i64 bs = in.bs;
-  const i64 tile = static_cast<i64>(blockDim.x) * kPlanItemsPerThread;
-  for (i64 base = 0; base < bs; base += tile) {
-    i64 vlen[kPlanItemsPerThread], wlen[kPlanItemsPerThread];
-    i64 rp[kPlanItemsPerThread], prefix[kPlanItemsPerThread], extend[kPlanItemsPerThread];
-    i64 seed_raw[kPlanItemsPerThread];
-    const i64 first = base + static_cast<i64>(warp) * kPlanItemsPerThread * 32 + lane;
-    // Three phases so that the loads of all items are in flight together: inputs, seed gathers, math.
-    // A req_to_token row 0 marks a padding request (rp 0); rows past bs are padding too.
+// Whether row r (r < bs) plans anything: a req_to_token row 0 marks a padding request.
+template <int kTable>
+__device__ __forceinline__ bool row_active(i64 rp) { return kTable > kTableVirtualPages || rp != 0; }
+
+// The number of verify entries of an active row: its window of the prefix, inside its table row.
+template <int kTable>
+__device__ __forceinline__ i64 verify_len(const PlanInputs& in, i64 r, i64 rp, i64 prefix) {
+  const TableRow row = table_row<kTable>(in, r, rp);
+  const i64 start = window_start(prefix, in.window), end = clamp64(prefix, 0, row.len);
+  return row.ok && end > start ? end - start : 0;
+}
+
+// Loads rows [first, first + kRows) below `last` together (req_pool_indices, prefix_lens,
+// extend_seq_lens), so that a thread waits on memory once per group.
+template <int kRows>
+struct RowGroup {
+  i64 rp[kRows], prefix[kRows], extend[kRows];
+
+  __device__ __forceinline__ void load(const PlanInputs& in, i64 first, i64 last) {
 #pragma unroll
-    for (int k = 0; k < kPlanItemsPerThread; ++k) {
-      const i64 r = first + 32 * k;
-      const bool in_batch = r < bs;
-      rp[k] = in_batch && in.req_pool_indices ? in.req_pool_indices[r] : 0;
-      prefix[k] = in_batch ? in.prefix_lens[r] : 0;
-      extend[k] = in_batch ? in.extend_seq_lens[r] : 0;
+    for (int k = 0; k < kRows; ++k) {
+      const i64 r = first + k;
+      const bool have = r < last;
+      rp[k] = have && in.req_pool_indices ? in.req_pool_indices[r] : 0;
+      prefix[k] = have ? in.prefix_lens[r] : 0;
+      extend[k] = have ? in.extend_seq_lens[r] : 0;
     }
+  }
+};
+
+// The per-request outputs of rows [lo, hi) (one thread's segment): verify offsets from `offs`
+// (already this segment's exclusive offsets, tile-relative index lo - tile), write offsets from
+// `write_before` on, seeds; returns the out-of-range count of these rows.  The rows were just
+// loaded by this thread, so their loads hit its SM's L1.
+template <int kTable, bool kHasLut, bool kHasPool>
+__device__ i64 write_row_outputs(const PlanInputs& in, const PlanOutputs& out, const i64* offs, i64 tile, i64 lo, i64 hi,
+                                 i64 write_before) {
+  constexpr int kRows = kPlanUnroll / 2;  // fewer at once than the scan: the seeds add registers
+  i64 errors = 0;
+  for (i64 first = lo; first < hi; first += kRows) {
+    RowGroup<kRows> g;
+    g.load(in, first, hi);
+    i64 seed_raw[kRows];
 #pragma unroll
-    for (int k = 0; k < kPlanItemsPerThread; ++k) {
-      const i64 r = first + 32 * k;
-      const bool active = r < bs && (kTable > kTableVirtualPages || rp[k] != 0);
+    for (int k = 0; k < kRows; ++k) {  // the seed gathers, all in flight together
       seed_raw[k] = kNoSeed;
-      if (write_outputs && active && prefix[k] > 0 && extend[k] > 0) {
-        const TableRow row = table_row<kTable>(in, r, rp[k]);
-        if (row.ok && prefix[k] <= row.len) seed_raw[k] = table_slot<kTable>(in, row, prefix[k] - 1, errors);
+      if (first + k < hi && row_active<kTable>(g.rp[k]) && g.prefix[k] > 0 && g.extend[k] > 0) {
+        const TableRow row = table_row<kTable>(in, first + k, g.rp[k]);
+        if (row.ok && g.prefix[k] <= row.len) seed_raw[k] = table_slot<kTable>(in, row, g.prefix[k] - 1, errors);
       }
     }
 #pragma unroll
-    for (int k = 0; k < kPlanItemsPerThread; ++k) {
-      const i64 r = first + 32 * k;
-      vlen[k] = wlen[k] = 0;
-      const bool active = r < bs && (kTable > kTableVirtualPages || rp[k] != 0);
+    for (int k = 0; k < kRows; ++k) {
+      const i64 r = first + k;
+      if (r >= hi) break;
       i64 seed = -1;
-      if (active) {
-        const TableRow row = table_row<kTable>(in, r, rp[k]);
-        const bool prefix_ok = prefix[k] >= 0 && prefix[k] <= row.len;
-        errors += !row.ok + !prefix_ok + (extend[k] < 0);
+      if (row_active<kTable>(g.rp[k])) {
+        const TableRow row = table_row<kTable>(in, r, g.rp[k]);
+        const bool prefix_ok = g.prefix[k] >= 0 && g.prefix[k] <= row.len;
+        errors += !row.ok + !prefix_ok + (g.extend[k] < 0);
         if (kHasPool) {
-          const i64 lens = in.valid_lens[r];  // loaded late: fewer live registers
+          const i64 lens = in.valid_lens[r];
           errors += lens < 0 || lens > in.pool_cols;
         }
-        const i64 start = window_start(prefix[k], in.window);
-        const i64 end = clamp64(prefix[k], 0, row.len);
-        if (row.ok && end > start) vlen[k] = end - start;
-        wlen[k] = extend[k] > 0 ? extend[k] : 0;
         if (seed_raw[k] != kNoSeed) seed = swa_translate<kHasLut>(seed_raw[k], in.lut, in.lut_len, errors);
       }
-      if (write_outputs && r < bs) out.write_seed_slot_indices[r] = seed;
+      out.write_seed_slot_indices[r] = seed;
+      out.verify_offsets[r] = offs[r - tile];
+      out.write_offsets[r] = write_before;
+      write_before += row_active<kTable>(g.rp[k]) && g.extend[k] > 0 ? g.extend[k] : 0;
     }
-    // Inclusive warp scans of the K items, interleaved so that their shuffles overlap; then the
-    // exclusive offsets within the warp, rows ordered item-major (item k follows all of item k-1).
-    // Warps past the batch (most of the block for a small batch) skip it: their items are all 0,
-    // which already are their offsets, and shuffles are what the scan costs.
-    i64 run_v = 0, run_w = 0;
-    if (first - lane < bs) {
-      i64 iv[kPlanItemsPerThread], iw[kPlanItemsPerThread];
-#pragma unroll
-      for (int k = 0; k < kPlanItemsPerThread; ++k) { iv[k] = vlen[k]; iw[k] = wlen[k]; }
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-#pragma unroll
-        for (int k = 0; k < kPlanItemsPerThread; ++k) {
-          const i64 uv = __shfl_up_sync(0xffffffffu, iv[k], o), uw = __shfl_up_sync(0xffffffffu, iw[k], o);
-          if (lane >= o) { iv[k] += uv; iw[k] += uw; }
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kPlanItemsPerThread; ++k) {
-        vlen[k] = run_v + iv[k] - vlen[k];
-        wlen[k] = run_w + iw[k] - wlen[k];
-        run_v += __shfl_sync(0xffffffffu, iv[k], 31);
-        run_w += __shfl_sync(0xffffffffu, iw[k], 31);
-      }
-    }
-    // Add what the earlier warps of this tile and the earlier tiles hold.
-    i64 warp_v, warp_w, total_v, total_w;
-    scan_warp_totals(run_v, run_w, warp_v, warp_w, total_v, total_w);
-    const i64 before_v = carry_v + warp_v, before_w = carry_w + warp_w;
-#pragma unroll
-    for (int k = 0; k < kPlanItemsPerThread; ++k) {
-      const i64 r = first + 32 * k;
-      if (r >= bs) break;
-      if (smem_verify_offsets) smem_verify_offsets[r] = before_v + vlen[k];
-      if (write_outputs) {
-        out.verify_offsets[r] = before_v + vlen[k];
-        out.write_offsets[r] = before_w + wlen[k];
-      }
-    }
-    __syncthreads();  // everyone has read the carries
-    if (threadIdx.x == 0) { carry_v += total_v; carry_w += total_w; }
-    __syncthreads();
   }
-  const i64 total = carry_v;
-  if (threadIdx.x == 0 && smem_verify_offsets) smem_verify_offsets[bs] = total;
-  if (write_outputs) {
+  return errors;
+}
+
+// Scans the batch in tiles of `tile_rows` rows, every block on its own (no block waits on
+// another).  Thread t of a tile takes the contiguous segment [t * C, (t + 1) * C) of its rows: it
+// loads them, keeps each row's verify length in `offs` (shared memory, tile_rows + 1 entries),
+// and the block scans the segments' sums; each thread then turns its segment into offsets.  The
+// per-request outputs of segment s (numbered across tiles) are written by block s % gridDim.x,
+// so a small batch spreads them over the grid instead of queueing them behind one block.
+// Returns the total number of verify entries; `offs` then holds the last tile's offsets, and
+// offs[rows of that tile] its end (with one tile: every row's verify offset, and the total).
+template <int kTable, bool kHasLut, bool kHasPool>
+__device__ i64 plan_scan(const PlanInputs& in, const PlanOutputs& out, i64* offs, i64 tile_rows) {
+  __shared__ i64 stale_end;
+  const bool block0 = blockIdx.x == 0;
+  // Read early: the count the earlier plan wrote, overwritten at the end by this block's thread 0.
+  const i64 previous = block0 && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
+  const i64 bs = in.bs;
+  i64 carry_v = 0, carry_w = 0, errors = 0;
+  for (i64 tile = 0, tile_index = 0; tile < bs; tile += tile_rows, ++tile_index) {
+    const i64 n = bs - tile < tile_rows ? bs - tile : tile_rows;
+    const i64 per_thread = (n + blockDim.x - 1) / blockDim.x;
+    const i64 lo = min(n, static_cast<i64>(threadIdx.x) * per_thread), hi = min(n, lo + per_thread);
+    i64 sum_v = 0, sum_w = 0;
+    for (i64 first = lo; first < hi; first += kPlanUnroll) {
+      RowGroup<kPlanUnroll> g;
+      g.load(in, tile + first, tile + hi);
+#pragma unroll
+      for (int k = 0; k < kPlanUnroll; ++k) {
+        if (first + k >= hi) break;
+        const bool active = row_active<kTable>(g.rp[k]);
+        const i64 v = active ? verify_len<kTable>(in, tile + first + k, g.rp[k], g.prefix[k]) : 0;
+        offs[first + k] = v;
+        sum_v += v;
+        sum_w += active && g.extend[k] > 0 ? g.extend[k] : 0;
+      }
+    }
+    // Exclusive scan of the segments' sums: within the warp, then across the warps.
+    const int lane = threadIdx.x & 31;
+    i64 inc_v = sum_v, inc_w = sum_w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const i64 uv = __shfl_up_sync(kFullMask, inc_v, o), uw = __shfl_up_sync(kFullMask, inc_w, o);
+      if (lane >= o) { inc_v += uv; inc_w += uw; }
+    }
+    i64 warp_v, warp_w, total_v, total_w;
+    scan_warp_totals(inc_v, inc_w, warp_v, warp_w, total_v, total_w);
+    const i64 before_v = carry_v + warp_v + inc_v - sum_v, before_w = carry_w + warp_w + inc_w - sum_w;
+    i64 running = before_v;
+    for (i64 i = lo; i < hi; ++i) {
+      const i64 v = offs[i];
+      offs[i] = running;
+      running += v;
+    }
+    carry_v += total_v;
+    carry_w += total_w;
+    if (threadIdx.x == 0) offs[n] = carry_v;
+    const i64 segment = tile_index * blockDim.x + threadIdx.x;
+    if (lo < hi && segment % gridDim.x == blockIdx.x)
+      errors += write_row_outputs<kTable, kHasLut, kHasPool>(in, out, offs, tile, tile + lo, tile + hi, before_w);
+    __syncthreads();  // offs is complete (and the next tile may reuse it)
+  }
+  if (block0) {
     if (threadIdx.x == 0) {
-      out.verify_offsets[bs] = total;
+      stale_end = stale_rows_end(out, previous);
+      out.verify_offsets[bs] = carry_v;
       out.write_offsets[bs] = carry_w;
-      *out.verify_num_valid = static_cast<int>(total < out.verify_capacity ? total : out.verify_capacity);
-      *out.enable = total <= out.verify_capacity ? 1 : 0;
+      *out.verify_num_valid = static_cast<int>(carry_v < out.verify_capacity ? carry_v : out.verify_capacity);
+      *out.enable = carry_v <= out.verify_capacity ? 1 : 0;
       *out.write_num_valid_reqs = static_cast<int>(bs);
     }
+    __syncthreads();
     // Nothing stale past the batch (README, array conventions): rows the earlier plan wrote.
     for (i64 r = bs + threadIdx.x; r < stale_end; r += blockDim.x) {
       out.write_seed_slot_indices[r] = -1;
       out.verify_offsets[r + 1] = 0;
       out.write_offsets[r + 1] = 0;
     }
-    if (errors) atomicAdd(&block_errors, static_cast<unsigned long long>(errors));
-    __syncthreads();
-    if (threadIdx.x == 0 && block_errors) atomicAdd(out.out_of_range_count, block_errors);
   }
-  __syncthreads();
-  return total;
+  warp_add(out.out_of_range_count, errors);
+  return carry_v;
 }
 
 // ---- the entry expansion ---------------------------------------------------------------------
@@ -389,16 +411,29 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
   warp_add(out.out_of_range_count, clamped);
 }
 
-template <int kTable, bool kHasLut, bool kHasPool>
-__global__ void __launch_bounds__(kPlanMaxThreads) plan_fused(PlanInputs in, PlanOutputs out) {
-  __shared__ i64 verify_offsets[kFusedMaxBs + 1];
-  const i64 total = plan_scan<kTable, kHasLut, kHasPool>(in, out, blockIdx.x == 0, verify_offsets);
-  if (total > 0 && total <= out.verify_capacity) expand_entries<kTable, kHasLut, kHasPool>(in, out, verify_offsets, total);
+// Rows of the batch scan's tile: what the launch's dynamic shared memory holds (one offset per
+// row and the tile's end), so the host sizes the tile by sizing the memory.
+__device__ __forceinline__ i64 scan_tile_rows() {
+  unsigned bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return static_cast<i64>(bytes / sizeof(i64)) - 1;
 }
 
+// One launch (the batch fits one tile): every block scans the batch, then expands its share of
+// the entries from the offsets in its shared memory.
 template <int kTable, bool kHasLut, bool kHasPool>
-__global__ void __launch_bounds__(kPlanMaxThreads) plan_offsets(PlanInputs in, PlanOutputs out) {
-  plan_scan<kTable, kHasLut, kHasPool>(in, out, true, nullptr);
+__global__ void __launch_bounds__(kPlanThreads, 2) plan_fused(PlanInputs in, PlanOutputs out) {
+  extern __shared__ i64 offs[];
+  const i64 total = plan_scan<kTable, kHasLut, kHasPool>(in, out, offs, scan_tile_rows());
+  if (total > 0 && total <= out.verify_capacity) expand_entries<kTable, kHasLut, kHasPool>(in, out, offs, total);
+}
+
+// A batch larger than one tile: the scan writes the offsets (every block scans, each writes its
+// share), then plan_entries expands the entries from them.
+template <int kTable, bool kHasLut, bool kHasPool>
+__global__ void __launch_bounds__(kPlanThreads, 2) plan_offsets(PlanInputs in, PlanOutputs out) {
+  extern __shared__ i64 offs[];
+  plan_scan<kTable, kHasLut, kHasPool>(in, out, offs, scan_tile_rows());
 }
 
 template <int kTable, bool kHasLut, bool kHasPool>

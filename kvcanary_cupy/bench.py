@@ -441,7 +441,7 @@ def detail_rows(cupy, names, rows: list):
         }
         if d["tokens"] > d["bs"]:  # a prefill: the serial chain of one request bounds the write
             timed["write[chain floor]"] = lambda: chain((1,), (1,), (np.int64(d["tokens"] // d["bs"]), out))
-        if d["bs"] > cupy_backend.FUSED_PLAN_MAX_BS:
+        if d["bs"] > cupy_backend.plan_scan_max_rows(cupy.cuda.Device().id):
             timed["plan"] = ops["plan"]
             timed["plan[grid 8/SM]"] = ("legacy", ops["plan"])
         against = {"verify[grid 8/SM]": "verify", "verify[all entries fail]": "verify", "verify[2 buffers]": "verify",

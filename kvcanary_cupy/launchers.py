@@ -306,21 +306,21 @@ class _Binding:
         for (view, index), value in zip(self.slots, values):
             view[index] = value
 
-    def launch(self, fn, grid, block) -> None:
+    def launch(self, fn, grid, block, shared_mem: int = 0) -> None:
         """Launch on the bound device, on the caller's stream (torch's current one when torch
         tensors are bound) or behind it on the side stream."""
         if self._get_device() == self.device:
-            self._launch(fn, grid, block)
+            self._launch(fn, grid, block, shared_mem)
         else:
             with import_cupy().cuda.Device(self.device):
-                self._launch(fn, grid, block)
+                self._launch(fn, grid, block, shared_mem)
 
-    def _launch(self, fn, grid, block) -> None:
+    def _launch(self, fn, grid, block, shared_mem: int) -> None:
         stream = None if self._stream_handle is None else _wrapped_torch_stream(self._stream_handle())
         if self.side is not None:
             self.side.fork(import_cupy().cuda.get_current_stream() if stream is None else stream)
             stream = self.side.stream
-        fn(grid, block, self.arguments, stream=stream)
+        fn(grid, block, self.arguments, shared_mem=shared_mem, stream=stream)
 
 
 class _SideStream:
@@ -592,7 +592,7 @@ class PlanLauncher:
                 "req_pool_indices", "prefix_lens", "extend_seq_lens", "bs", "table", "table_rows", "kv_indptr",
                 "virtual_to_physical", "pool", "pool_stride", "pool_cols", "valid_lens")), "outputs.clear_whole_capacity")
             b.table_shape = None  # the table_fields last written
-            b.kernels = {}  # (kind, bs, has_pool) -> ((function, grid, block), ...)
+            b.kernels = {}  # (kind, bs, has_pool) -> ((function, grid, block, shared_mem), ...)
         self._bound = b
 
     def _kernels(self, b, kind: int, bs: int, has_pool: bool) -> tuple:
@@ -603,7 +603,7 @@ class PlanLauncher:
                 b.kernels.clear()
             with import_cupy().cuda.Device(b.device):  # grids are sized from the bound device's SM count
                 kernels = b.kernels[key] = tuple(
-                    (b.function(family, name), (config.grid,), (config.block,))
+                    (b.function(family, name), (config.grid,), (config.block,), config.shared_mem)
                     for family, name, config in b.cb.plan_kernels(kind, bs, b.capacities[0], b.has_lut, has_pool))
         return kernels
 
@@ -658,7 +658,7 @@ class PlanLauncher:
                 self._write_table_shape(b, t.shape)
             b.set((rp or 0, prefix, extend, bs, t.entries, t.rows, t.kv_indptr or 0, t.virtual_to_physical or 0,
                    pool[0] or 0, pool[3], pool[2], lens or 0, not is_clean(wp)))
-            for fn, grid, block in self._kernels(b, t.kind, bs, lens is not None):
-                b.launch(fn, grid, block)
+            for fn, grid, block, shared_mem in self._kernels(b, t.kind, bs, lens is not None):
+                b.launch(fn, grid, block, shared_mem)
         mark_clean(wp)
         return True

@@ -101,6 +101,7 @@ class FakeDevice:
     copy (a stand-in for what the device would have written)."""
 
     SM_COUNT = 132
+    PLAN_SCAN_MAX_ROWS = 29_000  # an H200's opt-in shared memory in int64 offsets
 
     def __init__(self, record_bytes: bool = True):
         import cupy
@@ -213,7 +214,9 @@ class FakeDevice:
         monkeypatch.setattr(jit, "get_function", lambda family, name: RawKernel(name))
         monkeypatch.setattr(cupy_backend, "get_function", lambda family, name: RawKernel(name))
         monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: FakeDevice.SM_COUNT)
-        monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block: 4)
+        monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block, shared_mem=0: 4)
+        monkeypatch.setattr(cupy_backend, "plan_scan_max_rows", lambda device_id: FakeDevice.PLAN_SCAN_MAX_ROWS)
+        monkeypatch.setattr(cupy_backend, "_allow_shared_mem", lambda *args: None)
         if self.record_bytes:  # the arguments as one-element NumPy views, whose bytes can be read back
             monkeypatch.setattr(cupy_backend, "_CPointer", None)
 

@@ -33,6 +33,24 @@ def test_gpu_matches_numpy_wide_batches(backend, seed):
     assert_same(run_case(NUMPY, case), run_case(ab, case), context=f"{backend} big seed {seed}")
 
 
+@pytest.mark.parametrize("tile_rows", [1, 37, 1000])
+@pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
+def test_gpu_tiled_batch_scan_matches_numpy(backend, tile_rows, monkeypatch):
+    """Batches larger than one scan tile take the two-launch plan (plan_offsets over several tiles,
+    then plan_entries): forced here with tiny tiles, on small and wide batches."""
+    ab = get_backend_or_skip(backend)
+    from kvcanary_cupy.backends import cupy_backend
+    from kvcanary_cupy.tables import TableKind
+
+    monkeypatch.setattr(cupy_backend, "plan_scan_max_rows", lambda device_id: tile_rows)
+    assert [k[1].split("<")[0] for k in cupy_backend.plan_kernels(TableKind.REQ_TO_TOKEN, tile_rows + 1, 1, False, False)] == [
+        "kvcanary::plan_offsets", "kvcanary::plan_entries"]
+    seeds = range(0, 60) if tile_rows < 1000 else range(10_000, 10_002)
+    for seed in seeds:
+        case = make_case(seed, big=seed >= 10_000)
+        assert_same(run_case(NUMPY, case), run_case(ab, case), context=f"{backend} tile {tile_rows} seed {seed}")
+
+
 def test_torch_cpu_matches_numpy():
     ab = get_backend_or_skip("torch_cpu")
     for seed in range(40):

@@ -2,6 +2,7 @@
 captured once and replayed with new batch contents, in CuPy and in torch, and matches NumPy;
 through the free functions and through a CanaryPlanner with bound launchers."""
 
+import contextlib
 import numpy as np
 import pytest
 
@@ -379,6 +380,7 @@ def test_move_pages_capture_and_replay(framework):
             stream.begin_capture()
             move()
             graph = stream.end_capture()
+        inputs_stream = stream  # the new inputs are copied on the stream the graph replays on
         replay = lambda: (graph.launch(stream), stream.synchronize())
     else:
         import torch
@@ -387,10 +389,12 @@ def test_move_pages_capture_and_replay(framework):
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
             move()
+        inputs_stream = contextlib.nullcontext()  # torch's current stream, which the graph replays on
         replay = lambda: (graph.replay(), torch.cuda.synchronize())
     expected = buf
     for step, (s, d) in enumerate(_move_inputs(num_pages, n, 3)):
-        src[...], dst[...] = ab.asarray(s), ab.asarray(d)
+        with inputs_stream:
+            src[...], dst[...] = ab.asarray(s), ab.asarray(d)
         replay()
         expected = reference_move(expected, s, d, page_size)
         np.testing.assert_array_equal(ab.to_numpy(canary), expected)

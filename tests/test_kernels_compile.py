@@ -27,7 +27,7 @@ def test_every_variant_compiles_and_fits_its_launch(family, arch):
     report = jit.compile_check(arch, family, cb.family_struct_asserts(family))[family]
     assert report.cubin_bytes > 1000
     assert set(report.registers) == set(jit.FAMILIES[family].instantiations())
-    block = {"plan_offsets": cb.PLAN_MAX_THREADS, "plan_fused": cb.PLAN_MAX_THREADS,
+    block = {"plan_offsets": cb.PLAN_THREADS, "plan_fused": cb.PLAN_THREADS,
              "canary_write": cb.WRITE_THREADS, "canary_verify": cb.VERIFY_THREADS}
     for name, regs in report.registers.items():
         threads = block.get(name.split("<")[0].split("::")[1], cb.THREADS)
@@ -159,9 +159,7 @@ def test_kernel_sources_are_package_data():
 def test_launch_constants_match_the_kernels():
     from kvcanary_cupy.backends import cupy_backend as cb
 
-    assert _cuh_constant("kPlanItemsPerThread", "plan.cu") == cb.PLAN_ITEMS_PER_THREAD
-    assert _cuh_constant("kPlanMaxThreads", "plan.cu") == cb.PLAN_MAX_THREADS
-    assert _cuh_constant("kFusedMaxBs", "plan.cu") == cb.FUSED_PLAN_MAX_BS
+    assert _cuh_constant("kPlanThreads", "plan.cu") == cb.PLAN_THREADS
     assert _cuh_constant("kScatterMaxGroupRows", "scatter.cu") == cb.SCATTER_MAX_GROUP_ROWS
     assert _cuh_constant("kVerifyThreads", "verify.cu") == cb.VERIFY_THREADS
     assert _cuh_constant("kWriteThreads", "write.cu") == cb.WRITE_THREADS

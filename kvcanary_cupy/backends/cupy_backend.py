@@ -125,11 +125,11 @@ def struct_offsets_differ(dtype: np.dtype, c_name: str, family: str, arch: str =
 class LaunchConfig(NamedTuple):
     grid: int
     block: int
+    shared_mem: int = 0  # dynamic shared memory, bytes
 
 
-PLAN_ITEMS_PER_THREAD = 4  # kPlanItemsPerThread in plan.cu
-PLAN_MAX_THREADS = 1024  # kPlanMaxThreads
-FUSED_PLAN_MAX_BS = 2048  # kFusedMaxBs: up to this batch size the plan is one launch
+PLAN_THREADS = 512  # kPlanThreads in plan.cu: plan_fused and plan_offsets blocks
+PLAN_SCAN_RESERVED_SMEM = 2048  # bytes of a scan block's shared memory kept for its static arrays
 THREADS = 256  # plan_entries and scatter blocks
 VERIFY_THREADS = 256  # kVerifyThreads in verify.cu
 WRITE_THREADS = 128  # kWriteThreads in write.cu
@@ -148,12 +148,12 @@ def _device_id() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def resident_blocks_per_sm(device_id: int, family: str, name: str, block: int) -> int:
+def resident_blocks_per_sm(device_id: int, family: str, name: str, block: int, shared_mem: int = 0) -> int:
     """Blocks of ``block`` threads of one compiled kernel that one SM holds at once (CUDA's
     occupancy calculator over its registers and shared memory), cached per device and kernel."""
     cupy = import_cupy()
     fn = get_function(family, name)
-    return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, block, 0))
+    return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, block, shared_mem))
 
 
 def persistent_config(family: str, name: str, block: int = THREADS) -> LaunchConfig:
@@ -164,15 +164,32 @@ def persistent_config(family: str, name: str, block: int = THREADS) -> LaunchCon
     return LaunchConfig(_sm_count(device) * resident_blocks_per_sm(device, family, name, block), block)
 
 
-def plan_offsets_config(bs: int) -> LaunchConfig:
-    """One block, as many threads as the batch needs (tiles loop past 1024 threads)."""
-    threads = -(-bs // PLAN_ITEMS_PER_THREAD)
-    return LaunchConfig(1, min(PLAN_MAX_THREADS, max(32, -(-threads // 32) * 32)))
+@functools.lru_cache(maxsize=None)
+def plan_scan_max_rows(device_id: int) -> int:
+    """The most batch rows one scan tile holds: a block's opt-in shared memory, less the static
+    arrays, at one int64 offset per row plus the tile's end.  A batch of up to this many requests
+    plans in one launch (plan_fused)."""
+    optin = import_cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    return (optin - PLAN_SCAN_RESERVED_SMEM) // 8 - 1
 
 
-def plan_fused_config() -> LaunchConfig:
-    """A block per SM: each scans the (small) batch, then all expand the entries."""
-    return LaunchConfig(_sm_count(_device_id()), PLAN_MAX_THREADS)
+@functools.lru_cache(maxsize=None)
+def _allow_shared_mem(device_id: int, family: str, name: str, nbytes: int) -> None:
+    """Lets kernel ``name`` take ``nbytes`` of dynamic shared memory (past 48 KiB needs the opt-in)."""
+    cupy = import_cupy()
+    attribute = cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    cupy.cuda.driver.funcSetAttribute(get_function(family, name).kernel.ptr, attribute, nbytes)
+
+
+def plan_scan_config(family: str, name: str, bs: int, tile_rows: int) -> LaunchConfig:
+    """Blocks of PLAN_THREADS, as many as are resident at once, each with a tile of
+    ``min(bs, tile_rows)`` offsets in dynamic shared memory (the kernel reads its tile size from it)."""
+    device = _device_id()
+    shared_mem = (max(1, min(bs, tile_rows)) + 1) * 8
+    if shared_mem > 48 * 1024:
+        _allow_shared_mem(device, family, name, shared_mem)
+    blocks = resident_blocks_per_sm(device, family, name, PLAN_THREADS, shared_mem)
+    return LaunchConfig(_sm_count(device) * blocks, PLAN_THREADS, shared_mem)
 
 
 def write_config(name: str, write_req_capacity: int) -> LaunchConfig:
@@ -232,7 +249,7 @@ def has_real_kv(targets: tuple, mode: int) -> bool:
 
 
 def _launch(family: str, name: str, config: LaunchConfig, args: tuple) -> None:
-    get_function(family, name)((config.grid,), (config.block,), args)
+    get_function(family, name)((config.grid,), (config.block,), args, shared_mem=config.shared_mem)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,9 +390,12 @@ def plan_params(a: PlanArgs) -> np.ndarray:
 def plan_kernels(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool) -> tuple:
     """``(family, kernel name, LaunchConfig)`` of each launch of a plan of ``bs`` requests, in order."""
     family, template_args = plan_family(kind), (int(kind), has_lut, has_pool)
-    if bs <= FUSED_PLAN_MAX_BS:
-        return ((family, kernel_name("plan_fused", *template_args), plan_fused_config()),)
-    offsets = (family, kernel_name("plan_offsets", *template_args), plan_offsets_config(bs))
+    tile_rows = plan_scan_max_rows(_device_id())
+    if bs <= tile_rows:
+        name = kernel_name("plan_fused", *template_args)
+        return ((family, name, plan_scan_config(family, name, bs, tile_rows)),)
+    name = kernel_name("plan_offsets", *template_args)
+    offsets = (family, name, plan_scan_config(family, name, bs, tile_rows))
     if verify_capacity == 0:  # a zero-capacity plan expands nothing
         return (offsets,)
     name = kernel_name("plan_entries", *template_args)
