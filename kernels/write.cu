@@ -1,19 +1,28 @@
 // Write kernel (docs/format.md §4 with the project's out-of-range rules).
 //
-// Warp w takes requests w, w + W, w + 2W, ... (W warps in the grid), one per lane, so a batch of
-// fewer requests than warps spreads one request per warp.  A request that writes at most one
-// token (a decode step) is written by its own lane: the lanes of a warp run 32 such requests at
-// once.  A longer request is then written by the whole warp: the lanes load 32 tokens at a time
-// and fingerprint their real KV in parallel; the hash chain, serial by nature, is computed by
-// every lane in lock-step from shuffled values, so each lane knows the prev_hash of its own token.
-// With several canary buffers (kBuffers > 1, one plan for e.g. the K and V halves) the token
-// inputs are loaded once and the buffers' independent chains are interleaved in one thread: the
-// chain is latency-bound, so a second chain fills the first one's stalls.
+// Each warp writes one canary buffer: with several buffers (kBuffers > 1, one plan for e.g. the K
+// and V halves) warps b, b + kBuffers, ... write buffer b, so the buffers' serial hash chains run
+// on different warp schedulers at once.  (One thread interleaving two chains gains nothing: a
+// chain is bound by the integer pipes' issue rate as much as by latency.)
+//
+// The warps of one buffer share the requests: a pass gives each lane one request, consecutive
+// requests to the lanes of a warp when the grid has at most one warp per 16 requests (coalesced
+// loads), else requests w, w + W, w + 2W, ... to warp w (W warps), so a batch of fewer requests
+// than warps spreads one request per warp.  A request that writes at most one token (a decode
+// step) is written by its own lane.  Its loads do not wait on one another: the offsets, the seed
+// and token r (request r's token in a decode step, used when its range is [r, r + 1)) are loaded
+// before the batch size arrives, and the seed's record as soon as the seed does.
+//
+// A longer request is then written by the whole warp: the lanes load 32 tokens at a time and
+// fingerprint their real KV in parallel; the hash chain, serial by nature, is computed by every
+// lane in lock-step from the chunk's tokens staged in shared memory (one broadcast load per
+// token), and the chain value before each token is left there for that token's lane.
 #include "canary_common.cuh"
 
 namespace kvcanary {
 
 constexpr int kWriteThreads = 128;
+constexpr int kWriteWarps = kWriteThreads / 32;
 
 // One lane's token: slot -1 past the request's range.
 template <bool kInputAssert>
@@ -45,38 +54,19 @@ struct WriteInputs {
   const int* pos_assert_flag;  // null: pos_assert_value decides
   i64 write_req_capacity, num_tokens;
   int pos_assert_value;
+
+  template <bool kInputAssert>
+  __device__ __forceinline__ void load_token(TokenInputs<kInputAssert>& tok, i64 i, i64 end) const {
+    tok.load(i, end, input_ids, positions, out_cache_loc, expected_tokens, expected_positions);
+  }
 };
 
-// The chain state of one request in one buffer, continued from its seed record.
-struct ChainState {
-  u64 chain;
-  i64 running_pos;
-};
-
-template <int kBuffers>
-__device__ __forceinline__ void seed_chains(const CanaryTargets& t, bool seed_ok, i64 seed, ChainState (&s)[kBuffers]) {
-  CanaryRecord rec[kBuffers];
-#pragma unroll
-  for (int b = 0; b < kBuffers; ++b) rec[b] = seed_ok ? load_record(t.canary[b], seed) : CanaryRecord{0, 0, 0, 0};
-#pragma unroll
-  for (int b = 0; b < kBuffers; ++b) s[b] = seed_ok ? ChainState{slot_hash(rec[b]), rec[b].position} : ChainState{kAnchorHash, 0};
-}
-
-// The real-KV fingerprint of a token's slot in every buffer (0 when not stored), loaded before
-// the chain runs so its memory latency overlaps the chain.
-template <int kBuffers, bool kHasRealKv>
-__device__ __forceinline__ void fingerprints(const CanaryTargets& t, bool store, i64 slot, u64 (&real_kv)[kBuffers]) {
-#pragma unroll
-  for (int b = 0; b < kBuffers; ++b) real_kv[b] = kHasRealKv && store ? real_kv_fold(t.sources[b], slot) : 0;
-}
-
-// The rows and the record of one token in buffer b: `token_chain` is its prev_hash and
-// `expected_pos` what the chain-position assert wants.  Every lane calls it (converged).
+// The rows and the record of one token: `token_chain` is its prev_hash and `expected_pos` what
+// the chain-position assert wants.  Every lane calls it (converged).
 template <bool kInputAssert>
-__device__ __forceinline__ void finish_token(const CanaryTargets& t, int b, const LaunchLog& log, bool valid,
+__device__ __forceinline__ void finish_token(const CanaryBuffer& canary, int kind, const LaunchLog& log, bool valid,
                                              bool check_pos, bool store, const TokenInputs<kInputAssert>& in,
                                              u64 token_chain, i64 expected_pos, u64 real_kv, i64& violations) {
-  const int kind = t.kind[b];
   if (kInputAssert) {
     const i64 bits = (in.token != in.expected_token ? kWriteTokenMismatch : 0) |
                      (in.pos != in.expected_pos ? kWritePositionMismatch : 0);
@@ -90,53 +80,63 @@ __device__ __forceinline__ void finish_token(const CanaryTargets& t, int b, cons
   log.append_rows(hit, kind, in.slot, in.pos, in.token, in.token, static_cast<i64>(token_chain), expected_pos,
                   kWritePositionMismatch);
   if (store)
-    store_record(t.canary[b], in.slot, CanaryRecord{in.token, in.pos, static_cast<i64>(token_chain), static_cast<i64>(real_kv)});
+    store_record(canary, in.slot, CanaryRecord{in.token, in.pos, static_cast<i64>(token_chain), static_cast<i64>(real_kv)});
 }
 
 template <int kBuffers, bool kInputAssert, bool kHasRealKv>
 __global__ void canary_write(const __grid_constant__ CanaryTargets t, WriteInputs in, LaunchLog log) {
-  const bool first_thread = blockIdx.x == 0 && threadIdx.x == 0;
-#pragma unroll
-  for (int b = 0; b < kBuffers; ++b)
-    if (first_thread) atomicAdd(log.kernel_run_counters + t.kind[b], 1ULL);
-  i64 num_reqs = *in.write_num_valid_reqs;
-  num_reqs = num_reqs < 0 ? 0 : (num_reqs > in.write_req_capacity ? in.write_req_capacity : num_reqs);
+  // Per warp: a chunk's {token, position} for the chain, and the chain value before each token.
+  __shared__ longlong2 staged[kWriteWarps][32];
+  __shared__ u64 chains[kWriteWarps][32];
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    for (int b = 0; b < kBuffers; ++b) atomicAdd(log.kernel_run_counters + t.kind[b], 1ULL);
+  const int lane = threadIdx.x & 31, block_warp = threadIdx.x >> 5;
+  const i64 grid_warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int buffer = static_cast<int>(grid_warp % kBuffers);
+  const i64 warp = grid_warp / kBuffers, num_warps = ((static_cast<i64>(gridDim.x) * blockDim.x) >> 5) / kBuffers;
+  if (warp >= num_warps) return;  // the grid's last few warps when kBuffers does not divide it
+  const CanaryBuffer& canary = t.canary[buffer];
+  const int kind = t.kind[buffer];
+  const int num_valid = *in.write_num_valid_reqs;
   const bool pos_assert_on = in.pos_assert_flag ? *in.pos_assert_flag != 0 : in.pos_assert_value != 0;
-  const i64 num_slots = t.canary[0].num_slots, num_tokens = in.num_tokens;
-  const int lane = threadIdx.x & 31;
-  const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const i64 num_warps = (static_cast<i64>(gridDim.x) * blockDim.x) >> 5;
-  i64 written = 0, errors = 0, violations[kBuffers] = {};
+  const i64 capacity = in.write_req_capacity, num_slots = canary.num_slots, num_tokens = in.num_tokens;
+  const bool consecutive = 16 * num_warps <= capacity;  // at least 16 requests per warp
+  const i64 lane_request = consecutive ? 32 * warp + lane : warp + lane * num_warps;
+  i64 written = 0, errors = 0, violations = 0;
 
-  for (i64 first = warp; first < num_reqs; first += 32 * num_warps) {
+  for (i64 pass = 0; pass < capacity; pass += 32 * num_warps) {
+    // Every index below the capacity is in bounds: load before the batch size is known.
+    const i64 r = pass + lane_request;
+    const bool in_capacity = r < capacity;
+    i64 start_raw = in_capacity ? in.write_offsets[r] : 0, end_raw = in_capacity ? in.write_offsets[r + 1] : 0;
+    i64 seed = in_capacity ? in.seeds[r] : -1;
+    TokenInputs<kInputAssert> tok;
+    in.load_token(tok, r, num_tokens);  // a decode step's token, if the range turns out [r, r + 1)
+    const CanaryRecord seed_record = seed > 0 && seed < num_slots ? load_record(canary, seed) : CanaryRecord{0, 0, 0, 0};
+    const i64 num_reqs = num_valid < 0 ? 0 : (num_valid > capacity ? capacity : num_valid);
+    if (pass >= num_reqs) break;
+
     // This lane's request: its clamped token range and seed (each out-of-range value counts once).
-    const i64 r = first + lane * num_warps;
-    const bool have = r < num_reqs;
-    const i64 start_raw = have ? in.write_offsets[r] : 0, end_raw = have ? in.write_offsets[r + 1] : 0;
-    const i64 seed = have ? in.seeds[r] : -1;
+    if (r >= num_reqs) start_raw = end_raw = 0, seed = -1;
     const i64 start = start_raw < 0 ? 0 : (start_raw > num_tokens ? num_tokens : start_raw);
     const i64 end = end_raw < start ? start : (end_raw > num_tokens ? num_tokens : end_raw);
     errors += start_raw < 0 || start_raw > num_tokens || end_raw < start_raw || end_raw > num_tokens;
     errors += seed >= num_slots;
     const bool seed_ok = seed > 0 && seed < num_slots;  // seed 0 (padding slot) = no predecessor
     const bool check_pos = seed_ok && pos_assert_on;
+    const u64 seed_chain = seed_ok ? slot_hash(seed_record) : kAnchorHash;
+    const i64 seed_pos = seed_ok ? seed_record.position : 0;
 
     // Requests of one token: a lane each.
     {
       const bool single = end - start == 1;
-      TokenInputs<kInputAssert> tok;
-      tok.load(single ? start : 0, single ? end : 0, in.input_ids, in.positions, in.out_cache_loc,
-               in.expected_tokens, in.expected_positions);
-      ChainState s[kBuffers];
-      seed_chains<kBuffers>(t, seed_ok && single, seed, s);
+      if (!single) tok.slot = -1;
+      else if (start != r) in.load_token(tok, start, end);  // the speculative load missed
       errors += tok.slot >= num_slots;
       const bool valid = tok.slot >= 0 && tok.slot < num_slots, store = valid && tok.slot != 0;
-      u64 real_kv[kBuffers];
-      fingerprints<kBuffers, kHasRealKv>(t, store, tok.slot, real_kv);
-#pragma unroll
-      for (int b = 0; b < kBuffers; ++b)
-        finish_token<kInputAssert>(t, b, log, valid, check_pos, store, tok, s[b].chain, s[b].running_pos + 1,
-                                   real_kv[b], violations[b]);
+      const u64 real_kv = kHasRealKv && store ? real_kv_fold(t.sources[buffer], tok.slot) : 0;
+      finish_token<kInputAssert>(canary, kind, log, valid, check_pos, store, tok, seed_chain, seed_pos + 1, real_kv,
+                                 violations);
       written += valid;
     }
 
@@ -144,73 +144,59 @@ __global__ void canary_write(const __grid_constant__ CanaryTargets t, WriteInput
     for (unsigned long_reqs = __ballot_sync(kFullMask, end - start > 1); long_reqs; long_reqs &= long_reqs - 1) {
       const int owner = __ffs(long_reqs) - 1;
       const i64 req_start = __shfl_sync(kFullMask, start, owner), req_end = __shfl_sync(kFullMask, end, owner);
-      const i64 req_seed = __shfl_sync(kFullMask, seed, owner);
-      const bool req_seed_ok = req_seed > 0 && req_seed < num_slots;
-      const bool req_check_pos = req_seed_ok && pos_assert_on;
-      ChainState s[kBuffers];
-      seed_chains<kBuffers>(t, req_seed_ok, req_seed, s);
+      const bool req_check_pos = __shfl_sync(kFullMask, static_cast<int>(check_pos), owner) != 0;
+      u64 chain = __shfl_sync(kFullMask, seed_chain, owner);
+      i64 running_pos = __shfl_sync(kFullMask, seed_pos, owner);  // the last chained token's position
 
-      // Token and position are loaded with the slot, and each chunk's loads are issued before
-      // the previous chunk's hash chain runs: a prefill waits on memory once, not per chunk.
+      // Each chunk's loads are issued before the previous chunk's hash chain runs: a prefill
+      // waits on memory once, not per chunk.
       TokenInputs<kInputAssert> next;
-      next.load(req_start + lane, req_end, in.input_ids, in.positions, in.out_cache_loc, in.expected_tokens,
-                in.expected_positions);
+      in.load_token(next, req_start + lane, req_end);
       for (i64 chunk = req_start; chunk < req_end; chunk += 32) {
         const TokenInputs<kInputAssert> cur = next;
-        next.load(chunk + 32 + lane, req_end, in.input_ids, in.positions, in.out_cache_loc, in.expected_tokens,
-                  in.expected_positions);
+        in.load_token(next, chunk + 32 + lane, req_end);
         errors += cur.slot >= num_slots;
         const bool valid = cur.slot >= 0 && cur.slot < num_slots;
-        u64 real_kv[kBuffers];
-        fingerprints<kBuffers, kHasRealKv>(t, valid && cur.slot != 0, cur.slot, real_kv);
-        // The chains, in token order, computed identically by every lane.
         const unsigned valid_mask = __ballot_sync(kFullMask, valid);
-        ChainState mine[kBuffers];  // the state before this lane's token
-        if (valid_mask == kFullMask) {  // a full chunk: unrolled, the shuffles run ahead of the chains
+        // A slot written twice in one chunk keeps its last token's record, as a serial walk would;
+        // the padding slot 0 keeps its bytes (padded tokens of many requests land there at once).
+        // The match runs on the whole warp (an invalid lane matches no one: its key is negative
+        // and its own) and is read after the chain, whose run hides its latency.
+        const unsigned peers = __match_any_sync(kFullMask, valid ? cur.slot : -1 - lane);
+        const u64 real_kv = kHasRealKv && valid && cur.slot != 0 ? real_kv_fold(t.sources[buffer], cur.slot) : 0;
+        staged[block_warp][lane] = make_longlong2(cur.token, cur.pos);
+        __syncwarp();
+        // The chain over the chunk's valid tokens in order, computed identically by every lane.
+        if (valid_mask == kFullMask) {
 #pragma unroll 8
           for (int j = 0; j < 32; ++j) {
-            const i64 tj = __shfl_sync(kFullMask, cur.token, j), pj = __shfl_sync(kFullMask, cur.pos, j);
-#pragma unroll
-            for (int b = 0; b < kBuffers; ++b) {
-              if (lane == j) mine[b] = s[b];
-              s[b].chain = mix3(s[b].chain, static_cast<u64>(tj), static_cast<u64>(pj));
-              if (req_check_pos) s[b].running_pos = pj;
-            }
+            const longlong2 tp = staged[block_warp][j];
+            chains[block_warp][j] = chain;
+            chain = mix3(chain, static_cast<u64>(tp.x), static_cast<u64>(tp.y));
           }
         } else {
           for (unsigned m = valid_mask; m; m &= m - 1) {
             const int j = __ffs(m) - 1;
-            const i64 tj = __shfl_sync(kFullMask, cur.token, j), pj = __shfl_sync(kFullMask, cur.pos, j);
-#pragma unroll
-            for (int b = 0; b < kBuffers; ++b) {
-              if (lane == j) mine[b] = s[b];
-              s[b].chain = mix3(s[b].chain, static_cast<u64>(tj), static_cast<u64>(pj));
-              if (req_check_pos) s[b].running_pos = pj;
-            }
+            const longlong2 tp = staged[block_warp][j];
+            chains[block_warp][j] = chain;
+            chain = mix3(chain, static_cast<u64>(tp.x), static_cast<u64>(tp.y));
           }
         }
-        // A slot written twice in one chunk keeps its last token's record, as a serial walk would;
-        // the padding slot 0 keeps its bytes (padded tokens of many requests land there at once).
-        bool store = false;
-        if (valid) {
-          const unsigned peers = __match_any_sync(valid_mask, cur.slot);
-          store = cur.slot != 0 && lane == 31 - __clz(peers);
-        }
-#pragma unroll
-        for (int b = 0; b < kBuffers; ++b)
-          finish_token<kInputAssert>(t, b, log, valid, req_check_pos, store, cur, mine[b].chain,
-                                     mine[b].running_pos + 1, real_kv[b], violations[b]);
+        __syncwarp();
+        const unsigned earlier = valid_mask & ((1u << lane) - 1u);
+        const i64 expected_pos = (earlier ? staged[block_warp][31 - __clz(earlier)].y : running_pos) + 1;
+        if (valid_mask) running_pos = staged[block_warp][31 - __clz(valid_mask)].y;
+        const bool store = valid && cur.slot != 0 && lane == 31 - __clz(peers);
+        finish_token<kInputAssert>(canary, kind, log, valid, req_check_pos, store, cur, chains[block_warp][lane],
+                                   expected_pos, real_kv, violations);
         written += valid;
-        __syncwarp();  // orders this chunk's stores before the next chunk's
+        __syncwarp();  // orders this chunk's stores and shared reads before the next chunk's
       }
     }
   }
-#pragma unroll
-  for (int b = 0; b < kBuffers; ++b) {
-    warp_add(log.slot_run_counters + t.kind[b], written);
-    warp_add(log.out_of_range_counters + t.kind[b], errors);
-    warp_add(log.violation_counters + t.kind[b], violations[b]);
-  }
+  warp_add(log.slot_run_counters + kind, written);
+  warp_add(log.out_of_range_counters + kind, errors);
+  warp_add(log.violation_counters + kind, violations);
 }
 
 }  // namespace kvcanary

@@ -388,6 +388,15 @@ extern "C" __global__ void chain_floor(long long n, unsigned long long* out) {
   for (long long i = 0; i < n; ++i) h = kvcanary::mix3(h, i, i);
   out[0] = h;
 }
+
+extern "C" __global__ void two_chain_floor(long long n, unsigned long long* out) {
+  unsigned long long h = kvcanary::kAnchorHash, g = ~h;
+  for (long long i = 0; i < n; ++i) {
+    h = kvcanary::mix3(h, i, i);
+    g = kvcanary::mix3(g, i, i);
+  }
+  out[0] = h ^ g;
+}
 """
 
 
@@ -408,6 +417,7 @@ def detail_rows(cupy, names, rows: list):
 
     module = cupy.RawModule(code=jit._read("canary_common.cuh") + REFERENCE_KERNELS, options=jit.NVRTC_OPTIONS)
     gather, chain = module.get_function("gather_floor"), module.get_function("chain_floor")
+    two_chains = module.get_function("two_chain_floor")
     out = cupy.zeros(1, cupy.int64)
     lines = [
         "detail: ratio = device us / the 'against' row's device us (targets: all-fail verify <= 1.3x clean, "
@@ -440,13 +450,16 @@ def detail_rows(cupy, names, rows: list):
                                                  kernel_kind=[0, 1]),
         }
         if d["tokens"] > d["bs"]:  # a prefill: the serial chain of one request bounds the write
-            timed["write[chain floor]"] = lambda: chain((1,), (1,), (np.int64(d["tokens"] // d["bs"]), out))
+            per_request = np.int64(d["tokens"] // d["bs"])
+            timed["write[chain floor]"] = lambda: chain((1,), (1,), (per_request, out))
+            timed["write[2-chain floor]"] = lambda: two_chains((1,), (1,), (per_request, out))
         if d["bs"] > cupy_backend.plan_scan_max_rows(cupy.cuda.Device().id):
             timed["plan"] = ops["plan"]
             timed["plan[grid 8/SM]"] = ("legacy", ops["plan"])
         against = {"verify[grid 8/SM]": "verify", "verify[all entries fail]": "verify", "verify[2 buffers]": "verify",
                    "verify": "verify[gather floor]", "write[grid 8/SM]": "write", "write[2 buffers]": "write",
-                   "write": "write[chain floor]", "plan[grid 8/SM]": "plan"}
+                   "write": "write[chain floor]", "write[2-chain floor]": "write[chain floor]",
+                   "plan[grid 8/SM]": "plan"}
         times = {}
         for op, fn in timed.items():
             if isinstance(fn, tuple):
@@ -461,8 +474,8 @@ def detail_rows(cupy, names, rows: list):
                          "ratio": ratio and round(ratio, 3), "sglang_us": SGLANG_US.get((key, op))})
             lines.append(f"{WORKLOADS[key].name:<16} {op:<26} {us:>10.2f} {ref or '-':<16} {_cell(ratio, '6.2f')} "
                          f"{_cell(SGLANG_US.get((key, op)), '10.1f')}")
-    lines.append("(chain floor: one thread hashing a request's tokens as a serial mix3 chain of registers; "
-                 "gather floor: the verify's loads alone)")
+    lines.append("(chain floor: one thread hashing a request's tokens as a serial mix3 chain of registers; 2-chain "
+                 "floor: one thread hashing two such chains interleaved; gather floor: the verify's loads alone)")
     return lines
 
 

@@ -633,3 +633,25 @@ def test_random_out_of_range_values_match_oracle(ab, seed):
             call()
     else:
         call()
+
+
+@pytest.mark.parametrize("capacity, buffers, blocks", [
+    (8, 1, 2),  # a prefill's requests: a warp each (4 warps per block)
+    (8, 2, 4),  # and a warp per request and buffer
+    (256, 1, 64),
+    (4096, 1, 132),  # a warp per scheduler (132 SMs x 4), each taking requests w, w + 528, ...
+    (20000, 1, 157),  # a warp per 32 requests: 625 warps
+    (20000, 2, 313),
+    (10**6, 1, 132 * 16),  # never more than the resident warps
+    (10**6, 4, 132 * 16),
+])
+def test_write_grid(monkeypatch, capacity, buffers, blocks):
+    """The write grid on a 132-SM device holding 16 write blocks per SM: a warp per request up to one
+    per warp scheduler, then a warp per 32 requests, for each canary buffer."""
+    from kvcanary_cupy.backends import cupy_backend
+
+    monkeypatch.setattr(cupy_backend, "_device_id", lambda: 0)
+    monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block: 16)
+    config = cupy_backend.write_config("kvcanary::canary_write<1, false, false>", capacity, buffers)
+    assert config == cupy_backend.LaunchConfig(blocks, cupy_backend.WRITE_THREADS)

@@ -133,6 +133,7 @@ PLAN_SCAN_RESERVED_SMEM = 2048  # bytes of a scan block's shared memory kept for
 THREADS = 256  # plan_entries and scatter blocks
 VERIFY_THREADS = 256  # kVerifyThreads in verify.cu
 WRITE_THREADS = 128  # kWriteThreads in write.cu
+WRITE_SCHEDULERS_PER_SM = 4  # warp schedulers of an SM (sm_80, sm_90)
 BLOCKS_PER_SM = 8  # scatter groups and page moves (not persistent grids)
 SCATTER_MAX_GROUP_ROWS = 32  # kScatterMaxGroupRows in scatter.cu
 ATTRIBUTE_BLOCKS_PER_SM = 2  # the attribution grid: small, since it usually exits at once
@@ -192,13 +193,15 @@ def plan_scan_config(family: str, name: str, bs: int, tile_rows: int) -> LaunchC
     return LaunchConfig(_sm_count(device) * blocks, PLAN_THREADS, shared_mem)
 
 
-def write_config(name: str, write_req_capacity: int) -> LaunchConfig:
-    """The resident warps of the write kernel, or one per request if fewer (never sized to an
-    idle capacity beyond that): lanes take a request each, so a capacity above the warp count is
-    still covered in one pass of up to 32 requests per warp."""
+def write_config(name: str, write_req_capacity: int, num_buffers: int) -> LaunchConfig:
+    """Per canary buffer, a warp per request up to one per SM scheduler (a prefill's requests
+    each get a warp of their own), then a warp per 32 requests (a lane each), at most the
+    resident warps; each buffer has warps of its own (write.cu)."""
     full = persistent_config("write", name, WRITE_THREADS)
     warps_per_block = WRITE_THREADS // 32
-    warps = max(1, min(write_req_capacity, full.grid * warps_per_block))
+    spread = _sm_count(_device_id()) * WRITE_SCHEDULERS_PER_SM
+    per_buffer = min(write_req_capacity, max(-(-write_req_capacity // 32), spread))
+    warps = max(num_buffers, min(max(1, per_buffer) * num_buffers, full.grid * warps_per_block))
     return LaunchConfig(-(-warps // warps_per_block), WRITE_THREADS)
 
 
@@ -429,7 +432,7 @@ def write_launch(a: WriteArgs) -> KernelLaunch:
     ins["pos_assert_value"] = int(flag) if isinstance(flag, bool) else 0
     p["targets"], p["log"] = _targets_struct(a.targets, a.real_kv_hash_mode), _log_struct(a.log)
     name = write_kernel(len(a.targets), a.expected_input_tokens is not None, has_real_kv(a.targets, a.real_kv_hash_mode))
-    return KernelLaunch("write", name, write_config(name, cap), p)
+    return KernelLaunch("write", name, write_config(name, cap, len(a.targets)), p)
 
 
 def write(a: WriteArgs) -> None:

@@ -277,7 +277,7 @@ def _flag_value(flag) -> bool:
 
 
 def write(a: WriteArgs) -> None:
-    """Each canary buffer is written as by its own launch (the kernel interleaves them)."""
+    """Each canary buffer is written as by its own launch (the kernel gives each its own warps)."""
     for target in a.targets:
         _write_one(a, target)
 
