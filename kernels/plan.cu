@@ -339,11 +339,31 @@ __device__ i64 plan_scan(const PlanInputs& in, const PlanOutputs& out, i64* offs
 
 // ---- the entry expansion ---------------------------------------------------------------------
 
-// Expands verify entries [0, total) over the whole grid.  Each warp takes a contiguous range, 32
-// entries at a time; each lane finds its owner request by binary search once, then walks it
-// forward with the request's table row cached in registers, so consecutive entries cost no search.
-template <int kTable, bool kHasLut, bool kHasPool>
-__device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, const i64* verify_offsets, i64 total) {
+// The verify entries of a plan, one 32-entry chunk of a warp at a time: every lane of the warp
+// calls it (converged), `live` false past the warp's range.  Entry t checks `slot` at `position`
+// against `prev` (its predecessor's slot, -1 for none) and `token` (-1: unchecked); with
+// prev_is_left_lane the predecessor is the left lane's entry (t - 1).  StoreEntries keeps them in
+// the VerifyPlan; a fused verify checks them at once instead.
+struct StoreEntries {
+  const PlanOutputs& out;
+
+  __device__ __forceinline__ void operator()(bool live, i64 t, i64 slot, i64 prev, bool /*prev_is_left_lane*/,
+                                             i64 position, i64 token) const {
+    if (!live) return;
+    out.verify_slot_indices[t] = slot;
+    out.verify_prev_slot_indices[t] = prev;
+    out.verify_expected_positions[t] = position;
+    out.verify_expected_tokens[t] = token;
+  }
+};
+
+// Expands verify entries [0, total) over the whole grid into `sink`.  Each warp takes a
+// contiguous range, 32 entries at a time; each lane finds its owner request by binary search
+// once, then walks it forward with the request's table row cached in registers, so consecutive
+// entries cost no search.
+template <int kTable, bool kHasLut, bool kHasPool, class Sink>
+__device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, const i64* verify_offsets, i64 total,
+                               const Sink& sink) {
   const int lane = threadIdx.x & 31;
   const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const i64 num_warps = (static_cast<i64>(gridDim.x) * blockDim.x) >> 5;
@@ -387,26 +407,22 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
     // it up again) instead of reading the table a second time.
     const i64 left_slot = __shfl_up_sync(0xffffffffu, slot, 1);
     const i64 left_errors = __shfl_up_sync(0xffffffffu, slot_errors, 1);
+    i64 prev = -1, token = -1;
     if (live) {
       clamped += slot_errors;
-      i64 prev = -1;
       if (prev_is_left_lane) {
         prev = left_slot;
         clamped += left_errors;
       } else if (p > 0) {
         prev = swa_translate<kHasLut>(table_slot<kTable>(in, row, p - 1, clamped), in.lut, in.lut_len, clamped);
       }
-      out.verify_slot_indices[t] = slot;
-      out.verify_prev_slot_indices[t] = prev;
-      out.verify_expected_positions[t] = p;
-      i64 token = -1;
       if (kHasPool) {
         const i64 q = p + in.token_offset;
         const i64 limit = in.valid_lens[r] < in.pool_cols ? in.valid_lens[r] : in.pool_cols;
         if (q >= 0 && q < limit) token = in.pool[pool_row * in.pool_stride + q];
       }
-      out.verify_expected_tokens[t] = token;
     }
+    sink(live, t, slot, prev, prev_is_left_lane, p, token);
   }
   warp_add(out.out_of_range_count, clamped);
 }
@@ -419,13 +435,19 @@ __device__ __forceinline__ i64 scan_tile_rows() {
   return static_cast<i64>(bytes / sizeof(i64)) - 1;
 }
 
-// One launch (the batch fits one tile): every block scans the batch, then expands its share of
-// the entries from the offsets in its shared memory.
-template <int kTable, bool kHasLut, bool kHasPool>
-__global__ void __launch_bounds__(kPlanThreads, 2) plan_fused(PlanInputs in, PlanOutputs out) {
+// The body of a one-launch plan (the batch fits one tile; launched as plan_fused's config): every
+// block scans the batch, then expands its share of the entries into `sink` from the offsets in its
+// shared memory, unless they exceed the verify capacity.
+template <int kTable, bool kHasLut, bool kHasPool, class Sink>
+__device__ __forceinline__ void plan_and_expand(const PlanInputs& in, const PlanOutputs& out, const Sink& sink) {
   extern __shared__ i64 offs[];
   const i64 total = plan_scan<kTable, kHasLut, kHasPool>(in, out, offs, scan_tile_rows());
-  if (total > 0 && total <= out.verify_capacity) expand_entries<kTable, kHasLut, kHasPool>(in, out, offs, total);
+  if (total > 0 && total <= out.verify_capacity) expand_entries<kTable, kHasLut, kHasPool>(in, out, offs, total, sink);
+}
+
+template <int kTable, bool kHasLut, bool kHasPool>
+__global__ void __launch_bounds__(kPlanThreads, 2) plan_fused(PlanInputs in, PlanOutputs out) {
+  plan_and_expand<kTable, kHasLut, kHasPool>(in, out, StoreEntries{out});
 }
 
 // A batch larger than one tile: the scan writes the offsets (every block scans, each writes its
@@ -439,7 +461,7 @@ __global__ void __launch_bounds__(kPlanThreads, 2) plan_offsets(PlanInputs in, P
 template <int kTable, bool kHasLut, bool kHasPool>
 __global__ void plan_entries(PlanInputs in, PlanOutputs out) {
   const i64 total = out.verify_offsets[in.bs];
-  if (total > 0 && *out.enable != 0) expand_entries<kTable, kHasLut, kHasPool>(in, out, out.verify_offsets, total);
+  if (total > 0 && *out.enable != 0) expand_entries<kTable, kHasLut, kHasPool>(in, out, out.verify_offsets, total, StoreEntries{out});
 }
 
 }  // namespace kvcanary
