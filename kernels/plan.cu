@@ -16,7 +16,8 @@
 namespace kvcanary {
 
 constexpr int kPlanThreads = 512;  // plan_fused and plan_offsets blocks
-constexpr int kPlanUnroll = 4;  // rows whose loads a thread issues together
+constexpr int kPlanUnroll = 4;  // rows whose loads a thread issues together in a scan
+constexpr int kSumUnroll = 8;  // ... and in a sum
 constexpr i64 kI64Max = 0x7fffffffffffffffLL;
 constexpr i64 kNoSeed = -kI64Max - 1;  // INT64_MIN: table_slot never returns it (slots saturate at +-kI64Max)
 
@@ -186,24 +187,28 @@ __device__ __forceinline__ i64 stale_rows_end(const PlanOutputs& out, i64 previo
 template <int kTable>
 __device__ __forceinline__ bool row_active(i64 rp) { return kTable > kTableVirtualPages || rp != 0; }
 
-// The number of verify entries of an active row: its window of the prefix, inside its table row.
+// Row r's verify and write lengths: its window of the prefix inside its table row, and its new
+// tokens (0 for an inactive row).
 template <int kTable>
-__device__ __forceinline__ i64 verify_len(const PlanInputs& in, i64 r, i64 rp, i64 prefix) {
+__device__ __forceinline__ void row_lengths(const PlanInputs& in, i64 r, i64 rp, i64 prefix, i64 extend, i64& v, i64& w) {
+  v = w = 0;
+  if (!row_active<kTable>(rp)) return;
   const TableRow row = table_row<kTable>(in, r, rp);
   const i64 start = window_start(prefix, in.window), end = clamp64(prefix, 0, row.len);
-  return row.ok && end > start ? end - start : 0;
+  v = row.ok && end > start ? end - start : 0;
+  w = extend > 0 ? extend : 0;
 }
 
-// Loads rows [first, first + kRows) below `last` together (req_pool_indices, prefix_lens,
-// extend_seq_lens), so that a thread waits on memory once per group.
+// Loads kRows rows (req_pool_indices, prefix_lens, extend_seq_lens) spaced `stride` apart from
+// `first`, those below `last`, all in flight together.
 template <int kRows>
 struct RowGroup {
   i64 rp[kRows], prefix[kRows], extend[kRows];
 
-  __device__ __forceinline__ void load(const PlanInputs& in, i64 first, i64 last) {
+  __device__ __forceinline__ void load(const PlanInputs& in, i64 first, i64 stride, i64 last) {
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
-      const i64 r = first + k;
+      const i64 r = first + k * stride;
       const bool have = r < last;
       rp[k] = have && in.req_pool_indices ? in.req_pool_indices[r] : 0;
       prefix[k] = have ? in.prefix_lens[r] : 0;
@@ -212,129 +217,176 @@ struct RowGroup {
   }
 };
 
-// The per-request outputs of rows [lo, hi) (one thread's segment): verify offsets from `offs`
-// (already this segment's exclusive offsets, tile-relative index lo - tile), write offsets from
-// `write_before` on, seeds; returns the out-of-range count of these rows.  The rows were just
-// loaded by this thread, so their loads hit its SM's L1.
+// The verify and write lengths of rows [lo, hi) summed over the block (every thread gets them);
+// a sum needs fewer registers than a scan, so more rows are in flight at once.
+template <int kTable>
+__device__ void sum_rows(const PlanInputs& in, i64 lo, i64 hi, i64& total_v, i64& total_w) {
+  i64 sum_v = 0, sum_w = 0;
+  for (i64 first = lo + threadIdx.x; first < hi; first += static_cast<i64>(kSumUnroll) * blockDim.x) {
+    RowGroup<kSumUnroll> g;
+    g.load(in, first, blockDim.x, hi);
+#pragma unroll
+    for (int k = 0; k < kSumUnroll; ++k) {
+      i64 v = 0, w = 0;
+      const i64 r = first + k * blockDim.x;
+      if (r < hi) row_lengths<kTable>(in, r, g.rp[k], g.prefix[k], g.extend[k], v, w);
+      sum_v += v;
+      sum_w += w;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    sum_v += __shfl_xor_sync(kFullMask, sum_v, o);
+    sum_w += __shfl_xor_sync(kFullMask, sum_w, o);
+  }
+  i64 before_v, before_w;
+  scan_warp_totals(sum_v, sum_w, before_v, before_w, total_v, total_w);
+}
+
+// Turns rows [lo, lo + n) into offsets in shared memory: voff[i] / woff[i] = carry + the verify /
+// write lengths of rows lo .. lo + i - 1, and voff[n] / woff[n] = the carries past the last row
+// (returned through carry_v / carry_w).  Warp w takes a contiguous chunk of the rows, 32 at a
+// time (coalesced loads, conflict-free shared stores), and scans it with shuffles; then the
+// block scans the warps' totals and each warp adds what precedes it.
+template <int kTable>
+__device__ void scan_rows(const PlanInputs& in, i64 lo, i64 n, i64* voff, i64* woff, i64& carry_v, i64& carry_w) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  const i64 chunk = ((n + num_warps - 1) / num_warps + 31) & ~static_cast<i64>(31);
+  const i64 first_row = min(n, warp * chunk), last_row = min(n, first_row + chunk);
+  i64 run_v = 0, run_w = 0;  // this warp's rows so far
+  for (i64 base = first_row; base < last_row; base += 32 * kPlanUnroll) {
+    RowGroup<kPlanUnroll> g;
+    g.load(in, lo + base + lane, 32, lo + last_row);
+    i64 v[kPlanUnroll], w[kPlanUnroll], inc_v[kPlanUnroll], inc_w[kPlanUnroll];
+#pragma unroll
+    for (int k = 0; k < kPlanUnroll; ++k) {
+      const i64 i = base + 32 * k + lane;
+      v[k] = w[k] = 0;
+      if (i < last_row) row_lengths<kTable>(in, lo + i, g.rp[k], g.prefix[k], g.extend[k], v[k], w[k]);
+      inc_v[k] = v[k];
+      inc_w[k] = w[k];
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {  // the K items' scans interleaved, so their shuffles overlap
+#pragma unroll
+      for (int k = 0; k < kPlanUnroll; ++k) {
+        const i64 uv = __shfl_up_sync(kFullMask, inc_v[k], o), uw = __shfl_up_sync(kFullMask, inc_w[k], o);
+        if (lane >= o) { inc_v[k] += uv; inc_w[k] += uw; }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kPlanUnroll; ++k) {
+      const i64 i = base + 32 * k + lane;
+      if (i < last_row) {
+        voff[i] = run_v + inc_v[k] - v[k];
+        woff[i] = run_w + inc_w[k] - w[k];
+      }
+      run_v += __shfl_sync(kFullMask, inc_v[k], 31);
+      run_w += __shfl_sync(kFullMask, inc_w[k], 31);
+    }
+  }
+  i64 before_v, before_w, total_v, total_w;
+  scan_warp_totals(run_v, run_w, before_v, before_w, total_v, total_w);
+  before_v += carry_v;
+  before_w += carry_w;
+  for (i64 i = first_row + lane; i < last_row; i += 32) {
+    voff[i] += before_v;
+    woff[i] += before_w;
+  }
+  carry_v += total_v;
+  carry_w += total_w;
+  if (threadIdx.x == 0) {
+    voff[n] = carry_v;
+    woff[n] = carry_w;
+  }
+  __syncthreads();
+}
+
+// The per-request outputs of one row, in two steps: begin() loads the row and issues its seed
+// gather, finish() (which waits for it) writes the verify and write offsets (from the shared
+// arrays, index r - base) and the seed, and returns the row's out-of-range count.  Work issued
+// between the two hides the gather's latency.
 template <int kTable, bool kHasLut, bool kHasPool>
-__device__ i64 write_row_outputs(const PlanInputs& in, const PlanOutputs& out, const i64* offs, i64 tile, i64 lo, i64 hi,
-                                 i64 write_before) {
-  constexpr int kRows = kPlanUnroll / 2;  // fewer at once than the scan: the seeds add registers
+struct RowOutput {
+  i64 r, rp, prefix, extend, seed_raw, errors;
+  bool have;
+
+  __device__ __forceinline__ void begin(const PlanInputs& in, i64 row, i64 hi) {
+    r = row;
+    have = r < hi;
+    rp = have && in.req_pool_indices ? in.req_pool_indices[r] : 0;
+    prefix = have ? in.prefix_lens[r] : 0;
+    extend = have ? in.extend_seq_lens[r] : 0;
+    seed_raw = kNoSeed;
+    errors = 0;
+    if (have && row_active<kTable>(rp) && prefix > 0 && extend > 0) {
+      const TableRow t = table_row<kTable>(in, r, rp);
+      if (t.ok && prefix <= t.len) seed_raw = table_slot<kTable>(in, t, prefix - 1, errors);
+    }
+  }
+
+  __device__ __forceinline__ i64 finish(const PlanInputs& in, const PlanOutputs& out, const i64* voff, const i64* woff,
+                                        i64 base) {
+    if (!have) return 0;
+    i64 seed = -1;
+    if (row_active<kTable>(rp)) {
+      const TableRow t = table_row<kTable>(in, r, rp);
+      const bool prefix_ok = prefix >= 0 && prefix <= t.len;
+      errors += !t.ok + !prefix_ok + (extend < 0);
+      if (kHasPool) {
+        const i64 lens = in.valid_lens[r];
+        errors += lens < 0 || lens > in.pool_cols;
+      }
+      if (seed_raw != kNoSeed) seed = swa_translate<kHasLut>(seed_raw, in.lut, in.lut_len, errors);
+    }
+    out.write_seed_slot_indices[r] = seed;
+    out.verify_offsets[r] = voff[r - base];
+    out.write_offsets[r] = woff[r - base];
+    return errors;
+  }
+};
+
+// The per-request outputs of rows [lo, hi), a thread per row, two rows' gathers in flight at once.
+template <int kTable, bool kHasLut, bool kHasPool>
+__device__ i64 write_row_outputs(const PlanInputs& in, const PlanOutputs& out, const i64* voff, const i64* woff, i64 base,
+                                 i64 lo, i64 hi) {
   i64 errors = 0;
-  for (i64 first = lo; first < hi; first += kRows) {
-    RowGroup<kRows> g;
-    g.load(in, first, hi);
-    i64 seed_raw[kRows];
-#pragma unroll
-    for (int k = 0; k < kRows; ++k) {  // the seed gathers, all in flight together
-      seed_raw[k] = kNoSeed;
-      if (first + k < hi && row_active<kTable>(g.rp[k]) && g.prefix[k] > 0 && g.extend[k] > 0) {
-        const TableRow row = table_row<kTable>(in, first + k, g.rp[k]);
-        if (row.ok && g.prefix[k] <= row.len) seed_raw[k] = table_slot<kTable>(in, row, g.prefix[k] - 1, errors);
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kRows; ++k) {
-      const i64 r = first + k;
-      if (r >= hi) break;
-      i64 seed = -1;
-      if (row_active<kTable>(g.rp[k])) {
-        const TableRow row = table_row<kTable>(in, r, g.rp[k]);
-        const bool prefix_ok = g.prefix[k] >= 0 && g.prefix[k] <= row.len;
-        errors += !row.ok + !prefix_ok + (g.extend[k] < 0);
-        if (kHasPool) {
-          const i64 lens = in.valid_lens[r];
-          errors += lens < 0 || lens > in.pool_cols;
-        }
-        if (seed_raw[k] != kNoSeed) seed = swa_translate<kHasLut>(seed_raw[k], in.lut, in.lut_len, errors);
-      }
-      out.write_seed_slot_indices[r] = seed;
-      out.verify_offsets[r] = offs[r - tile];
-      out.write_offsets[r] = write_before;
-      write_before += row_active<kTable>(g.rp[k]) && g.extend[k] > 0 ? g.extend[k] : 0;
-    }
+  for (i64 first = lo + threadIdx.x; first < hi; first += 2 * static_cast<i64>(blockDim.x)) {
+    RowOutput<kTable, kHasLut, kHasPool> a, b;
+    a.begin(in, first, hi);
+    b.begin(in, first + blockDim.x, hi);
+    errors += a.finish(in, out, voff, woff, base) + b.finish(in, out, voff, woff, base);
   }
   return errors;
 }
 
-// Scans the batch in tiles of `tile_rows` rows, every block on its own (no block waits on
-// another).  Thread t of a tile takes the contiguous segment [t * C, (t + 1) * C) of its rows: it
-// loads them, keeps each row's verify length in `offs` (shared memory, tile_rows + 1 entries),
-// and the block scans the segments' sums; each thread then turns its segment into offsets.  The
-// per-request outputs of segment s (numbered across tiles) are written by block s % gridDim.x,
-// so a small batch spreads them over the grid instead of queueing them behind one block.
-// Returns the total number of verify entries; `offs` then holds the last tile's offsets, and
-// offs[rows of that tile] its end (with one tile: every row's verify offset, and the total).
-template <int kTable, bool kHasLut, bool kHasPool>
-__device__ i64 plan_scan(const PlanInputs& in, const PlanOutputs& out, i64* offs, i64 tile_rows) {
+// The batch-wide outputs, by one block (the one that read `previous`, the batch size the earlier
+// plan wrote, before this plan overwrites it): the ends of the offsets, the counts, and the rows
+// of the earlier plan past this batch cleared.
+__device__ void finish_plan(const PlanOutputs& out, i64 bs, i64 total_v, i64 total_w, i64 previous) {
   __shared__ i64 stale_end;
-  const bool block0 = blockIdx.x == 0;
-  // Read early: the count the earlier plan wrote, overwritten at the end by this block's thread 0.
-  const i64 previous = block0 && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
-  const i64 bs = in.bs;
-  i64 carry_v = 0, carry_w = 0, errors = 0;
-  for (i64 tile = 0, tile_index = 0; tile < bs; tile += tile_rows, ++tile_index) {
-    const i64 n = bs - tile < tile_rows ? bs - tile : tile_rows;
-    const i64 per_thread = (n + blockDim.x - 1) / blockDim.x;
-    const i64 lo = min(n, static_cast<i64>(threadIdx.x) * per_thread), hi = min(n, lo + per_thread);
-    i64 sum_v = 0, sum_w = 0;
-    for (i64 first = lo; first < hi; first += kPlanUnroll) {
-      RowGroup<kPlanUnroll> g;
-      g.load(in, tile + first, tile + hi);
-#pragma unroll
-      for (int k = 0; k < kPlanUnroll; ++k) {
-        if (first + k >= hi) break;
-        const bool active = row_active<kTable>(g.rp[k]);
-        const i64 v = active ? verify_len<kTable>(in, tile + first + k, g.rp[k], g.prefix[k]) : 0;
-        offs[first + k] = v;
-        sum_v += v;
-        sum_w += active && g.extend[k] > 0 ? g.extend[k] : 0;
-      }
-    }
-    // Exclusive scan of the segments' sums: within the warp, then across the warps.
-    const int lane = threadIdx.x & 31;
-    i64 inc_v = sum_v, inc_w = sum_w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const i64 uv = __shfl_up_sync(kFullMask, inc_v, o), uw = __shfl_up_sync(kFullMask, inc_w, o);
-      if (lane >= o) { inc_v += uv; inc_w += uw; }
-    }
-    i64 warp_v, warp_w, total_v, total_w;
-    scan_warp_totals(inc_v, inc_w, warp_v, warp_w, total_v, total_w);
-    const i64 before_v = carry_v + warp_v + inc_v - sum_v, before_w = carry_w + warp_w + inc_w - sum_w;
-    i64 running = before_v;
-    for (i64 i = lo; i < hi; ++i) {
-      const i64 v = offs[i];
-      offs[i] = running;
-      running += v;
-    }
-    carry_v += total_v;
-    carry_w += total_w;
-    if (threadIdx.x == 0) offs[n] = carry_v;
-    const i64 segment = tile_index * blockDim.x + threadIdx.x;
-    if (lo < hi && segment % gridDim.x == blockIdx.x)
-      errors += write_row_outputs<kTable, kHasLut, kHasPool>(in, out, offs, tile, tile + lo, tile + hi, before_w);
-    __syncthreads();  // offs is complete (and the next tile may reuse it)
+  if (threadIdx.x == 0) {
+    stale_end = stale_rows_end(out, previous);
+    out.verify_offsets[bs] = total_v;
+    out.write_offsets[bs] = total_w;
+    *out.verify_num_valid = static_cast<int>(total_v < out.verify_capacity ? total_v : out.verify_capacity);
+    *out.enable = total_v <= out.verify_capacity ? 1 : 0;
+    *out.write_num_valid_reqs = static_cast<int>(bs);
   }
-  if (block0) {
-    if (threadIdx.x == 0) {
-      stale_end = stale_rows_end(out, previous);
-      out.verify_offsets[bs] = carry_v;
-      out.write_offsets[bs] = carry_w;
-      *out.verify_num_valid = static_cast<int>(carry_v < out.verify_capacity ? carry_v : out.verify_capacity);
-      *out.enable = carry_v <= out.verify_capacity ? 1 : 0;
-      *out.write_num_valid_reqs = static_cast<int>(bs);
-    }
-    __syncthreads();
-    // Nothing stale past the batch (README, array conventions): rows the earlier plan wrote.
-    for (i64 r = bs + threadIdx.x; r < stale_end; r += blockDim.x) {
-      out.write_seed_slot_indices[r] = -1;
-      out.verify_offsets[r + 1] = 0;
-      out.write_offsets[r + 1] = 0;
-    }
+  __syncthreads();
+  // Nothing stale past the batch (README, array conventions): rows the earlier plan wrote.
+  for (i64 r = bs + threadIdx.x; r < stale_end; r += blockDim.x) {
+    out.write_seed_slot_indices[r] = -1;
+    out.verify_offsets[r + 1] = 0;
+    out.write_offsets[r + 1] = 0;
   }
-  warp_add(out.out_of_range_count, errors);
-  return carry_v;
+}
+
+// Rows of the scan's shared arrays: what the launch's dynamic shared memory holds (a verify and a
+// write offset per row, and their ends), so the host sizes the tile by sizing the memory.
+__device__ __forceinline__ i64 scan_tile_rows() {
+  unsigned bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return static_cast<i64>(bytes / (2 * sizeof(i64))) - 1;
 }
 
 // ---- the entry expansion ---------------------------------------------------------------------
@@ -372,13 +424,18 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
   if (begin >= total) return;
   const i64 end = begin + per_warp < total ? begin + per_warp : total;
 
-  i64 t = begin + lane < total ? begin + lane : total - 1;
-  i64 lo = 0, hi = in.bs;  // largest r with verify_offsets[r] <= t
+  // The request of the warp's first entry (the largest r < bs with verify_offsets[r] <= begin),
+  // searched by the whole warp: each step probes 32 rows at once, so a batch of 20,000 requests
+  // takes three dependent loads.  Each lane then walks forward to its own entries.
+  i64 lo = 0, hi = in.bs;  // verify_offsets[lo] <= begin < verify_offsets[hi]
   while (hi - lo > 1) {
-    const i64 mid = (lo + hi) >> 1;
-    if (verify_offsets[mid] <= t) lo = mid; else hi = mid;
+    const i64 stride = (hi - lo + 31) >> 5;
+    const i64 probe = lo + lane * stride;
+    const unsigned below = __ballot_sync(kFullMask, probe < hi && verify_offsets[probe] <= begin);
+    lo += (31 - __clz(below)) * stride;  // lane 0 probes lo itself, so `below` is never empty
+    hi = min(hi, lo + stride);
   }
-  i64 r = lo;
+  i64 r = lo, t;
   i64 row_begin = verify_offsets[r], row_next = verify_offsets[r + 1];
   // A request with entries has a valid table row: its pool row is its table row (batch row for CSR).
   i64 pool_row = kTable == kTablePagedKv ? r : in.req_pool_indices[r];
@@ -427,35 +484,61 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
   warp_add(out.out_of_range_count, clamped);
 }
 
-// Rows of the batch scan's tile: what the launch's dynamic shared memory holds (one offset per
-// row and the tile's end), so the host sizes the tile by sizing the memory.
-__device__ __forceinline__ i64 scan_tile_rows() {
-  unsigned bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-  return static_cast<i64>(bytes / sizeof(i64)) - 1;
-}
-
-// The body of a one-launch plan (the batch fits one tile; launched as plan_fused's config): every
-// block scans the batch, then expands its share of the entries into `sink` from the offsets in its
-// shared memory, unless they exceed the verify capacity.
+// The body of a one-launch plan (the whole batch fits the shared arrays; launched with
+// plan_fused's config): every block scans the batch on its own, expands its share of the entries
+// into `sink` from the offsets in its shared memory (unless they exceed the verify capacity),
+// then writes the per-request outputs of its share of the rows.
 template <int kTable, bool kHasLut, bool kHasPool, class Sink>
 __device__ __forceinline__ void plan_and_expand(const PlanInputs& in, const PlanOutputs& out, const Sink& sink) {
-  extern __shared__ i64 offs[];
-  const i64 total = plan_scan<kTable, kHasLut, kHasPool>(in, out, offs, scan_tile_rows());
-  if (total > 0 && total <= out.verify_capacity) expand_entries<kTable, kHasLut, kHasPool>(in, out, offs, total, sink);
+  extern __shared__ i64 smem[];
+  const i64 bs = in.bs;
+  i64* voff = smem;
+  i64* woff = smem + bs + 1;
+  // Read first, used last: the batch size the earlier plan wrote (block 0 overwrites it).
+  const i64 previous = blockIdx.x == 0 && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
+  i64 total_v = 0, total_w = 0;
+  scan_rows<kTable>(in, 0, bs, voff, woff, total_v, total_w);
+  // This block's share of the per-request outputs: the first row of each thread starts now, so
+  // its seed gather overlaps the expansion.
+  const i64 share = (bs + gridDim.x - 1) / gridDim.x, lo = min(bs, blockIdx.x * share), hi = min(bs, lo + share);
+  RowOutput<kTable, kHasLut, kHasPool> own;
+  own.begin(in, lo + threadIdx.x, hi);
+  if (total_v > 0 && total_v <= out.verify_capacity) expand_entries<kTable, kHasLut, kHasPool>(in, out, voff, total_v, sink);
+  i64 errors = own.finish(in, out, voff, woff, 0);
+  errors += write_row_outputs<kTable, kHasLut, kHasPool>(in, out, voff, woff, 0, lo + blockDim.x, hi);
+  if (blockIdx.x == 0) finish_plan(out, bs, total_v, total_w, previous);
+  warp_add(out.out_of_range_count, errors);
 }
 
 template <int kTable, bool kHasLut, bool kHasPool>
-__global__ void __launch_bounds__(kPlanThreads, 2) plan_fused(PlanInputs in, PlanOutputs out) {
+__global__ void __launch_bounds__(kPlanThreads, 1) plan_fused(PlanInputs in, PlanOutputs out) {
   plan_and_expand<kTable, kHasLut, kHasPool>(in, out, StoreEntries{out});
 }
 
-// A batch larger than one tile: the scan writes the offsets (every block scans, each writes its
-// share), then plan_entries expands the entries from them.
+// A batch larger than the shared arrays (then plan_entries expands the entries): block b takes
+// the rows [b * share, (b + 1) * share), sums the lengths of all rows before them, then scans
+// its own rows in tiles and writes their outputs.  The block of the last row finishes the plan.
 template <int kTable, bool kHasLut, bool kHasPool>
-__global__ void __launch_bounds__(kPlanThreads, 2) plan_offsets(PlanInputs in, PlanOutputs out) {
-  extern __shared__ i64 offs[];
-  plan_scan<kTable, kHasLut, kHasPool>(in, out, offs, scan_tile_rows());
+__global__ void __launch_bounds__(kPlanThreads, 1) plan_offsets(PlanInputs in, PlanOutputs out) {
+  extern __shared__ i64 smem[];
+  const i64 bs = in.bs, tile_rows = scan_tile_rows();
+  i64* voff = smem;
+  i64* woff = smem + tile_rows + 1;
+  const i64 share = (bs + gridDim.x - 1) / gridDim.x, lo = min(bs, blockIdx.x * share), hi = min(bs, lo + share);
+  const bool finisher = bs > 0 ? lo <= bs - 1 && bs - 1 < hi : blockIdx.x == 0;
+  const i64 previous = finisher && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
+  if (lo >= hi && !finisher) return;
+  i64 carry_v, carry_w;
+  sum_rows<kTable>(in, 0, lo, carry_v, carry_w);
+  i64 errors = 0;
+  for (i64 tile = lo; tile < hi; tile += tile_rows) {
+    const i64 n = min(tile_rows, hi - tile);
+    scan_rows<kTable>(in, tile, n, voff, woff, carry_v, carry_w);
+    errors += write_row_outputs<kTable, kHasLut, kHasPool>(in, out, voff, woff, tile, tile, tile + n);
+    __syncthreads();  // the next tile reuses the shared arrays
+  }
+  if (finisher) finish_plan(out, bs, carry_v, carry_w, previous);
+  warp_add(out.out_of_range_count, errors);
 }
 
 template <int kTable, bool kHasLut, bool kHasPool>

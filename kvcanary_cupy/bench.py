@@ -453,7 +453,7 @@ def detail_rows(cupy, names, rows: list):
             per_request = np.int64(d["tokens"] // d["bs"])
             timed["write[chain floor]"] = lambda: chain((1,), (1,), (per_request, out))
             timed["write[2-chain floor]"] = lambda: two_chains((1,), (1,), (per_request, out))
-        if d["bs"] > cupy_backend.plan_scan_max_rows(cupy.cuda.Device().id):
+        if d["bs"] > cupy_backend.PLAN_FUSED_MAX_ROWS:
             timed["plan"] = ops["plan"]
             timed["plan[grid 8/SM]"] = ("legacy", ops["plan"])
         against = {"verify[grid 8/SM]": "verify", "verify[all entries fail]": "verify", "verify[2 buffers]": "verify",

@@ -101,7 +101,7 @@ class FakeDevice:
     copy (a stand-in for what the device would have written)."""
 
     SM_COUNT = 132
-    PLAN_SCAN_MAX_ROWS = 29_000  # an H200's opt-in shared memory in int64 offsets
+    PLAN_SCAN_MAX_ROWS = 14_400  # an H200's opt-in shared memory in pairs of int64 offsets
 
     def __init__(self, record_bytes: bool = True):
         import cupy

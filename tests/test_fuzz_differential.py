@@ -35,15 +35,17 @@ def test_gpu_matches_numpy_wide_batches(backend, seed):
 
 @pytest.mark.parametrize("tile_rows", [1, 37, 1000])
 @pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
-def test_gpu_tiled_batch_scan_matches_numpy(backend, tile_rows, monkeypatch):
-    """Batches larger than one scan tile take the two-launch plan (plan_offsets over several tiles,
-    then plan_entries): forced here with tiny tiles, on small and wide batches."""
+def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, monkeypatch):
+    """Batches past PLAN_FUSED_MAX_ROWS take two launches (plan_offsets: each block its share of
+    the rows, in tiles of the shared arrays; then plan_entries): forced here for every batch size,
+    with tiny tiles so that wide batches scan several tiles per block."""
     ab = get_backend_or_skip(backend)
     from kvcanary_cupy.backends import cupy_backend
     from kvcanary_cupy.tables import TableKind
 
+    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", 0)
     monkeypatch.setattr(cupy_backend, "plan_scan_max_rows", lambda device_id: tile_rows)
-    assert [k[1].split("<")[0] for k in cupy_backend.plan_kernels(TableKind.REQ_TO_TOKEN, tile_rows + 1, 1, False, False)] == [
+    assert [k[1].split("<")[0] for k in cupy_backend.plan_kernels(TableKind.REQ_TO_TOKEN, 1, 1, False, False)] == [
         "kvcanary::plan_offsets", "kvcanary::plan_entries"]
     seeds = range(0, 60) if tile_rows < 1000 else range(10_000, 10_002)
     for seed in seeds:

@@ -128,7 +128,8 @@ class LaunchConfig(NamedTuple):
     shared_mem: int = 0  # dynamic shared memory, bytes
 
 
-PLAN_THREADS = 512  # kPlanThreads in plan.cu: plan_fused and plan_offsets blocks
+PLAN_THREADS = 512  # kPlanThreads in plan.cu: plan_fused and plan_offsets blocks, one per SM
+PLAN_FUSED_MAX_ROWS = 4096  # a batch of up to this many requests plans in one launch (plan_fused)
 PLAN_SCAN_RESERVED_SMEM = 2048  # bytes of a scan block's shared memory kept for its static arrays
 THREADS = 256  # plan_entries and scatter blocks
 VERIFY_THREADS = 256  # kVerifyThreads in verify.cu
@@ -167,11 +168,10 @@ def persistent_config(family: str, name: str, block: int = THREADS) -> LaunchCon
 
 @functools.lru_cache(maxsize=None)
 def plan_scan_max_rows(device_id: int) -> int:
-    """The most batch rows one scan tile holds: a block's opt-in shared memory, less the static
-    arrays, at one int64 offset per row plus the tile's end.  A batch of up to this many requests
-    plans in one launch (plan_fused)."""
+    """The most rows one scan tile holds: a block's opt-in shared memory, less the static arrays,
+    at a verify and a write offset (int64) per row plus their ends."""
     optin = import_cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
-    return (optin - PLAN_SCAN_RESERVED_SMEM) // 8 - 1
+    return (optin - PLAN_SCAN_RESERVED_SMEM) // 16 - 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,15 +182,15 @@ def _allow_shared_mem(device_id: int, family: str, name: str, nbytes: int) -> No
     cupy.cuda.driver.funcSetAttribute(get_function(family, name).kernel.ptr, attribute, nbytes)
 
 
-def plan_scan_config(family: str, name: str, bs: int, tile_rows: int) -> LaunchConfig:
-    """Blocks of PLAN_THREADS, as many as are resident at once, each with a tile of
-    ``min(bs, tile_rows)`` offsets in dynamic shared memory (the kernel reads its tile size from it)."""
+def plan_scan_config(family: str, name: str, rows: int) -> LaunchConfig:
+    """A block of PLAN_THREADS per SM (each scans on its own: more blocks would only repeat the
+    scan), with the scan's shared arrays for ``rows`` rows as dynamic shared memory (the kernel
+    reads its tile size from it)."""
     device = _device_id()
-    shared_mem = (max(1, min(bs, tile_rows)) + 1) * 8
+    shared_mem = (rows + 1) * 16
     if shared_mem > 48 * 1024:
         _allow_shared_mem(device, family, name, shared_mem)
-    blocks = resident_blocks_per_sm(device, family, name, PLAN_THREADS, shared_mem)
-    return LaunchConfig(_sm_count(device) * blocks, PLAN_THREADS, shared_mem)
+    return LaunchConfig(_sm_count(device), PLAN_THREADS, shared_mem)
 
 
 def write_config(name: str, write_req_capacity: int, num_buffers: int) -> LaunchConfig:
@@ -393,12 +393,13 @@ def plan_params(a: PlanArgs) -> np.ndarray:
 def plan_kernels(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool) -> tuple:
     """``(family, kernel name, LaunchConfig)`` of each launch of a plan of ``bs`` requests, in order."""
     family, template_args = plan_family(kind), (int(kind), has_lut, has_pool)
-    tile_rows = plan_scan_max_rows(_device_id())
-    if bs <= tile_rows:
+    if bs <= PLAN_FUSED_MAX_ROWS:
         name = kernel_name("plan_fused", *template_args)
-        return ((family, name, plan_scan_config(family, name, bs, tile_rows)),)
+        return ((family, name, plan_scan_config(family, name, bs)),)
     name = kernel_name("plan_offsets", *template_args)
-    offsets = (family, name, plan_scan_config(family, name, bs, tile_rows))
+    device = _device_id()
+    tile_rows = min(-(-bs // _sm_count(device)), plan_scan_max_rows(device))
+    offsets = (family, name, plan_scan_config(family, name, tile_rows))
     if verify_capacity == 0:  # a zero-capacity plan expands nothing
         return (offsets,)
     name = kernel_name("plan_entries", *template_args)
