@@ -7,7 +7,7 @@ the same run; the baseline is the same plan/verify written with vectorised CuPy 
 searchsorted, gathers), eager, as a user would without this library.
 CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend.
 
-    kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4]
+    kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4,W5]
                    [--sections ops,detail,tables,capacity,step,host] [--out FILE] [--json FILE]
 
 ``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
@@ -40,7 +40,8 @@ SGLANG_US = {
     ("W1", "plan"): 20.0, ("W1", "write"): 2.9, ("W1", "verify"): 22.0,
     ("W2", "plan"): 13.2, ("W2", "write"): 1192.0, ("W2", "verify"): 3.4,
     ("W3", "plan"): 13.1, ("W3", "write"): 2.9, ("W3", "verify"): 3.4,
-    ("W4", "write"): 18.3, ("W4", "verify"): 135.6,  # its kernels on this project's plan (its plan stops at 4,096)
+    ("W4", "write"): 18.3, ("W4", "verify"): 135.6,
+    ("W5", "plan"): 56.5,  # its kernels on this project's plan (its plan stops at 4,096)
 }
 LEGACY_BLOCKS_PER_SM = 8  # what the persistent grids assumed before they were sized by occupancy
 
@@ -59,7 +60,11 @@ WORKLOADS = {
     "W2": Workload("W2 prefill", 8, 0, 4096, 4096),
     "W3": Workload("W3 small decode", 32, 512, 513, 1),
     "W4": Workload("W4 wide batch", 20000, 16, 256, 1),
+    "W5": Workload("W5 4k batch", 4096, 16, 256, 1),
 }
+# Plan device-time targets of issue #10, us (W4's: 1.15x its floor + one launch, computed per run).
+PLAN_TARGET_US = {"W1": 8.0, "W2": 2.5, "W3": 2.5, "W5": 10.0}
+PLAN_TARGET_X_FLOOR = 1.15
 
 
 def build(w: Workload, xp, seed=0):
@@ -243,6 +248,10 @@ def run_gpu(names, rows: list):
                 f"{floor:>9.2f} {us / (floor + one_launch):>15.2f} {bytes_[op] / (us * 1e-6) / 1e9:>7.0f} "
                 f"{_cell(base, '12.1f')} {_cell(base and base / us, '9.1f')} {_cell(sglang, '10.1f')}"
             )
+    lines.append("plan against its target (issue #10): " + ", ".join(
+        f"{key} {r['device_us']:.2f} / {target:.2f} us = {r['device_us'] / target:.2f}x"
+        for key in names for r in rows if r.get("workload") == key and r.get("op") == "plan"
+        for target in [PLAN_TARGET_US.get(key) or PLAN_TARGET_X_FLOOR * (r["floor_us"] + one_launch)]))
     return lines
 
 
@@ -640,7 +649,7 @@ def numpy_ops(d):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
                         help="cupy: this machine's GPU (default); numpy: the CPU backend")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of W1,W2,W3,W4")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
     parser.add_argument("--sections", default="ops,detail,tables,capacity,step,host",
                         help="GPU sections: ops (plan/verify/write), detail (verify/write: grids, floors, several "
                              "buffers), tables (engine tables), capacity, step (the fused decode step), host")

@@ -1,6 +1,7 @@
 """A fuzz subset for compute-sanitizer: random steps (a third with out-of-range values) on CuPy,
-each compared with NumPy, then a whole step captured in a CUDA graph and replayed with new batch
-contents (both plan paths), then random scatters with repeated pool rows, then a CanarySession
+each compared with NumPy (also through the two-launch plan and the fused plan_and_verify step),
+then a whole step captured in a CUDA graph and replayed with new batch contents (both plan
+paths), then random scatters with repeated pool rows, then a CanarySession
 loop.  CuPy's memory pool is turned off so every array is its own cudaMalloc and memcheck sees
 any access past it.
 
@@ -65,6 +66,20 @@ def main():
         assert_same(ref, run_case(cupy_ab, case), context=f"seed {seed}")
         last = ref["snapshots"][-1]
         injected += int(last["vp.out_of_range_count"][0] + last["log.out_of_range_counters"].sum() > 0)
+    # The two-launch plan (forced for every batch, several tiles per block) and the fused
+    # plan_and_verify step, on a half as many cases each.
+    from unittest import mock
+
+    from kvcanary_cupy.backends import cupy_backend
+    with mock.patch.object(cupy_backend, "PLAN_FUSED_MAX_ROWS", 0), \
+            mock.patch.object(cupy_backend, "plan_scan_max_rows", lambda device_id: 7):
+        for seed in range(args.first, args.first + args.cases // 2):
+            case = make_case(seed)
+            assert_same(run_case(numpy_ab, case), run_case(cupy_ab, case), context=f"two-launch seed {seed}")
+    for seed in range(args.first, args.first + args.cases // 2):
+        case = make_case(seed)
+        assert_same(run_case(numpy_ab, case, step="fused"), run_case(cupy_ab, case, step="fused"),
+                    context=f"fused step seed {seed}")
     for seed in range(args.first, args.first + args.cases):
         case = make_move_case(seed)
         for want, got in zip(run_move_case(numpy_ab, case), run_move_case(cupy_ab, case)):
@@ -73,7 +88,8 @@ def main():
     for seed in range(args.first, args.first + args.scatter_cases):
         scatter_case(seed)
     cupy.cuda.Device().synchronize()
-    print(f"sanitizer fuzz: {args.cases} cases and {args.cases} page moves passed, {injected} with out-of-range values; "
+    print(f"sanitizer fuzz: {args.cases} cases (and half as many through the two-launch plan and the fused step) and "
+          f"{args.cases} page moves passed, {injected} with out-of-range values; "
           f"{replays} graph replays and {args.scatter_cases} scatters matched NumPy")
     # A CanarySession loop with a stale table entry: its staging and attribution kernels too.
     from test_session import run_fault_loop
