@@ -116,8 +116,14 @@ def step_inputs(engine, step, rng):
     return rp.astype(np.int64), prefix, extend.astype(np.int64), cat(ids), cat(pos), cat(loc), np.array([int(step > 0)], np.int32)
 
 
-SHAPES = {"fused": dict(bs=16, rows=24, cols=64), "two_kernels": dict(bs=3000, rows=3008, cols=12)}
+SHAPES = {"fused": dict(bs=16, rows=24, cols=64), "two_kernels": dict(bs=4500, rows=4508, cols=12)}
 TABLES = ("rtt", "block", "csr")
+
+
+def test_shapes_take_both_plan_paths():
+    from kvcanary_cupy.backends import cupy_backend
+
+    assert SHAPES["fused"]["bs"] <= cupy_backend.PLAN_FUSED_MAX_ROWS < SHAPES["two_kernels"]["bs"]
 
 
 def reference_run(steps, shape, table="rtt"):
