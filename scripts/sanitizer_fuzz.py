@@ -1,8 +1,8 @@
 """A fuzz subset for compute-sanitizer: random steps (a third with out-of-range values) on CuPy,
-each compared with NumPy (also through the two-launch plan with tiny tiles), then a whole step captured in a CUDA graph and replayed with new batch contents (both plan
-paths), then random scatters with repeated pool rows, then a CanarySession
-loop.  CuPy's memory pool is turned off so every array is its own cudaMalloc and memcheck sees
-any access past it.
+each compared with NumPy (also through the two-launch plan with tiny tiles), then a whole step
+captured in a CUDA graph and replayed with new batch contents (both plan paths), then random
+scatters with repeated pool rows, then a CanarySession loop.  CuPy's memory pool is turned off
+so every array is its own cudaMalloc and memcheck sees any access past it.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 40
 """
