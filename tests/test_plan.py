@@ -588,3 +588,39 @@ def test_strict_lut_checks_match_the_counted_lookups(ab, seed):
             run_plan(ab, rp, prefix, extend, rtt.astype(np.int32), strict=True, **kw)
     else:
         run_plan(ab, rp, prefix, extend, rtt.astype(np.int32), strict=True, **kw)
+
+
+def test_plan_launches_past_48_kib_of_shared_memory_opt_in_once_to_the_device_limit(monkeypatch):
+    """A plan kernel's launches past 48 KiB of dynamic shared memory rely on one opt-in per kernel
+    and device, to all a block may take: batches that shrink and then grow again (a server's batch
+    size moving around 3,000-4,096 requests) never launch above the limit set."""
+    cupy = pytest.importorskip("cupy")
+    from kvcanary_cupy.backends import cupy_backend
+
+    optin, static, calls = 232_448, 600, []
+
+    class Kernel:
+        ptr = 1234
+
+    class Function:
+        kernel = Kernel()
+
+    class Device:
+        def __init__(self, device_id=None):
+            self.attributes = {"MaxSharedMemoryPerBlockOptin": optin}
+
+    driver = cupy.cuda.driver
+    monkeypatch.setattr(cupy_backend, "get_function", lambda family, name: Function())
+    monkeypatch.setattr(cupy_backend, "_device_id", lambda: 7)
+    monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(driver, "funcGetAttribute", lambda attribute, fn: static)
+    monkeypatch.setattr(driver, "funcSetAttribute", lambda fn, attribute, value: calls.append((fn, attribute, value)))
+    cupy_backend._allow_shared_mem.cache_clear()
+    try:
+        configs = [cupy_backend.plan_scan_config("plan_x", "k", rows) for rows in (4000, 3100, 100, 4096)]
+    finally:
+        cupy_backend._allow_shared_mem.cache_clear()
+    assert [c.shared_mem for c in configs] == [(rows + 1) * 16 for rows in (4000, 3100, 100, 4096)]
+    assert calls == [(1234, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static)]
+    assert max(c.shared_mem for c in configs) + static <= optin

@@ -175,11 +175,15 @@ def plan_scan_max_rows(device_id: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _allow_shared_mem(device_id: int, family: str, name: str, nbytes: int) -> None:
-    """Lets kernel ``name`` take ``nbytes`` of dynamic shared memory (past 48 KiB needs the opt-in)."""
-    cupy = import_cupy()
-    attribute = cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    cupy.cuda.driver.funcSetAttribute(get_function(family, name).kernel.ptr, attribute, nbytes)
+def _allow_shared_mem(device_id: int, family: str, name: str) -> None:
+    """Lets kernel ``name`` take as much dynamic shared memory as a block may opt into (past 48 KiB
+    needs the opt-in), once per device: every launch then takes what it needs below that.  (Raising
+    the limit per launch size would leave it at the last size set, too low for a larger launch.)"""
+    driver = import_cupy().cuda.driver
+    fn = get_function(family, name).kernel.ptr
+    static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn)
+    optin = import_cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    driver.funcSetAttribute(fn, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static)
 
 
 def plan_scan_config(family: str, name: str, rows: int) -> LaunchConfig:
@@ -189,7 +193,7 @@ def plan_scan_config(family: str, name: str, rows: int) -> LaunchConfig:
     device = _device_id()
     shared_mem = (rows + 1) * 16
     if shared_mem > 48 * 1024:
-        _allow_shared_mem(device, family, name, shared_mem)
+        _allow_shared_mem(device, family, name)
     return LaunchConfig(_sm_count(device), PLAN_THREADS, shared_mem)
 
 
