@@ -1,12 +1,12 @@
 // Plan kernels (docs/format.md §4 with the project's out-of-range rules, README "Out-of-range values").
 //
-// Every block scans the whole batch on its own (no block waits on another: nothing to reset, no
-// order between blocks to rely on), keeping each row's verify offset in shared memory; the
-// per-request outputs are spread over the blocks.  Then:
-// plan_fused (the batch fits the shared memory, one launch): all blocks expand the verify entries
-//   from the offsets in their shared memory.
-// plan_offsets + plan_entries (a larger batch, two launches): the scan runs in tiles and writes the
-//   offsets; then a fixed grid expands the entries, reading the total on the device.
+// No block waits on another (nothing to reset between plans, no order between blocks to rely on):
+// plan_fused (up to PLAN_FUSED_MAX_ROWS requests, one launch): every block scans the whole batch
+//   into shared memory (a verify and a write offset per row), expands its share of the verify
+//   entries from there and writes the per-request outputs of its share of the rows.
+// plan_offsets + plan_entries (a larger batch, two launches): block b sums the rows before its
+//   share, scans its share in tiles of shared memory and writes their outputs; then a fixed grid
+//   expands the entries from those offsets, reading the total on the device.
 // Either way the grid depends only on shapes, so a captured graph replays any batch content.
 //
 // Every kernel is instantiated for each table kind (kTable): the slot of a request's position is
