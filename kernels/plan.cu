@@ -63,7 +63,6 @@ __device__ __forceinline__ void scan_warp_totals(i64 a, i64 b, i64& before_a, i6
   __syncthreads();  // warp_a/warp_b are reused by the next tile
 }
 
-
 // Everything a plan reads, passed by value (mirrored by PLAN_INPUTS in cupy_backend.py).
 struct PlanInputs {
   const i64* req_pool_indices;  // null with a PagedKvIndices table (rows are batch rows)
@@ -410,8 +409,8 @@ struct StoreEntries {
 };
 
 // Expands verify entries [0, total) over the whole grid into `sink`.  Each warp takes a
-// contiguous range, 32 entries at a time; each lane finds its owner request by binary search
-// once, then walks it forward with the request's table row cached in registers, so consecutive
+// contiguous range, 32 entries at a time; the warp finds the request of its first entry together,
+// then each lane walks forward with its request's table row cached in registers, so consecutive
 // entries cost no search.
 template <int kTable, bool kHasLut, bool kHasPool, class Sink>
 __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, const i64* verify_offsets, i64 total,

@@ -214,7 +214,7 @@ class FakeDevice:
         monkeypatch.setattr(jit, "get_function", lambda family, name: RawKernel(name))
         monkeypatch.setattr(cupy_backend, "get_function", lambda family, name: RawKernel(name))
         monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: FakeDevice.SM_COUNT)
-        monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block, shared_mem=0: 4)
+        monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block: 4)
         monkeypatch.setattr(cupy_backend, "plan_scan_max_rows", lambda device_id: FakeDevice.PLAN_SCAN_MAX_ROWS)
         monkeypatch.setattr(cupy_backend, "_allow_shared_mem", lambda *args: None)
         if self.record_bytes:  # the arguments as one-element NumPy views, whose bytes can be read back

@@ -150,12 +150,12 @@ def _device_id() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def resident_blocks_per_sm(device_id: int, family: str, name: str, block: int, shared_mem: int = 0) -> int:
+def resident_blocks_per_sm(device_id: int, family: str, name: str, block: int) -> int:
     """Blocks of ``block`` threads of one compiled kernel that one SM holds at once (CUDA's
     occupancy calculator over its registers and shared memory), cached per device and kernel."""
     cupy = import_cupy()
     fn = get_function(family, name)
-    return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, block, shared_mem))
+    return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, block, 0))
 
 
 def persistent_config(family: str, name: str, block: int = THREADS) -> LaunchConfig:
@@ -179,10 +179,11 @@ def _allow_shared_mem(device_id: int, family: str, name: str) -> None:
     """Lets kernel ``name`` take as much dynamic shared memory as a block may opt into (past 48 KiB
     needs the opt-in), once per device: every launch then takes what it needs below that.  (Raising
     the limit per launch size would leave it at the last size set, too low for a larger launch.)"""
-    driver = import_cupy().cuda.driver
+    cupy = import_cupy()
+    driver = cupy.cuda.driver
     fn = get_function(family, name).kernel.ptr
     static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn)
-    optin = import_cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    optin = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
     driver.funcSetAttribute(fn, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static)
 
 
