@@ -1,6 +1,9 @@
 // Plan kernels (docs/format.md §4 with the project's out-of-range rules, README "Out-of-range values").
 //
 // No block waits on another (nothing to reset between plans, no order between blocks to rely on):
+// plan_small (up to 32 requests, one launch, no block-wide barrier before the expansion): every
+//   warp scans the batch with shuffles, a row per lane, into shared arrays of its own and expands
+//   its share of the verify entries from them; warp 0 of block 0 writes the per-request outputs.
 // plan_fused (up to PLAN_FUSED_MAX_ROWS requests, one launch): every block scans the whole batch
 //   into shared memory (a verify and a write offset per row), expands its share of the verify
 //   entries from there and writes the per-request outputs of its share of the rows.
@@ -16,8 +19,10 @@
 namespace kvcanary {
 
 constexpr int kPlanThreads = 512;  // plan_fused and plan_offsets blocks
-constexpr int kPlanUnroll = 4;  // rows whose loads a thread issues together in a scan
+constexpr int kPlanUnroll = 2;  // rows whose loads a thread issues together in a scan (more cost a
+                                // small batch's scan their instructions: it is latency-bound)
 constexpr int kSumUnroll = 8;  // ... and in a sum
+constexpr int kPlanSmallRows = 32;  // plan_small: a batch of up to a warp's width, a row per lane
 constexpr i64 kI64Max = 0x7fffffffffffffffLL;
 constexpr i64 kNoSeed = -kI64Max - 1;  // INT64_MIN: table_slot never returns it (slots saturate at +-kI64Max)
 
@@ -512,6 +517,48 @@ __device__ __forceinline__ void plan_and_expand(const PlanInputs& in, const Plan
 template <int kTable, bool kHasLut, bool kHasPool>
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_fused(PlanInputs in, PlanOutputs out) {
   plan_and_expand<kTable, kHasLut, kHasPool>(in, out, StoreEntries{out});
+}
+
+// A batch of at most kPlanSmallRows requests (a row per lane) in one launch, without the block-wide
+// scan: every warp scans the batch with shuffles into shared arrays of its own (only __syncwarp
+// orders them), then expands its share of the entries; warp 0 of block 0 writes the per-request
+// outputs and block 0 finishes the plan.  A small batch's plan is latency-bound, so it pays for
+// as few dependent steps as possible.
+template <int kTable, bool kHasLut, bool kHasPool>
+__global__ void __launch_bounds__(kPlanThreads, 1) plan_small(PlanInputs in, PlanOutputs out) {
+  __shared__ i64 warp_offsets[kPlanThreads / 32][2][kPlanSmallRows + 1];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  i64* voff = warp_offsets[warp][0];
+  i64* woff = warp_offsets[warp][1];
+  const i64 bs = in.bs;
+  // Read first, used last: the batch size the earlier plan wrote (block 0 overwrites it).
+  const i64 previous = blockIdx.x == 0 && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
+  RowGroup<1> g;
+  g.load(in, lane, 32, bs);
+  i64 v = 0, w = 0;
+  if (lane < bs) row_lengths<kTable>(in, lane, g.rp[0], g.prefix[0], g.extend[0], v, w);
+  i64 inc_v = v, inc_w = w;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const i64 uv = __shfl_up_sync(kFullMask, inc_v, o), uw = __shfl_up_sync(kFullMask, inc_w, o);
+    if (lane >= o) { inc_v += uv; inc_w += uw; }
+  }
+  // Lanes past the batch add nothing, so lane bs (bs < 32) holds the totals, as offsets[bs] must.
+  voff[lane] = inc_v - v;
+  woff[lane] = inc_w - w;
+  const i64 total_v = __shfl_sync(kFullMask, inc_v, 31), total_w = __shfl_sync(kFullMask, inc_w, 31);
+  if (lane == 0) {
+    voff[kPlanSmallRows] = total_v;
+    woff[kPlanSmallRows] = total_w;
+  }
+  __syncwarp();
+  const bool writes_rows = blockIdx.x == 0 && warp == 0;
+  RowOutput<kTable, kHasLut, kHasPool> own;
+  if (writes_rows) own.begin(in, lane, bs);  // its seed gather overlaps the expansion
+  if (total_v > 0 && total_v <= out.verify_capacity) expand_entries<kTable, kHasLut, kHasPool>(in, out, voff, total_v, StoreEntries{out});
+  const i64 errors = writes_rows ? own.finish(in, out, voff, woff, 0) : 0;
+  if (blockIdx.x == 0) finish_plan(out, bs, total_v, total_w, previous);
+  warp_add(out.out_of_range_count, errors);
 }
 
 // A batch larger than the shared arrays (then plan_entries expands the entries): block b takes

@@ -53,7 +53,7 @@ BUFFERS = ("kBuffers", tuple(range(1, MAX_CANARY_BUFFERS + 1)))  # canary buffer
 
 FAMILIES = {
     **{plan_family(kind): KernelFamily("plan.cu", tuple(
-        (k, (("kTable", (int(kind),)), ("kHasLut", BOOL), ("kHasPool", BOOL))) for k in ("plan_fused", "plan_offsets", "plan_entries")))
+        (k, (("kTable", (int(kind),)), ("kHasLut", BOOL), ("kHasPool", BOOL))) for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")))
        for kind in TableKind},
     "write": KernelFamily("write.cu", (("canary_write", (BUFFERS, ("kInputAssert", BOOL), ("kHasRealKv", BOOL))),)),
     "verify": KernelFamily("verify.cu", (("canary_verify", (BUFFERS, ("kCheckToken", BOOL), ("kHasRealKv", BOOL))),)),

@@ -69,11 +69,17 @@ def main():
     from unittest import mock
 
     from kvcanary_cupy.backends import cupy_backend
-    with mock.patch.object(cupy_backend, "PLAN_FUSED_MAX_ROWS", 0), \
+    with mock.patch.object(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1), \
+            mock.patch.object(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1), \
             mock.patch.object(cupy_backend, "plan_scan_max_rows", lambda device_id: 7):
         for seed in range(args.first, args.first + args.cases // 2):
             case = make_case(seed)
             assert_same(run_case(numpy_ab, case), run_case(cupy_ab, case), context=f"two-launch seed {seed}")
+    # Small batches through plan_fused's block-wide scan instead of plan_small, likewise.
+    with mock.patch.object(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1):
+        for seed in range(args.first, args.first + args.cases // 2):
+            case = make_case(seed)
+            assert_same(run_case(numpy_ab, case), run_case(cupy_ab, case), context=f"block-scan seed {seed}")
     for seed in range(args.first, args.first + args.cases):
         case = make_move_case(seed)
         for want, got in zip(run_move_case(numpy_ab, case), run_move_case(cupy_ab, case)):
@@ -82,7 +88,8 @@ def main():
     for seed in range(args.first, args.first + args.scatter_cases):
         scatter_case(seed)
     cupy.cuda.Device().synchronize()
-    print(f"sanitizer fuzz: {args.cases} cases (and half as many through the two-launch plan) and "
+    print(f"sanitizer fuzz: {args.cases} cases (and half as many through the two-launch plan, and through "
+          f"the block-scan plan for small batches) and "
           f"{args.cases} page moves passed, {injected} with out-of-range values; "
           f"{replays} graph replays and {args.scatter_cases} scatters matched NumPy")
     # A CanarySession loop with a stale table entry: its staging and attribution kernels too.

@@ -43,14 +43,32 @@ def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, monkeypatch):
     from kvcanary_cupy.backends import cupy_backend
     from kvcanary_cupy.tables import TableKind
 
-    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", 0)
+    monkeypatch.setattr(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1)
+    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1)
     monkeypatch.setattr(cupy_backend, "plan_scan_max_rows", lambda device_id: tile_rows)
-    assert [k[1].split("<")[0] for k in cupy_backend.plan_kernels(TableKind.REQ_TO_TOKEN, 1, 1, False, False)] == [
+    assert [k[1].split("<")[0] for k in cupy_backend.plan_kernels(TableKind.REQ_TO_TOKEN, 0, 1, False, False)] == [
         "kvcanary::plan_offsets", "kvcanary::plan_entries"]
     seeds = range(0, 60) if tile_rows < 1000 else range(10_000, 10_002)
     for seed in seeds:
         case = make_case(seed, big=seed >= 10_000)
         assert_same(run_case(NUMPY, case), run_case(ab, case), context=f"{backend} tile {tile_rows} seed {seed}")
+
+
+@pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
+def test_gpu_block_scan_plan_matches_numpy_on_small_batches(backend, monkeypatch):
+    """Batches of up to PLAN_SMALL_MAX_ROWS requests take plan_small (a warp's scan per warp);
+    forced here through plan_fused's block-wide scan instead, so that it too meets the small and
+    empty batches."""
+    ab = get_backend_or_skip(backend)
+    from kvcanary_cupy.backends import cupy_backend
+    from kvcanary_cupy.tables import TableKind
+
+    monkeypatch.setattr(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1)
+    assert [k[1].split("<")[0] for k in cupy_backend.plan_kernels(TableKind.REQ_TO_TOKEN, 0, 1, False, False)] == [
+        "kvcanary::plan_fused"]
+    for seed in range(60):
+        case = make_case(seed)
+        assert_same(run_case(NUMPY, case), run_case(ab, case), context=f"{backend} block scan seed {seed}")
 
 
 def test_torch_cpu_matches_numpy():

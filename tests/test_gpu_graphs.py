@@ -116,14 +116,15 @@ def step_inputs(engine, step, rng):
     return rp.astype(np.int64), prefix, extend.astype(np.int64), cat(ids), cat(pos), cat(loc), np.array([int(step > 0)], np.int32)
 
 
-SHAPES = {"fused": dict(bs=16, rows=24, cols=64), "two_kernels": dict(bs=4500, rows=4508, cols=12)}
+SHAPES = {"small": dict(bs=16, rows=24, cols=64), "fused": dict(bs=40, rows=48, cols=64),
+          "two_kernels": dict(bs=4500, rows=4508, cols=12)}
 TABLES = ("rtt", "block", "csr")
 
 
-def test_shapes_take_both_plan_paths():
-    from kvcanary_cupy.backends import cupy_backend
+def test_shapes_take_every_plan_path():
+    from kvcanary_cupy.backends import cupy_backend as cb
 
-    assert SHAPES["fused"]["bs"] <= cupy_backend.PLAN_FUSED_MAX_ROWS < SHAPES["two_kernels"]["bs"]
+    assert SHAPES["small"]["bs"] <= cb.PLAN_SMALL_MAX_ROWS < SHAPES["fused"]["bs"] <= cb.PLAN_FUSED_MAX_ROWS < SHAPES["two_kernels"]["bs"]
 
 
 def reference_run(steps, shape, table="rtt"):

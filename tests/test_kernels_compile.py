@@ -27,7 +27,7 @@ def test_every_variant_compiles_and_fits_its_launch(family, arch):
     report = jit.compile_check(arch, family, cb.family_struct_asserts(family))[family]
     assert report.cubin_bytes > 1000
     assert set(report.registers) == set(jit.FAMILIES[family].instantiations())
-    block = {"plan_offsets": cb.PLAN_THREADS, "plan_fused": cb.PLAN_THREADS,
+    block = {"plan_offsets": cb.PLAN_THREADS, "plan_fused": cb.PLAN_THREADS, "plan_small": cb.PLAN_THREADS,
              "canary_write": cb.WRITE_THREADS, "canary_verify": cb.VERIFY_THREADS}
     for name, regs in report.registers.items():
         threads = block.get(name.split("<")[0].split("::")[1], cb.THREADS)
@@ -87,7 +87,7 @@ def test_compile_errors_name_the_family(monkeypatch):
 def test_instantiation_lists_cover_every_flag_combination():
     for kind in kc.tables.TableKind:
         assert jit.FAMILIES[jit.plan_family(kind)].instantiations() == [
-            f"kvcanary::{k}<{int(kind)}, {a}, {b}>" for k in ("plan_fused", "plan_offsets", "plan_entries")
+            f"kvcanary::{k}<{int(kind)}, {a}, {b}>" for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")
             for a in ("false", "true") for b in ("false", "true")
         ]
     assert jit.FAMILIES["write"].instantiations() == [
@@ -160,6 +160,7 @@ def test_launch_constants_match_the_kernels():
     from kvcanary_cupy.backends import cupy_backend as cb
 
     assert _cuh_constant("kPlanThreads", "plan.cu") == cb.PLAN_THREADS
+    assert _cuh_constant("kPlanSmallRows", "plan.cu") == cb.PLAN_SMALL_MAX_ROWS
     assert _cuh_constant("kScatterMaxGroupRows", "scatter.cu") == cb.SCATTER_MAX_GROUP_ROWS
     assert _cuh_constant("kVerifyThreads", "verify.cu") == cb.VERIFY_THREADS
     assert _cuh_constant("kWriteThreads", "write.cu") == cb.WRITE_THREADS

@@ -624,3 +624,30 @@ def test_plan_launches_past_48_kib_of_shared_memory_opt_in_once_to_the_device_li
     assert [c.shared_mem for c in configs] == [(rows + 1) * 16 for rows in (4000, 3100, 100, 4096)]
     assert calls == [(1234, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static)]
     assert max(c.shared_mem for c in configs) + static <= optin
+
+
+def test_plan_path_and_grid_follow_the_shapes(monkeypatch):
+    """Up to PLAN_SMALL_MAX_ROWS requests take plan_small, up to PLAN_FUSED_MAX_ROWS plan_fused
+    (scan arrays for the batch), beyond that the two launches; a one-launch plan takes a block per
+    PLAN_THREADS entries of verify capacity (a warp per 32), at least one and at most one per SM."""
+    pytest.importorskip("cupy")
+    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.tables import TableKind
+
+    monkeypatch.setattr(cb, "_device_id", lambda: 0)
+    monkeypatch.setattr(cb, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(cb, "plan_scan_max_rows", lambda device_id: 1000)
+    monkeypatch.setattr(cb, "_allow_shared_mem", lambda device_id, family, name: None)
+
+    def launches(bs, capacity):
+        return [(name.split("<")[0].split("::")[1], config)
+                for _, name, config in cb.plan_kernels(TableKind.BLOCK, bs, capacity, False, True)]
+
+    threads = cb.PLAN_THREADS
+    assert launches(0, 0) == [("plan_small", cb.LaunchConfig(1, threads))]
+    assert launches(32, 16_384) == [("plan_small", cb.LaunchConfig(32, threads))]
+    assert launches(32, 16_385) == [("plan_small", cb.LaunchConfig(33, threads))]
+    assert launches(33, 0) == [("plan_fused", cb.LaunchConfig(1, threads, 34 * 16))]
+    assert launches(256, 524_288) == [("plan_fused", cb.LaunchConfig(132, threads, 257 * 16))]
+    assert launches(4096, 10**9) == [("plan_fused", cb.LaunchConfig(132, threads, 4097 * 16))]
+    assert launches(4097, 0) == [("plan_offsets", cb.LaunchConfig(132, threads, (32 + 1) * 16))]  # 32 rows per block

@@ -128,8 +128,9 @@ class LaunchConfig(NamedTuple):
     shared_mem: int = 0  # dynamic shared memory, bytes
 
 
-PLAN_THREADS = 512  # kPlanThreads in plan.cu: plan_fused and plan_offsets blocks, one per SM
-PLAN_FUSED_MAX_ROWS = 4096  # a batch of up to this many requests plans in one launch (plan_fused)
+PLAN_THREADS = 512  # kPlanThreads in plan.cu: plan_small, plan_fused and plan_offsets blocks, one per SM
+PLAN_SMALL_MAX_ROWS = 32  # kPlanSmallRows in plan.cu: a batch of up to this many requests takes plan_small
+PLAN_FUSED_MAX_ROWS = 4096  # ... else up to this many plan in one launch (plan_fused)
 PLAN_SCAN_RESERVED_SMEM = 2048  # bytes of a scan block's shared memory kept for its static arrays
 THREADS = 256  # plan_entries and scatter blocks
 VERIFY_THREADS = 256  # kVerifyThreads in verify.cu
@@ -187,15 +188,22 @@ def _allow_shared_mem(device_id: int, family: str, name: str) -> None:
     driver.funcSetAttribute(fn, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static)
 
 
-def plan_scan_config(family: str, name: str, rows: int) -> LaunchConfig:
-    """A block of PLAN_THREADS per SM (each scans on its own: more blocks would only repeat the
-    scan), with the scan's shared arrays for ``rows`` rows as dynamic shared memory (the kernel
-    reads its tile size from it)."""
+def plan_scan_config(family: str, name: str, rows: int, blocks: int | None = None) -> LaunchConfig:
+    """``blocks`` (default: one per SM) of PLAN_THREADS, with the scan's shared arrays for ``rows``
+    rows as dynamic shared memory (the kernel reads its tile size from it)."""
     device = _device_id()
     shared_mem = (rows + 1) * 16
     if shared_mem > 48 * 1024:
         _allow_shared_mem(device, family, name)
-    return LaunchConfig(_sm_count(device), PLAN_THREADS, shared_mem)
+    return LaunchConfig(blocks or _sm_count(device), PLAN_THREADS, shared_mem)
+
+
+def plan_one_launch_blocks(verify_capacity: int) -> int:
+    """Blocks of a one-launch plan: enough for a warp per 32 entries of the verify capacity, at
+    most one per SM.  The expansion gives each warp at least 32 entries, so the blocks past these
+    would only repeat the scan (and add to the launch)."""
+    per_block = PLAN_THREADS  # 32 entries for each of its PLAN_THREADS // 32 warps
+    return max(1, min(_sm_count(_device_id()), -(-verify_capacity // per_block)))
 
 
 def write_config(name: str, write_req_capacity: int, num_buffers: int) -> LaunchConfig:
@@ -398,9 +406,12 @@ def plan_params(a: PlanArgs) -> np.ndarray:
 def plan_kernels(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool) -> tuple:
     """``(family, kernel name, LaunchConfig)`` of each launch of a plan of ``bs`` requests, in order."""
     family, template_args = plan_family(kind), (int(kind), has_lut, has_pool)
+    if bs <= PLAN_SMALL_MAX_ROWS:
+        name = kernel_name("plan_small", *template_args)
+        return ((family, name, LaunchConfig(plan_one_launch_blocks(verify_capacity), PLAN_THREADS)),)
     if bs <= PLAN_FUSED_MAX_ROWS:
         name = kernel_name("plan_fused", *template_args)
-        return ((family, name, plan_scan_config(family, name, bs)),)
+        return ((family, name, plan_scan_config(family, name, bs, plan_one_launch_blocks(verify_capacity))),)
     name = kernel_name("plan_offsets", *template_args)
     device = _device_id()
     tile_rows = min(-(-bs // _sm_count(device)), plan_scan_max_rows(device))
