@@ -184,7 +184,7 @@ __device__ __forceinline__ i64 load_index(const void* p, int is_int64, i64 i) {
 
 // Adds the warp's sum of `value` to *counter with one atomic (all 32 lanes must call).
 __device__ __forceinline__ void warp_add(unsigned long long* counter, i64 value) {
-  __syncwarp();
+  if (!__any_sync(kFullMask, value != 0)) return;  // the usual case for error counts: skip the reduction
   for (int o = 16; o > 0; o >>= 1) value += __shfl_down_sync(kFullMask, value, o);
   if ((threadIdx.x & 31) == 0 && value != 0) atomicAdd(counter, static_cast<unsigned long long>(value));
 }

@@ -155,6 +155,10 @@ __device__ __forceinline__ i64 page_of(const PlanInputs& in, i64 value, i64& off
   return page;
 }
 
+// Whether a slot lookup (table_slot, then the SWA LUT) can count an out-of-range value.
+template <int kTable, bool kHasLut>
+constexpr bool kLookupCounts = kTable == kTableVirtualPages || kHasLut;
+
 // The KV slot of position p (0 <= p < row.len) of a valid row.  `errors` counts virtual token
 // ids past virtual_to_physical (they address the padding slot 0).
 template <int kTable>
@@ -305,21 +309,28 @@ __device__ void scan_rows(const PlanInputs& in, i64 lo, i64 n, i64* voff, i64* w
   __syncthreads();
 }
 
-// The per-request outputs of one row, in two steps: begin() loads the row and issues its seed
-// gather, finish() (which waits for it) writes the verify and write offsets (from the shared
-// arrays, index r - base) and the seed, and returns the row's out-of-range count.  Work issued
-// between the two hides the gather's latency.
+// The per-request outputs of one row, in two steps: begin() loads the row (or start() takes it
+// loaded) and issues its seed gather, finish() (which waits for it) writes the verify and write
+// offsets (from the shared arrays, index r - base) and the seed, and returns the row's
+// out-of-range count.  Work issued between the two hides the gather's latency.
 template <int kTable, bool kHasLut, bool kHasPool>
 struct RowOutput {
   i64 r, rp, prefix, extend, seed_raw, errors;
   bool have;
 
   __device__ __forceinline__ void begin(const PlanInputs& in, i64 row, i64 hi) {
+    const bool in_batch = row < hi;
+    start(in, row, in_batch, in_batch && in.req_pool_indices ? in.req_pool_indices[row] : 0,
+          in_batch ? in.prefix_lens[row] : 0, in_batch ? in.extend_seq_lens[row] : 0);
+  }
+
+  __device__ __forceinline__ void start(const PlanInputs& in, i64 row, bool in_batch, i64 pool_index, i64 prefix_len,
+                                        i64 extend_len) {
     r = row;
-    have = r < hi;
-    rp = have && in.req_pool_indices ? in.req_pool_indices[r] : 0;
-    prefix = have ? in.prefix_lens[r] : 0;
-    extend = have ? in.extend_seq_lens[r] : 0;
+    have = in_batch;
+    rp = pool_index;
+    prefix = prefix_len;
+    extend = extend_len;
     seed_raw = kNoSeed;
     errors = 0;
     if (have && row_active<kTable>(rp) && prefix > 0 && extend > 0) {
@@ -423,7 +434,9 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
   const int lane = threadIdx.x & 31;
   const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const i64 num_warps = (static_cast<i64>(gridDim.x) * blockDim.x) >> 5;
-  const i64 per_warp = ((total + num_warps - 1) / num_warps + 31) & ~static_cast<i64>(31);
+  // A one-launch grid has a warp per 32 entries of verify capacity (when it is not capped at one
+  // block per SM): then every warp takes 32 entries, no division needed.
+  const i64 per_warp = total <= 32 * num_warps ? 32 : ((total + num_warps - 1) / num_warps + 31) & ~static_cast<i64>(31);
   const i64 begin = warp * per_warp;
   if (begin >= total) return;
   const i64 end = begin + per_warp < total ? begin + per_warp : total;
@@ -466,8 +479,8 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
     // The predecessor of entry t is usually entry t - 1, looked up by the lane to the left: take
     // its slot (and the out-of-range counts of that lookup, so the count is the same as looking
     // it up again) instead of reading the table a second time.
-    const i64 left_slot = __shfl_up_sync(0xffffffffu, slot, 1);
-    const i64 left_errors = __shfl_up_sync(0xffffffffu, slot_errors, 1);
+    const i64 left_slot = __shfl_up_sync(kFullMask, slot, 1);
+    const i64 left_errors = kLookupCounts<kTable, kHasLut> ? __shfl_up_sync(kFullMask, slot_errors, 1) : 0;
     i64 prev = -1, token = -1;
     if (live) {
       clamped += slot_errors;
@@ -521,9 +534,11 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_fused(PlanInputs in, Pla
 
 // A batch of at most kPlanSmallRows requests (a row per lane) in one launch, without the block-wide
 // scan: every warp scans the batch with shuffles into shared arrays of its own (only __syncwarp
-// orders them), then expands its share of the entries; warp 0 of block 0 writes the per-request
-// outputs and block 0 finishes the plan.  A small batch's plan is latency-bound, so it pays for
-// as few dependent steps as possible.
+// orders them), then expands its share of the entries; warp 0 of the last block writes the
+// per-request outputs and that block finishes the plan.  The host gives the grid a block past
+// those the expansion needs (unless it is capped at one per SM), so that this work runs beside
+// the expansion.  A small batch's plan is latency-bound: it pays for as few dependent steps as
+// possible.
 template <int kTable, bool kHasLut, bool kHasPool>
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_small(PlanInputs in, PlanOutputs out) {
   __shared__ i64 warp_offsets[kPlanThreads / 32][2][kPlanSmallRows + 1];
@@ -531,8 +546,9 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_small(PlanInputs in, Pla
   i64* voff = warp_offsets[warp][0];
   i64* woff = warp_offsets[warp][1];
   const i64 bs = in.bs;
-  // Read first, used last: the batch size the earlier plan wrote (block 0 overwrites it).
-  const i64 previous = blockIdx.x == 0 && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
+  const bool finisher = blockIdx.x == gridDim.x - 1;
+  // Read first, used last: the batch size the earlier plan wrote (the finisher overwrites it).
+  const i64 previous = finisher && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
   RowGroup<1> g;
   g.load(in, lane, 32, bs);
   i64 v = 0, w = 0;
@@ -552,12 +568,12 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_small(PlanInputs in, Pla
     woff[kPlanSmallRows] = total_w;
   }
   __syncwarp();
-  const bool writes_rows = blockIdx.x == 0 && warp == 0;
+  const bool writes_rows = finisher && warp == 0;
   RowOutput<kTable, kHasLut, kHasPool> own;
-  if (writes_rows) own.begin(in, lane, bs);  // its seed gather overlaps the expansion
+  if (writes_rows) own.start(in, lane, lane < bs, g.rp[0], g.prefix[0], g.extend[0]);  // its seed gather overlaps the expansion
   if (total_v > 0 && total_v <= out.verify_capacity) expand_entries<kTable, kHasLut, kHasPool>(in, out, voff, total_v, StoreEntries{out});
   const i64 errors = writes_rows ? own.finish(in, out, voff, woff, 0) : 0;
-  if (blockIdx.x == 0) finish_plan(out, bs, total_v, total_w, previous);
+  if (finisher) finish_plan(out, bs, total_v, total_w, previous);
   warp_add(out.out_of_range_count, errors);
 }
 

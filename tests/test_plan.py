@@ -629,7 +629,8 @@ def test_plan_launches_past_48_kib_of_shared_memory_opt_in_once_to_the_device_li
 def test_plan_path_and_grid_follow_the_shapes(monkeypatch):
     """Up to PLAN_SMALL_MAX_ROWS requests take plan_small, up to PLAN_FUSED_MAX_ROWS plan_fused
     (scan arrays for the batch), beyond that the two launches; a one-launch plan takes a block per
-    PLAN_THREADS entries of verify capacity (a warp per 32), at least one and at most one per SM."""
+    PLAN_THREADS entries of verify capacity (a warp per 32; plan_small one more), at least one and
+    at most one per SM."""
     pytest.importorskip("cupy")
     from kvcanary_cupy.backends import cupy_backend as cb
     from kvcanary_cupy.tables import TableKind
@@ -645,8 +646,11 @@ def test_plan_path_and_grid_follow_the_shapes(monkeypatch):
 
     threads = cb.PLAN_THREADS
     assert launches(0, 0) == [("plan_small", cb.LaunchConfig(1, threads))]
-    assert launches(32, 16_384) == [("plan_small", cb.LaunchConfig(32, threads))]
-    assert launches(32, 16_385) == [("plan_small", cb.LaunchConfig(33, threads))]
+    # plan_small: a spare block for the per-request outputs, beside the expansion's.
+    assert launches(1, 1) == [("plan_small", cb.LaunchConfig(2, threads))]
+    assert launches(32, 16_384) == [("plan_small", cb.LaunchConfig(33, threads))]
+    assert launches(32, 16_385) == [("plan_small", cb.LaunchConfig(34, threads))]
+    assert launches(32, 10**6) == [("plan_small", cb.LaunchConfig(132, threads))]
     assert launches(33, 0) == [("plan_fused", cb.LaunchConfig(1, threads, 34 * 16))]
     assert launches(256, 524_288) == [("plan_fused", cb.LaunchConfig(132, threads, 257 * 16))]
     assert launches(4096, 10**9) == [("plan_fused", cb.LaunchConfig(132, threads, 4097 * 16))]

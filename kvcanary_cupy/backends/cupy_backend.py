@@ -198,12 +198,13 @@ def plan_scan_config(family: str, name: str, rows: int, blocks: int | None = Non
     return LaunchConfig(blocks or _sm_count(device), PLAN_THREADS, shared_mem)
 
 
-def plan_one_launch_blocks(verify_capacity: int) -> int:
-    """Blocks of a one-launch plan: enough for a warp per 32 entries of the verify capacity, at
-    most one per SM.  The expansion gives each warp at least 32 entries, so the blocks past these
-    would only repeat the scan (and add to the launch)."""
+def plan_one_launch_blocks(verify_capacity: int, spare: int = 0) -> int:
+    """Blocks of a one-launch plan: enough for a warp per 32 entries of the verify capacity, plus
+    ``spare`` (plan_small's last block writes the per-request outputs beside the expansion), at
+    least one and at most one per SM.  The expansion gives each warp at least 32 entries, so
+    more blocks would only repeat the scan (and add to the launch)."""
     per_block = PLAN_THREADS  # 32 entries for each of its PLAN_THREADS // 32 warps
-    return max(1, min(_sm_count(_device_id()), -(-verify_capacity // per_block)))
+    return max(1, min(_sm_count(_device_id()), -(-verify_capacity // per_block) + spare))
 
 
 def write_config(name: str, write_req_capacity: int, num_buffers: int) -> LaunchConfig:
@@ -408,7 +409,7 @@ def plan_kernels(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_po
     family, template_args = plan_family(kind), (int(kind), has_lut, has_pool)
     if bs <= PLAN_SMALL_MAX_ROWS:
         name = kernel_name("plan_small", *template_args)
-        return ((family, name, LaunchConfig(plan_one_launch_blocks(verify_capacity), PLAN_THREADS)),)
+        return ((family, name, LaunchConfig(plan_one_launch_blocks(verify_capacity, spare=int(verify_capacity > 0)), PLAN_THREADS)),)
     if bs <= PLAN_FUSED_MAX_ROWS:
         name = kernel_name("plan_fused", *template_args)
         return ((family, name, plan_scan_config(family, name, bs, plan_one_launch_blocks(verify_capacity))),)
