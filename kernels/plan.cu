@@ -110,6 +110,7 @@ struct PlanOutputs {
   i64* verify_offsets;  // [write_req_capacity + 1]
   i64 verify_capacity, write_req_capacity;
   int clear_whole_capacity;  // the WritePlan is not known to be clean past write_num_valid_reqs
+  unsigned long long* scan_state;  // the WritePlan's ScanState (plan_offsets), or null: none
 };
 
 __device__ __forceinline__ i64 window_start(i64 prefix, i64 window) {
@@ -577,30 +578,117 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_small(PlanInputs in, Pla
   warp_add(out.out_of_range_count, errors);
 }
 
-// A batch larger than the shared arrays (then plan_entries expands the entries): block b takes
-// the rows [b * share, (b + 1) * share), sums the lengths of all rows before them, then scans
-// its own rows in tiles and writes their outputs.  The block of the last row finishes the plan.
+// ---- the cross-block scan of plan_offsets ------------------------------------------------------
+
+// A WritePlan's scan state (int64 [3 + 2 * kScanStateTiles], zeroed when allocated; mirrored by
+// kvcanary_cupy.plans.SCAN_STATE_TILES): plan_offsets' blocks draw their shares in the order they
+// start (tickets), publish their shares' totals (tile_totals, under flag = epoch + 1) and read
+// those of the shares before theirs.  The block that ends last resets the tickets and advances
+// the epoch, so nothing is reset between plans and a flag of an earlier plan never matches.
+// Waiting only on shares whose blocks started before (and publish before they wait) cannot
+// deadlock, whatever the order blocks run in.
+constexpr int kScanStateTiles = 1024;
+struct ScanState {
+  unsigned long long tickets, ended, epoch;
+  unsigned long long flag[kScanStateTiles];
+  i64 totals[kScanStateTiles][2];
+};
+static_assert(sizeof(ScanState) == (3 + 3 * kScanStateTiles) * sizeof(i64), "ScanState: int64 [3 + 3 * tiles]");
+
+__device__ __forceinline__ void store_release(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long load_acquire(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The sums of the share totals of the blocks before `tile` (every thread gets them), waiting for
+// each to be published.  Warp 0 alone polls, a lane per earlier share, pausing between polls:
+// every block of the grid waits at about the same time, and back-to-back polls of the same
+// flags by all of them would queue at the L2 behind each other.
+__device__ void wait_earlier_totals(ScanState* state, i64 tile, unsigned long long flag, i64& before_v, i64& before_w) {
+  __shared__ i64 sums[2];
+  if (threadIdx.x < 32) {
+    i64 v = 0, w = 0;
+    for (i64 t = threadIdx.x; t < tile; t += 32) {
+      while (load_acquire(&state->flag[t]) != flag) __nanosleep(100);
+      v += __ldcg(&state->totals[t][0]);
+      w += __ldcg(&state->totals[t][1]);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      v += __shfl_xor_sync(kFullMask, v, o);
+      w += __shfl_xor_sync(kFullMask, w, o);
+    }
+    if (threadIdx.x == 0) {
+      sums[0] = v;
+      sums[1] = w;
+    }
+  }
+  __syncthreads();
+  before_v = sums[0];
+  before_w = sums[1];
+}
+
+// A batch larger than the shared arrays (then plan_entries expands the entries): each block takes
+// a share of ceil(bs / grid) rows, learns the verify and write lengths of all rows before it,
+// scans its own rows in tiles and writes their outputs.  The block of the last row finishes the
+// plan.  With a scan state the shares are drawn by tickets and the lengths before a share come
+// from the earlier shares' published totals; without one, block b takes share b and sums every
+// row before it itself.
 template <int kTable, bool kHasLut, bool kHasPool>
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_offsets(PlanInputs in, PlanOutputs out) {
   extern __shared__ i64 smem[];
+  __shared__ unsigned long long ticket, epoch;
+  ScanState* state = reinterpret_cast<ScanState*>(out.scan_state);
   const i64 bs = in.bs, tile_rows = scan_tile_rows();
   i64* voff = smem;
   i64* woff = smem + tile_rows + 1;
-  const i64 share = (bs + gridDim.x - 1) / gridDim.x, lo = min(bs, blockIdx.x * share), hi = min(bs, lo + share);
-  const bool finisher = bs > 0 ? lo <= bs - 1 && bs - 1 < hi : blockIdx.x == 0;
-  const i64 previous = finisher && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
-  if (lo >= hi && !finisher) return;
-  i64 carry_v, carry_w;
-  sum_rows<kTable>(in, 0, lo, carry_v, carry_w);
-  i64 errors = 0;
-  for (i64 tile = lo; tile < hi; tile += tile_rows) {
-    const i64 n = min(tile_rows, hi - tile);
-    scan_rows<kTable>(in, tile, n, voff, woff, carry_v, carry_w);
-    errors += write_row_outputs<kTable, kHasLut, kHasPool>(in, out, voff, woff, tile, tile, tile + n);
-    __syncthreads();  // the next tile reuses the shared arrays
+  unsigned long long flag = 0;
+  i64 share_index = blockIdx.x;
+  if (state) {
+    if (threadIdx.x == 0) {
+      ticket = atomicAdd(&state->tickets, 1ULL);
+      epoch = __ldcg(&state->epoch);
+    }
+    __syncthreads();
+    share_index = static_cast<i64>(ticket);
+    flag = epoch + 1;
   }
-  if (finisher) finish_plan(out, bs, carry_v, carry_w, previous);
+  const i64 share = (bs + gridDim.x - 1) / gridDim.x, lo = min(bs, share_index * share), hi = min(bs, lo + share);
+  const bool finisher = bs > 0 ? lo <= bs - 1 && bs - 1 < hi : share_index == 0;
+  const i64 previous = finisher && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
+  i64 errors = 0;
+  if (lo < hi || finisher) {
+    i64 carry_v, carry_w;
+    if (state) {
+      i64 own_v, own_w;
+      sum_rows<kTable>(in, lo, hi, own_v, own_w);
+      if (threadIdx.x == 0) {
+        state->totals[share_index][0] = own_v;
+        state->totals[share_index][1] = own_w;
+        store_release(&state->flag[share_index], flag);
+      }
+      wait_earlier_totals(state, share_index, flag, carry_v, carry_w);
+    } else {
+      sum_rows<kTable>(in, 0, lo, carry_v, carry_w);
+    }
+    for (i64 tile = lo; tile < hi; tile += tile_rows) {
+      const i64 n = min(tile_rows, hi - tile);
+      scan_rows<kTable>(in, tile, n, voff, woff, carry_v, carry_w);
+      errors += write_row_outputs<kTable, kHasLut, kHasPool>(in, out, voff, woff, tile, tile, tile + n);
+      __syncthreads();  // the next tile reuses the shared arrays
+    }
+    if (finisher) finish_plan(out, bs, carry_v, carry_w, previous);
+  }
   warp_add(out.out_of_range_count, errors);
+  if (state && threadIdx.x == 0 && atomicAdd(&state->ended, 1ULL) == gridDim.x - 1) {
+    // Every block has drawn its ticket and read the epoch: ready the state for the next plan.
+    state->tickets = 0;
+    state->ended = 0;
+    state->epoch = flag;
+  }
 }
 
 template <int kTable, bool kHasLut, bool kHasPool>

@@ -35,7 +35,7 @@ from .backends import PlanArgs, TableView, get_backend
 from .constants import RealKvHashMode
 from .errors import public_api
 from .interop import array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream
-from .plans import check_count, is_clean, mark_clean
+from .plans import check_count, is_clean, mark_clean, scan_state
 from .tables import MAX_TABLE_TOKENS, BlockTable, PagedKvIndices, ReqToToken, TableKind
 from .validation import check_int
 
@@ -582,7 +582,8 @@ class PlanLauncher:
                     "out[1]", self.write_plan, wcap, writable=True)
         except (TypeError, ValueError):
             return
-        args = PlanArgs(None, None, None, None, window, lut_view, None, None, offset, False, ops.PlanOutputs(**outs))
+        state = backend_view(scan_state(self.write_plan), "write_plan's scan state", writable=True)
+        args = PlanArgs(None, None, None, None, window, lut_view, None, None, offset, False, ops.PlanOutputs(**outs), state)
         b = _Binding(placement, named)
         b.capacities, b.window, b.has_lut = (vcap, wcap), window, lut is not None
         if b.numpy:

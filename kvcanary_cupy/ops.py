@@ -39,7 +39,8 @@ from .interop import (
     refuse_during_capture,
     side_stream,
 )
-from .plans import INT32_MAX, RealKvSource, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources, is_clean, mark_clean
+from .plans import (INT32_MAX, RealKvSource, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources, is_clean,
+                    mark_clean, scan_state)
 from .tables import ReqToToken, TableKind, as_table, table_view
 from .validation import (
     check_1d,
@@ -431,6 +432,7 @@ def plan(
             token_offset=offset,
             clear_whole_capacity=not is_clean(wp),
             out=PlanOutputs(**ov),
+            scan_state=backend_view(scan_state(wp), "out[1]'s scan state", writable=True),
         )
         if strict:
             strict_checks.check_plan(args)

@@ -126,6 +126,19 @@ def is_clean(record) -> bool:
     return record.__dict__.get("_kvcanary_clean", False)
 
 
+# A WritePlan allocated here carries a scan state: int64 [3 + 3 * SCAN_STATE_TILES], zeroed, in
+# which the blocks of one large-batch plan launch exchange their shares' totals (ScanState in
+# kernels/plan.cu, whose kScanStateTiles this mirrors).  It is not a field of the plan (no
+# engine's format has it): a WritePlan built from an engine's own arrays has none, and its large
+# batches plan without it (each block then reads every row before its share itself).
+SCAN_STATE_TILES = 1024
+
+
+def scan_state(record):
+    """The scan state of a WritePlan, or None."""
+    return record.__dict__.get("_kvcanary_scan_state")
+
+
 @_plan_record(VERIFY_PLAN_FIELDS, "verify_slot_indices", "verify_capacity")
 class VerifyPlan(_PlanRecord):
     """A flat list of self-contained verify entries (docs/format.md §4).
@@ -157,7 +170,9 @@ class WritePlan(_PlanRecord):
     @classmethod
     @public_api
     def allocate(cls, write_req_capacity: int, *, like=None) -> "WritePlan":
-        return cls._allocate(write_req_capacity, like)
+        record = cls._allocate(write_req_capacity, like)
+        record.__dict__["_kvcanary_scan_state"] = allocate((3 + 3 * SCAN_STATE_TILES,), np.int64, like=like, fill=0)
+        return record
 
 
 @dataclass(frozen=True)

@@ -35,13 +35,21 @@ def test_gpu_matches_numpy_wide_batches(backend, seed):
 
 @pytest.mark.parametrize("tile_rows", [1, 37, 1000])
 @pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
-def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, monkeypatch):
+@pytest.mark.parametrize("with_scan_state", [True, False])
+def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, with_scan_state, monkeypatch):
     """Batches past PLAN_FUSED_MAX_ROWS take two launches (plan_offsets: each block its share of
     the rows, in tiles of the shared arrays; then plan_entries): forced here for every batch size,
-    with tiny tiles so that wide batches scan several tiles per block."""
+    with tiny tiles so that wide batches scan several tiles per block.  The blocks learn what
+    precedes their shares from each other through the WritePlan's scan state, or, for a WritePlan
+    without one (an engine's own arrays), each by reading every earlier row."""
     ab = get_backend_or_skip(backend)
+    from kvcanary_cupy import launchers, ops
     from kvcanary_cupy.backends import cupy_backend
     from kvcanary_cupy.tables import TableKind
+
+    if not with_scan_state:
+        monkeypatch.setattr(ops, "scan_state", lambda record: None)
+        monkeypatch.setattr(launchers, "scan_state", lambda record: None)
 
     monkeypatch.setattr(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1)
     monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1)

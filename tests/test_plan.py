@@ -263,7 +263,7 @@ def test_plan_records_derive_from_one_field_table():
     names = [f.name for f in VERIFY_PLAN_FIELDS + WRITE_PLAN_FIELDS]
     assert list(kc.VerifyPlan.__dataclass_fields__) + list(kc.WritePlan.__dataclass_fields__) == names
     assert list(PlanOutputs._fields) == names
-    assert list(PLAN_OUTPUTS.names) == names + ["verify_capacity", "write_req_capacity", "clear_whole_capacity"]
+    assert list(PLAN_OUTPUTS.names) == names + ["verify_capacity", "write_req_capacity", "clear_whole_capacity", "scan_state"]
     for cls, cap in ((kc.VerifyPlan, 3), (kc.WritePlan, 3)):
         rec = cls.allocate(cap)
         for f in cls.FIELDS:
@@ -655,3 +655,15 @@ def test_plan_path_and_grid_follow_the_shapes(monkeypatch):
     assert launches(256, 524_288) == [("plan_fused", cb.LaunchConfig(132, threads, 257 * 16))]
     assert launches(4096, 10**9) == [("plan_fused", cb.LaunchConfig(132, threads, 4097 * 16))]
     assert launches(4097, 0) == [("plan_offsets", cb.LaunchConfig(132, threads, (32 + 1) * 16))]  # 32 rows per block
+
+
+def test_allocated_write_plans_carry_a_zeroed_scan_state_outside_their_fields():
+    """plan_offsets' blocks exchange their shares' totals in it; it is no field of the plan (a
+    WritePlan made of an engine's own arrays has none, and snapshots of the fields never see it)."""
+    from kvcanary_cupy.plans import SCAN_STATE_TILES, scan_state
+
+    wp = kc.WritePlan.allocate(7)
+    state = scan_state(wp)
+    assert state.dtype == np.int64 and state.shape == (3 + 3 * SCAN_STATE_TILES,) and not state.any()
+    assert "_kvcanary_scan_state" not in wp.arrays()
+    assert scan_state(kc.WritePlan(**wp.arrays())) is None

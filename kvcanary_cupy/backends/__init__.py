@@ -47,6 +47,7 @@ class PlanArgs(NamedTuple):
     token_offset: int  # kv_token_id_vs_position_offset
     clear_whole_capacity: bool  # out's WritePlan is not known to be clean past write_num_valid_reqs
     out: PlanOutputs
+    scan_state: Optional[Any] = None  # out's WritePlan's scan state (plans.scan_state), if it has one
 
 
 class LogViews(NamedTuple):

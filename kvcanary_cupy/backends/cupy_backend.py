@@ -21,7 +21,7 @@ from ..constants import MAX_CANARY_BUFFERS, REAL_KV_PARTIAL_BYTES, RealKvHashMod
 from .. import jit
 from ..interop import import_cupy
 from ..jit import get_function, kernel_name, plan_family
-from ..plans import VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
+from ..plans import SCAN_STATE_TILES, VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 from ..tables import TableKind
 from . import LogViews, MoveArgs, PlanArgs, ScatterArgs, StageArgs, VerifyArgs, WriteArgs
 
@@ -62,7 +62,7 @@ PLAN_INPUTS = np.dtype(
 )
 PLAN_OUTPUTS = np.dtype(
     [(f.name, "u8") for f in VERIFY_PLAN_FIELDS + WRITE_PLAN_FIELDS]
-    + [("verify_capacity", "i8"), ("write_req_capacity", "i8"), ("clear_whole_capacity", "i4")],
+    + [("verify_capacity", "i8"), ("write_req_capacity", "i8"), ("clear_whole_capacity", "i4"), ("scan_state", "u8")],
     align=True,
 )
 SESSION_STAGE = np.dtype(
@@ -401,6 +401,8 @@ def plan_params(a: PlanArgs) -> np.ndarray:
     outs["verify_capacity"] = o.verify_slot_indices.shape[0]
     outs["write_req_capacity"] = o.write_seed_slot_indices.shape[0]
     outs["clear_whole_capacity"] = a.clear_whole_capacity
+    if a.scan_state is not None and _sm_count(_device_id()) <= SCAN_STATE_TILES:  # a tile per plan_offsets block
+        outs["scan_state"] = a.scan_state.data.ptr
     return p
 
 
