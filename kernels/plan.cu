@@ -130,10 +130,14 @@ __device__ __forceinline__ i64 page_slot(const PlanInputs& in, i64 id, i64 offse
 
 // A request's row of the table: `base` indexes its first entry, `len` is its length in tokens
 // (the bound of prefix_lens); ok is false for a row outside the table.
+// narrow (block and page tables): int32 ids, page_size and len below 2**31, so table_slot can work
+// in 32 bits and no slot can saturate.
 struct TableRow {
   i64 base, len;
-  bool ok;
+  bool ok, narrow;
 };
+
+constexpr i64 kNarrowLimit = 0x7fffffffLL;
 
 template <int kTable>
 __device__ __forceinline__ TableRow table_row(const PlanInputs& in, i64 r, i64 rp) {
@@ -141,10 +145,12 @@ __device__ __forceinline__ TableRow table_row(const PlanInputs& in, i64 r, i64 r
     const i64 lo = load_index(in.kv_indptr, in.kv_indptr_is_int64, r);
     const i64 hi = load_index(in.kv_indptr, in.kv_indptr_is_int64, r + 1);
     const bool ok = lo >= 0 && lo <= hi && hi <= in.table_rows;
-    return {ok ? lo : 0, ok ? (hi - lo) * in.page_size : 0, ok};
+    const i64 len = ok ? (hi - lo) * in.page_size : 0;
+    return {ok ? lo : 0, len, ok, !in.table_is_int64 && in.page_size <= kNarrowLimit && len <= kNarrowLimit};
   }
   const bool ok = rp >= 0 && rp < in.table_rows;
-  return {ok ? rp * in.table_stride : 0, kTable == kTableBlock ? in.table_cols * in.page_size : in.table_cols, ok};
+  const i64 len = kTable == kTableBlock ? in.table_cols * in.page_size : in.table_cols;
+  return {ok ? rp * in.table_stride : 0, len, ok, !in.table_is_int64 && in.page_size <= kNarrowLimit && len <= kNarrowLimit};
 }
 
 // page = value / page_size, offset = value % page_size for 0 <= value < 2**62 (positions are below
@@ -176,6 +182,13 @@ __device__ __forceinline__ i64 table_slot(const PlanInputs& in, const TableRow& 
     }
     const i64 physical = in.virtual_to_physical[page];
     return physical == -1 ? 0 : page_slot(in, physical, offset);  // -1: unbound page
+  }
+  if (row.narrow) {  // the usual tables: a shift or a 32-bit division, one multiply-add
+    const unsigned q = static_cast<unsigned>(p), size = static_cast<unsigned>(in.page_size);
+    const unsigned page = in.page_shift >= 0 ? q >> in.page_shift : q / size;
+    const int id = static_cast<const int*>(in.table)[row.base + page];
+    if (kTable == kTableBlock && id == in.null_block) return 0;
+    return static_cast<i64>(id) * static_cast<int>(size) + (q - page * size);
   }
   const i64 id = load_index(in.table, in.table_is_int64, row.base + page_of(in, p, offset));
   if (kTable == kTableBlock && id == in.null_block) return 0;
