@@ -111,6 +111,7 @@ struct PlanOutputs {
   i64 verify_capacity, write_req_capacity;
   int clear_whole_capacity;  // the WritePlan is not known to be clean past write_num_valid_reqs
   unsigned long long* scan_state;  // the WritePlan's ScanState (plan_offsets), or null: none
+  i64 scan_state_min_rows;  // smaller batches leave it alone (its atomics cost more than they save)
 };
 
 __device__ __forceinline__ i64 window_start(i64 prefix, i64 window) {
@@ -654,8 +655,8 @@ template <int kTable, bool kHasLut, bool kHasPool>
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_offsets(PlanInputs in, PlanOutputs out) {
   extern __shared__ i64 smem[];
   __shared__ unsigned long long ticket, epoch;
-  ScanState* state = reinterpret_cast<ScanState*>(out.scan_state);
   const i64 bs = in.bs, tile_rows = scan_tile_rows();
+  ScanState* state = bs >= out.scan_state_min_rows ? reinterpret_cast<ScanState*>(out.scan_state) : nullptr;
   i64* voff = smem;
   i64* woff = smem + tile_rows + 1;
   unsigned long long flag = 0;

@@ -71,7 +71,8 @@ def main():
     from kvcanary_cupy.backends import cupy_backend
     with mock.patch.object(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1), \
             mock.patch.object(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1), \
-            mock.patch.object(cupy_backend, "plan_scan_max_rows", lambda device_id: 7):
+            mock.patch.object(cupy_backend, "plan_scan_max_rows", lambda device_id: 7), \
+            mock.patch.object(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0):
         for seed in range(args.first, args.first + args.cases // 2):
             case = make_case(seed)
             assert_same(run_case(numpy_ab, case), run_case(cupy_ab, case), context=f"two-launch seed {seed}")

@@ -47,7 +47,9 @@ def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, with_scan_state, 
     from kvcanary_cupy.backends import cupy_backend
     from kvcanary_cupy.tables import TableKind
 
-    if not with_scan_state:
+    if with_scan_state:
+        monkeypatch.setattr(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0)  # every batch, not only the largest
+    else:
         monkeypatch.setattr(ops, "scan_state", lambda record: None)
         monkeypatch.setattr(launchers, "scan_state", lambda record: None)
 

@@ -263,7 +263,8 @@ def test_plan_records_derive_from_one_field_table():
     names = [f.name for f in VERIFY_PLAN_FIELDS + WRITE_PLAN_FIELDS]
     assert list(kc.VerifyPlan.__dataclass_fields__) + list(kc.WritePlan.__dataclass_fields__) == names
     assert list(PlanOutputs._fields) == names
-    assert list(PLAN_OUTPUTS.names) == names + ["verify_capacity", "write_req_capacity", "clear_whole_capacity", "scan_state"]
+    assert list(PLAN_OUTPUTS.names) == names + ["verify_capacity", "write_req_capacity", "clear_whole_capacity", "scan_state",
+                                         "scan_state_min_rows"]
     for cls, cap in ((kc.VerifyPlan, 3), (kc.WritePlan, 3)):
         rec = cls.allocate(cap)
         for f in cls.FIELDS:
