@@ -111,7 +111,7 @@ struct PlanOutputs {
   i64 verify_capacity, write_req_capacity;
   int clear_whole_capacity;  // the WritePlan is not known to be clean past write_num_valid_reqs
   unsigned long long* scan_state;  // the WritePlan's ScanState (plan_offsets), or null: none
-  i64 scan_state_min_rows;  // smaller batches leave it alone (its atomics cost more than they save)
+  i64 scan_state_min_rows;  // smaller batches leave it alone (it costs more than it saves there)
 };
 
 __device__ __forceinline__ i64 window_start(i64 prefix, i64 window) {
@@ -594,20 +594,21 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_small(PlanInputs in, Pla
 
 // ---- the cross-block scan of plan_offsets ------------------------------------------------------
 
-// A WritePlan's scan state (int64 [3 + 2 * kScanStateTiles], zeroed when allocated; mirrored by
-// kvcanary_cupy.plans.SCAN_STATE_TILES): plan_offsets' blocks draw their shares in the order they
-// start (tickets), publish their shares' totals (tile_totals, under flag = epoch + 1) and read
-// those of the shares before theirs.  The block that ends last resets the tickets and advances
-// the epoch, so nothing is reset between plans and a flag of an earlier plan never matches.
-// Waiting only on shares whose blocks started before (and publish before they wait) cannot
-// deadlock, whatever the order blocks run in.
+// A WritePlan's scan state (int64 [3 * kScanStateTiles], zeroed when allocated; mirrored by
+// kvcanary_cupy.plans.SCAN_STATE_TILES): block b of plan_offsets publishes its share's totals in
+// totals[b] under flag[b] = the number of plans that used the state so far, this one included.
+// Every block publishes in every such plan (an empty share publishes zeros) and each flag has one
+// writer, so a block learns that number from its own flag (+ 1): no atomics, nothing to reset,
+// and an earlier plan's flag never matches.  Waiting on an earlier share is bounded: a block whose
+// predecessor has not run yet (the GPU shared with other work) sums the rows before its share
+// itself, so no order of running blocks can deadlock it.
 constexpr int kScanStateTiles = 1024;
+constexpr int kScanStatePolls = 1 << 14;  // about 2 ms of polls, 100 ns apart, before summing alone
 struct ScanState {
-  unsigned long long tickets, ended, epoch;
   unsigned long long flag[kScanStateTiles];
   i64 totals[kScanStateTiles][2];
 };
-static_assert(sizeof(ScanState) == (3 + 3 * kScanStateTiles) * sizeof(i64), "ScanState: int64 [3 + 3 * tiles]");
+static_assert(sizeof(ScanState) == 3 * kScanStateTiles * sizeof(i64), "ScanState: int64 [3 * tiles]");
 
 __device__ __forceinline__ void store_release(unsigned long long* p, unsigned long long v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -618,19 +619,30 @@ __device__ __forceinline__ unsigned long long load_acquire(const unsigned long l
   return v;
 }
 
-// The sums of the share totals of the blocks before `tile` (every thread gets them), waiting for
-// each to be published.  Warp 0 alone polls, a lane per earlier share, pausing between polls:
-// every block of the grid waits at about the same time, and back-to-back polls of the same
-// flags by all of them would queue at the L2 behind each other.
-__device__ void wait_earlier_totals(ScanState* state, i64 tile, unsigned long long flag, i64& before_v, i64& before_w) {
+// The sums of the totals the blocks before `tile` published under `flag` (every thread gets them),
+// or false when one of them did not publish in time.  Warp 0 alone polls, a lane per earlier share,
+// pausing between polls: every block of the grid waits at about the same time, and back-to-back
+// polls of the same flags by all of them would queue at the L2 behind each other.
+__device__ bool wait_earlier_totals(ScanState* state, i64 tile, unsigned long long flag, i64& before_v, i64& before_w) {
   __shared__ i64 sums[2];
+  __shared__ bool published;
   if (threadIdx.x < 32) {
     i64 v = 0, w = 0;
-    for (i64 t = threadIdx.x; t < tile; t += 32) {
-      while (load_acquire(&state->flag[t]) != flag) __nanosleep(100);
-      v += __ldcg(&state->totals[t][0]);
-      w += __ldcg(&state->totals[t][1]);
+    bool ok = true;
+    for (i64 t = threadIdx.x; ok && t < tile; t += 32) {
+      for (int polls = 0; load_acquire(&state->flag[t]) != flag; ++polls) {
+        if (polls == kScanStatePolls) {
+          ok = false;
+          break;
+        }
+        __nanosleep(100);
+      }
+      if (ok) {
+        v += __ldcg(&state->totals[t][0]);
+        w += __ldcg(&state->totals[t][1]);
+      }
     }
+    ok = __all_sync(kFullMask, ok);
     for (int o = 16; o > 0; o >>= 1) {
       v += __shfl_xor_sync(kFullMask, v, o);
       w += __shfl_xor_sync(kFullMask, w, o);
@@ -638,56 +650,46 @@ __device__ void wait_earlier_totals(ScanState* state, i64 tile, unsigned long lo
     if (threadIdx.x == 0) {
       sums[0] = v;
       sums[1] = w;
+      published = ok;
     }
   }
   __syncthreads();
   before_v = sums[0];
   before_w = sums[1];
+  return published;
 }
 
-// A batch larger than the shared arrays (then plan_entries expands the entries): each block takes
-// a share of ceil(bs / grid) rows, learns the verify and write lengths of all rows before it,
-// scans its own rows in tiles and writes their outputs.  The block of the last row finishes the
-// plan.  With a scan state the shares are drawn by tickets and the lengths before a share come
-// from the earlier shares' published totals; without one, block b takes share b and sums every
-// row before it itself.
+// A batch larger than the shared arrays (then plan_entries expands the entries): block b takes
+// the rows [b * share, (b + 1) * share), learns the verify and write lengths of all rows before
+// them, then scans its own rows in tiles and writes their outputs.  The block of the last row
+// finishes the plan.  With a scan state (batches of at least scan_state_min_rows) the lengths
+// before a share come from the earlier shares' published totals; without one, or when they do not
+// come in time, the block sums every row before its share itself.
 template <int kTable, bool kHasLut, bool kHasPool>
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_offsets(PlanInputs in, PlanOutputs out) {
   extern __shared__ i64 smem[];
-  __shared__ unsigned long long ticket, epoch;
   const i64 bs = in.bs, tile_rows = scan_tile_rows();
   ScanState* state = bs >= out.scan_state_min_rows ? reinterpret_cast<ScanState*>(out.scan_state) : nullptr;
   i64* voff = smem;
   i64* woff = smem + tile_rows + 1;
-  unsigned long long flag = 0;
-  i64 share_index = blockIdx.x;
-  if (state) {
-    if (threadIdx.x == 0) {
-      ticket = atomicAdd(&state->tickets, 1ULL);
-      epoch = __ldcg(&state->epoch);
-    }
-    __syncthreads();
-    share_index = static_cast<i64>(ticket);
-    flag = epoch + 1;
-  }
-  const i64 share = (bs + gridDim.x - 1) / gridDim.x, lo = min(bs, share_index * share), hi = min(bs, lo + share);
-  const bool finisher = bs > 0 ? lo <= bs - 1 && bs - 1 < hi : share_index == 0;
+  const i64 share = (bs + gridDim.x - 1) / gridDim.x, lo = min(bs, blockIdx.x * share), hi = min(bs, lo + share);
+  const bool finisher = bs > 0 ? lo <= bs - 1 && bs - 1 < hi : blockIdx.x == 0;
   const i64 previous = finisher && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
-  i64 errors = 0;
-  if (lo < hi || finisher) {
-    i64 carry_v, carry_w;
-    if (state) {
-      i64 own_v, own_w;
-      sum_rows<kTable>(in, lo, hi, own_v, own_w);
-      if (threadIdx.x == 0) {
-        state->totals[share_index][0] = own_v;
-        state->totals[share_index][1] = own_w;
-        store_release(&state->flag[share_index], flag);
-      }
-      wait_earlier_totals(state, share_index, flag, carry_v, carry_w);
-    } else {
-      sum_rows<kTable>(in, 0, lo, carry_v, carry_w);
+  i64 carry_v = 0, carry_w = 0, errors = 0;
+  bool have_carry = false;
+  if (state) {
+    const unsigned long long flag = __ldcg(&state->flag[blockIdx.x]) + 1;  // its own flag, written by it alone
+    i64 own_v, own_w;
+    sum_rows<kTable>(in, lo, hi, own_v, own_w);  // zeros for an empty share, which publishes too
+    if (threadIdx.x == 0) {
+      state->totals[blockIdx.x][0] = own_v;
+      state->totals[blockIdx.x][1] = own_w;
+      store_release(&state->flag[blockIdx.x], flag);
     }
+    if (lo < hi || finisher) have_carry = wait_earlier_totals(state, blockIdx.x, flag, carry_v, carry_w);
+  }
+  if (lo < hi || finisher) {
+    if (!have_carry) sum_rows<kTable>(in, 0, lo, carry_v, carry_w);
     for (i64 tile = lo; tile < hi; tile += tile_rows) {
       const i64 n = min(tile_rows, hi - tile);
       scan_rows<kTable>(in, tile, n, voff, woff, carry_v, carry_w);
@@ -697,12 +699,6 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_offsets(PlanInputs in, P
     if (finisher) finish_plan(out, bs, carry_v, carry_w, previous);
   }
   warp_add(out.out_of_range_count, errors);
-  if (state && threadIdx.x == 0 && atomicAdd(&state->ended, 1ULL) == gridDim.x - 1) {
-    // Every block has drawn its ticket and read the epoch: ready the state for the next plan.
-    state->tickets = 0;
-    state->ended = 0;
-    state->epoch = flag;
-  }
 }
 
 template <int kTable, bool kHasLut, bool kHasPool>

@@ -126,8 +126,8 @@ def is_clean(record) -> bool:
     return record.__dict__.get("_kvcanary_clean", False)
 
 
-# A WritePlan allocated here carries a scan state: int64 [3 + 3 * SCAN_STATE_TILES], zeroed, in
-# which the blocks of one large-batch plan launch exchange their shares' totals (ScanState in
+# A WritePlan allocated here carries a scan state: int64 [3 * SCAN_STATE_TILES], zeroed, in which
+# the blocks of one large-batch plan launch exchange their shares' totals (ScanState in
 # kernels/plan.cu, whose kScanStateTiles this mirrors).  It is not a field of the plan (no
 # engine's format has it): a WritePlan built from an engine's own arrays has none, and its large
 # batches plan without it (each block then reads every row before its share itself).
@@ -171,7 +171,7 @@ class WritePlan(_PlanRecord):
     @public_api
     def allocate(cls, write_req_capacity: int, *, like=None) -> "WritePlan":
         record = cls._allocate(write_req_capacity, like)
-        record.__dict__["_kvcanary_scan_state"] = allocate((3 + 3 * SCAN_STATE_TILES,), np.int64, like=like, fill=0)
+        record.__dict__["_kvcanary_scan_state"] = allocate((3 * SCAN_STATE_TILES,), np.int64, like=like, fill=0)
         return record
 
 

@@ -116,3 +116,37 @@ def test_fuzz_cases_exercise_every_path():
         seen["lut"] += int(case.lut is not None)
         seen["several_buffers"] += int(case.buffers > 1 and last["log.violation_counters"].sum() > 0)
     assert all(v >= 3 for v in seen.values()), seen
+
+
+@pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
+def test_gpu_two_launch_plan_survives_a_scan_state_out_of_step(backend, monkeypatch):
+    """A scan state whose flags disagree (as a grid of another size would leave them) costs each
+    waiting block its bounded wait, then it sums the rows before its share itself: the plan stays
+    byte-identical to NumPy's, plan after plan."""
+    ab = get_backend_or_skip(backend)
+    import numpy as np
+
+    import kvcanary_cupy as kc
+    from kvcanary_cupy.backends import cupy_backend
+
+    monkeypatch.setattr(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1)
+    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1)
+    monkeypatch.setattr(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0)
+    rng = np.random.default_rng(7)
+    bs, cols = 3000, 40
+    rtt = rng.integers(-2, 5000, (bs + 1, cols)).astype(np.int32)
+    rp = rng.integers(0, bs + 1, bs).astype(np.int64)
+    args = lambda: (rp, rng.integers(-1, cols + 2, bs).astype(np.int64), rng.integers(-1, 4, bs).astype(np.int64))
+    vcap = bs * cols
+    vp, wp = kc.VerifyPlan.allocate(vcap, like=ab.like), kc.WritePlan.allocate(bs, like=ab.like)
+    ref = kc.VerifyPlan.allocate(vcap), kc.WritePlan.allocate(bs)
+    state = kc.plans.scan_state(wp)
+    state[5] = 1000  # block 5 publishes 1001 where the others wait for 1, then 1002 for 2
+    for _ in range(2):
+        inputs = args()
+        kc.plan(*inputs, rtt, verify_capacity=vcap, out=ref)
+        kc.plan(*(ab.asarray(x) for x in inputs), ab.asarray(rtt), verify_capacity=vcap, out=(vp, wp))
+        for want, got in ((ref[0], vp), (ref[1], wp)):
+            for key, value in want.arrays().items():
+                assert (ab.to_numpy(got.arrays()[key]) == value).all(), key
+    assert int(ab.to_numpy(state)[5]) == 1002

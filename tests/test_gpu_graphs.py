@@ -167,14 +167,16 @@ def test_cupy_graph_capture_and_replay(shape, table, bound):
 
 @pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
 def test_cupy_graph_replays_the_scan_state_of_the_two_launch_plan(bound, monkeypatch):
-    """Each replay of a captured two-launch plan draws fresh tickets and a new epoch in the
-    WritePlan's scan state (the 4,500-request shape is below PLAN_SCAN_STATE_MIN_ROWS: forced)."""
+    """Each replay of a captured two-launch plan publishes its blocks' totals in the WritePlan's
+    scan state under a new flag (the 4,500-request shape is below PLAN_SCAN_STATE_MIN_ROWS:
+    forced)."""
     from kvcanary_cupy.backends import cupy_backend
 
     monkeypatch.setattr(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0)
     steps, want, engine = _prepare(get_backend_or_skip("cupy"), "two_kernels", n=6, bound=bound)
     assert replay_in_cupy_graph(engine, steps, want) == 6
-    assert int(engine.ab.to_numpy(kc.plans.scan_state(engine.wp))[2]) == 6  # the epoch: one per replay
+    flags = engine.ab.to_numpy(kc.plans.scan_state(engine.wp))[:kc.plans.SCAN_STATE_TILES]
+    assert (flags[:cupy_backend._sm_count(0)] == 6).all() and not flags[cupy_backend._sm_count(0):].any()  # one per replay
 
 
 def replay_in_cupy_graph(engine, steps, want) -> int:

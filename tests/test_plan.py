@@ -665,6 +665,6 @@ def test_allocated_write_plans_carry_a_zeroed_scan_state_outside_their_fields():
 
     wp = kc.WritePlan.allocate(7)
     state = scan_state(wp)
-    assert state.dtype == np.int64 and state.shape == (3 + 3 * SCAN_STATE_TILES,) and not state.any()
+    assert state.dtype == np.int64 and state.shape == (3 * SCAN_STATE_TILES,) and not state.any()
     assert "_kvcanary_scan_state" not in wp.arrays()
     assert scan_state(kc.WritePlan(**wp.arrays())) is None
