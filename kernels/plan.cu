@@ -620,42 +620,32 @@ __device__ __forceinline__ unsigned long long load_acquire(const unsigned long l
 }
 
 // The sums of the totals the blocks before `tile` published under `flag` (every thread gets them),
-// or false when one of them did not publish in time.  Warp 0 alone polls, a lane per earlier share,
-// pausing between polls: every block of the grid waits at about the same time, and back-to-back
-// polls of the same flags by all of them would queue at the L2 behind each other.
+// or false when one of them did not publish in time: a thread per earlier share polls its flag,
+// pausing between polls (every block of the grid waits at about the same time), then the block
+// adds the totals up.
 __device__ bool wait_earlier_totals(ScanState* state, i64 tile, unsigned long long flag, i64& before_v, i64& before_w) {
-  __shared__ i64 sums[2];
-  __shared__ bool published;
-  if (threadIdx.x < 32) {
-    i64 v = 0, w = 0;
-    bool ok = true;
-    for (i64 t = threadIdx.x; ok && t < tile; t += 32) {
-      for (int polls = 0; load_acquire(&state->flag[t]) != flag; ++polls) {
-        if (polls == kScanStatePolls) {
-          ok = false;
-          break;
-        }
-        __nanosleep(100);
+  i64 v = 0, w = 0;
+  bool ok = true;
+  for (i64 t = threadIdx.x; ok && t < tile; t += blockDim.x) {
+    for (int polls = 0; load_acquire(&state->flag[t]) != flag; ++polls) {
+      if (polls == kScanStatePolls) {
+        ok = false;
+        break;
       }
-      if (ok) {
-        v += __ldcg(&state->totals[t][0]);
-        w += __ldcg(&state->totals[t][1]);
-      }
+      __nanosleep(100);
     }
-    ok = __all_sync(kFullMask, ok);
-    for (int o = 16; o > 0; o >>= 1) {
-      v += __shfl_xor_sync(kFullMask, v, o);
-      w += __shfl_xor_sync(kFullMask, w, o);
-    }
-    if (threadIdx.x == 0) {
-      sums[0] = v;
-      sums[1] = w;
-      published = ok;
+    if (ok) {
+      v += __ldcg(&state->totals[t][0]);
+      w += __ldcg(&state->totals[t][1]);
     }
   }
-  __syncthreads();
-  before_v = sums[0];
-  before_w = sums[1];
+  const bool published = __syncthreads_and(ok);
+  for (int o = 16; o > 0; o >>= 1) {
+    v += __shfl_xor_sync(kFullMask, v, o);
+    w += __shfl_xor_sync(kFullMask, w, o);
+  }
+  i64 earlier_warps_v, earlier_warps_w;
+  scan_warp_totals(v, w, earlier_warps_v, earlier_warps_w, before_v, before_w);
   return published;
 }
 

@@ -173,10 +173,10 @@ def test_cupy_graph_replays_the_scan_state_of_the_two_launch_plan(bound, monkeyp
     from kvcanary_cupy.backends import cupy_backend
 
     monkeypatch.setattr(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0)
-    steps, want, engine = _prepare(get_backend_or_skip("cupy"), "two_kernels", n=6, bound=bound)
-    assert replay_in_cupy_graph(engine, steps, want) == 6
+    steps, want, engine = _prepare(get_backend_or_skip("cupy"), "two_kernels", bound=bound)
+    assert replay_in_cupy_graph(engine, steps, want) == 4
     flags = engine.ab.to_numpy(kc.plans.scan_state(engine.wp))[:kc.plans.SCAN_STATE_TILES]
-    assert (flags[:cupy_backend._sm_count(0)] == 6).all() and not flags[cupy_backend._sm_count(0):].any()  # one per replay
+    assert (flags[:cupy_backend._sm_count(0)] == 4).all() and not flags[cupy_backend._sm_count(0):].any()  # one per replay
 
 
 def replay_in_cupy_graph(engine, steps, want) -> int:
