@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check.sh [all|tests|sanitizer|bench] [pytest args...]
 #
 # Stage limits (seconds) can be changed with TESTS_S, SANITIZER_S, BENCH_S; JOBS (default 4) pytest
-# processes share the GPU, each with a slice of the test files, and the sanitizer runs beside them;
+# processes share the GPU, each with every JOBS-th test id, and the sanitizer runs beside them;
 # the benchmarks run alone afterwards.  Installs nothing from
 # the network: the package itself is installed in editable mode without dependencies (CuPy, torch,
 # pytest and hypothesis come with the machine's image).
@@ -44,9 +44,13 @@ stage() {  # stage NAME SECONDS CMD...: log to $OUT/NAME.log under a time limit,
 }
 
 python3 -c "import kvcanary_cupy as kc; kc.warmup()" > "$OUT/warmup.log" 2>&1 || { echo "warmup failed"; tail "$OUT/warmup.log"; status=1; }
-pytest_slice() {  # pytest_slice I JOBS [pytest args...]: every JOBS-th test file, by size
+pytest_slice() {  # pytest_slice I JOBS [pytest args...]: every JOBS-th test id, so that the chunks of
+  # one long file (the GPU fuzz) spread over the slices too
   local i=$1 jobs=$2; shift 2
-  python3 -m pytest -q -rs -p no:cacheprovider "$@" $(ls -S tests/test_*.py | awk -v i="$i" -v n="$jobs" 'NR % n == i')
+  local ids=()
+  mapfile -t ids < <(python3 -m pytest -q --collect-only -p no:cacheprovider "$@" tests | grep '::' | awk -v i="$i" -v n="$jobs" 'NR % n == i')
+  [ "${#ids[@]}" -gt 0 ] || { echo "slice $i: no tests"; return 0; }
+  python3 -m pytest -q -rs -p no:cacheprovider "$@" "${ids[@]}"
 }
 sanitizer() {
   compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases "${SANITIZER_CASES:-16}" &&
