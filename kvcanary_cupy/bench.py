@@ -498,6 +498,8 @@ def step_rows(cupy, names, rows: list):
     """A whole decode step, device us: plan_and_verify + write (2 launches, the verify entries
     never stored) against plan + verify + write (3 launches), and plan_and_verify alone against
     plan + verify; SGLang's plan + verify + write for reference."""
+    from .backends import cupy_backend
+
     lines = [
         "fused decode step: device us per step (graph of 50 steps); target: W1 plan_and_verify + write <= "
         f"{STEP_TARGET_US['W1']:.0f} us",
@@ -508,8 +510,6 @@ def step_rows(cupy, names, rows: list):
         ops = gpu_ops(cupy, d)
         vcap = d["total_verify"]
         log = kc.ViolationLog.allocate(1024, like=d["rp"])
-        from .backends import cupy_backend
-
         stored = d["bs"] > cupy_backend.PLAN_FUSED_MAX_ROWS  # plan_and_verify takes plan + verify: entries stored
         out = (kc.VerifyPlan.allocate(vcap if stored else 0, like=d["rp"]), kc.WritePlan.allocate(d["bs"], like=d["rp"]))
         inputs = (d["rp"], d["prefix"], d["extend"], d["rtt"])
