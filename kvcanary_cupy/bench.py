@@ -510,7 +510,7 @@ def step_rows(cupy, names, rows: list):
         ops = gpu_ops(cupy, d)
         vcap = d["total_verify"]
         log = kc.ViolationLog.allocate(1024, like=d["rp"])
-        stored = d["bs"] > cupy_backend.PLAN_FUSED_MAX_ROWS  # plan_and_verify takes plan + verify: entries stored
+        stored = cupy_backend.plan_verify_stores_entries(d["bs"])  # plan_and_verify takes plan + verify
         out = (kc.VerifyPlan.allocate(vcap if stored else 0, like=d["rp"]), kc.WritePlan.allocate(d["bs"], like=d["rp"]))
         inputs = (d["rp"], d["prefix"], d["extend"], d["rtt"])
 
@@ -543,7 +543,7 @@ def step_rows(cupy, names, rows: list):
             lines.append(f"{WORKLOADS[key].name:<16} {op:<28} {us:>10.2f} {ref_us:>11.2f} {us / ref_us:>10.2f} "
                          f"{_cell(target and us / target, '9.2f')} {_cell(theirs, '10.1f')}{' (stored)' if stored else ''}")
     lines.append("(unfused: plan + verify + write, resp. plan + verify; SGLang: its plan + verify + write; stored: past "
-                 "4,096 requests plan_and_verify stores the entries and takes plan + verify)")
+                 f"{cupy_backend.PLAN_FUSED_MAX_ROWS:,} requests plan_and_verify stores the entries and takes plan + verify)")
     return lines
 
 

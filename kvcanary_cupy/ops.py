@@ -527,9 +527,10 @@ def plan_and_verify(
                                               check_expected_token, c.named)
     xp = array_module(placement)
     with launch_stream(placement):
+        backend = get_backend(placement.backend)
+
         def entry_capacity(bs):  # only a GPU batch past one plan launch stores its entries
-            fused = placement.backend == "numpy" or get_backend("cupy").plan_verify_fits(bs)
-            return None if fused else c.verify_capacity
+            return c.verify_capacity if backend.plan_verify_stores_entries(bs) else None
 
         args, vp, wp = _plan_args(c, write_req_capacity, out, placement, xp, entry_capacity, "plan_and_verify",
                                   "; a batch too large for one plan launch on this GPU takes plan + verify through "
@@ -539,7 +540,7 @@ def plan_and_verify(
                                  bool(check_expected_token), context[1], _log_views(log))
         if strict:
             strict_checks.check_plan(args, verify_capacity=c.verify_capacity)
-        get_backend(placement.backend).plan_verify(PlanVerifyArgs(args, verify_args, c.verify_capacity))
+        backend.plan_verify(PlanVerifyArgs(args, verify_args, c.verify_capacity))
         mark_clean(wp)
     return vp, wp
 

@@ -180,6 +180,9 @@ def test_fuzz_cases_on_the_cpu(backend):
 
 @pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
 def test_fuzz_cases_on_the_gpu(backend):
+    """Small batches take the one launch (plan_verify); the big ones (4,000 to 20,000 requests)
+    mostly take plan + verify through the VerifyPlan's entries (run_case checks that the entries
+    stay untouched exactly where cupy_backend.plan_verify_stores_entries says so)."""
     ab = get_backend_or_skip(backend)
     for seed in range(200):
         case = _fused_case(seed)
@@ -187,6 +190,37 @@ def test_fuzz_cases_on_the_gpu(backend):
     for seed in range(2):
         case = _fused_case(10_000 + seed, big=True)
         assert_same(run_case(NUMPY, case, step="decode"), run_case(ab, case, step="fused"), context=f"{backend} big seed {seed}")
+
+
+def test_gpu_big_batches_in_one_launch(monkeypatch):
+    """The big fuzz cases through plan_verify itself: PLAN_FUSED_MAX_ROWS raised to what one
+    block's shared memory holds, so batches of thousands of requests with up to ~100,000 entries
+    plan and verify in one launch, each warp many chunks of entries."""
+    ab = get_backend_or_skip("cupy")
+    from kvcanary_cupy.backends import cupy_backend
+
+    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", cupy_backend.plan_scan_max_rows(cupy_backend._device_id()))
+    ran = 0
+    for seed in range(4):
+        case = _fused_case(10_000 + seed, big=True)
+        if cupy_backend.plan_verify_stores_entries(case.steps[0].prefix_lens.shape[0]):
+            continue
+        assert_same(run_case(NUMPY, case, step="decode"), run_case(ab, case, step="fused"), context=f"big seed {seed}")
+        ran += 1
+    assert ran >= 2  # 6,662, 11,188 and 9,087 requests fit an H200's 14,399 rows (an A100's 10,303: two)
+
+
+def test_gpu_warps_walk_many_chunks_and_requests(monkeypatch):
+    """plan_verify on one block: each warp takes hundreds of entries, several steps of the sink's
+    chunks, the lanes walking across request boundaries inside and between chunks (the usual grid
+    gives each warp 32 entries at these sizes)."""
+    ab = get_backend_or_skip("cupy")
+    from kvcanary_cupy.backends import cupy_backend
+
+    monkeypatch.setattr(cupy_backend, "plan_one_launch_blocks", lambda verify_capacity, spare=0: 1)
+    for seed in range(60):
+        case = _fused_case(seed)
+        assert_same(run_case(NUMPY, case, step="decode"), run_case(ab, case, step="fused"), context=f"seed {seed}")
 
 
 @pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
@@ -208,6 +242,42 @@ def test_gpu_batches_past_one_scan_tile_take_plan_and_verify(backend, monkeypatc
     with pytest.raises(ValueError, match="verify_capacity=.* does not match out\\[0\\]"):
         kc.plan_and_verify(a(d["rp"]), a(d["prefix"]), a(d["extend"]), a(d["rtt"]), a(bad), log=kc.ViolationLog.allocate(4, like=ab.like),
                            verify_capacity=d["total_verify"], out=(kc.VerifyPlan.allocate(0, like=ab.like), kc.WritePlan.allocate(9, like=ab.like)))
+
+
+@pytest.mark.parametrize("bs", [0, 5, 32, 33, 256, 4096, 4097])
+def test_launches_follow_the_plan_paths_on_a_fake_device(bs):
+    """Up to PLAN_FUSED_MAX_ROWS requests: one launch of plan_verify with plan_fused's grid for the
+    verify capacity (plan_small's batches too: the fused step always scans block-wide) and the
+    capacity in its outputs; past it: exactly plan's launches then verify's, over out[0]'s entries."""
+    pytest.importorskip("cupy")
+    from fake_cupy import fake_device
+    from kvcanary_cupy.backends import cupy_backend as cb
+
+    rtt = np.arange(1, 3 * bs + 4, dtype=np.int32).reshape(bs + 1, 3)
+    prefix, extend = np.full(bs, 2, np.int64), np.ones(bs, np.int64)
+    vcap = 2 * bs
+    stores = cb.plan_verify_stores_entries(bs)
+    assert stores == (bs > cb.PLAN_FUSED_MAX_ROWS)
+    with fake_device() as dev:
+        a = dev.asarray
+        args = (a(np.arange(1, bs + 1, dtype=np.int64)), a(prefix), a(extend), a(rtt))
+        canary, log = a(np.zeros((rtt.size + 1, 4), np.int64)), kc.ViolationLog.allocate(4, like=a(rtt))
+        out = (kc.VerifyPlan.allocate(vcap if stores else 0, like=canary), kc.WritePlan.allocate(bs, like=canary))
+        kc.plan_and_verify(*args, canary, log=log, verify_capacity=vcap, out=out)
+        fused, dev.launches[:] = list(dev.launches), []
+        vp, _ = kc.plan(*args, verify_capacity=vcap, out=out if stores else (kc.VerifyPlan.allocate(vcap, like=canary), out[1]))
+        kc.verify(canary, vp, log=log)
+        unfused = list(dev.launches)
+        grid = (cb.plan_one_launch_blocks(vcap),)  # on the fake device's SM count
+    if stores:
+        assert fused == unfused
+        return
+    (launch,) = fused
+    assert launch.name.startswith("kvcanary::plan_verify<") and launch.block == (cb.PLAN_THREADS,)
+    assert launch.grid == grid
+    assert np.frombuffer(launch.args[1], cb.PLAN_OUTPUTS)["verify_capacity"][0] == vcap
+    if bs > cb.PLAN_SMALL_MAX_ROWS:  # the same grid as plan_fused's
+        assert launch.grid == unfused[0].grid and unfused[0].name.startswith("kvcanary::plan_fused<")
 
 
 def test_arguments_are_checked_before_anything_is_written():
@@ -266,13 +336,17 @@ def test_cuda_graph_capture_and_replay(gpu_ab):
     ref_vp, ref_wp = kc.plan(d["rp"], d["prefix"], d["extend"], d["rtt"], verify_capacity=d["total_verify"])
     kc.verify(ref_buf, ref_vp, log=ref_log)
     kc.write(ref_buf, ref_wp, d["ids"], d["pos"], d["loc"], log=ref_log)
-    buf[...] = a(bad)
-    for arr in log.arrays().values():
-        arr[...] = 0
     if gpu_ab.name == "cupy":
-        graph.launch(stream)
-        stream.synchronize()
+        with stream:  # a non-blocking stream does not wait for the legacy default stream: fill on it
+            buf[...] = a(bad)
+            for arr in log.arrays().values():
+                arr[...] = 0
+            graph.launch(stream)
+            stream.synchronize()
     else:
+        buf[...] = a(bad)
+        for arr in log.arrays().values():
+            arr[...] = 0
         graph.replay()
         torch.cuda.synchronize()
     np.testing.assert_array_equal(gpu_ab.to_numpy(buf), ref_buf)

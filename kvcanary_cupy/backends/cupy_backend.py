@@ -482,17 +482,21 @@ def verify(a: VerifyArgs) -> None:
     _launch_record(verify_launch(a))
 
 
-def plan_verify_fits(bs: int) -> bool:
-    """Whether a batch of ``bs`` requests plans in one launch, and so plans + verifies in one."""
-    return bs <= PLAN_FUSED_MAX_ROWS
+def plan_verify_stores_entries(bs: int) -> bool:
+    """Whether plan_and_verify of ``bs`` requests stores its verify entries: a batch past one plan
+    launch (PLAN_FUSED_MAX_ROWS) takes plan + verify through the VerifyPlan's entry arrays; a
+    smaller one plans and verifies in one launch (plan_verify) and stores none."""
+    return bs > PLAN_FUSED_MAX_ROWS
 
 
-def plan_verify_kernel(kind: int, bs: int, has_lut: bool, has_pool: bool, check_token: bool, real_kv: bool) -> tuple:
+def plan_verify_kernel(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool, check_token: bool,
+                       real_kv: bool) -> tuple:
     """``(family, kernel name, LaunchConfig)`` of the fused plan + verify of ``bs`` requests (a
-    batch that :func:`plan_verify_fits`): plan_fused's configuration."""
+    batch that does not :func:`plan_verify_stores_entries`): plan_fused's configuration (its scan
+    and expansion, with a grid sized by the verify capacity)."""
     family = step_family(kind)
     name = kernel_name("plan_verify", int(kind), has_lut, has_pool, check_token, real_kv)
-    return family, name, plan_scan_config(family, name, bs)
+    return family, name, plan_scan_config(family, name, bs, plan_one_launch_blocks(verify_capacity))
 
 
 def plan_verify_launch(a: PlanVerifyArgs) -> KernelLaunch:
@@ -505,14 +509,14 @@ def plan_verify_launch(a: PlanVerifyArgs) -> KernelLaunch:
     p["targets"], p["log"] = _targets_struct(v.targets, v.real_kv_hash_mode), _log_struct(v.log)
     # Without a pool every expected token is -1 (unchecked): the token check would find nothing.
     has_pool = a.plan.expected_token_pool is not None
-    family, name, config = plan_verify_kernel(a.plan.table.kind, _len(a.plan.prefix_lens), a.plan.swa_lut is not None,
-                                              has_pool, v.check_expected_token and has_pool,
+    family, name, config = plan_verify_kernel(a.plan.table.kind, _len(a.plan.prefix_lens), a.verify_capacity,
+                                              a.plan.swa_lut is not None, has_pool, v.check_expected_token and has_pool,
                                               has_real_kv(v.targets, v.real_kv_hash_mode))
     return KernelLaunch(family, name, config, p)
 
 
 def plan_verify(a: PlanVerifyArgs) -> None:
-    if plan_verify_fits(a.plan.prefix_lens.shape[0]):
+    if not plan_verify_stores_entries(a.plan.prefix_lens.shape[0]):
         _launch_record(plan_verify_launch(a))
         return
     # Past PLAN_FUSED_MAX_ROWS the plan takes two launches: plan + verify, the entries stored in

@@ -426,6 +426,11 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
 # ----------------------------------------------------------------------------------------------
 # plan + verify (the fused decode step)
 
+def plan_verify_stores_entries(bs: int) -> bool:
+    """plan_and_verify on the CPU never stores its entries (see :func:`plan_verify`)."""
+    return False
+
+
 def plan_verify(a: PlanVerifyArgs) -> None:
     """:func:`plan` then :func:`verify` through scratch entry arrays of exactly the plan's entries:
     the caller's VerifyPlan gets the plan's counters, never its entries."""
