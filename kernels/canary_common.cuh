@@ -186,21 +186,26 @@ __device__ __forceinline__ i64 verify_entry_errors(i64 slot, i64 prev, i64 num_s
   return (slot < 0 || slot >= num_slots) + (ok && prev >= num_slots);
 }
 
+// Whether an entry's chain is checked against its predecessor's record: the entry is checked
+// (`ok`) and its predecessor `prev` is a slot of the canary past the padding slot (-1 checks
+// against the anchor instead; 0 or out of range: no chain check).
+__device__ __forceinline__ bool chain_checked(bool ok, i64 prev, i64 num_slots) { return ok && prev > 0 && prev < num_slots; }
+
 // Checks the record `r` of entry `slot` (loaded when `ok`: 0 < slot < num_slots; slot 0, the
 // padding slot, is never checked) against its position, its expected token (-1: unchecked), its
-// real KV and the hash of its predecessor `prev` (-1: the anchor; 0 or out of range: no chain
-// check).  When `left_is_prev`, `left_hash` is the hash of slot prev's record, which a
-// neighbouring lane loaded; else it is loaded here.  A violation goes to the ring; every lane of a
-// converged warp calls this.  Returns whether the entry violates.
+// real KV and the hash of its predecessor `prev` (see chain_checked).  With `prev_hash_known`,
+// `prev_hash` is the hash of slot prev's record, which the caller has (a neighbouring lane loaded
+// the record, or the caller did ahead); else it is loaded here.  A violation goes to the ring;
+// every lane of a converged warp calls this.  Returns whether the entry violates.
 template <bool kCheckToken, bool kHasRealKv>
 __device__ __forceinline__ bool check_verify_entry(const CanaryBuffer& canary, const RealKvSources& sources, int kind,
                                                    const LaunchLog& log, bool ok, i64 slot, const CanaryRecord& r,
-                                                   i64 prev, bool left_is_prev, u64 left_hash, i64 position, i64 token) {
+                                                   i64 prev, bool prev_hash_known, u64 prev_hash, i64 position, i64 token) {
   u64 expected_chain = static_cast<u64>(r.prev_hash);
   if (prev < 0) {
     expected_chain = kAnchorHash;
-  } else if (ok && prev > 0 && prev < canary.num_slots) {
-    expected_chain = left_is_prev ? left_hash : slot_hash(load_record(canary, prev));
+  } else if (chain_checked(ok, prev, canary.num_slots)) {
+    expected_chain = prev_hash_known ? prev_hash : slot_hash(load_record(canary, prev));
   }
   const i64 expected_token = kCheckToken ? token : -1;
   i64 bits = 0;
