@@ -13,11 +13,11 @@ CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend
 ``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
 next to the equivalent req_to_token at W1, W3 and W4, against what a user writes without them;
 ``capacity`` times the plan at write_req_capacity = bs, 4,096 and 65,536.  ``step`` times the fused
-decode step (plan_and_verify + write) against plan + verify + write at W1, W3 and W4.  ``host`` (issue #10):
-host microseconds per eager call, back to back, of the free functions and of the bound path
-(CanaryPlanner, VerifyLauncher, WriteLauncher), with CuPy arrays and with CUDA torch tensors,
-against the targets and SGLang's eager calls (``benchmarks/host_profile.py`` profiles the same
-front door on the CPU).  ``benchmarks/bench_canary.py`` runs the same from a source checkout.
+decode step (plan_and_verify + write) against plan + verify + write at W1, W3, W4 and W5.
+``host`` (issue #10): host microseconds per eager call, back to back, of the free functions and of
+the bound path (CanaryPlanner, VerifyLauncher, WriteLauncher), with CuPy arrays and with CUDA
+torch tensors, against the targets and SGLang's eager calls (``benchmarks/host_profile.py``
+profiles the same front door on the CPU).  ``benchmarks/bench_canary.py`` runs the same from a source checkout.
 """
 
 from __future__ import annotations
@@ -491,7 +491,7 @@ def detail_rows(cupy, names, rows: list):
 
 # The fused decode step (issue #10 target 5): a whole W1 step in <= 12 us of device time.
 STEP_TARGET_US = {"W1": 12.0}
-STEP_WORKLOADS = ("W1", "W3", "W4")
+STEP_WORKLOADS = ("W1", "W3", "W4", "W5")  # W5: the largest batch of one launch; W4 takes plan + verify
 
 
 def step_rows(cupy, names, rows: list):
