@@ -224,9 +224,10 @@ def test_gpu_warps_walk_many_chunks_and_requests(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
-def test_gpu_batches_past_one_scan_tile_take_plan_and_verify(backend, monkeypatch):
-    """Past PLAN_FUSED_MAX_ROWS requests the GPU plans in two launches: plan_and_verify then stores the entries
-    (out[0] must hold verify_capacity of them) and verifies them; the same bytes."""
+def test_gpu_batches_past_one_launch_take_plan_then_verify(backend, monkeypatch):
+    """Past PLAN_FUSED_MAX_ROWS requests (lowered to 5 here) plan_and_verify takes plan + verify:
+    the plan (plan_small for these 9 requests) stores the entries in out[0], which must hold
+    verify_capacity of them, and the verify reads them; the same bytes."""
     ab = get_backend_or_skip(backend)
     from kvcanary_cupy.backends import cupy_backend
 
