@@ -5,7 +5,8 @@ chained by a hash along each sequence.  Every step, :func:`plan` lists the slots
 and writes (through the engine's own table: :class:`ReqToToken`, :class:`BlockTable` or
 :class:`PagedKvIndices`), :func:`write` stamps fresh records for the new tokens and
 :func:`verify` checks the records of every slot read, logging violations into a device-side
-ring (:class:`ViolationLog`); :func:`plan_and_verify` plans and verifies in one launch.  :func:`move_pages` moves canary rows with moved KV pages.
+ring (:class:`ViolationLog`); :func:`plan_and_verify` plans and verifies in one launch.
+:func:`move_pages` moves canary rows with moved KV pages.
 
 NumPy arrays run on the CPU backend; CuPy arrays and CUDA torch tensors run the CUDA kernels;
 both compute the same bytes.  Importing this package needs neither CuPy nor PyTorch.

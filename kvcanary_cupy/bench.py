@@ -17,7 +17,8 @@ decode step (plan_and_verify + write) against plan + verify + write at W1, W3, W
 ``host`` (issue #10): host microseconds per eager call, back to back, of the free functions and of
 the bound path (CanaryPlanner, VerifyLauncher, WriteLauncher), with CuPy arrays and with CUDA
 torch tensors, against the targets and SGLang's eager calls (``benchmarks/host_profile.py``
-profiles the same front door on the CPU).  ``benchmarks/bench_canary.py`` runs the same from a source checkout.
+profiles the same front door on the CPU).  ``benchmarks/bench_canary.py`` runs the same from a
+source checkout.
 """
 
 from __future__ import annotations

@@ -370,10 +370,11 @@ def run_case(ab, case: Case, *, bound: bool = False, step: str = "full") -> dict
     With ``case.buffers > 1`` every write and verify takes that many canary buffers at once, each
     with its own initial bytes, launch kind and (rotated) real-KV sources.  ``bound=True`` runs
     the steps through a CanaryPlanner and bound launchers instead of the free functions.
-    ``step``: "full" plans, verifies (HEAD), writes and verifies (TAIL); "decode" drops the TAIL
-    verify; "fused" is "decode" through kc.plan_and_verify (one buffer: the VerifyPlan's entry
-    arrays keep the poison each step starts with, unless the backend stores the entries of a batch
-    that size, and "decode"'s snapshot drops them to compare).
+    ``step``: "full" plans, verifies (HEAD), writes and verifies (TAIL, the one that checks real
+    KV); "decode" drops the TAIL verify and checks real KV at the HEAD verify; "fused" is "decode"
+    through kc.plan_and_verify (one buffer: the VerifyPlan's entry arrays keep the poison each step
+    starts with, unless the backend stores the entries of a batch that size, and "decode"'s
+    snapshot drops them to compare).
     """
     assert step in STEP_KINDS and (step != "fused" or (case.buffers == 1 and not bound))
     a = ab.asarray
@@ -394,10 +395,11 @@ def run_case(ab, case: Case, *, bound: bool = False, step: str = "full") -> dict
         for k in VERIFY_ENTRY_FIELDS:
             getattr(vp, k)[...] = a(poison)
         head, tail = s.kinds
-        head_buf, head_kinds, _ = targets(head)
+        head_buf, head_kinds, head_srcs = targets(head)
         buf, kinds, srcs = targets(tail)
         flag = s.chain_flag if isinstance(s.chain_flag, bool) else a(s.chain_flag)
         real_kv = dict(real_kv_sources=srcs, real_kv_hash_mode=case.mode)
+        head_real_kv = {} if step == "full" else dict(real_kv_sources=head_srcs, real_kv_hash_mode=case.mode)
         write_options = dict(log=log, kernel_kind=kinds, chain_position_assert=flag, **real_kv)
         tokens = (a(s.input_ids), a(s.positions), a(s.out_cache_loc))
         expected = dict(expected_input_tokens=a(s.expected_tokens) if s.expected_tokens is not None else None,
@@ -411,11 +413,12 @@ def run_case(ab, case: Case, *, bound: bool = False, step: str = "full") -> dict
             kc.VerifyLauncher(buf, vp, log=log, kernel_kind=kinds, check_expected_token=s.check_token, **real_kv)()
         elif step == "fused":
             _plan_step(case, s, a, verify_capacity=case.verify_capacity, out=(vp, wp),
-                       verify=dict(canary_buf=head_buf, log=log, kernel_kind=head_kinds, check_expected_token=s.check_token))
+                       verify=dict(canary_buf=head_buf, log=log, kernel_kind=head_kinds, check_expected_token=s.check_token,
+                                   **head_real_kv))
             kc.write(buf, wp, *tokens, **write_options, **expected)
         else:
             _plan_step(case, s, a, verify_capacity=case.verify_capacity, out=(vp, wp))
-            kc.verify(head_buf, vp, log=log, kernel_kind=head_kinds, check_expected_token=s.check_token)
+            kc.verify(head_buf, vp, log=log, kernel_kind=head_kinds, check_expected_token=s.check_token, **head_real_kv)
             kc.write(buf, wp, *tokens, **write_options, **expected)
             if step == "full":
                 kc.verify(buf, vp, log=log, kernel_kind=kinds, check_expected_token=s.check_token, **real_kv)
