@@ -177,6 +177,48 @@ __device__ __forceinline__ u64 slot_hash(const CanaryRecord& r) {
   return mix3(static_cast<u64>(r.prev_hash), static_cast<u64>(r.token), static_cast<u64>(r.position));
 }
 
+// ---- one verify entry (verify.cu, and step.cu's fused plan + verify) --------------------------
+
+// Out-of-range values of a verify entry: a slot outside the canary, or an in-range slot whose
+// predecessor lies past it (a predecessor of 0 or below is no lookup).
+__device__ __forceinline__ i64 verify_entry_errors(i64 slot, i64 prev, i64 num_slots) {
+  const bool ok = slot > 0 && slot < num_slots;
+  return (slot < 0 || slot >= num_slots) + (ok && prev >= num_slots);
+}
+
+// Whether an entry's chain is checked against its predecessor's record: the entry is checked
+// (`ok`) and its predecessor `prev` is a slot of the canary past the padding slot (-1 checks
+// against the anchor instead; 0 or out of range: no chain check).
+__device__ __forceinline__ bool chain_checked(bool ok, i64 prev, i64 num_slots) { return ok && prev > 0 && prev < num_slots; }
+
+// Checks the record `r` of entry `slot` (loaded when `ok`: 0 < slot < num_slots; slot 0, the
+// padding slot, is never checked) against its position, its expected token (-1: unchecked), its
+// real KV and the hash of its predecessor `prev` (see chain_checked).  With `prev_hash_known`,
+// `prev_hash` is the hash of slot prev's record, which the caller has (a neighbouring lane loaded
+// the record, or the caller did ahead); else it is loaded here.  A violation goes to the ring;
+// every lane of a converged warp calls this.  Returns whether the entry violates.
+template <bool kCheckToken, bool kHasRealKv>
+__device__ __forceinline__ bool check_verify_entry(const CanaryBuffer& canary, const RealKvSources& sources, int kind,
+                                                   const LaunchLog& log, bool ok, i64 slot, const CanaryRecord& r,
+                                                   i64 prev, bool prev_hash_known, u64 prev_hash, i64 position, i64 token) {
+  u64 expected_chain = static_cast<u64>(r.prev_hash);
+  if (prev < 0) {
+    expected_chain = kAnchorHash;
+  } else if (chain_checked(ok, prev, canary.num_slots)) {
+    expected_chain = prev_hash_known ? prev_hash : slot_hash(load_record(canary, prev));
+  }
+  const i64 expected_token = kCheckToken ? token : -1;
+  i64 bits = 0;
+  if (static_cast<u64>(r.prev_hash) != expected_chain) bits |= kVerifyChainHashMismatch;
+  if (r.position != position) bits |= kVerifyPositionMismatch;
+  const u64 real_kv = kHasRealKv && ok ? real_kv_fold(sources, slot) : 0;
+  if (static_cast<u64>(r.real_kv_hash) != real_kv) bits |= kVerifyRealKvHashMismatch;
+  if (kCheckToken && expected_token != -1 && r.token != expected_token) bits |= kVerifyTokenMismatch;
+  const bool hit = ok && bits != 0;
+  log.append_rows(hit, kind, slot, r.position, r.token, expected_token, r.prev_hash, static_cast<i64>(expected_chain), bits);
+  return hit;
+}
+
 // Element i of an index array that is int32 or int64 (engine tables come in either).
 __device__ __forceinline__ i64 load_index(const void* p, int is_int64, i64 i) {
   return is_int64 ? static_cast<const i64*>(p)[i] : static_cast<i64>(static_cast<const int*>(p)[i]);

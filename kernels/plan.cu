@@ -421,31 +421,41 @@ __device__ __forceinline__ i64 scan_tile_rows() {
 
 // ---- the entry expansion ---------------------------------------------------------------------
 
-// The verify entries of a plan, one 32-entry chunk of a warp at a time: every lane of the warp
-// calls it (converged), `live` false past the warp's range.  Entry t checks `slot` at `position`
+// One lane's verify entry of a 32-entry chunk of a warp: entry t checks `slot` at `position`
 // against `prev` (its predecessor's slot, -1 for none) and `token` (-1: unchecked); with
-// prev_is_left_lane the predecessor is the left lane's entry (t - 1).  StoreEntries keeps them in
-// the VerifyPlan; a fused verify checks them at once instead.
+// prev_is_left_lane the predecessor is entry t - 1, the left lane's entry of the same chunk.  A
+// lane past the warp's range (live false) holds slot 0, prev -1 and token -1.
+struct PlannedEntry {
+  i64 t, slot, prev, position, token;
+  bool live, prev_is_left_lane;
+};
+
+// Where expand_entries hands the entries, kChunks chunks of a warp at a time (every lane calls it,
+// converged).  StoreEntries keeps them in the VerifyPlan, a chunk at a time (more chunks per step
+// only made the store-only plan slower); a fused verify checks them at once instead.
 struct StoreEntries {
+  static constexpr int kChunks = 1;
   const PlanOutputs& out;
 
-  __device__ __forceinline__ void operator()(bool live, i64 t, i64 slot, i64 prev, bool /*prev_is_left_lane*/,
-                                             i64 position, i64 token) const {
-    if (!live) return;
-    out.verify_slot_indices[t] = slot;
-    out.verify_prev_slot_indices[t] = prev;
-    out.verify_expected_positions[t] = position;
-    out.verify_expected_tokens[t] = token;
+  __device__ __forceinline__ void operator()(const PlannedEntry (&chunks)[kChunks]) const {
+    const PlannedEntry& e = chunks[0];
+    if (!e.live) return;
+    out.verify_slot_indices[e.t] = e.slot;
+    out.verify_prev_slot_indices[e.t] = e.prev;
+    out.verify_expected_positions[e.t] = e.position;
+    out.verify_expected_tokens[e.t] = e.token;
   }
 };
 
 // Expands verify entries [0, total) over the whole grid into `sink`.  Each warp takes a
-// contiguous range, 32 entries at a time; the warp finds the request of its first entry together,
-// then each lane walks forward with its request's table row cached in registers, so consecutive
-// entries cost no search.
+// contiguous range, Sink::kChunks chunks of 32 entries at a time: it first looks up every chunk's
+// slots (their loads all in flight together), then takes each entry's predecessor from the left
+// lane.  The warp finds the request of its first entry together, then each lane walks forward
+// with its request's table row cached in registers, so consecutive entries cost no search.
 template <int kTable, bool kHasLut, bool kHasPool, class Sink>
 __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, const i64* verify_offsets, i64 total,
                                const Sink& sink) {
+  constexpr int kChunks = Sink::kChunks;
   const int lane = threadIdx.x & 31;
   const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const i64 num_warps = (static_cast<i64>(gridDim.x) * blockDim.x) >> 5;
@@ -467,19 +477,26 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
     lo += (31 - __clz(below)) * stride;  // lane 0 probes lo itself, so `below` is never empty
     hi = min(hi, lo + stride);
   }
-  i64 r = lo, t;
+  i64 r = lo;
   i64 row_begin = verify_offsets[r], row_next = verify_offsets[r + 1];
   // A request with entries has a valid table row: its pool row is its table row (batch row for CSR).
   i64 pool_row = kTable == kTablePagedKv ? r : in.req_pool_indices[r];
   TableRow row = table_row<kTable>(in, r, pool_row);
   i64 start = window_start(in.prefix_lens[r], in.window);
   i64 clamped = 0;
-  for (i64 chunk = begin; chunk < end; chunk += 32) {
-    t = chunk + lane;
-    const bool live = t < end;
-    i64 p = 0, slot = 0, slot_errors = 0;
-    bool prev_is_left_lane = false;
-    if (live) {
+  // The slot of position q of the current row, its out-of-range values counted into `errors`.
+  const auto slot_at = [&](i64 q, i64& errors) {
+    return swa_translate<kHasLut>(table_slot<kTable>(in, row, q, errors), in.lut, in.lut_len, errors);
+  };
+  for (i64 first = begin; first < end; first += 32 * kChunks) {
+    PlannedEntry e[kChunks];
+    i64 slot_errors[kChunks];
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const i64 t = first + 32 * k + lane;
+      e[k] = PlannedEntry{t, 0, -1, 0, -1, t < end, false};
+      slot_errors[k] = 0;
+      if (!e[k].live) continue;
       if (t >= row_next) {  // verify_offsets[bs] == total > t ends the walk
         do row_next = verify_offsets[++r + 1]; while (t >= row_next);
         row_begin = verify_offsets[r];
@@ -487,31 +504,37 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
         row = table_row<kTable>(in, r, pool_row);
         start = window_start(in.prefix_lens[r], in.window);
       }
-      p = start + (t - row_begin);
-      slot = swa_translate<kHasLut>(table_slot<kTable>(in, row, p, slot_errors), in.lut, in.lut_len, slot_errors);
-      prev_is_left_lane = lane > 0 && t > row_begin;  // entry t - 1 is position p - 1 of this row
-    }
-    // The predecessor of entry t is usually entry t - 1, looked up by the lane to the left: take
-    // its slot (and the out-of-range counts of that lookup, so the count is the same as looking
-    // it up again) instead of reading the table a second time.
-    const i64 left_slot = __shfl_up_sync(kFullMask, slot, 1);
-    const i64 left_errors = kLookupCounts<kTable, kHasLut> ? __shfl_up_sync(kFullMask, slot_errors, 1) : 0;
-    i64 prev = -1, token = -1;
-    if (live) {
-      clamped += slot_errors;
-      if (prev_is_left_lane) {
-        prev = left_slot;
-        clamped += left_errors;
-      } else if (p > 0) {
-        prev = swa_translate<kHasLut>(table_slot<kTable>(in, row, p - 1, clamped), in.lut, in.lut_len, clamped);
-      }
+      const i64 p = start + (t - row_begin);
+      e[k].position = p;
+      e[k].slot = slot_at(p, slot_errors[k]);
+      e[k].prev_is_left_lane = lane > 0 && t > row_begin;  // entry t - 1 is position p - 1 of this row
+      // A predecessor no lane holds (first entry of the chunk or of the row) is looked up while the
+      // walk is at this row; with one chunk per step, after the shuffle below, as the store-only
+      // plan always did (fewer registers live across the lookups).
+      if (kChunks > 1 && !e[k].prev_is_left_lane && p > 0) e[k].prev = slot_at(p - 1, clamped);
       if (kHasPool) {
         const i64 q = p + in.token_offset;
         const i64 limit = in.valid_lens[r] < in.pool_cols ? in.valid_lens[r] : in.pool_cols;
-        if (q >= 0 && q < limit) token = in.pool[pool_row * in.pool_stride + q];
+        if (q >= 0 && q < limit) e[k].token = in.pool[pool_row * in.pool_stride + q];
       }
     }
-    sink(live, t, slot, prev, prev_is_left_lane, p, token);
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      // The predecessor of entry t is usually entry t - 1, looked up by the lane to the left: take
+      // its slot (and the out-of-range counts of that lookup, so the count is the same as looking
+      // it up again) instead of reading the table a second time.
+      const i64 left_slot = __shfl_up_sync(kFullMask, e[k].slot, 1);
+      const i64 left_errors = kLookupCounts<kTable, kHasLut> ? __shfl_up_sync(kFullMask, slot_errors[k], 1) : 0;
+      if (!e[k].live) continue;
+      clamped += slot_errors[k];
+      if (e[k].prev_is_left_lane) {
+        e[k].prev = left_slot;
+        clamped += left_errors;
+      } else if (kChunks == 1 && e[k].position > 0) {
+        e[k].prev = slot_at(e[k].position - 1, clamped);
+      }
+    }
+    sink(e);
   }
   warp_add(out.out_of_range_count, clamped);
 }
@@ -519,9 +542,10 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
 // The body of a one-launch plan (the whole batch fits the shared arrays; launched with
 // plan_fused's config): every block scans the batch on its own, expands its share of the entries
 // into `sink` from the offsets in its shared memory (unless they exceed the verify capacity),
-// then writes the per-request outputs of its share of the rows.
+// then writes the per-request outputs of its share of the rows.  Returns the number of entries
+// expanded (over the whole grid; 0 when none are).
 template <int kTable, bool kHasLut, bool kHasPool, class Sink>
-__device__ __forceinline__ void plan_and_expand(const PlanInputs& in, const PlanOutputs& out, const Sink& sink) {
+__device__ __forceinline__ i64 plan_and_expand(const PlanInputs& in, const PlanOutputs& out, const Sink& sink) {
   extern __shared__ i64 smem[];
   const i64 bs = in.bs;
   i64* voff = smem;
@@ -530,16 +554,20 @@ __device__ __forceinline__ void plan_and_expand(const PlanInputs& in, const Plan
   const i64 previous = blockIdx.x == 0 && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
   i64 total_v = 0, total_w = 0;
   scan_rows<kTable>(in, 0, bs, voff, woff, total_v, total_w);
-  // This block's share of the per-request outputs: the first row of each thread starts now, so
-  // its seed gather overlaps the expansion.
+  // This block's share of the per-request outputs.  With a sink of one chunk per step, the first
+  // row of each thread starts now, so its seed gather overlaps the expansion; a sink of several
+  // chunks needs those registers for its own gathers.
   const i64 share = (bs + gridDim.x - 1) / gridDim.x, lo = min(bs, blockIdx.x * share), hi = min(bs, lo + share);
+  constexpr bool kEarlyRow = Sink::kChunks == 1;
   RowOutput<kTable, kHasLut, kHasPool> own;
-  own.begin(in, lo + threadIdx.x, hi);
-  if (total_v > 0 && total_v <= out.verify_capacity) expand_entries<kTable, kHasLut, kHasPool>(in, out, voff, total_v, sink);
-  i64 errors = own.finish(in, out, voff, woff, 0);
-  errors += write_row_outputs<kTable, kHasLut, kHasPool>(in, out, voff, woff, 0, lo + blockDim.x, hi);
+  if (kEarlyRow) own.begin(in, lo + threadIdx.x, hi);
+  const bool expand = total_v > 0 && total_v <= out.verify_capacity;
+  if (expand) expand_entries<kTable, kHasLut, kHasPool>(in, out, voff, total_v, sink);
+  i64 errors = kEarlyRow ? own.finish(in, out, voff, woff, 0) : 0;
+  errors += write_row_outputs<kTable, kHasLut, kHasPool>(in, out, voff, woff, 0, kEarlyRow ? lo + blockDim.x : lo, hi);
   if (blockIdx.x == 0) finish_plan(out, bs, total_v, total_w, previous);
   warp_add(out.out_of_range_count, errors);
+  return expand ? total_v : 0;
 }
 
 template <int kTable, bool kHasLut, bool kHasPool>

@@ -51,8 +51,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 1)
       pos[k] = in ? expected_positions[e] : 0;
       token[k] = kCheckToken && in ? expected_tokens[e] : -1;
       ok[k] = slot[k] > 0 && slot[k] < num_slots;
-      errors += slot[k] < 0 || slot[k] >= num_slots;
-      errors += ok[k] && prev[k] >= num_slots;
+      errors += verify_entry_errors(slot[k], prev[k], num_slots);
     }
     CanaryRecord rec[kBuffers][kItems];
 #pragma unroll
@@ -73,27 +72,12 @@ __global__ void __launch_bounds__(kVerifyThreads, 1)
       }
 #pragma unroll
       for (int k = 0; k < kItems; ++k) {
-        const CanaryRecord& r = rec[b][k];
-        const i64 p = prev[k];
-        u64 expected_chain = static_cast<u64>(r.prev_hash);  // prev 0 or out of range: no chain check
-        if (p < 0) {
-          expected_chain = kAnchorHash;
-        } else if (ok[k] && p > 0 && p < num_slots) {
-          const int before = k > 0 ? k - 1 : 0;  // lane 0 of item 0 has no left entry (slot 0 never matches)
-          const i64 left = lane > 0 ? left_slot[k] : (k > 0 ? left_slot[before] : 0);
-          if (p == left) expected_chain = lane > 0 ? from_left[k] : from_left[before];
-          else expected_chain = slot_hash(load_record(targets.canary[b], p));
-        }
-        i64 bits = 0;
-        if (static_cast<u64>(r.prev_hash) != expected_chain) bits |= kVerifyChainHashMismatch;
-        if (r.position != pos[k]) bits |= kVerifyPositionMismatch;
-        const u64 real_kv = kHasRealKv && ok[k] ? real_kv_fold(targets.sources[b], slot[k]) : 0;
-        if (static_cast<u64>(r.real_kv_hash) != real_kv) bits |= kVerifyRealKvHashMismatch;
-        if (kCheckToken && token[k] != -1 && r.token != token[k]) bits |= kVerifyTokenMismatch;
-        const bool hit = ok[k] && bits != 0;
-        violations[b] += hit;
-        log.append_rows(hit, targets.kind[b], slot[k], r.position, r.token, token[k], r.prev_hash,
-                        static_cast<i64>(expected_chain), bits);
+        const int before = k > 0 ? k - 1 : 0;  // lane 0 of item 0 has no left entry (slot 0 never matches)
+        const i64 left = lane > 0 ? left_slot[k] : (k > 0 ? left_slot[before] : 0);
+        const u64 left_hash = lane > 0 ? from_left[k] : from_left[before];
+        violations[b] += check_verify_entry<kCheckToken, kHasRealKv>(targets.canary[b], targets.sources[b], targets.kind[b], log,
+                                                                     ok[k], slot[k], rec[b][k], prev[k], prev[k] == left,
+                                                                     left_hash, pos[k], token[k]);
       }
     }
   }

@@ -5,7 +5,8 @@ chained by a hash along each sequence.  Every step, :func:`plan` lists the slots
 and writes (through the engine's own table: :class:`ReqToToken`, :class:`BlockTable` or
 :class:`PagedKvIndices`), :func:`write` stamps fresh records for the new tokens and
 :func:`verify` checks the records of every slot read, logging violations into a device-side
-ring (:class:`ViolationLog`).  :func:`move_pages` moves canary rows with moved KV pages.
+ring (:class:`ViolationLog`); :func:`plan_and_verify` plans and verifies in one launch.
+:func:`move_pages` moves canary rows with moved KV pages.
 
 NumPy arrays run on the CPU backend; CuPy arrays and CUDA torch tensors run the CUDA kernels;
 both compute the same bytes.  Importing this package needs neither CuPy nor PyTorch.
@@ -36,7 +37,7 @@ from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_
 from .interop import join_stream
 from .jit import warmup
 from .launchers import VerifyLauncher, WriteLauncher
-from .ops import move_pages, plan, scatter_req_token_ids, verify, write
+from .ops import move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
 from .reporting import Violation, ViolationReport
@@ -86,6 +87,7 @@ __all__ = [
     "mix3",
     "move_pages",
     "plan",
+    "plan_and_verify",
     "real_kv_fold",
     "scatter_req_token_ids",
     "splitmix64",

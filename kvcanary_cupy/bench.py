@@ -8,15 +8,17 @@ searchsorted, gathers), eager, as a user would without this library.
 CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend.
 
     kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4,W5]
-                   [--sections ops,detail,tables,capacity,host] [--out FILE] [--json FILE]
+                   [--sections ops,detail,tables,capacity,step,host] [--out FILE] [--json FILE]
 
 ``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
 next to the equivalent req_to_token at W1, W3 and W4, against what a user writes without them;
-``capacity`` times the plan at write_req_capacity = bs, 4,096 and 65,536.  ``host`` (issue #10):
-host microseconds per eager call, back to back, of the free functions and of the bound path
-(CanaryPlanner, VerifyLauncher, WriteLauncher), with CuPy arrays and with CUDA torch tensors,
-against the targets and SGLang's eager calls (``benchmarks/host_profile.py`` profiles the same
-front door on the CPU).  ``benchmarks/bench_canary.py`` runs the same from a source checkout.
+``capacity`` times the plan at write_req_capacity = bs, 4,096 and 65,536.  ``step`` times the fused
+decode step (plan_and_verify + write) against plan + verify + write at W1, W3, W4 and W5.
+``host`` (issue #10): host microseconds per eager call, back to back, of the free functions and of
+the bound path (CanaryPlanner, VerifyLauncher, WriteLauncher), with CuPy arrays and with CUDA
+torch tensors, against the targets and SGLang's eager calls (``benchmarks/host_profile.py``
+profiles the same front door on the CPU).  ``benchmarks/bench_canary.py`` runs the same from a
+source checkout.
 """
 
 from __future__ import annotations
@@ -488,6 +490,64 @@ def detail_rows(cupy, names, rows: list):
     return lines
 
 
+# The fused decode step (issue #10 target 5): a whole W1 step in <= 12 us of device time.
+STEP_TARGET_US = {"W1": 12.0}
+STEP_WORKLOADS = ("W1", "W3", "W4", "W5")  # W5: the largest batch of one launch; W4 takes plan + verify
+
+
+def step_rows(cupy, names, rows: list):
+    """A whole decode step, device us: plan_and_verify + write (2 launches, the verify entries
+    never stored) against plan + verify + write (3 launches), and plan_and_verify alone against
+    plan + verify; SGLang's plan + verify + write for reference."""
+    from .backends import cupy_backend
+
+    lines = [
+        "fused decode step: device us per step (graph of 50 steps); target: W1 plan_and_verify + write <= "
+        f"{STEP_TARGET_US['W1']:.0f} us",
+        f"{'workload':<16} {'op':<28} {'device us':>10} {'unfused us':>11} {'x unfused':>10} {'x target':>9} {'SGLang us':>10}",
+    ]
+    for key in names:
+        d = build(WORKLOADS[key], cupy)
+        ops = gpu_ops(cupy, d)
+        vcap = d["total_verify"]
+        log = kc.ViolationLog.allocate(1024, like=d["rp"])
+        stored = cupy_backend.plan_verify_stores_entries(d["bs"])  # plan_and_verify takes plan + verify
+        out = (kc.VerifyPlan.allocate(vcap if stored else 0, like=d["rp"]), kc.WritePlan.allocate(d["bs"], like=d["rp"]))
+        inputs = (d["rp"], d["prefix"], d["extend"], d["rtt"])
+
+        def fused():
+            kc.plan_and_verify(*inputs, d["canary"], log=log, verify_capacity=vcap, out=out)
+
+        def fused_step():
+            fused()
+            kc.write(d["canary"], out[1], d["ids"], d["pos"], d["loc"], log=log)
+
+        def unfused():
+            ops["plan"]()
+            ops["verify"]()
+
+        def unfused_step():
+            unfused()
+            ops["write"]()
+
+        fused_step()
+        if int(log.write_index[0]) != 0:
+            raise RuntimeError("the benchmark's canary must verify clean through plan_and_verify")
+        sglang = [SGLANG_US.get((key, op)) for op in ("plan", "verify", "write")]
+        sglang = sum(sglang) if None not in sglang else None
+        for op, fn, ref, theirs in (("plan_and_verify + write", fused_step, unfused_step, sglang),
+                                    ("plan_and_verify", fused, unfused, None)):
+            us, ref_us = time_graph(cupy, fn), time_graph(cupy, ref)
+            target = STEP_TARGET_US.get(key) if fn is fused_step else None
+            rows.append({"workload": key, "op": f"step[{op}]", "device_us": round(us, 3), "unfused_us": round(ref_us, 3),
+                         "target_us": target, "sglang_us": theirs})
+            lines.append(f"{WORKLOADS[key].name:<16} {op:<28} {us:>10.2f} {ref_us:>11.2f} {us / ref_us:>10.2f} "
+                         f"{_cell(target and us / target, '9.2f')} {_cell(theirs, '10.1f')}{' (stored)' if stored else ''}")
+    lines.append("(unfused: plan + verify + write, resp. plan + verify; SGLang: its plan + verify + write; stored: past "
+                 f"{cupy_backend.PLAN_FUSED_MAX_ROWS:,} requests plan_and_verify stores the entries and takes plan + verify)")
+    return lines
+
+
 # Host time per eager op (issue #10): targets, and SGLang's eager calls measured beside this
 # project on an H200 (back-to-back calls / count, one sync at the end), for comparison only.
 HOST_TARGET_US = {"cupy": 15.0, "torch": 25.0}
@@ -591,9 +651,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
                         help="cupy: this machine's GPU (default); numpy: the CPU backend")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
-    parser.add_argument("--sections", default="ops,detail,tables,capacity,host",
+    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,host",
                         help="GPU sections: ops (plan/verify/write), detail (verify/write: grids, floors, several "
-                             "buffers), tables (engine tables), capacity, host")
+                             "buffers), tables (engine tables), capacity, step (the fused decode step), host")
     parser.add_argument("--out", metavar="FILE", help="also write the table to FILE")
     parser.add_argument("--json", metavar="FILE", help="also write the measurements as JSON to FILE")
 
@@ -620,6 +680,8 @@ def run(args) -> int:
             lines += run_tables(cupy, [n for n in names if n in TABLE_WORKLOADS], rows)
         if "capacity" in sections:
             lines += run_capacity(cupy, rows)
+        if "step" in sections:
+            lines += step_rows(cupy, [n for n in names if n in STEP_WORKLOADS], rows)
         if "host" in sections:
             lines += host_times(cupy, names, rows)
     else:

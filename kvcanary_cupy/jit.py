@@ -49,11 +49,20 @@ def plan_family(kind: TableKind) -> str:
     return f"plan_{kind.name.lower()}"
 
 
+def step_family(kind: TableKind) -> str:
+    """The fused plan + verify kernels of one table kind (step.cu): compiled on first use of them."""
+    return f"step_{kind.name.lower()}"
+
+
 BUFFERS = ("kBuffers", tuple(range(1, MAX_CANARY_BUFFERS + 1)))  # canary buffers of one write/verify launch
 
 FAMILIES = {
     **{plan_family(kind): KernelFamily("plan.cu", tuple(
         (k, (("kTable", (int(kind),)), ("kHasLut", BOOL), ("kHasPool", BOOL))) for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")))
+       for kind in TableKind},
+    **{step_family(kind): KernelFamily("step.cu", (
+        ("plan_verify", (("kTable", (int(kind),)), ("kHasLut", BOOL), ("kHasPool", BOOL), ("kCheckToken", BOOL),
+                         ("kHasRealKv", BOOL))),))
        for kind in TableKind},
     "write": KernelFamily("write.cu", (("canary_write", (BUFFERS, ("kInputAssert", BOOL), ("kHasRealKv", BOOL))),)),
     "verify": KernelFamily("verify.cu", (("canary_verify", (BUFFERS, ("kCheckToken", BOOL), ("kHasRealKv", BOOL))),)),

@@ -1,4 +1,4 @@
-"""The public operations: plan, write, verify, scatter_req_token_ids and move_pages.
+"""The public operations: plan, write, verify, plan_and_verify, scatter_req_token_ids and move_pages.
 
 Each one validates every argument (shapes, dtypes, devices, capacities: no device sync), views
 the caller's arrays without copying, picks the backend from the arrays' device (NumPy on the
@@ -19,8 +19,10 @@ from .backends import (
     MoveArgs,
     PlanArgs,
     PlanOutputs,
+    PlanVerifyArgs,
     ScatterArgs,
     SourceView,
+    VERIFY_ENTRY_FIELDS,
     VerifyArgs,
     WriteArgs,
     get_backend,
@@ -291,13 +293,18 @@ def _write_bound_args(write_plan, log, chain_position_assert, context, xp) -> Wr
     )
 
 
-def _verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_token):
-    """A verify's checks that need no view; returns ``(placement, context, arrays by name)``."""
+def _verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_token,
+                  plan_arrays=None):
+    """A verify's checks that need no view; returns ``(placement, context, arrays by name)``.
+
+    ``verify_plan`` is None for plan_and_verify, whose plan's arrays (``plan_arrays``) join the placement."""
     buffers, mode, named = _launch_context(canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode)
-    _check_type(verify_plan, "verify_plan", VerifyPlan)
+    if verify_plan is not None:
+        _check_type(verify_plan, "verify_plan", VerifyPlan)
+        named.update(_record_arrays("verify_plan", verify_plan))
     if not isinstance(check_expected_token, (bool, np.bool_)):
         fail(TypeError, f"check_expected_token must be a bool, got {type(check_expected_token).__name__}")
-    named.update(_record_arrays("verify_plan", verify_plan))
+    named.update(plan_arrays or {})
     return common_placement(named), (buffers, mode), named
 
 
@@ -315,6 +322,124 @@ def _verify_args(verify_plan, log, check_expected_token, context, xp) -> VerifyA
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+class _PlanCall(NamedTuple):
+    """A plan's arguments after the checks that need no view."""
+
+    table: object  # ReqToToken, BlockTable or PagedKvIndices
+    batch_rows: bool  # the table's rows are the batch rows (PagedKvIndices)
+    window: int
+    offset: int
+    verify_capacity: int
+    named: dict  # every input array by argument name (None where not given)
+
+
+def _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, swa_window_size,
+               full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+               kv_token_id_vs_position_offset, out, op: str) -> _PlanCall:
+    """The checks of plan (and plan_and_verify, named ``op`` in messages) that need no view."""
+    table = as_table(table)
+    batch_rows = table.kind == TableKind.PAGED_KV  # the table's rows are the batch rows
+    if batch_rows and req_pool_indices is not None:
+        fail(ValueError, "req_pool_indices must be None with a PagedKvIndices table: its rows are the batch rows "
+                         "(request r owns kv_indices[kv_indptr[r]:kv_indptr[r+1]])")
+    if not batch_rows and req_pool_indices is None:
+        fail(ValueError, f"req_pool_indices is required with a {type(table).__name__} table (only a PagedKvIndices "
+                         "table, whose rows are the batch rows, takes None)")
+    window = check_int(swa_window_size, "swa_window_size", minimum=0)
+    lut = full_to_swa_index_mapping
+    if window > 0 and lut is None and isinstance(table, ReqToToken):
+        fail(ValueError, f"{op} requires full_to_swa_index_mapping when swa_window_size > 0; pass the full->SWA slot LUT (int64)")
+    pool, lens = req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens
+    if pool is not None and lens is None:
+        fail(ValueError, f"{op} requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set")
+    if pool is None and lens is not None:
+        fail(ValueError, "req_to_verify_expected_tokens_valid_lens was given without req_to_verify_expected_tokens; pass both or neither")
+    offset = check_int(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
+    vcap = check_count(verify_capacity, "verify_capacity")
+    named = {
+        "req_pool_indices": req_pool_indices,
+        "prefix_lens": prefix_lens,
+        "extend_seq_lens": extend_seq_lens,
+        **table.arrays(),
+        "full_to_swa_index_mapping": lut,
+        "req_to_verify_expected_tokens": pool,
+        "req_to_verify_expected_tokens_valid_lens": lens,
+    }
+    if out is not None:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            fail(TypeError, f"out must be a (VerifyPlan, WritePlan) tuple, got {type(out).__name__}")
+        _check_type(out[0], "out[0]", VerifyPlan)
+        _check_type(out[1], "out[1]", WritePlan)
+        named.update(_record_arrays("out[0]", out[0]))
+        named.update(_record_arrays("out[1]", out[1]))
+    return _PlanCall(table, batch_rows, window, offset, vcap, named)
+
+
+def _plan_args(c: _PlanCall, write_req_capacity, out, placement, xp, entry_capacity, op: str, why_entries: str = "") -> tuple:
+    """``(PlanArgs, VerifyPlan, WritePlan)``, every view checked; inside ``launch_stream(placement)``.
+
+    ``entry_capacity(bs)`` is the number of verify entries out[0] must hold (and an allocated
+    VerifyPlan gets); None: any (plan_and_verify stores none), and one of capacity 0 is allocated.
+    ``why_entries`` ends the message of a mismatch.
+    """
+    named, table = c.named, c.table
+    v = {k: backend_view(a, k) for k, a in named.items() if not k.startswith("out")}
+    first = "prefix_lens" if c.batch_rows else "req_pool_indices"
+    bs = v[first].shape[0] if v[first].ndim == 1 else -1
+    for key in ("req_pool_indices", "prefix_lens", "extend_seq_lens"):
+        if v[key] is not None:
+            check_1d(v[key], key, I64, bs, length_name=f"bs (len({first}))")
+            v[key] = contiguous_input(v[key], key, xp)
+    tv = table_view(table, v, bs, xp)
+    if v["full_to_swa_index_mapping"] is not None:
+        v["full_to_swa_index_mapping"] = _lut_view(v["full_to_swa_index_mapping"], xp)
+    if v["req_to_verify_expected_tokens"] is not None:
+        check_2d_rows(v["req_to_verify_expected_tokens"], "req_to_verify_expected_tokens", I32)
+        if v["req_to_verify_expected_tokens"].shape[0] < tv.pool_rows:
+            fail(ValueError, f"req_to_verify_expected_tokens must have at least {tv.pool_rows_why}, got {v['req_to_verify_expected_tokens'].shape[0]}")
+        key = "req_to_verify_expected_tokens_valid_lens"
+        check_1d(v[key], key, I64, bs, length_name=f"bs (len({first}))")
+        v[key] = contiguous_input(v[key], key, xp)
+
+    entries = entry_capacity(bs)
+    if out is None:
+        wcap = bs if write_req_capacity is None else check_count(write_req_capacity, "write_req_capacity")
+    else:
+        wcap = out[1].capacity if write_req_capacity is None else check_count(write_req_capacity, "write_req_capacity")
+        if entries is not None and out[0].capacity != entries:
+            fail(ValueError, f"{op} verify_capacity={entries} does not match out[0].verify_slot_indices.shape[0]={out[0].capacity}"
+                             + why_entries)
+        if out[1].capacity != wcap:
+            fail(ValueError, f"{op} write_req_capacity={wcap} does not match out[1].write_seed_slot_indices.shape[0]={out[1].capacity}")
+    if bs > wcap:
+        fail(ValueError, f"bs={bs} exceeds write_req_capacity={wcap}; size the WritePlan for the largest batch "
+                         "(CanaryCapacities.from_engine(max_running_requests=...) for a CanaryPlanner)")
+
+    if out is None:
+        refuse_during_capture(placement, f"{op} with out=None allocates its VerifyPlan and WritePlan",
+                              "pass out=(VerifyPlan, WritePlan) allocated before capturing (a CanaryPlanner holds such a pair)")
+        like = named[next(iter(table.arrays()))]
+        vp, wp = VerifyPlan.allocate(entries or 0, like=like), WritePlan.allocate(wcap, like=like)
+    else:
+        vp, wp = out
+    ov = _plan_views("out[0]", vp, writable=True) | _plan_views("out[1]", wp, wcap, writable=True)
+    args = PlanArgs(
+        req_pool_indices=v["req_pool_indices"],
+        prefix_lens=v["prefix_lens"],
+        extend_seq_lens=v["extend_seq_lens"],
+        table=tv,
+        swa_window_size=c.window,
+        swa_lut=v["full_to_swa_index_mapping"],
+        expected_token_pool=v["req_to_verify_expected_tokens"],
+        expected_token_valid_lens=v["req_to_verify_expected_tokens_valid_lens"],
+        token_offset=c.offset,
+        clear_whole_capacity=not is_clean(wp),
+        out=PlanOutputs(**ov),
+        scan_state=backend_view(scan_state(wp), "out[1]'s scan state", writable=True),
+    )
+    return args, vp, wp
 
 
 @public_api
@@ -342,101 +467,80 @@ def plan(
     and device (``out`` when given).  See the README for the array conventions and the
     out-of-range rules.
     """
-    table = as_table(table)
-    batch_rows = table.kind == TableKind.PAGED_KV  # the table's rows are the batch rows
-    if batch_rows and req_pool_indices is not None:
-        fail(ValueError, "req_pool_indices must be None with a PagedKvIndices table: its rows are the batch rows "
-                         "(request r owns kv_indices[kv_indptr[r]:kv_indptr[r+1]])")
-    if not batch_rows and req_pool_indices is None:
-        fail(ValueError, f"req_pool_indices is required with a {type(table).__name__} table (only a PagedKvIndices "
-                         "table, whose rows are the batch rows, takes None)")
-    window = check_int(swa_window_size, "swa_window_size", minimum=0)
-    lut = full_to_swa_index_mapping
-    if window > 0 and lut is None and isinstance(table, ReqToToken):
-        fail(ValueError, "plan requires full_to_swa_index_mapping when swa_window_size > 0; pass the full->SWA slot LUT (int64)")
-    pool, lens = req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens
-    if pool is not None and lens is None:
-        fail(ValueError, "plan requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set")
-    if pool is None and lens is not None:
-        fail(ValueError, "req_to_verify_expected_tokens_valid_lens was given without req_to_verify_expected_tokens; pass both or neither")
-    offset = check_int(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
-    vcap = check_count(verify_capacity, "verify_capacity")
-
-    named = {
-        "req_pool_indices": req_pool_indices,
-        "prefix_lens": prefix_lens,
-        "extend_seq_lens": extend_seq_lens,
-        **table.arrays(),
-        "full_to_swa_index_mapping": lut,
-        "req_to_verify_expected_tokens": pool,
-        "req_to_verify_expected_tokens_valid_lens": lens,
-    }
-    if out is not None:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            fail(TypeError, f"out must be a (VerifyPlan, WritePlan) tuple, got {type(out).__name__}")
-        _check_type(out[0], "out[0]", VerifyPlan)
-        _check_type(out[1], "out[1]", WritePlan)
-        named.update(_record_arrays("out[0]", out[0]))
-        named.update(_record_arrays("out[1]", out[1]))
-    placement = common_placement(named)
-    xp = array_module(placement)
-
+    c = _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, swa_window_size,
+                   full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+                   kv_token_id_vs_position_offset, out, "plan")
+    placement = common_placement(c.named)
     with launch_stream(placement):
-        v = {k: backend_view(a, k) for k, a in named.items() if not k.startswith("out")}
-        first = "prefix_lens" if batch_rows else "req_pool_indices"
-        bs = v[first].shape[0] if v[first].ndim == 1 else -1
-        for key in ("req_pool_indices", "prefix_lens", "extend_seq_lens"):
-            if v[key] is not None:
-                check_1d(v[key], key, I64, bs, length_name=f"bs (len({first}))")
-                v[key] = contiguous_input(v[key], key, xp)
-        tv = table_view(table, v, bs, xp)
-        if lut is not None:
-            v["full_to_swa_index_mapping"] = _lut_view(v["full_to_swa_index_mapping"], xp)
-        if pool is not None:
-            check_2d_rows(v["req_to_verify_expected_tokens"], "req_to_verify_expected_tokens", I32)
-            if v["req_to_verify_expected_tokens"].shape[0] < tv.pool_rows:
-                fail(ValueError, f"req_to_verify_expected_tokens must have at least {tv.pool_rows_why}, got {v['req_to_verify_expected_tokens'].shape[0]}")
-            key = "req_to_verify_expected_tokens_valid_lens"
-            check_1d(v[key], key, I64, bs, length_name=f"bs (len({first}))")
-            v[key] = contiguous_input(v[key], key, xp)
-
-        if out is None:
-            wcap = bs if write_req_capacity is None else check_count(write_req_capacity, "write_req_capacity")
-        else:
-            wcap = out[1].capacity if write_req_capacity is None else check_count(write_req_capacity, "write_req_capacity")
-            if out[0].capacity != vcap:
-                fail(ValueError, f"plan verify_capacity={vcap} does not match out[0].verify_slot_indices.shape[0]={out[0].capacity}")
-            if out[1].capacity != wcap:
-                fail(ValueError, f"plan write_req_capacity={wcap} does not match out[1].write_seed_slot_indices.shape[0]={out[1].capacity}")
-        if bs > wcap:
-            fail(ValueError, f"bs={bs} exceeds write_req_capacity={wcap}; size the WritePlan for the largest batch "
-                             "(CanaryCapacities.from_engine(max_running_requests=...) for a CanaryPlanner)")
-
-        if out is None:
-            refuse_during_capture(placement, "plan with out=None allocates its VerifyPlan and WritePlan",
-                                  "pass out=(VerifyPlan, WritePlan) allocated before capturing (a CanaryPlanner holds such a pair)")
-            like = named[next(iter(table.arrays()))]
-            vp, wp = VerifyPlan.allocate(vcap, like=like), WritePlan.allocate(wcap, like=like)
-        else:
-            vp, wp = out
-        ov = _plan_views("out[0]", vp, vcap, writable=True) | _plan_views("out[1]", wp, wcap, writable=True)
-        args = PlanArgs(
-            req_pool_indices=v["req_pool_indices"],
-            prefix_lens=v["prefix_lens"],
-            extend_seq_lens=v["extend_seq_lens"],
-            table=tv,
-            swa_window_size=window,
-            swa_lut=v["full_to_swa_index_mapping"],
-            expected_token_pool=v["req_to_verify_expected_tokens"],
-            expected_token_valid_lens=v["req_to_verify_expected_tokens_valid_lens"],
-            token_offset=offset,
-            clear_whole_capacity=not is_clean(wp),
-            out=PlanOutputs(**ov),
-            scan_state=backend_view(scan_state(wp), "out[1]'s scan state", writable=True),
-        )
+        args, vp, wp = _plan_args(c, write_req_capacity, out, placement, array_module(placement),
+                                  lambda bs: c.verify_capacity, "plan")
         if strict:
             strict_checks.check_plan(args)
         get_backend(placement.backend).plan(args)
+        mark_clean(wp)
+    return vp, wp
+
+
+@public_api
+def plan_and_verify(
+    req_pool_indices,
+    prefix_lens,
+    extend_seq_lens,
+    table,
+    canary_buf,
+    *,
+    log,
+    verify_capacity,
+    write_req_capacity=None,
+    kernel_kind=0,
+    real_kv_sources=(),
+    real_kv_hash_mode=RealKvHashMode.NONE,
+    check_expected_token=False,
+    swa_window_size=0,
+    full_to_swa_index_mapping=None,
+    req_to_verify_expected_tokens=None,
+    req_to_verify_expected_tokens_valid_lens=None,
+    kv_token_id_vs_position_offset=0,
+    out=None,
+    strict=False,
+):
+    """Plan one step and verify the slots it reads, in one launch: the fused decode step.
+
+    Equals ``vp, wp = plan(...); verify(canary_buf, vp, ...)`` with the same arguments in every
+    observable byte (the WritePlan, the VerifyPlan's ``verify_num_valid``, ``enable`` and
+    ``out_of_range_count``, the log's ring rows as a multiset and its counters), except that the
+    verify entries are checked as they are planned and never stored: out[0]'s entry arrays are
+    left as they are, so out[0] may be a ``VerifyPlan.allocate(0)``.  More than
+    ``verify_capacity`` entries skip the verify (``enable`` = 0), as in :func:`plan`.  A GPU batch
+    of more than 4,096 requests (two plan launches) takes plan + verify through
+    out[0]'s arrays, which must then hold ``verify_capacity`` entries.  One canary buffer.
+
+    Returns ``(VerifyPlan, WritePlan)`` (``out`` when given); then :func:`write` with the WritePlan
+    completes the step (stream order puts it after the verify's reads).
+    """
+    c = _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, swa_window_size,
+                   full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+                   kv_token_id_vs_position_offset, out, "plan_and_verify")
+    if isinstance(canary_buf, (list, tuple)):
+        fail(TypeError, "plan_and_verify verifies one canary buffer, got a sequence; verify several with kc.plan + kc.verify")
+    placement, context, named = _verify_setup(canary_buf, None, log, kernel_kind, real_kv_sources, real_kv_hash_mode,
+                                              check_expected_token, c.named)
+    xp = array_module(placement)
+    with launch_stream(placement):
+        backend = get_backend(placement.backend)
+
+        def entry_capacity(bs):  # only a GPU batch past one plan launch stores its entries
+            return c.verify_capacity if backend.plan_verify_stores_entries(bs) else None
+
+        args, vp, wp = _plan_args(c, write_req_capacity, out, placement, xp, entry_capacity, "plan_and_verify",
+                                  "; a batch too large for one plan launch on this GPU takes plan + verify through "
+                                  "out[0]'s entry arrays, which must hold verify_capacity entries")
+        targets = _targets(context[0], context[1], written=False)
+        verify_args = VerifyArgs(targets, *(None,) * len(VERIFY_ENTRY_FIELDS), args.out.verify_num_valid, args.out.enable,
+                                 bool(check_expected_token), context[1], _log_views(log))
+        if strict:
+            strict_checks.check_plan(args, verify_capacity=c.verify_capacity)
+        backend.plan_verify(PlanVerifyArgs(args, verify_args, c.verify_capacity))
         mark_clean(wp)
     return vp, wp
 

@@ -77,7 +77,8 @@ def _lookup_error(h: PlanArgs, rows, r: int, positions: np.ndarray) -> str | Non
     return f"{where} is outside full_to_swa_index_mapping of length {lut_len}"
 
 
-def check_plan(a: PlanArgs) -> None:
+def check_plan(a: PlanArgs, verify_capacity: int | None = None) -> None:
+    """``verify_capacity``: the plan's (default: the length of its entry arrays)."""
     h = _host(a)
     h = h._replace(table=h.table._replace(**{k: to_numpy(getattr(h.table, k)) for k in ("entries", "kv_indptr", "virtual_to_physical")
                                               if getattr(h.table, k) is not None}))
@@ -88,7 +89,8 @@ def check_plan(a: PlanArgs) -> None:
         return
     window = h.swa_window_size
     # verify entries are only translated when the plan fits verify_capacity (else only seeds are)
-    entries = int(verify_len.sum()) <= h.out.verify_slot_indices.shape[0]
+    vcap = h.out.verify_slot_indices.shape[0] if verify_capacity is None else verify_capacity
+    entries = int(verify_len.sum()) <= vcap
     for r in np.nonzero((verify_len > 0) & entries | seed_ok)[0]:
         prefix = int(h.prefix_lens[r])
         first = max(prefix - window, 0) if window > 0 else 0

@@ -1,13 +1,15 @@
 """A fuzz subset for compute-sanitizer: random steps (a third with out-of-range values) on CuPy,
-each compared with NumPy (also through the two-launch plan with tiny tiles), then a whole step
-captured in a CUDA graph and replayed with new batch contents (both plan paths), then random
-scatters with repeated pool rows, then a CanarySession loop.  CuPy's memory pool is turned off
-so every array is its own cudaMalloc and memcheck sees any access past it.
+each compared with NumPy (also through the two-launch plan with tiny tiles, and the single-buffer
+ones through the fused plan_and_verify step, on its usual grid and on one block), then a whole
+step captured in a CUDA graph and replayed with new batch contents (both plan paths), then random
+scatters with repeated pool rows, then a CanarySession loop.  CuPy's memory pool is turned off so
+every array is its own cudaMalloc and memcheck sees any access past it.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 40
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -81,6 +83,15 @@ def main():
         for seed in range(args.first, args.first + args.cases // 2):
             case = make_case(seed)
             assert_same(run_case(numpy_ab, case), run_case(cupy_ab, case), context=f"block-scan seed {seed}")
+    # The fused plan_and_verify step (one canary buffer: multi-buffer cases are left out), likewise,
+    # on its usual grid (a warp per 32 entries) and on one block (each warp many chunks).
+    fused = [case for case in map(make_case, range(args.first, args.first + args.cases // 2)) if case.buffers == 1]
+    one_block = mock.patch.object(cupy_backend, "plan_one_launch_blocks", lambda verify_capacity, spare=0: 1)
+    for grid, patch in (("usual grid", contextlib.nullcontext()), ("one block", one_block)):
+        with patch:
+            for case in fused:
+                assert_same(run_case(numpy_ab, case, step="fused"), run_case(cupy_ab, case, step="fused"),
+                            context=f"fused step ({grid}) seed {case.seed}")
     for seed in range(args.first, args.first + args.cases):
         case = make_move_case(seed)
         for want, got in zip(run_move_case(numpy_ab, case), run_move_case(cupy_ab, case)):
@@ -90,7 +101,7 @@ def main():
         scatter_case(seed)
     cupy.cuda.Device().synchronize()
     print(f"sanitizer fuzz: {args.cases} cases (and half as many through the two-launch plan, and through "
-          f"the block-scan plan for small batches) and "
+          f"the block-scan plan for small batches; {len(fused)} single-buffer ones through plan_and_verify, twice) and "
           f"{args.cases} page moves passed, {injected} with out-of-range values; "
           f"{replays} graph replays and {args.scatter_cases} scatters matched NumPy")
     # A CanarySession loop with a stale table entry: its staging and attribution kernels too.

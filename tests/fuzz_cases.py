@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.backends import VERIFY_ENTRY_FIELDS, get_backend
 
 BOUNDARY_TOKENS = np.array([0, 1, 0xFFFFFFFF, -1, 0x80000000, 0x7FFFFFFF, 2**63 - 1, -(2**63)], np.int64)
 
@@ -190,14 +191,17 @@ def _plan_inputs(case: Case, s: Step, a):
     return a(s.req_pool_indices), table, None if pool is None else a(pool)
 
 
-def _plan_step(case: Case, s: Step, a, *, verify_capacity, out=None):
+def _plan_step(case: Case, s: Step, a, *, verify_capacity, out=None, verify=None):
+    """kc.plan of step ``s``; with ``verify`` (plan_and_verify's own arguments) kc.plan_and_verify."""
     rp, table, pool = _plan_inputs(case, s, a)
-    return kc.plan(rp, a(s.prefix_lens), a(s.extend_seq_lens), table,
-                   verify_capacity=verify_capacity, write_req_capacity=case.write_req_capacity,
-                   swa_window_size=case.window, full_to_swa_index_mapping=None if case.lut is None else a(case.lut),
-                   req_to_verify_expected_tokens=pool,
-                   req_to_verify_expected_tokens_valid_lens=None if pool is None else a(s.valid_lens),
-                   kv_token_id_vs_position_offset=case.token_offset, out=out)
+    verify = dict(verify or {})
+    op, canary = (kc.plan, ()) if not verify else (kc.plan_and_verify, (verify.pop("canary_buf"),))
+    return op(rp, a(s.prefix_lens), a(s.extend_seq_lens), table, *canary, **verify,
+              verify_capacity=verify_capacity, write_req_capacity=case.write_req_capacity,
+              swa_window_size=case.window, full_to_swa_index_mapping=None if case.lut is None else a(case.lut),
+              req_to_verify_expected_tokens=pool,
+              req_to_verify_expected_tokens_valid_lens=None if pool is None else a(s.valid_lens),
+              kv_token_id_vs_position_offset=case.token_offset, out=out)
 
 
 def _verify_total(case, s):
@@ -352,13 +356,27 @@ def launch_targets(case: Case, canaries: list, sources: tuple):
     return targets
 
 
-def run_case(ab, case: Case, *, bound: bool = False) -> dict:
+STEP_KINDS = ("full", "decode", "fused")
+
+
+def _backend(ab):
+    """The kvcanary backend module that runs ``ab``'s arrays."""
+    return get_backend("cupy" if ab.is_gpu else "numpy")
+
+
+def run_case(ab, case: Case, *, bound: bool = False, step: str = "full") -> dict:
     """Run both steps on ``ab``; returns host copies of every output after each launch.
 
     With ``case.buffers > 1`` every write and verify takes that many canary buffers at once, each
     with its own initial bytes, launch kind and (rotated) real-KV sources.  ``bound=True`` runs
     the steps through a CanaryPlanner and bound launchers instead of the free functions.
+    ``step``: "full" plans, verifies (HEAD), writes and verifies (TAIL, the one that checks real
+    KV); "decode" drops the TAIL verify and checks real KV at the HEAD verify; "fused" is "decode"
+    through kc.plan_and_verify (one buffer: the VerifyPlan's entry arrays keep the poison each step
+    starts with, unless the backend stores the entries of a batch that size, and "decode"'s
+    snapshot drops them to compare).
     """
+    assert step in STEP_KINDS and (step != "fused" or (case.buffers == 1 and not bound))
     a = ab.asarray
     canaries = []
     for b in range(case.buffers):
@@ -372,15 +390,16 @@ def run_case(ab, case: Case, *, bound: bool = False) -> dict:
                                kv_token_id_vs_position_offset=case.token_offset)
     vp, wp = planner.verify_plan, planner.write_plan
     poison = np.full(case.verify_capacity, 0x5A5A, np.int64)
-    for arr in (vp.verify_slot_indices, vp.verify_expected_tokens, vp.verify_expected_positions, vp.verify_prev_slot_indices):
-        arr[...] = a(poison)
     snapshots = []
     for s in case.steps:
+        for k in VERIFY_ENTRY_FIELDS:
+            getattr(vp, k)[...] = a(poison)
         head, tail = s.kinds
-        head_buf, head_kinds, _ = targets(head)
+        head_buf, head_kinds, head_srcs = targets(head)
         buf, kinds, srcs = targets(tail)
         flag = s.chain_flag if isinstance(s.chain_flag, bool) else a(s.chain_flag)
         real_kv = dict(real_kv_sources=srcs, real_kv_hash_mode=case.mode)
+        head_real_kv = {} if step == "full" else dict(real_kv_sources=head_srcs, real_kv_hash_mode=case.mode)
         write_options = dict(log=log, kernel_kind=kinds, chain_position_assert=flag, **real_kv)
         tokens = (a(s.input_ids), a(s.positions), a(s.out_cache_loc))
         expected = dict(expected_input_tokens=a(s.expected_tokens) if s.expected_tokens is not None else None,
@@ -392,12 +411,22 @@ def run_case(ab, case: Case, *, bound: bool = False) -> dict:
             kc.VerifyLauncher(head_buf, vp, log=log, kernel_kind=head_kinds, check_expected_token=s.check_token)()
             kc.WriteLauncher(buf, wp, **write_options)(*tokens, **expected)
             kc.VerifyLauncher(buf, vp, log=log, kernel_kind=kinds, check_expected_token=s.check_token, **real_kv)()
+        elif step == "fused":
+            _plan_step(case, s, a, verify_capacity=case.verify_capacity, out=(vp, wp),
+                       verify=dict(canary_buf=head_buf, log=log, kernel_kind=head_kinds, check_expected_token=s.check_token,
+                                   **head_real_kv))
+            kc.write(buf, wp, *tokens, **write_options, **expected)
         else:
             _plan_step(case, s, a, verify_capacity=case.verify_capacity, out=(vp, wp))
-            kc.verify(head_buf, vp, log=log, kernel_kind=head_kinds, check_expected_token=s.check_token)
+            kc.verify(head_buf, vp, log=log, kernel_kind=head_kinds, check_expected_token=s.check_token, **head_real_kv)
             kc.write(buf, wp, *tokens, **write_options, **expected)
-            kc.verify(buf, vp, log=log, kernel_kind=kinds, check_expected_token=s.check_token, **real_kv)
+            if step == "full":
+                kc.verify(buf, vp, log=log, kernel_kind=kinds, check_expected_token=s.check_token, **real_kv)
         snap = {f"vp.{k}": ab.to_numpy(v) for k, v in vp.arrays().items()}
+        if step != "full":
+            entries = [snap.pop(f"vp.{k}") for k in VERIFY_ENTRY_FIELDS]
+            if step == "fused" and not _backend(ab).plan_verify_stores_entries(s.prefix_lens.shape[0]):
+                assert all((e == poison).all() for e in entries), "plan_and_verify wrote the VerifyPlan's entries"
         snap.update({f"wp.{k}": ab.to_numpy(v) for k, v in wp.arrays().items()})
         snap.update({f"log.{k}": ab.to_numpy(v) for k, v in log.arrays().items()})
         for b, canary in enumerate(canaries):

@@ -28,7 +28,7 @@ def test_every_variant_compiles_and_fits_its_launch(family, arch):
     assert report.cubin_bytes > 1000
     assert set(report.registers) == set(jit.FAMILIES[family].instantiations())
     block = {"plan_offsets": cb.PLAN_THREADS, "plan_fused": cb.PLAN_THREADS, "plan_small": cb.PLAN_THREADS,
-             "canary_write": cb.WRITE_THREADS, "canary_verify": cb.VERIFY_THREADS}
+             "plan_verify": cb.PLAN_THREADS, "canary_write": cb.WRITE_THREADS, "canary_verify": cb.VERIFY_THREADS}
     for name, regs in report.registers.items():
         threads = block.get(name.split("<")[0].split("::")[1], cb.THREADS)
         assert 0 < regs and regs * threads <= 65536, (name, regs, threads)
@@ -89,6 +89,11 @@ def test_instantiation_lists_cover_every_flag_combination():
         assert jit.FAMILIES[jit.plan_family(kind)].instantiations() == [
             f"kvcanary::{k}<{int(kind)}, {a}, {b}>" for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")
             for a in ("false", "true") for b in ("false", "true")
+        ]
+    for kind in kc.tables.TableKind:
+        assert jit.FAMILIES[jit.step_family(kind)].instantiations() == [
+            f"kvcanary::plan_verify<{int(kind)}, {a}, {b}, {c}, {d}>" for a in ("false", "true") for b in ("false", "true")
+            for c in ("false", "true") for d in ("false", "true")
         ]
     assert jit.FAMILIES["write"].instantiations() == [
         f"kvcanary::canary_write<{n}, {a}, {b}>" for n in range(1, kc.MAX_CANARY_BUFFERS + 1)
@@ -153,7 +158,7 @@ def test_kernel_sources_are_package_data():
     import importlib.resources
 
     names = {p.name for p in importlib.resources.files("kvcanary_cupy.kernels").iterdir()}
-    assert {"canary_common.cuh", "plan.cu", "write.cu", "verify.cu", "scatter.cu", "session.cu", "move.cu"} <= names
+    assert {"canary_common.cuh", "plan.cu", "step.cu", "write.cu", "verify.cu", "scatter.cu", "session.cu", "move.cu"} <= names
 
 
 def test_launch_constants_match_the_kernels():
@@ -227,7 +232,7 @@ def _kernel_parameter_bytes(kernel, filename):
 @pytest.mark.parametrize("kernel, filename, record", [
     ("canary_write", "write.cu", "WRITE_PARAMS"), ("canary_verify", "verify.cu", "VERIFY_PARAMS"),
     ("plan_fused", "plan.cu", "PLAN_PARAMS"), ("plan_offsets", "plan.cu", "PLAN_PARAMS"),
-    ("plan_entries", "plan.cu", "PLAN_PARAMS"),
+    ("plan_entries", "plan.cu", "PLAN_PARAMS"), ("plan_verify", "step.cu", "PLAN_VERIFY_PARAMS"),
 ])
 def test_parameter_records_mirror_the_kernel_signatures(kernel, filename, record):
     """Field i of a kernel's parameter record has the size of the kernel's parameter i."""

@@ -20,6 +20,8 @@ from ..plans import VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 
 # One view per field of VerifyPlan then WritePlan, named as the fields (plans.py holds the table).
 PlanOutputs = NamedTuple("PlanOutputs", [(f.name, Any) for f in VERIFY_PLAN_FIELDS + WRITE_PLAN_FIELDS])
+# The VerifyPlan's per-entry arrays (the rest are its counters).
+VERIFY_ENTRY_FIELDS = tuple(f.name for f in VERIFY_PLAN_FIELDS if f.per_request == 0)
 
 
 class TableView(NamedTuple):
@@ -103,6 +105,18 @@ class VerifyArgs(NamedTuple):
     check_expected_token: bool
     real_kv_hash_mode: int
     log: LogViews
+
+
+class PlanVerifyArgs(NamedTuple):
+    """A plan and a verify of its entries in one step (the fused decode step): the verify entries
+    are checked as they are planned and never stored.  ``verify`` has one target; its entry arrays
+    are None and its ``verify_num_valid`` and ``enable`` are ``plan.out``'s.  ``plan.out``'s four
+    entry arrays are not touched, except by a GPU batch past one plan launch, which takes plan +
+    verify through them (the front door then checks that they hold ``verify_capacity`` entries)."""
+
+    plan: PlanArgs
+    verify: VerifyArgs
+    verify_capacity: int  # the plan's: more entries than this skip the verify (enable = 0)
 
 
 class MoveArgs(NamedTuple):

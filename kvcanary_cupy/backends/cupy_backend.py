@@ -20,10 +20,10 @@ import numpy as np
 from ..constants import MAX_CANARY_BUFFERS, REAL_KV_PARTIAL_BYTES, RealKvHashMode
 from .. import jit
 from ..interop import import_cupy
-from ..jit import get_function, kernel_name, plan_family
+from ..jit import get_function, kernel_name, plan_family, step_family
 from ..plans import SCAN_STATE_TILES, VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 from ..tables import TableKind
-from . import LogViews, MoveArgs, PlanArgs, ScatterArgs, StageArgs, VerifyArgs, WriteArgs
+from . import VERIFY_ENTRY_FIELDS, LogViews, MoveArgs, PlanArgs, PlanVerifyArgs, ScatterArgs, StageArgs, VerifyArgs, WriteArgs
 
 I64, I32 = np.int64, np.int32
 
@@ -129,7 +129,7 @@ class LaunchConfig(NamedTuple):
     shared_mem: int = 0  # dynamic shared memory, bytes
 
 
-PLAN_THREADS = 512  # kPlanThreads in plan.cu: plan_small, plan_fused and plan_offsets blocks, one per SM
+PLAN_THREADS = 512  # kPlanThreads in plan.cu: plan_small, plan_fused, plan_offsets and plan_verify blocks, one per SM
 PLAN_SMALL_MAX_ROWS = 32  # kPlanSmallRows in plan.cu: a batch of up to this many requests takes plan_small
 PLAN_FUSED_MAX_ROWS = 4096  # ... else up to this many plan in one launch (plan_fused)
 # A two-launch plan of at least this many requests has its blocks exchange their shares' totals
@@ -290,6 +290,8 @@ VERIFY_PARAMS = _param_record(
     ("verify_expected_positions", "u8"), ("verify_prev_slot_indices", "u8"), ("verify_num_valid", "u8"), ("enable", "u8"),
     ("verify_capacity", "i8"), ("log", LAUNCH_LOG),
 )
+PLAN_VERIFY_PARAMS = _param_record(("inputs", PLAN_INPUTS), ("outputs", PLAN_OUTPUTS), ("targets", CANARY_TARGETS),
+                                   ("log", LAUNCH_LOG))
 
 
 class ParamSlots:
@@ -478,6 +480,50 @@ def verify_launch(a: VerifyArgs) -> KernelLaunch:
 
 def verify(a: VerifyArgs) -> None:
     _launch_record(verify_launch(a))
+
+
+def plan_verify_stores_entries(bs: int) -> bool:
+    """Whether plan_and_verify of ``bs`` requests stores its verify entries: a batch past one plan
+    launch (PLAN_FUSED_MAX_ROWS) takes plan + verify through the VerifyPlan's entry arrays; a
+    smaller one plans and verifies in one launch (plan_verify) and stores none."""
+    return bs > PLAN_FUSED_MAX_ROWS
+
+
+def plan_verify_kernel(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool, check_token: bool,
+                       real_kv: bool) -> tuple:
+    """``(family, kernel name, LaunchConfig)`` of the fused plan + verify of ``bs`` requests (a
+    batch that does not :func:`plan_verify_stores_entries`): plan_fused's configuration (its scan
+    and expansion, with a grid sized by the verify capacity)."""
+    family = step_family(kind)
+    name = kernel_name("plan_verify", int(kind), has_lut, has_pool, check_token, real_kv)
+    return family, name, plan_scan_config(family, name, bs, plan_one_launch_blocks(verify_capacity))
+
+
+def plan_verify_launch(a: PlanVerifyArgs) -> KernelLaunch:
+    """plan_verify's launch; per-step arrays that are None (a bound launcher) are left 0."""
+    p = np.zeros(1, PLAN_VERIFY_PARAMS)
+    plan_record = plan_params(a.plan)
+    p["inputs"], p["outputs"] = plan_record["inputs"], plan_record["outputs"]
+    p["outputs"]["verify_capacity"] = a.verify_capacity
+    v = a.verify
+    p["targets"], p["log"] = _targets_struct(v.targets, v.real_kv_hash_mode), _log_struct(v.log)
+    # Without a pool every expected token is -1 (unchecked): the token check would find nothing.
+    has_pool = a.plan.expected_token_pool is not None
+    family, name, config = plan_verify_kernel(a.plan.table.kind, _len(a.plan.prefix_lens), a.verify_capacity,
+                                              a.plan.swa_lut is not None, has_pool, v.check_expected_token and has_pool,
+                                              has_real_kv(v.targets, v.real_kv_hash_mode))
+    return KernelLaunch(family, name, config, p)
+
+
+def plan_verify(a: PlanVerifyArgs) -> None:
+    if not plan_verify_stores_entries(a.plan.prefix_lens.shape[0]):
+        _launch_record(plan_verify_launch(a))
+        return
+    # Past PLAN_FUSED_MAX_ROWS the plan takes two launches: plan + verify, the entries stored in
+    # plan.out's arrays (the front door checked that they hold verify_capacity entries).
+    out = a.plan.out
+    plan(a.plan)
+    verify(a.verify._replace(**{k: getattr(out, k) for k in VERIFY_ENTRY_FIELDS}))
 
 
 def scatter_config(bs: int) -> tuple[LaunchConfig, int]:

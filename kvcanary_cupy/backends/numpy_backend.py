@@ -20,7 +20,8 @@ from ..constants import (
 )
 from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_array
 from ..tables import TableKind
-from . import STAGE_HEADER, STAGE_HEADER_FIELDS, CanaryTarget, LogViews, MoveArgs, PlanArgs, ScatterArgs, SourceView, StageArgs, TableView, VerifyArgs, WriteArgs
+from . import (STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_ENTRY_FIELDS, CanaryTarget, LogViews, MoveArgs, PlanArgs,
+               PlanVerifyArgs, ScatterArgs, SourceView, StageArgs, TableView, VerifyArgs, WriteArgs)
 
 _ANCHOR_U64 = np.uint64(ANCHOR_HASH)
 _I64 = np.int64
@@ -146,10 +147,12 @@ def stale_rows_end(a: PlanArgs) -> int:
     return cap if a.clear_whole_capacity or not 0 <= previous <= cap else previous
 
 
-def plan(a: PlanArgs) -> None:
+def plan(a: PlanArgs, verify_capacity: int | None = None) -> None:
+    """``verify_capacity`` (default: the length of the entry arrays) decides whether the entries
+    are expanded (into the first entries of those arrays)."""
     out = a.out
     bs = a.prefix_lens.shape[0]
-    vcap = out.verify_slot_indices.shape[0]
+    vcap = out.verify_slot_indices.shape[0] if verify_capacity is None else verify_capacity
     rows, verify_start, verify_len, write_len, seed_ok, row_errors = plan_row_checks(a)
     errors = int(row_errors.sum())
     stale_end = stale_rows_end(a)
@@ -418,6 +421,23 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
         _rows(kind, slot[hit], stored[hit, 1], stored[hit, 0], expected_tok[hit], stored[hit, 2],
               _as_i64(expected_chain[hit]), bits[hit]),
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# plan + verify (the fused decode step)
+
+def plan_verify_stores_entries(bs: int) -> bool:
+    """plan_and_verify on the CPU never stores its entries (see :func:`plan_verify`)."""
+    return False
+
+
+def plan_verify(a: PlanVerifyArgs) -> None:
+    """:func:`plan` then :func:`verify` through scratch entry arrays of exactly the plan's entries:
+    the caller's VerifyPlan gets the plan's counters, never its entries."""
+    total = int(plan_row_checks(a.plan)[2].sum())
+    scratch = {k: np.empty(total if total <= a.verify_capacity else 0, _I64) for k in VERIFY_ENTRY_FIELDS}
+    plan(a.plan._replace(out=a.plan.out._replace(**scratch)), a.verify_capacity)
+    verify(a.verify._replace(**scratch))
 
 
 # ----------------------------------------------------------------------------------------------
