@@ -206,6 +206,9 @@ def ptx_stored_constants(family: str, extra_source: str, kernel: str, arch: str 
     return {int(offset or 0) // 8: int(registers.get(value, value)) for offset, value in _PTX_STORE.findall(body)}
 
 
+_CHECK_IDS = itertools.count()
+
+
 def _compile_cache_dir() -> str | None:
     """Where :func:`compile_check` keeps its reports; ``KVCANARY_COMPILE_CACHE=off`` disables it."""
     where = os.environ.get("KVCANARY_COMPILE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "kvcanary-cupy", "compile-check"))
@@ -235,7 +238,10 @@ def compile_check(arch: str = "sm_90", family: str | None = None, extra_source: 
             with open(path, encoding="utf-8") as f:
                 sizes[fam] = CompileReport(*json.load(f))
             continue
-        prog = nvrtc.createProgram(source, filename, [], [])
+        # A source compiled before in this process (by CuPy, or an earlier check) may come back
+        # from NVRTC without running ptxas, so without its register report: every check compiles
+        # a source of its own (the trailing comment changes no byte of the cubin's code).
+        prog = nvrtc.createProgram(f"{source}\n// compile_check {next(_CHECK_IDS)}\n", filename, [], [])
         try:
             for expr in exprs:
                 nvrtc.addNameExpression(prog, expr)

@@ -48,7 +48,7 @@ pytest_slice() {  # pytest_slice I JOBS [pytest args...]: every JOBS-th test id,
   # one long file (the GPU fuzz) spread over the slices too
   local i=$1 jobs=$2; shift 2
   local ids=()
-  mapfile -t ids < <(python3 -m pytest -q --collect-only -p no:cacheprovider "$@" tests | grep '::' | awk -v i="$i" -v n="$jobs" 'NR % n == i')
+  mapfile -t ids < <(python3 -m pytest -q --collect-only -p no:cacheprovider "$@" tests | grep '^tests/.*::' | awk -v i="$i" -v n="$jobs" 'NR % n == i')
   [ "${#ids[@]}" -gt 0 ] || { echo "slice $i: no tests"; return 0; }
   python3 -m pytest -q -rs -p no:cacheprovider "$@" "${ids[@]}"
 }
