@@ -3,7 +3,8 @@
 // No block waits on another (nothing to reset between plans, no order between blocks to rely on):
 // plan_small (up to 32 requests, one launch, no block-wide barrier before the expansion): every
 //   warp scans the batch with shuffles, a row per lane, into shared arrays of its own and expands
-//   its share of the verify entries from them; warp 0 of block 0 writes the per-request outputs.
+//   its share of the verify entries from them; warp 0 of a spare last block writes the
+//   per-request outputs beside the expansion.
 // plan_fused (up to PLAN_FUSED_MAX_ROWS requests, one launch): every block scans the whole batch
 //   into shared memory (a verify and a write offset per row), expands its share of the verify
 //   entries from there and writes the per-request outputs of its share of the rows.
