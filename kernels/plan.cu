@@ -1,6 +1,7 @@
 // Plan kernels (docs/format.md §4 with the project's out-of-range rules, README "Out-of-range values").
 //
-// No block waits on another (nothing to reset between plans, no order between blocks to rely on):
+// No block needs another to run first (nothing to reset between plans, no order between blocks to
+// rely on; a large plan_offsets block waits a bounded time for earlier shares' totals, below):
 // plan_small (up to 32 requests, one launch, no block-wide barrier before the expansion): every
 //   warp scans the batch with shuffles, a row per lane, into shared arrays of its own and expands
 //   its share of the verify entries from them; warp 0 of a spare last block writes the
