@@ -46,6 +46,16 @@ __device__ __forceinline__ i64 swa_translate(i64 value, const i64* lut, i64 lut_
 
 __device__ __forceinline__ i64 clamp64(i64 v, i64 lo, i64 hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+// Inclusive scan of (a, b) over the lanes of a warp.
+__device__ __forceinline__ void warp_inclusive_scan(i64& a, i64& b) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const i64 ua = __shfl_up_sync(0xffffffffu, a, o), ub = __shfl_up_sync(0xffffffffu, b, o);
+    if (lane >= o) { a += ua; b += ub; }
+  }
+}
+
 // Block-wide exclusive scan of the warps' totals (a, b): returns through the references what the
 // earlier warps of the block hold, and the block's totals.  Lane 31 of each warp holds its totals.
 __device__ __forceinline__ void scan_warp_totals(i64 a, i64 b, i64& before_a, i64& before_b, i64& total_a, i64& total_b) {
@@ -55,10 +65,7 @@ __device__ __forceinline__ void scan_warp_totals(i64 a, i64 b, i64& before_a, i6
   __syncthreads();
   if (warp == 0) {
     i64 wa = lane < nwarps ? warp_a[lane] : 0, wb = lane < nwarps ? warp_b[lane] : 0;
-    for (int o = 1; o < 32; o <<= 1) {
-      const i64 ua = __shfl_up_sync(0xffffffffu, wa, o), ub = __shfl_up_sync(0xffffffffu, wb, o);
-      if (lane >= o) { wa += ua; wb += ub; }
-    }
+    warp_inclusive_scan(wa, wb);
     warp_a[lane] = wa;  // inclusive prefix of the warp totals
     warp_b[lane] = wb;
   }
@@ -679,6 +686,43 @@ __device__ bool wait_earlier_totals(ScanState* state, i64 tile, unsigned long lo
   return published;
 }
 
+// plan_offsets for a share of at most a row per thread, in one pass: each thread loads its row
+// once, the block scans the rows, publishes its totals (with a scan state) and issues its row's
+// seed gather before it waits for the earlier shares (or sums the rows before them), so the
+// gather's latency overlaps the wait.
+template <int kTable, bool kHasLut, bool kHasPool>
+__device__ __forceinline__ void plan_offsets_one_pass(const PlanInputs& in, const PlanOutputs& out, ScanState* state, i64* voff,
+                                                      i64* woff, i64 lo, i64 hi, bool finisher, i64 previous) {
+  if (lo >= hi && !finisher && !state) return;
+  const unsigned long long flag = state ? __ldcg(&state->flag[blockIdx.x]) + 1 : 0;  // its own flag, written by it alone
+  const i64 r = lo + threadIdx.x;
+  RowGroup<1> g;
+  g.load(in, r, 0, hi);
+  i64 v = 0, w = 0;
+  if (r < hi) row_lengths<kTable>(in, r, g.rp[0], g.prefix[0], g.extend[0], v, w);
+  i64 inc_v = v, inc_w = w;
+  warp_inclusive_scan(inc_v, inc_w);
+  i64 before_v, before_w, total_v, total_w;
+  scan_warp_totals(inc_v, inc_w, before_v, before_w, total_v, total_w);
+  if (state && threadIdx.x == 0) {  // an empty share publishes zeros too
+    state->totals[blockIdx.x][0] = total_v;
+    state->totals[blockIdx.x][1] = total_w;
+    store_release(&state->flag[blockIdx.x], flag);
+  }
+  if (lo >= hi && !finisher) return;
+  RowOutput<kTable, kHasLut, kHasPool> own;
+  own.start(in, r, r < hi, g.rp[0], g.prefix[0], g.extend[0]);
+  i64 carry_v = 0, carry_w = 0;
+  if (!(state && wait_earlier_totals(state, blockIdx.x, flag, carry_v, carry_w))) sum_rows<kTable>(in, 0, lo, carry_v, carry_w);
+  if (r < hi) {  // the shared arrays hold the share's rows: read back by this thread alone
+    voff[threadIdx.x] = carry_v + before_v + inc_v - v;
+    woff[threadIdx.x] = carry_w + before_w + inc_w - w;
+  }
+  const i64 errors = own.finish(in, out, voff, woff, lo);
+  if (finisher) finish_plan(out, in.bs, carry_v + total_v, carry_w + total_w, previous);
+  warp_add(out.out_of_range_count, errors);
+}
+
 // A batch larger than the shared arrays (then plan_entries expands the entries): block b takes
 // the rows [b * share, (b + 1) * share), learns the verify and write lengths of all rows before
 // them, then scans its own rows in tiles and writes their outputs.  The block of the last row
@@ -697,6 +741,10 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_offsets(PlanInputs in, P
   const i64 previous = finisher && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
   i64 carry_v = 0, carry_w = 0, errors = 0;
   bool have_carry = false;
+  if (hi - lo <= blockDim.x && hi - lo <= tile_rows) {  // a row per thread: one pass
+    plan_offsets_one_pass<kTable, kHasLut, kHasPool>(in, out, state, voff, woff, lo, hi, finisher, previous);
+    return;
+  }
   if (state) {
     const unsigned long long flag = __ldcg(&state->flag[blockIdx.x]) + 1;  // its own flag, written by it alone
     i64 own_v, own_w;

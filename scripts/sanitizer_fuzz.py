@@ -67,17 +67,20 @@ def main():
         assert_same(ref, run_case(cupy_ab, case), context=f"seed {seed}")
         last = ref["snapshots"][-1]
         injected += int(last["vp.out_of_range_count"][0] + last["log.out_of_range_counters"].sum() > 0)
-    # The two-launch plan (forced for every batch, several tiles per block), on half as many cases.
+    # The two-launch plan (forced for every batch), on half as many cases: on the full grid (a row
+    # or none per block, one pass) and on 3 blocks (several tiles per block).
     from unittest import mock
 
     from kvcanary_cupy.backends import cupy_backend
-    with mock.patch.object(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1), \
-            mock.patch.object(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1), \
-            mock.patch.object(cupy_backend, "plan_scan_max_rows", lambda device_id: 7), \
-            mock.patch.object(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0):
-        for seed in range(args.first, args.first + args.cases // 2):
-            case = make_case(seed)
-            assert_same(run_case(numpy_ab, case), run_case(cupy_ab, case), context=f"two-launch seed {seed}")
+    for blocks in (None, 3):
+        with mock.patch.object(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1), \
+                mock.patch.object(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1), \
+                mock.patch.object(cupy_backend, "plan_scan_max_rows", lambda device_id: 7), \
+                mock.patch.object(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0), \
+                mock.patch.object(cupy_backend, "_sm_count", lambda device_id: blocks) if blocks else contextlib.nullcontext():
+            for seed in range(args.first, args.first + args.cases // 2):
+                case = make_case(seed)
+                assert_same(run_case(numpy_ab, case), run_case(cupy_ab, case), context=f"two-launch seed {seed} ({blocks})")
     # Small batches through plan_fused's block-wide scan instead of plan_small, likewise.
     with mock.patch.object(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1):
         for seed in range(args.first, args.first + args.cases // 2):

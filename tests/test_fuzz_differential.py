@@ -33,15 +33,17 @@ def test_gpu_matches_numpy_wide_batches(backend, seed):
     assert_same(run_case(NUMPY, case), run_case(ab, case), context=f"{backend} big seed {seed}")
 
 
-@pytest.mark.parametrize("tile_rows", [1, 37, 1000])
+@pytest.mark.parametrize(("tile_rows", "sm_count"), [(1, None), (1, 3), (5, 3), (37, None), (1000, None)])
 @pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
 @pytest.mark.parametrize("with_scan_state", [True, False])
-def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, with_scan_state, monkeypatch):
+def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, sm_count, with_scan_state, monkeypatch):
     """Batches past PLAN_FUSED_MAX_ROWS take two launches (plan_offsets: each block its share of
-    the rows, in tiles of the shared arrays; then plan_entries): forced here for every batch size,
-    with tiny tiles so that wide batches scan several tiles per block.  The blocks learn what
-    precedes their shares from each other through the WritePlan's scan state, or, for a WritePlan
-    without one (an engine's own arrays), each by reading every earlier row."""
+    the rows, in one pass when the share fits a row per thread and the shared arrays, else in
+    tiles of the shared arrays; then plan_entries): forced here for every batch size.  A grid of
+    3 blocks (sm_count) with tiny tiles makes small batches scan several tiles per block; the
+    full grid gives them a row or none per block, in one pass.  The blocks learn what precedes
+    their shares from each other through the WritePlan's scan state, or, for a WritePlan without
+    one (an engine's own arrays), each by reading every earlier row."""
     ab = get_backend_or_skip(backend)
     from kvcanary_cupy import launchers, ops
     from kvcanary_cupy.backends import cupy_backend
@@ -56,6 +58,8 @@ def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, with_scan_state, 
     monkeypatch.setattr(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1)
     monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1)
     monkeypatch.setattr(cupy_backend, "plan_scan_max_rows", lambda device_id: tile_rows)
+    if sm_count:
+        monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: sm_count)
     assert [k[1].split("<")[0] for k in cupy_backend.plan_kernels(TableKind.REQ_TO_TOKEN, 0, 1, False, False)] == [
         "kvcanary::plan_offsets", "kvcanary::plan_entries"]
     seeds = range(0, 60) if tile_rows < 1000 else range(10_000, 10_002)

@@ -168,8 +168,8 @@ def test_cupy_graph_capture_and_replay(shape, table, bound):
 @pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
 def test_cupy_graph_replays_the_scan_state_of_the_two_launch_plan(bound, monkeypatch):
     """Each replay of a captured two-launch plan publishes its blocks' totals in the WritePlan's
-    scan state under a new flag (the 4,500-request shape is below PLAN_SCAN_STATE_MIN_ROWS:
-    forced)."""
+    scan state under a new flag (forced for the 4,500-request shape, whatever
+    PLAN_SCAN_STATE_MIN_ROWS)."""
     from kvcanary_cupy.backends import cupy_backend
 
     monkeypatch.setattr(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0)

@@ -133,9 +133,10 @@ PLAN_THREADS = 512  # kPlanThreads in plan.cu: plan_small, plan_fused, plan_offs
 PLAN_SMALL_MAX_ROWS = 32  # kPlanSmallRows in plan.cu: a batch of up to this many requests takes plan_small
 PLAN_FUSED_MAX_ROWS = 4096  # ... else up to this many plan in one launch (plan_fused)
 # A two-launch plan of at least this many requests has its blocks exchange their shares' totals
-# through the WritePlan's scan state instead of each reading every row before its share (the
-# latter costs about 0.45 us per 1,000 requests on the H200).
-PLAN_SCAN_STATE_MIN_ROWS = 10_000
+# through the WritePlan's scan state instead of each reading every row before its share: on the
+# H200 the latter costs about 0.5 us per 1,000 requests (3.7 us at 256, 5.9 at 4,500, 12.0 at
+# 20,000), the state a flat 4.4-4.8 us up to 20,000.
+PLAN_SCAN_STATE_MIN_ROWS = 2_000
 PLAN_SCAN_RESERVED_SMEM = 2048  # bytes of a scan block's shared memory kept for its static arrays
 THREADS = 256  # plan_entries and scatter blocks
 VERIFY_THREADS = 256  # kVerifyThreads in verify.cu
