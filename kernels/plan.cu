@@ -4,8 +4,9 @@
 // rely on; a large plan_offsets block waits a bounded time for earlier shares' totals, below):
 // plan_small (up to 32 requests, one launch, no block-wide barrier before the expansion): every
 //   warp scans the batch with shuffles, a row per lane, into shared arrays of its own and expands
-//   its share of the verify entries from them; warp 0 of a spare last block writes the
-//   per-request outputs beside the expansion.
+//   its share of the verify entries from them, taking each request's row by shuffle from the lane
+//   that scanned it (no reload); warp 0 of a spare last block writes the per-request outputs
+//   beside the expansion.
 // plan_fused (up to PLAN_FUSED_MAX_ROWS requests, one launch): every block scans the whole batch
 //   into shared memory (a verify and a write offset per row), expands its share of the verify
 //   entries from there and writes the per-request outputs of its share of the rows.
@@ -15,7 +16,7 @@
 // Either way the grid depends only on shapes, so a captured graph replays any batch content.
 //
 // Every kernel is instantiated for each table kind (kTable): the slot of a request's position is
-// read through table_row / table_slot below, so the scan and the expansion never see the layout.
+// read through table_row / SlotLookup below, so the scan and the expansion never see the layout.
 #include "canary_common.cuh"
 
 namespace kvcanary {
@@ -133,7 +134,7 @@ __device__ __forceinline__ i64 page_slot(const PlanInputs& in, i64 id, i64 offse
 
 // A request's row of the table: `base` indexes its first entry, `len` is its length in tokens
 // (the bound of prefix_lens); ok is false for a row outside the table.
-// narrow (block and page tables): int32 ids, page_size and len below 2**31, so table_slot can work
+// narrow (block and page tables): int32 ids, page_size and len below 2**31, so SlotLookup can work
 // in 32 bits and no slot can saturate.
 struct TableRow {
   i64 base, len;
@@ -169,33 +170,59 @@ __device__ __forceinline__ i64 page_of(const PlanInputs& in, i64 value, i64& off
 template <int kTable, bool kHasLut>
 constexpr bool kLookupCounts = kTable == kTableVirtualPages || kHasLut;
 
-// The KV slot of position p (0 <= p < row.len) of a valid row.  `errors` counts virtual token
-// ids past virtual_to_physical (they address the padding slot 0).
+// The KV slot of position p (0 <= p < row.len) of a valid row, looked up in two steps so that
+// several lookups' loads can be in flight together: start() issues the load of the table element
+// that holds p (and waits for nothing: the narrow and req_to_token paths keep it 32-bit, decide
+// nothing on it), slot() waits for it and returns the slot.  slot() counts into `errors` the
+// virtual token ids past virtual_to_physical (they address the padding slot 0).
+template <int kTable>
+struct SlotLookup {
+  i64 wide_element, offset;  // the element of the wide path; p's offset in its page (block and page tables)
+  int element;  // the element of every other path: a slot, a token id, or a block / page id
+  bool narrow;
+
+  __device__ __forceinline__ void start(const PlanInputs& in, const TableRow& row, i64 p) {
+    narrow = kTable <= kTableVirtualPages || row.narrow;
+    if (kTable <= kTableVirtualPages) {
+      element = static_cast<const int*>(in.table)[row.base + p];
+    } else if (narrow) {  // the usual tables: a shift or a 32-bit division, one multiply-add in slot()
+      const unsigned q = static_cast<unsigned>(p), size = static_cast<unsigned>(in.page_size);
+      const unsigned page = in.page_shift >= 0 ? q >> in.page_shift : q / size;
+      element = static_cast<const int*>(in.table)[row.base + page];
+      offset = q - page * size;
+    } else {
+      wide_element = load_index(in.table, in.table_is_int64, row.base + page_of(in, p, offset));
+    }
+  }
+
+  __device__ __forceinline__ i64 slot(const PlanInputs& in, i64& errors) const {
+    if (kTable == kTableReqToToken) return element;
+    if (kTable == kTableVirtualPages) {
+      const i64 token = element;
+      if (token < 0) return token;  // negative ids pass through, as in a plain req_to_token
+      i64 page_offset;
+      const i64 page = page_of(in, token, page_offset);
+      if (page >= in.num_virtual_pages) {
+        ++errors;
+        return 0;
+      }
+      const i64 physical = in.virtual_to_physical[page];
+      return physical == -1 ? 0 : page_slot(in, physical, page_offset);  // -1: unbound page
+    }
+    if (narrow) {  // no saturation: |id * page_size| < 2**62
+      const i64 slot = static_cast<i64>(element) * static_cast<int>(in.page_size) + offset;
+      return kTable == kTableBlock && element == in.null_block ? 0 : slot;
+    }
+    if (kTable == kTableBlock && wide_element == in.null_block) return 0;
+    return page_slot(in, wide_element, offset);
+  }
+};
+
 template <int kTable>
 __device__ __forceinline__ i64 table_slot(const PlanInputs& in, const TableRow& row, i64 p, i64& errors) {
-  if (kTable == kTableReqToToken) return static_cast<const int*>(in.table)[row.base + p];
-  i64 offset;
-  if (kTable == kTableVirtualPages) {
-    const i64 token = static_cast<const int*>(in.table)[row.base + p];
-    if (token < 0) return token;  // negative ids pass through, as in a plain req_to_token
-    const i64 page = page_of(in, token, offset);
-    if (page >= in.num_virtual_pages) {
-      ++errors;
-      return 0;
-    }
-    const i64 physical = in.virtual_to_physical[page];
-    return physical == -1 ? 0 : page_slot(in, physical, offset);  // -1: unbound page
-  }
-  if (row.narrow) {  // the usual tables: a shift or a 32-bit division, one multiply-add
-    const unsigned q = static_cast<unsigned>(p), size = static_cast<unsigned>(in.page_size);
-    const unsigned page = in.page_shift >= 0 ? q >> in.page_shift : q / size;
-    const int id = static_cast<const int*>(in.table)[row.base + page];
-    if (kTable == kTableBlock && id == in.null_block) return 0;
-    return static_cast<i64>(id) * static_cast<int>(size) + (q - page * size);
-  }
-  const i64 id = load_index(in.table, in.table_is_int64, row.base + page_of(in, p, offset));
-  if (kTable == kTableBlock && id == in.null_block) return 0;
-  return page_slot(in, id, offset);
+  SlotLookup<kTable> lookup;
+  lookup.start(in, row, p);
+  return lookup.slot(in, errors);
 }
 
 // ---- the batch scan --------------------------------------------------------------------------
@@ -544,9 +571,9 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
   ExpandRow row;
   rows.fetch(in, r, true, row);
   i64 clamped = 0;
-  // The slot of position q of the current row, its out-of-range values counted into `errors`.
-  const auto slot_at = [&](i64 q, i64& errors) {
-    return swa_translate<kHasLut>(table_slot<kTable>(in, row.table, q, errors), in.lut, in.lut_len, errors);
+  // The slot of a lookup started at the current row, its out-of-range values counted into `errors`.
+  const auto slot_of = [&](const SlotLookup<kTable>& lookup, i64& errors) {
+    return swa_translate<kHasLut>(lookup.slot(in, errors), in.lut, in.lut_len, errors);
   };
   for (i64 first = begin; first < end; first += 32 * kChunks) {
     PlannedEntry e[kChunks];
@@ -565,12 +592,21 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
       if (!e[k].live) continue;
       const i64 p = row.start + (t - row_begin);
       e[k].position = p;
-      e[k].slot = slot_at(p, slot_errors[k]);
       e[k].prev_is_left_lane = lane > 0 && t > row_begin;  // entry t - 1 is position p - 1 of this row
       // A predecessor no lane holds (first entry of the chunk or of the row) is looked up while the
-      // walk is at this row; with one chunk per step, after the shuffle below, as the store-only
-      // plan always did (fewer registers live across the lookups).
-      if (kChunks > 1 && !e[k].prev_is_left_lane && p > 0) e[k].prev = slot_at(p - 1, clamped);
+      // walk is at this row.  With one chunk per step (the store-only plans) its load goes out with
+      // the entry's own: after the entry's slot, it would wait for the entry's load (a second
+      // dependent load on a small plan's path).  With several (a fused verify) registers are short
+      // (two lookups in flight per chunk spill): after the entry's slot.
+      const bool look_back = !e[k].prev_is_left_lane && p > 0;
+      SlotLookup<kTable> own, back;
+      own.start(in, row.table, p);
+      if (kChunks == 1 && look_back) back.start(in, row.table, p - 1);
+      e[k].slot = slot_of(own, slot_errors[k]);
+      if (look_back) {
+        if (kChunks > 1) back.start(in, row.table, p - 1);
+        e[k].prev = slot_of(back, clamped);
+      }
       if (kHasPool) {
         const i64 q = p + in.token_offset;
         const i64 limit = in.valid_lens[r] < in.pool_cols ? in.valid_lens[r] : in.pool_cols;
@@ -589,8 +625,6 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
       if (e[k].prev_is_left_lane) {
         e[k].prev = left_slot;
         clamped += left_errors;
-      } else if (kChunks == 1 && e[k].position > 0) {
-        e[k].prev = slot_at(e[k].position - 1, clamped);
       }
     }
     sink(e);
