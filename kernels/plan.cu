@@ -4,8 +4,9 @@
 // rely on; a large plan_offsets block waits a bounded time for earlier shares' totals, below):
 // plan_small (up to 32 requests, one launch, no block-wide barrier before the expansion): every
 //   warp scans the batch with shuffles, a row per lane, into shared arrays of its own and expands
-//   its share of the verify entries from them; warp 0 of a spare last block writes the
-//   per-request outputs beside the expansion.
+//   its share of the verify entries from them, taking each request's row by shuffle from the lane
+//   that scanned it (no reload); warp 0 of a spare last block writes the per-request outputs
+//   beside the expansion.
 // plan_fused (up to PLAN_FUSED_MAX_ROWS requests, one launch): every block scans the whole batch
 //   into shared memory (a verify and a write offset per row), expands its share of the verify
 //   entries from there and writes the per-request outputs of its share of the rows.
@@ -15,7 +16,7 @@
 // Either way the grid depends only on shapes, so a captured graph replays any batch content.
 //
 // Every kernel is instantiated for each table kind (kTable): the slot of a request's position is
-// read through table_row / table_slot below, so the scan and the expansion never see the layout.
+// read through table_row / SlotLookup below, so the scan and the expansion never see the layout.
 #include "canary_common.cuh"
 
 namespace kvcanary {
@@ -140,7 +141,7 @@ __device__ __forceinline__ i64 page_slot(const PlanInputs& in, i64 id, i64 offse
 
 // A request's row of the table: `base` indexes its first entry, `len` is its length in tokens
 // (the bound of prefix_lens); ok is false for a row outside the table.
-// narrow (block and page tables): int32 ids, page_size and len below 2**31, so table_slot can work
+// narrow (block and page tables): int32 ids, page_size and len below 2**31, so SlotLookup can work
 // in 32 bits and no slot can saturate.
 struct TableRow {
   i64 base, len;
@@ -176,33 +177,59 @@ __device__ __forceinline__ i64 page_of(const PlanInputs& in, i64 value, i64& off
 template <int kTable, bool kHasLut>
 constexpr bool kLookupCounts = kTable == kTableVirtualPages || kHasLut;
 
-// The KV slot of position p (0 <= p < row.len) of a valid row.  `errors` counts virtual token
-// ids past virtual_to_physical (they address the padding slot 0).
+// The KV slot of position p (0 <= p < row.len) of a valid row, looked up in two steps so that
+// several lookups' loads can be in flight together: start() issues the load of the table element
+// that holds p (and waits for nothing: the narrow and req_to_token paths keep it 32-bit, decide
+// nothing on it), slot() waits for it and returns the slot.  slot() counts into `errors` the
+// virtual token ids past virtual_to_physical (they address the padding slot 0).
+template <int kTable>
+struct SlotLookup {
+  i64 wide_element, offset;  // the element of the wide path; p's offset in its page (block and page tables)
+  int element;  // the element of every other path: a slot, a token id, or a block / page id
+  bool narrow;
+
+  __device__ __forceinline__ void start(const PlanInputs& in, const TableRow& row, i64 p) {
+    narrow = kTable <= kTableVirtualPages || row.narrow;
+    if (kTable <= kTableVirtualPages) {
+      element = static_cast<const int*>(in.table)[row.base + p];
+    } else if (narrow) {  // the usual tables: a shift or a 32-bit division, one multiply-add in slot()
+      const unsigned q = static_cast<unsigned>(p), size = static_cast<unsigned>(in.page_size);
+      const unsigned page = in.page_shift >= 0 ? q >> in.page_shift : q / size;
+      element = static_cast<const int*>(in.table)[row.base + page];
+      offset = q - page * size;
+    } else {
+      wide_element = load_index(in.table, in.table_is_int64, row.base + page_of(in, p, offset));
+    }
+  }
+
+  __device__ __forceinline__ i64 slot(const PlanInputs& in, i64& errors) const {
+    if (kTable == kTableReqToToken) return element;
+    if (kTable == kTableVirtualPages) {
+      const i64 token = element;
+      if (token < 0) return token;  // negative ids pass through, as in a plain req_to_token
+      i64 page_offset;
+      const i64 page = page_of(in, token, page_offset);
+      if (page >= in.num_virtual_pages) {
+        ++errors;
+        return 0;
+      }
+      const i64 physical = in.virtual_to_physical[page];
+      return physical == -1 ? 0 : page_slot(in, physical, page_offset);  // -1: unbound page
+    }
+    if (narrow) {  // no saturation: |id * page_size| < 2**62
+      const i64 slot = static_cast<i64>(element) * static_cast<int>(in.page_size) + offset;
+      return kTable == kTableBlock && element == in.null_block ? 0 : slot;
+    }
+    if (kTable == kTableBlock && wide_element == in.null_block) return 0;
+    return page_slot(in, wide_element, offset);
+  }
+};
+
 template <int kTable>
 __device__ __forceinline__ i64 table_slot(const PlanInputs& in, const TableRow& row, i64 p, i64& errors) {
-  if (kTable == kTableReqToToken) return static_cast<const int*>(in.table)[row.base + p];
-  i64 offset;
-  if (kTable == kTableVirtualPages) {
-    const i64 token = static_cast<const int*>(in.table)[row.base + p];
-    if (token < 0) return token;  // negative ids pass through, as in a plain req_to_token
-    const i64 page = page_of(in, token, offset);
-    if (page >= in.num_virtual_pages) {
-      ++errors;
-      return 0;
-    }
-    const i64 physical = in.virtual_to_physical[page];
-    return physical == -1 ? 0 : page_slot(in, physical, offset);  // -1: unbound page
-  }
-  if (row.narrow) {  // the usual tables: a shift or a 32-bit division, one multiply-add
-    const unsigned q = static_cast<unsigned>(p), size = static_cast<unsigned>(in.page_size);
-    const unsigned page = in.page_shift >= 0 ? q >> in.page_shift : q / size;
-    const int id = static_cast<const int*>(in.table)[row.base + page];
-    if (kTable == kTableBlock && id == in.null_block) return 0;
-    return static_cast<i64>(id) * static_cast<int>(size) + (q - page * size);
-  }
-  const i64 id = load_index(in.table, in.table_is_int64, row.base + page_of(in, p, offset));
-  if (kTable == kTableBlock && id == in.null_block) return 0;
-  return page_slot(in, id, offset);
+  SlotLookup<kTable> lookup;
+  lookup.start(in, row, p);
+  return lookup.slot(in, errors);
 }
 
 // ---- the batch scan --------------------------------------------------------------------------
@@ -222,13 +249,20 @@ __device__ __forceinline__ bool row_active(i64 rp) { return kTable > kTableVirtu
 // Row r's verify and write lengths: its window of the prefix inside its table row, and its new
 // tokens (0 for an inactive row).
 template <int kTable>
-__device__ __forceinline__ void row_lengths(const PlanInputs& in, i64 r, i64 rp, i64 prefix, i64 extend, i64& v, i64& w) {
+__device__ __forceinline__ void row_lengths(const PlanInputs& in, const TableRow& row, i64 rp, i64 prefix, i64 extend, i64& v,
+                                            i64& w) {
   v = w = 0;
   if (!row_active<kTable>(rp)) return;
-  const TableRow row = table_row<kTable>(in, r, rp);
   const i64 start = window_start(prefix, in.window), end = clamp64(prefix, 0, row.len);
   v = row.ok && end > start ? end - start : 0;
   w = extend > 0 ? extend : 0;
+}
+
+// ... of row r, its table row looked up only for an active row.
+template <int kTable>
+__device__ __forceinline__ void row_lengths(const PlanInputs& in, i64 r, i64 rp, i64 prefix, i64 extend, i64& v, i64& w) {
+  v = w = 0;
+  if (row_active<kTable>(rp)) row_lengths<kTable>(in, table_row<kTable>(in, r, rp), rp, prefix, extend, v, w);
 }
 
 // Loads kRows rows (req_pool_indices, prefix_lens, extend_seq_lens) spaced `stride` apart from
@@ -334,33 +368,35 @@ __device__ void scan_rows(const PlanInputs& in, i64 lo, i64 n, i64* voff, i64* w
 }
 
 // The per-request outputs of one row, in two steps: begin() loads the row (or start() takes it
-// loaded) and issues its seed gather, finish() (which waits for it) writes the verify and write
-// offsets (from the shared arrays, index r - base) and the seed, and returns the row's
-// out-of-range count.  Work issued between the two hides the gather's latency.
+// loaded, with its table row) and issues its seed gather and counts its out-of-range values,
+// finish() (which waits for the gather) writes the verify and write offsets (from the shared
+// arrays, index r - base) and the seed, and returns the row's out-of-range count.  Work issued
+// between the two hides the gather's latency.
 template <int kTable, bool kHasLut, bool kHasPool>
 struct RowOutput {
-  i64 r, rp, prefix, extend, seed_raw, errors;
+  i64 r, rp, seed_raw, errors;
   bool have;
 
   __device__ __forceinline__ void begin(const PlanInputs& in, i64 row, i64 hi) {
     const bool in_batch = row < hi;
-    start(in, row, in_batch, in_batch && in.req_pool_indices ? in.req_pool_indices[row] : 0,
-          in_batch ? in.prefix_lens[row] : 0, in_batch ? in.extend_seq_lens[row] : 0);
+    const i64 pool_index = in_batch && in.req_pool_indices ? in.req_pool_indices[row] : 0;
+    const bool active = in_batch && row_active<kTable>(pool_index);
+    start(in, row, in_batch, pool_index, in_batch ? in.prefix_lens[row] : 0, in_batch ? in.extend_seq_lens[row] : 0,
+          active ? table_row<kTable>(in, row, pool_index) : TableRow{});
   }
 
-  __device__ __forceinline__ void start(const PlanInputs& in, i64 row, bool in_batch, i64 pool_index, i64 prefix_len,
-                                        i64 extend_len) {
+  // `table`: the table row of an active row in the batch (else unused).
+  __device__ __forceinline__ void start(const PlanInputs& in, i64 row, bool in_batch, i64 pool_index, i64 prefix, i64 extend,
+                                        const TableRow& table) {
     r = row;
     have = in_batch;
     rp = pool_index;
-    prefix = prefix_len;
-    extend = extend_len;
     seed_raw = kNoSeed;
     errors = 0;
-    if (have && row_active<kTable>(rp) && prefix > 0 && extend > 0) {
-      const TableRow t = table_row<kTable>(in, r, rp);
-      if (t.ok && prefix <= t.len) seed_raw = table_slot<kTable>(in, t, prefix - 1, errors);
-    }
+    if (!have || !row_active<kTable>(rp)) return;
+    const bool prefix_ok = prefix >= 0 && prefix <= table.len;
+    errors = !table.ok + !prefix_ok + (extend < 0);
+    if (table.ok && prefix_ok && prefix > 0 && extend > 0) seed_raw = table_slot<kTable>(in, table, prefix - 1, errors);
   }
 
   __device__ __forceinline__ i64 finish(const PlanInputs& in, const PlanOutputs& out, const i64* voff, const i64* woff,
@@ -368,9 +404,6 @@ struct RowOutput {
     if (!have) return 0;
     i64 seed = -1;
     if (row_active<kTable>(rp)) {
-      const TableRow t = table_row<kTable>(in, r, rp);
-      const bool prefix_ok = prefix >= 0 && prefix <= t.len;
-      errors += !t.ok + !prefix_ok + (extend < 0);
       if (kHasPool) {
         const i64 lens = in.valid_lens[r];
         errors += lens < 0 || lens > in.pool_cols;
@@ -456,14 +489,79 @@ struct StoreEntries {
   }
 };
 
+// A request's row as expand_entries walks it.
+struct ExpandRow {
+  i64 pool_row;  // its row of the expected-token pool: its pool row (its batch row with a CSR table)
+  TableRow table;
+  i64 start;  // its window start: the position of its first verify entry
+};
+
+// Where expand_entries finds the row of the warp's first entry and takes a request's ExpandRow
+// (fetch: every lane calls it, converged; lanes with `need` take row r).  ReloadRows (any batch
+// size) searches the offsets and loads the row from global memory.
+template <int kTable>
+struct ReloadRows {
+  // The request of entry `begin` (the largest r < bs with offsets[r] <= begin), searched by the
+  // whole warp: each step probes 32 rows at once, so a batch of 20,000 requests takes three
+  // dependent loads.
+  __device__ __forceinline__ i64 first_row(const PlanInputs& in, const i64* offsets, i64 begin) const {
+    const int lane = threadIdx.x & 31;
+    i64 lo = 0, hi = in.bs;  // offsets[lo] <= begin < offsets[hi]
+    while (hi - lo > 1) {
+      const i64 stride = (hi - lo + 31) >> 5;
+      const i64 probe = lo + lane * stride;
+      const unsigned below = __ballot_sync(kFullMask, probe < hi && offsets[probe] <= begin);
+      lo += (31 - __clz(below)) * stride;  // lane 0 probes lo itself, so `below` is never empty
+      hi = min(hi, lo + stride);
+    }
+    return lo;
+  }
+
+  // A request with entries has a valid table row: its pool row is its table row.
+  __device__ __forceinline__ void fetch(const PlanInputs& in, i64 r, bool need, ExpandRow& row) const {
+    if (!need) return;
+    row.pool_row = kTable == kTablePagedKv ? r : in.req_pool_indices[r];
+    row.table = table_row<kTable>(in, r, row.pool_row);
+    row.start = window_start(in.prefix_lens[r], in.window);
+  }
+};
+
+// LaneRows (plan_small, a batch of at most 32 rows): lane i holds row i from its scan, so the
+// first row is a ballot over the lanes' offsets and a row comes from its lane by shuffle: no
+// global load between the scan and the table lookups.
+template <int kTable>
+struct LaneRows {
+  ExpandRow own;  // this lane's row (anything past the batch: never taken)
+  i64 offset;  // its verify offset (the batch's total past the batch)
+
+  __device__ __forceinline__ i64 first_row(const PlanInputs&, const i64*, i64 begin) const {
+    // Lanes past the batch hold the total, above begin; lane 0 holds 0 <= begin.
+    return 31 - __clz(__ballot_sync(kFullMask, offset <= begin));
+  }
+
+  __device__ __forceinline__ void fetch(const PlanInputs&, i64 r, bool need, ExpandRow& row) const {
+    if (!__any_sync(kFullMask, need)) return;  // the usual case past the first row: no shuffle to wait for
+    const int src = static_cast<int>(r);
+    ExpandRow got;
+    got.pool_row = __shfl_sync(kFullMask, own.pool_row, src);
+    got.table.base = __shfl_sync(kFullMask, own.table.base, src);
+    got.table.len = __shfl_sync(kFullMask, own.table.len, src);
+    got.table.ok = __shfl_sync(kFullMask, static_cast<int>(own.table.ok), src);
+    got.table.narrow = __shfl_sync(kFullMask, static_cast<int>(own.table.narrow), src);
+    got.start = __shfl_sync(kFullMask, own.start, src);
+    if (need) row = got;
+  }
+};
+
 // Expands verify entries [0, total) over the whole grid into `sink`.  Each warp takes a
 // contiguous range, Sink::kChunks chunks of 32 entries at a time: it first looks up every chunk's
 // slots (their loads all in flight together), then takes each entry's predecessor from the left
-// lane.  The warp finds the request of its first entry together, then each lane walks forward
-// with its request's table row cached in registers, so consecutive entries cost no search.
-template <int kTable, bool kHasLut, bool kHasPool, class Sink>
+// lane.  The warp finds the request of its first entry together (through `rows`, a ReloadRows or
+// LaneRows), then each lane walks forward over the offsets with its request's row cached in
+// registers, so consecutive entries cost no search.
+template <int kTable, bool kHasLut, bool kHasPool, class Sink, class Rows>
 __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, const i64* verify_offsets, i64 total,
-                               const Sink& sink) {
+                               const Sink& sink, const Rows& rows) {
   constexpr int kChunks = Sink::kChunks;
   const int lane = threadIdx.x & 31;
   const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -475,27 +573,14 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
   if (begin >= total) return;
   const i64 end = begin + per_warp < total ? begin + per_warp : total;
 
-  // The request of the warp's first entry (the largest r < bs with verify_offsets[r] <= begin),
-  // searched by the whole warp: each step probes 32 rows at once, so a batch of 20,000 requests
-  // takes three dependent loads.  Each lane then walks forward to its own entries.
-  i64 lo = 0, hi = in.bs;  // verify_offsets[lo] <= begin < verify_offsets[hi]
-  while (hi - lo > 1) {
-    const i64 stride = (hi - lo + 31) >> 5;
-    const i64 probe = lo + lane * stride;
-    const unsigned below = __ballot_sync(kFullMask, probe < hi && verify_offsets[probe] <= begin);
-    lo += (31 - __clz(below)) * stride;  // lane 0 probes lo itself, so `below` is never empty
-    hi = min(hi, lo + stride);
-  }
-  i64 r = lo;
+  i64 r = rows.first_row(in, verify_offsets, begin);
   i64 row_begin = verify_offsets[r], row_next = verify_offsets[r + 1];
-  // A request with entries has a valid table row: its pool row is its table row (batch row for CSR).
-  i64 pool_row = kTable == kTablePagedKv ? r : in.req_pool_indices[r];
-  TableRow row = table_row<kTable>(in, r, pool_row);
-  i64 start = window_start(in.prefix_lens[r], in.window);
+  ExpandRow row;
+  rows.fetch(in, r, true, row);
   i64 clamped = 0;
-  // The slot of position q of the current row, its out-of-range values counted into `errors`.
-  const auto slot_at = [&](i64 q, i64& errors) {
-    return swa_translate<kHasLut>(table_slot<kTable>(in, row, q, errors), in.lut, in.lut_len, errors);
+  // The slot of a lookup started at the current row, its out-of-range values counted into `errors`.
+  const auto slot_of = [&](const SlotLookup<kTable>& lookup, i64& errors) {
+    return swa_translate<kHasLut>(lookup.slot(in, errors), in.lut, in.lut_len, errors);
   };
   for (i64 first = begin; first < end; first += 32 * kChunks) {
     PlannedEntry e[kChunks];
@@ -505,26 +590,34 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
       const i64 t = first + 32 * k + lane;
       e[k] = PlannedEntry{t, 0, -1, 0, -1, t < end, false};
       slot_errors[k] = 0;
-      if (!e[k].live) continue;
-      if (t >= row_next) {  // verify_offsets[bs] == total > t ends the walk
+      const bool moves = e[k].live && t >= row_next;
+      if (moves) {  // verify_offsets[bs] == total > t ends the walk
         do row_next = verify_offsets[++r + 1]; while (t >= row_next);
         row_begin = verify_offsets[r];
-        pool_row = kTable == kTablePagedKv ? r : in.req_pool_indices[r];
-        row = table_row<kTable>(in, r, pool_row);
-        start = window_start(in.prefix_lens[r], in.window);
       }
-      const i64 p = start + (t - row_begin);
+      rows.fetch(in, r, moves, row);  // after the walk, converged
+      if (!e[k].live) continue;
+      const i64 p = row.start + (t - row_begin);
       e[k].position = p;
-      e[k].slot = slot_at(p, slot_errors[k]);
       e[k].prev_is_left_lane = lane > 0 && t > row_begin;  // entry t - 1 is position p - 1 of this row
       // A predecessor no lane holds (first entry of the chunk or of the row) is looked up while the
-      // walk is at this row; with one chunk per step, after the shuffle below, as the store-only
-      // plan always did (fewer registers live across the lookups).
-      if (kChunks > 1 && !e[k].prev_is_left_lane && p > 0) e[k].prev = slot_at(p - 1, clamped);
+      // walk is at this row.  With one chunk per step (the store-only plans) its load goes out with
+      // the entry's own: after the entry's slot, it would wait for the entry's load (a second
+      // dependent load on a small plan's path).  With several (a fused verify) registers are short
+      // (two lookups in flight per chunk spill): after the entry's slot.
+      const bool look_back = !e[k].prev_is_left_lane && p > 0;
+      SlotLookup<kTable> own, back;
+      own.start(in, row.table, p);
+      if (kChunks == 1 && look_back) back.start(in, row.table, p - 1);
+      e[k].slot = slot_of(own, slot_errors[k]);
+      if (look_back) {
+        if (kChunks > 1) back.start(in, row.table, p - 1);
+        e[k].prev = slot_of(back, clamped);
+      }
       if (kHasPool) {
         const i64 q = p + in.token_offset;
         const i64 limit = in.valid_lens[r] < in.pool_cols ? in.valid_lens[r] : in.pool_cols;
-        if (q >= 0 && q < limit) e[k].token = in.pool[pool_row * in.pool_stride + q];
+        if (q >= 0 && q < limit) e[k].token = in.pool[row.pool_row * in.pool_stride + q];
       }
     }
 #pragma unroll
@@ -539,8 +632,6 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
       if (e[k].prev_is_left_lane) {
         e[k].prev = left_slot;
         clamped += left_errors;
-      } else if (kChunks == 1 && e[k].position > 0) {
-        e[k].prev = slot_at(e[k].position - 1, clamped);
       }
     }
     sink(e);
@@ -571,7 +662,7 @@ __device__ __forceinline__ i64 plan_and_expand(const PlanInputs& in, const PlanO
   RowOutput<kTable, kHasLut, kHasPool> own;
   if (kEarlyRow) own.begin(in, lo + threadIdx.x, hi);
   const bool expand = total_v > 0 && total_v <= out.verify_capacity;
-  if (expand) expand_entries<kTable, kHasLut, kHasPool>(in, out, voff, total_v, sink);
+  if (expand) expand_entries<kTable, kHasLut, kHasPool>(in, out, voff, total_v, sink, ReloadRows<kTable>{});
   i64 errors = kEarlyRow ? own.finish(in, out, voff, woff, 0) : 0;
   errors += write_row_outputs<kTable, kHasLut, kHasPool>(in, out, voff, woff, 0, kEarlyRow ? lo + blockDim.x : lo, hi);
   if (blockIdx.x == 0) finish_plan(out, bs, total_v, total_w, previous);
@@ -603,8 +694,13 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_small(PlanInputs in, Pla
   const i64 previous = finisher && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
   RowGroup<1> g;
   g.load(in, lane, 32, bs);
+  const bool in_batch = lane < bs;
+  LaneRows<kTable> rows;
+  rows.own.pool_row = kTable == kTablePagedKv ? lane : g.rp[0];
+  rows.own.table = in_batch && row_active<kTable>(g.rp[0]) ? table_row<kTable>(in, lane, g.rp[0]) : TableRow{};
+  rows.own.start = window_start(g.prefix[0], in.window);
   i64 v = 0, w = 0;
-  if (lane < bs) row_lengths<kTable>(in, lane, g.rp[0], g.prefix[0], g.extend[0], v, w);
+  if (in_batch) row_lengths<kTable>(in, rows.own.table, g.rp[0], g.prefix[0], g.extend[0], v, w);
   i64 inc_v = v, inc_w = w;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -612,7 +708,8 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_small(PlanInputs in, Pla
     if (lane >= o) { inc_v += uv; inc_w += uw; }
   }
   // Lanes past the batch add nothing, so lane bs (bs < 32) holds the totals, as offsets[bs] must.
-  voff[lane] = inc_v - v;
+  rows.offset = inc_v - v;
+  voff[lane] = rows.offset;
   woff[lane] = inc_w - w;
   const i64 total_v = __shfl_sync(kFullMask, inc_v, 31), total_w = __shfl_sync(kFullMask, inc_w, 31);
   if (lane == 0) {
@@ -622,8 +719,10 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_small(PlanInputs in, Pla
   __syncwarp();
   const bool writes_rows = finisher && warp == 0;
   RowOutput<kTable, kHasLut, kHasPool> own;
-  if (writes_rows) own.start(in, lane, lane < bs, g.rp[0], g.prefix[0], g.extend[0]);  // its seed gather overlaps the expansion
-  if (total_v > 0 && total_v <= out.verify_capacity) expand_entries<kTable, kHasLut, kHasPool>(in, out, voff, total_v, StoreEntries{out});
+  // Its seed gather overlaps the expansion.
+  if (writes_rows) own.start(in, lane, in_batch, g.rp[0], g.prefix[0], g.extend[0], rows.own.table);
+  if (total_v > 0 && total_v <= out.verify_capacity)
+    expand_entries<kTable, kHasLut, kHasPool>(in, out, voff, total_v, StoreEntries{out}, rows);
   const i64 errors = writes_rows ? own.finish(in, out, voff, woff, 0) : 0;
   if (finisher) finish_plan(out, bs, total_v, total_w, previous);
   warp_add(out.out_of_range_count, errors);
@@ -772,7 +871,8 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_offsets(PlanInputs in, P
 template <int kTable, bool kHasLut, bool kHasPool>
 __global__ void plan_entries(PlanInputs in, PlanOutputs out) {
   const i64 total = out.verify_offsets[in.bs];
-  if (total > 0 && *out.enable != 0) expand_entries<kTable, kHasLut, kHasPool>(in, out, out.verify_offsets, total, StoreEntries{out});
+  if (total > 0 && *out.enable != 0) expand_entries<kTable, kHasLut, kHasPool>(in, out, out.verify_offsets, total, StoreEntries{out},
+                                                                                     ReloadRows<kTable>{});
 }
 
 }  // namespace kvcanary
