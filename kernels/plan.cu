@@ -702,11 +702,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_small(PlanInputs in, Pla
   i64 v = 0, w = 0;
   if (in_batch) row_lengths<kTable>(in, rows.own.table, g.rp[0], g.prefix[0], g.extend[0], v, w);
   i64 inc_v = v, inc_w = w;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const i64 uv = __shfl_up_sync(kFullMask, inc_v, o), uw = __shfl_up_sync(kFullMask, inc_w, o);
-    if (lane >= o) { inc_v += uv; inc_w += uw; }
-  }
+  warp_inclusive_scan(inc_v, inc_w);
   // Lanes past the batch add nothing, so lane bs (bs < 32) holds the totals, as offsets[bs] must.
   rows.offset = inc_v - v;
   voff[lane] = rows.offset;
@@ -797,8 +793,10 @@ __device__ __forceinline__ void plan_offsets_one_pass(const PlanInputs& in, cons
   const i64 r = lo + threadIdx.x;
   RowGroup<1> g;
   g.load(in, r, 0, hi);
+  const bool in_share = r < hi;
+  const TableRow table = in_share && row_active<kTable>(g.rp[0]) ? table_row<kTable>(in, r, g.rp[0]) : TableRow{};
   i64 v = 0, w = 0;
-  if (r < hi) row_lengths<kTable>(in, r, g.rp[0], g.prefix[0], g.extend[0], v, w);
+  if (in_share) row_lengths<kTable>(in, table, g.rp[0], g.prefix[0], g.extend[0], v, w);
   i64 inc_v = v, inc_w = w;
   warp_inclusive_scan(inc_v, inc_w);
   i64 before_v, before_w, total_v, total_w;
@@ -810,10 +808,10 @@ __device__ __forceinline__ void plan_offsets_one_pass(const PlanInputs& in, cons
   }
   if (lo >= hi && !finisher) return;
   RowOutput<kTable, kHasLut, kHasPool> own;
-  own.start(in, r, r < hi, g.rp[0], g.prefix[0], g.extend[0]);
+  own.start(in, r, in_share, g.rp[0], g.prefix[0], g.extend[0], table);
   i64 carry_v = 0, carry_w = 0;
   if (!(state && wait_earlier_totals(state, blockIdx.x, flag, carry_v, carry_w))) sum_rows<kTable>(in, 0, lo, carry_v, carry_w);
-  if (r < hi) {  // the shared arrays hold the share's rows: read back by this thread alone
+  if (in_share) {  // the shared arrays hold the share's rows: read back by this thread alone
     voff[threadIdx.x] = carry_v + before_v + inc_v - v;
     woff[threadIdx.x] = carry_w + before_w + inc_w - w;
   }
