@@ -536,8 +536,10 @@ def plan_and_verify(
                                   "; a batch too large for one plan launch on this GPU takes plan + verify through "
                                   "out[0]'s entry arrays, which must hold verify_capacity entries")
         targets = _targets(context[0], context[1], written=False)
-        verify_args = VerifyArgs(targets, *(None,) * len(VERIFY_ENTRY_FIELDS), args.out.verify_num_valid, args.out.enable,
-                                 bool(check_expected_token), context[1], _log_views(log))
+        verify_args = VerifyArgs(targets=targets, **dict.fromkeys(VERIFY_ENTRY_FIELDS),
+                                 verify_num_valid=args.out.verify_num_valid, enable=args.out.enable,
+                                 check_expected_token=bool(check_expected_token), real_kv_hash_mode=context[1],
+                                 log=_log_views(log))
         if strict:
             strict_checks.check_plan(args, verify_capacity=c.verify_capacity)
         backend.plan_verify(PlanVerifyArgs(args, verify_args, c.verify_capacity))

@@ -21,7 +21,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .backends import ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS, LogViews, StageArgs, StageLayout, get_backend
+from .backends import (ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_INPUT_FIELDS, LogViews, StageArgs, StageLayout,
+                       get_backend)
 from .constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
 from .errors import CanaryHealthError, CanaryViolationError, fail, public_api
 from .interop import allocate, backend_view, import_cupy, placement_of, stream_is_capturing
@@ -446,12 +447,7 @@ class CanarySession:
         vp, wp = planner.verify_plan, planner.write_plan
         args = StageArgs(
             log=LogViews(**{k: view(v, f"log.{k}") for k, v in self.log.arrays().items()}),
-            verify_slot_indices=view(vp.verify_slot_indices, "verify_slot_indices"),
-            verify_expected_tokens=view(vp.verify_expected_tokens, "verify_expected_tokens"),
-            verify_expected_positions=view(vp.verify_expected_positions, "verify_expected_positions"),
-            verify_prev_slot_indices=view(vp.verify_prev_slot_indices, "verify_prev_slot_indices"),
-            verify_num_valid=view(vp.verify_num_valid, "verify_num_valid"),
-            enable=view(vp.enable, "enable"),
+            **{k: view(getattr(vp, k), k) for k in VERIFY_INPUT_FIELDS},
             plan_out_of_range_count=view(vp.out_of_range_count, "out_of_range_count"),
             verify_offsets=view(wp.verify_offsets, "verify_offsets"),
             write_num_valid_reqs=view(wp.write_num_valid_reqs, "write_num_valid_reqs"),

@@ -22,6 +22,8 @@ from ..plans import VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 PlanOutputs = NamedTuple("PlanOutputs", [(f.name, Any) for f in VERIFY_PLAN_FIELDS + WRITE_PLAN_FIELDS])
 # The VerifyPlan's per-entry arrays (the rest are its counters).
 VERIFY_ENTRY_FIELDS = tuple(f.name for f in VERIFY_PLAN_FIELDS if f.per_request == 0)
+# The VerifyPlan's arrays a verify (and a staging) reads: all but the plan's own out-of-range counter.
+VERIFY_INPUT_FIELDS = tuple(f.name for f in VERIFY_PLAN_FIELDS if f.name != "out_of_range_count")
 
 
 class TableView(NamedTuple):
@@ -94,17 +96,10 @@ class WriteArgs(NamedTuple):
     log: LogViews
 
 
-class VerifyArgs(NamedTuple):
-    targets: tuple  # of CanaryTarget, 1 to MAX_CANARY_BUFFERS
-    verify_slot_indices: Any  # [vcap] int64
-    verify_expected_tokens: Any  # [vcap] int64
-    verify_expected_positions: Any  # [vcap] int64
-    verify_prev_slot_indices: Any  # [vcap] int64
-    verify_num_valid: Any  # [1] int32
-    enable: Any  # [1] int32
-    check_expected_token: bool
-    real_kv_hash_mode: int
-    log: LogViews
+# targets: tuple of CanaryTarget, 1 to MAX_CANARY_BUFFERS; then one view per VERIFY_INPUT_FIELDS
+# (dtype and length as plans.VERIFY_PLAN_FIELDS gives them); then the verify's options and the log.
+VerifyArgs = NamedTuple("VerifyArgs", [("targets", tuple), *((k, Any) for k in VERIFY_INPUT_FIELDS),
+                                       ("check_expected_token", bool), ("real_kv_hash_mode", int), ("log", LogViews)])
 
 
 class PlanVerifyArgs(NamedTuple):
@@ -168,22 +163,17 @@ class StageLayout(NamedTuple):
         return self.attribution + self.attribution_capacity * len(ATTRIBUTION)
 
 
-class StageArgs(NamedTuple):
-    """What one staging reads and writes: the log, one plan and the session's marks and record."""
-
-    log: LogViews
-    verify_slot_indices: Any  # [vcap] int64
-    verify_expected_tokens: Any  # [vcap] int64
-    verify_expected_positions: Any  # [vcap] int64
-    verify_prev_slot_indices: Any  # [vcap] int64
-    verify_num_valid: Any  # [1] int32
-    enable: Any  # [1] int32
-    plan_out_of_range_count: Any  # [1] int64
-    verify_offsets: Any  # [wcap+1] int64
-    write_num_valid_reqs: Any  # [1] int32
-    marks: Any  # [num_slots] int64: the stamp of the last staging whose ring named the slot
-    staging: Any  # [layout.size] int64
-    layout: StageLayout
+StageArgs = NamedTuple("StageArgs", [
+    ("log", LogViews),
+    *((k, Any) for k in VERIFY_INPUT_FIELDS),  # the VerifyPlan's, as in VerifyArgs
+    ("plan_out_of_range_count", Any),  # [1] int64: the VerifyPlan's out_of_range_count
+    ("verify_offsets", Any),  # [wcap+1] int64
+    ("write_num_valid_reqs", Any),  # [1] int32
+    ("marks", Any),  # [num_slots] int64: the stamp of the last staging whose ring named the slot
+    ("staging", Any),  # [layout.size] int64
+    ("layout", StageLayout),
+])
+StageArgs.__doc__ = "What one staging reads and writes: the log, one plan and the session's marks and record."
 
 
 def get_backend(name: str):
