@@ -179,36 +179,45 @@ def test_cupy_graph_replays_the_scan_state_of_the_two_launch_plan(bound, monkeyp
     assert (flags[:cupy_backend._sm_count(0)] == 4).all() and not flags[cupy_backend._sm_count(0):].any()  # one per replay
 
 
-def replay_in_cupy_graph(engine, steps, want) -> int:
-    """Capture one step of ``engine`` in a cupy.cuda.Graph, replay it over ``steps`` and compare
-    each replay with NumPy's snapshot (``want``); returns the number of replays."""
+def capture_in_cupy_graph(engine, first_inputs, in_capture=lambda: None):
+    """Capture one step of ``engine`` (its buffers holding ``first_inputs``) in a cupy.cuda.Graph,
+    calling ``in_capture()`` before the capture ends.  Returns the capture stream and
+    ``replay(inputs)``, which copies ``inputs`` in and replays the graph on that stream, waiting."""
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        engine.fill(steps[0])
+        engine.fill(first_inputs)
         stream.begin_capture()
         engine.step()
+        in_capture()
         graph = stream.end_capture()
-        for inputs, expected in zip(steps, want):
+
+    def replay(inputs):
+        with stream:  # the new inputs are copied on the stream the graph replays on
             engine.fill(inputs)
             graph.launch(stream)
             stream.synchronize()
-            assert_snapshots_equal(engine.snapshot(), expected)
-    return len(steps)
+
+    return stream, replay
 
 
-@pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
-@pytest.mark.parametrize("table", TABLES)
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_torch_graph_capture_and_replay(shape, table, bound):
+def replay_in_cupy_graph(engine, steps, want) -> int:
+    """Capture one step of ``engine`` in a cupy.cuda.Graph, replay it over ``steps`` and compare
+    each replay with NumPy's snapshot (``want``); returns the number of replays."""
+    return check_replays(engine, steps, want, capture_in_cupy_graph(engine, steps[0])[1])
+
+
+def capture_in_torch_graph(engine, first_inputs, in_capture=lambda: None):
+    """torch's recommended warm-up (one step on a side stream, then the log and canary cleared),
+    then one step of ``engine`` captured in a torch.cuda.CUDAGraph, calling ``in_capture()`` before
+    the capture ends.  Returns ``replay(inputs)``, as :func:`capture_in_cupy_graph`'s."""
     import torch
 
-    steps, want, engine = _prepare(get_backend_or_skip("torch_cuda"), shape, table=table, bound=bound)
-    engine.fill(steps[0])
+    engine.fill(first_inputs)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # torch's recommended warm-up on a side stream
+    with torch.cuda.stream(side):
         engine.step()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
@@ -217,11 +226,31 @@ def test_torch_graph_capture_and_replay(shape, table, bound):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         engine.step()
-    for inputs, expected in zip(steps, want):
+        in_capture()
+
+    def replay(inputs):  # on torch's current stream, which the graph replays on
         engine.fill(inputs)
         graph.replay()
         torch.cuda.synchronize()
+
+    return replay
+
+
+def check_replays(engine, steps, want, replay) -> int:
+    """``replay`` each of ``steps`` and compare the engine with NumPy's snapshot after it
+    (``want``); returns the number of replays."""
+    for inputs, expected in zip(steps, want):
+        replay(inputs)
         assert_snapshots_equal(engine.snapshot(), expected)
+    return len(steps)
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
+@pytest.mark.parametrize("table", TABLES)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_torch_graph_capture_and_replay(shape, table, bound):
+    steps, want, engine = _prepare(get_backend_or_skip("torch_cuda"), shape, table=table, bound=bound)
+    assert check_replays(engine, steps, want, capture_in_torch_graph(engine, steps[0])) == len(steps)
 
 
 @pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
@@ -306,20 +335,15 @@ def test_cupy_capture_refuses_copies_and_allocations():
     refusals = capture_refusals(engine)
     refusals.append((r"kv-canary would copy input_ids \(it has negative strides\)",
                      lambda: kc.write(engine.canary, engine.wp, engine.ids[::-1], engine.pos, engine.loc, log=engine.log)))
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        engine.fill(steps[0])
-        stream.begin_capture()
-        engine.step()
+
+    def in_capture():
         _assert_refused(refusals)
-        assert stream.is_capturing()
-        graph = stream.end_capture()
+        assert cupy.cuda.get_current_stream().is_capturing()
+
+    stream, replay = capture_in_cupy_graph(engine, steps[0], in_capture)
+    with stream:  # CuPy's pool is per stream: the bystanders may take what a copy in the capture freed
         bystanders = [cupy.full(n, 7, cupy.int64) for n in (engine.tokens, 2 * engine.tokens, 64, 4096)]
-        for inputs, expected in zip(steps, want):
-            engine.fill(inputs)
-            graph.launch(stream)
-            stream.synchronize()
-            assert_snapshots_equal(engine.snapshot(), expected)
+    assert check_replays(engine, steps, want, replay) == len(steps)
     assert all(bool((b == 7).all()) for b in bystanders)
 
 
@@ -328,26 +352,14 @@ def test_torch_capture_refuses_copies_and_allocations():
 
     steps, want, engine = _prepare(get_backend_or_skip("torch_cuda"), "fused", n=3)
     refusals = capture_refusals(engine)
-    engine.fill(steps[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        engine.step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    engine.log.reset()
-    engine.canary.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        engine.step()
+
+    def in_capture():
         _assert_refused(refusals)
         assert torch.cuda.is_current_stream_capturing()
+
+    replay = capture_in_torch_graph(engine, steps[0], in_capture)
     bystanders = [torch.full((n,), 7, dtype=torch.int64, device="cuda") for n in (engine.tokens, 64, 4096)]
-    for inputs, expected in zip(steps, want):
-        engine.fill(inputs)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_snapshots_equal(engine.snapshot(), expected)
+    assert check_replays(engine, steps, want, replay) == len(steps)
     assert all(bool((b == 7).all()) for b in bystanders)
 
 
