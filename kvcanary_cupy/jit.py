@@ -72,6 +72,15 @@ FAMILIES = {
 }
 
 
+# The kernels launched with the plan's scan arrays as dynamic shared memory
+# (cupy_backend.plan_scan_config): past 48 KiB (about 3,000 rows a block) a launch needs its
+# kernel opted in first.  Each is opted in, to all a block of the device may take, when it is
+# loaded (kc.warmup() loads every kernel): no launch, captured or not, ever makes that driver call.
+# (Raising the limit per launch size would also leave it at the last size set, too low for a
+# larger launch.)
+LARGE_SHARED_MEM_KERNELS = frozenset({"plan_fused", "plan_offsets", "plan_verify"})
+
+
 def _template_arg(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -83,6 +92,11 @@ def kernel_name(kernel: str, *args) -> str:
     if not args:
         return f"kvcanary::{kernel}"
     return f"kvcanary::{kernel}<{', '.join(_template_arg(a) for a in args)}>"
+
+
+def kernel_of(name: str) -> str:
+    """The kernel of a name expression: ``plan_fused`` for ``kvcanary::plan_fused<1, true, false>``."""
+    return name.partition("<")[0].removeprefix("kvcanary::")
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,17 +136,31 @@ _functions: dict = {}
 
 
 def get_function(family: str, name: str):
-    """The compiled kernel ``name`` of ``family`` for the current CUDA device (compiled once)."""
+    """The compiled kernel ``name`` of ``family`` for the current CUDA device (compiled and
+    loaded once; one of LARGE_SHARED_MEM_KERNELS is opted in as it is loaded)."""
     cupy = import_cupy()
-    key = (cupy.cuda.Device().id, family, name)
+    device = cupy.cuda.Device().id
+    key = (device, family, name)
     fn = _functions.get(key)
     if fn is None:
         with _lock:
             fn = _functions.get(key)
             if fn is None:
                 fn = _compile(family).get_function(name)
+                if kernel_of(name) in LARGE_SHARED_MEM_KERNELS:
+                    _allow_all_shared_mem(fn, device)
                 _functions[key] = fn
     return fn
+
+
+def _allow_all_shared_mem(fn, device: int) -> None:
+    """Lets ``fn`` take as much dynamic shared memory as a block of ``device`` may opt into."""
+    cupy = import_cupy()
+    driver = cupy.cuda.driver
+    ptr = fn.kernel.ptr
+    static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, ptr)
+    optin = cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
+    driver.funcSetAttribute(ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static)
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,7 +176,8 @@ def _compile(family: str):
 def warmup(device=None) -> None:
     """Compile and load every kernel variant on ``device`` (default: the current one).
 
-    Call it before capturing a CUDA graph so no compilation happens inside the capture.
+    Call it before capturing a CUDA graph so no compilation (and no kernel's shared-memory
+    opt-in) happens inside the capture.
     """
     cupy = import_cupy()
     with cupy.cuda.Device(device):

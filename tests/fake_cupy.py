@@ -19,6 +19,7 @@ Used by ``tests/test_launchers.py``, ``tests/test_session_launchers.py`` and
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -98,9 +99,14 @@ class FakeDevice:
     recorded while it is set stay pending (``done`` False) until synchronised or :meth:`complete`.
     ``emulated``: kernel name -> a function of the launch's argument bytes run at the launch
     (needs ``record_bytes``); ``on_copy``: a function of ``(dst, src, nbytes)`` run after each
-    copy (a stand-in for what the device would have written)."""
+    copy (a stand-in for what the device would have written).  Kernels are loaded through the
+    library's own ``jit.get_function`` (a fake module per family, a cache of this device's own);
+    ``attributes_set`` lists each kernel attribute the driver was asked to set, as ``(kernel,
+    attribute, value, whether the current stream was capturing)``."""
 
     SM_COUNT = 132
+    SHARED_MEM_OPTIN = 232_448  # an H200's MaxSharedMemoryPerBlockOptin
+    STATIC_SHARED_MEM = 2_000  # every kernel's static shared memory, bytes
     PLAN_SCAN_MAX_ROWS = 14_400  # an H200's opt-in shared memory in pairs of int64 offsets
 
     def __init__(self, record_bytes: bool = True):
@@ -115,6 +121,8 @@ class FakeDevice:
         self.hold_events = False
         self.capture_queries = 0
         self.emulated: dict = {}
+        self.kernels: list[str] = []  # kernel name by function pointer
+        self.attributes_set: list[tuple] = []
         self.on_copy = None
         self.current = [FakeStream(self, "main")]
         self._created = {"stream": 0, "event": 0}
@@ -160,7 +168,8 @@ class FakeDevice:
         class Device:
             def __init__(self, device_id=None):
                 self.id = 0 if device_id is None else device_id
-                self.attributes = {"MultiProcessorCount": FakeDevice.SM_COUNT}
+                self.attributes = {"MultiProcessorCount": FakeDevice.SM_COUNT,
+                                   "MaxSharedMemoryPerBlockOptin": FakeDevice.SHARED_MEM_OPTIN}
 
             def __enter__(self):
                 return self
@@ -173,7 +182,8 @@ class FakeDevice:
 
         class Function:
             def __init__(self, name):
-                self.name = name
+                self.name, self.ptr = name, len(device.kernels)
+                device.kernels.append(name)
 
             def __call__(self, grid, block, args, stream=None, **kwargs):
                 args = tuple(bytes(np.asarray(a).tobytes()) for a in args) if device.record_bytes else ()
@@ -185,9 +195,19 @@ class FakeDevice:
                     emulate(args)
 
         class RawKernel(Function):
-            @property
+            @functools.cached_property
             def kernel(self):
                 return Function(self.name)
+
+        class RawModule:
+            get_function = RawKernel
+
+        def set_attribute(fn, attribute, value):
+            self.attributes_set.append((self.kernels[fn], attribute, value, self.current[-1].capturing))
+
+        def get_attribute(attribute, fn):
+            assert attribute == self.cupy.cuda.driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, attribute
+            return FakeDevice.STATIC_SHARED_MEM
 
         monkeypatch.setattr(self.cupy, "empty", lambda shape, dtype=float: self.asarray(np.zeros(shape, dtype)))
         monkeypatch.setattr(self.cupy, "full", lambda shape, fill, dtype=None: self.asarray(np.full(shape, fill, dtype)))
@@ -211,12 +231,13 @@ class FakeDevice:
         monkeypatch.setattr(self.cupy.cuda.runtime, "memcpyAsync", memcpy_async)
         monkeypatch.setattr(self.cupy.cuda.runtime, "getDevice", lambda: 0)
         monkeypatch.setattr(interop, "is_capturing", lambda placement: False)  # no stream to ask
-        monkeypatch.setattr(jit, "get_function", lambda family, name: RawKernel(name))
-        monkeypatch.setattr(cupy_backend, "get_function", lambda family, name: RawKernel(name))
+        monkeypatch.setattr(jit, "_compile", lambda family: RawModule())
+        monkeypatch.setattr(jit, "_functions", {})
+        monkeypatch.setattr(self.cupy.cuda.driver, "funcSetAttribute", set_attribute)
+        monkeypatch.setattr(self.cupy.cuda.driver, "funcGetAttribute", get_attribute)
         monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: FakeDevice.SM_COUNT)
         monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block: 4)
         monkeypatch.setattr(cupy_backend, "plan_scan_max_rows", lambda device_id: FakeDevice.PLAN_SCAN_MAX_ROWS)
-        monkeypatch.setattr(cupy_backend, "_allow_shared_mem", lambda *args: None)
         if self.record_bytes:  # the arguments as one-element NumPy views, whose bytes can be read back
             monkeypatch.setattr(cupy_backend, "_CPointer", None)
 

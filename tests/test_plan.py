@@ -604,40 +604,64 @@ def test_strict_lut_checks_match_the_counted_lookups(ab, seed):
         run_plan(ab, rp, prefix, extend, rtt.astype(np.int32), strict=True, **kw)
 
 
-def test_plan_launches_past_48_kib_of_shared_memory_opt_in_once_to_the_device_limit(monkeypatch):
+def test_scan_kernels_opt_in_to_the_device_limit_once_as_they_load_never_at_a_launch():
     """A plan kernel's launches past 48 KiB of dynamic shared memory rely on one opt-in per kernel
-    and device, to all a block may take: batches that shrink and then grow again (a server's batch
-    size moving around 3,000-4,096 requests) never launch above the limit set."""
-    cupy = pytest.importorskip("cupy")
-    from kvcanary_cupy.backends import cupy_backend
+    and device, to all a block may take, made as kc.warmup() loads it: a later launch, captured or
+    not, of any batch size (a server's batch moving around 3,000-4,096 requests, or a first large
+    batch met inside a capture) makes no driver call; kernels without the scan arrays are left as
+    they are."""
+    pytest.importorskip("cupy")
+    from fake_cupy import FakeDevice, fake_device
+    from kvcanary_cupy import jit
+    from kvcanary_cupy.backends import cupy_backend as cb
 
-    optin, static, calls = 232_448, 600, []
+    with fake_device(record_bytes=False) as dev:
+        kc.warmup()
+        driver = dev.cupy.cuda.driver
+        limit = FakeDevice.SHARED_MEM_OPTIN - FakeDevice.STATIC_SHARED_MEM
+        expected = sorted((name, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, limit, False)
+                          for spec in jit.FAMILIES.values() for name in spec.instantiations()
+                          if jit.kernel_of(name) in jit.LARGE_SHARED_MEM_KERNELS)
+        assert sorted(dev.attributes_set) == expected
+        assert {jit.kernel_of(e[0]) for e in expected} == {"plan_fused", "plan_offsets", "plan_verify"}
+        assert len(expected) == 4 * (4 + 4 + 16)  # per table kind: plan_fused, plan_offsets, plan_verify variants
 
-    class Kernel:
-        ptr = 1234
+        dev.current[-1].capturing = True  # a capture of plans too large for 48 KiB, for each plan path
+        a = dev.asarray
+        for bs in (cb.PLAN_FUSED_MAX_ROWS, 48 * 1024 // 16 * FakeDevice.SM_COUNT + 1):
+            rtt = a(np.arange(2 * bs + 2, dtype=np.int32).reshape(bs + 1, 2))
+            args = (a(np.arange(1, bs + 1, dtype=np.int64)), a(np.zeros(bs, np.int64)), a(np.ones(bs, np.int64)), rtt)
+            canary, log = a(np.zeros((2 * bs + 2, 4), np.int64)), kc.ViolationLog.allocate(4, like=rtt)
+            out = (kc.VerifyPlan.allocate(bs, like=rtt), kc.WritePlan.allocate(bs, like=rtt))
+            dev.launches.clear()
+            kc.plan(*args, verify_capacity=bs, out=out)
+            kc.plan_and_verify(*args, canary, log=log, verify_capacity=bs, out=out)
+            kc.CanaryPlanner(kc.CanaryCapacities(bs, bs), like=rtt).plan(*args)
+            assert {jit.kernel_of(launch.name) for launch in dev.launches} >= (
+                {"plan_fused", "plan_verify"} if bs <= cb.PLAN_FUSED_MAX_ROWS else {"plan_offsets"})
+        assert len(dev.attributes_set) == len(expected)  # none while capturing
 
-    class Function:
-        kernel = Kernel()
 
-    class Device:
-        def __init__(self, device_id=None):
-            self.attributes = {"MaxSharedMemoryPerBlockOptin": optin}
+def test_scan_launches_fit_the_opt_in_and_only_scan_kernels_take_dynamic_shared_memory(monkeypatch):
+    """Every plan launch with dynamic shared memory is of a kernel that opts in as it loads
+    (jit.LARGE_SHARED_MEM_KERNELS), within the opt-in: the largest scan tile plus the static
+    arrays PLAN_SCAN_RESERVED_SMEM keeps."""
+    pytest.importorskip("cupy")
+    from kvcanary_cupy import jit
+    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.tables import TableKind
 
-    driver = cupy.cuda.driver
-    monkeypatch.setattr(cupy_backend, "get_function", lambda family, name: Function())
-    monkeypatch.setattr(cupy_backend, "_device_id", lambda: 7)
-    monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: 132)
-    monkeypatch.setattr(cupy.cuda, "Device", Device)
-    monkeypatch.setattr(driver, "funcGetAttribute", lambda attribute, fn: static)
-    monkeypatch.setattr(driver, "funcSetAttribute", lambda fn, attribute, value: calls.append((fn, attribute, value)))
-    cupy_backend._allow_shared_mem.cache_clear()
-    try:
-        configs = [cupy_backend.plan_scan_config("plan_x", "k", rows) for rows in (4000, 3100, 100, 4096)]
-    finally:
-        cupy_backend._allow_shared_mem.cache_clear()
-    assert [c.shared_mem for c in configs] == [(rows + 1) * 16 for rows in (4000, 3100, 100, 4096)]
-    assert calls == [(1234, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static)]
-    assert max(c.shared_mem for c in configs) + static <= optin
+    optin = 232_448
+    monkeypatch.setattr(cb, "_device_id", lambda: 0)
+    monkeypatch.setattr(cb, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(cb, "plan_scan_max_rows", lambda device_id: (optin - cb.PLAN_SCAN_RESERVED_SMEM) // 16 - 1)
+    monkeypatch.setattr(cb, "resident_blocks_per_sm", lambda device_id, family, name, block: 4)
+    launches = [launch for kind in TableKind for bs in (5, 3000, 4096, 4097, 10**6, 10**8)
+                for launch in (*cb.plan_kernels(kind, bs, bs, True, True),
+                               *([] if cb.plan_verify_stores_entries(bs) else [cb.plan_verify_kernel(kind, bs, bs, True, True, True, True)]))]
+    shared = {jit.kernel_of(name): config.shared_mem for _, name, config in launches if config.shared_mem}
+    assert set(shared) == jit.LARGE_SHARED_MEM_KERNELS
+    assert max(shared.values()) > 48 * 1024 and max(shared.values()) + cb.PLAN_SCAN_RESERVED_SMEM <= optin
 
 
 def test_plan_path_and_grid_follow_the_shapes(monkeypatch):
@@ -652,7 +676,6 @@ def test_plan_path_and_grid_follow_the_shapes(monkeypatch):
     monkeypatch.setattr(cb, "_device_id", lambda: 0)
     monkeypatch.setattr(cb, "_sm_count", lambda device_id: 132)
     monkeypatch.setattr(cb, "plan_scan_max_rows", lambda device_id: 1000)
-    monkeypatch.setattr(cb, "_allow_shared_mem", lambda device_id, family, name: None)
 
     def launches(bs, capacity):
         return [(name.split("<")[0].split("::")[1], config)

@@ -181,27 +181,11 @@ def plan_scan_max_rows(device_id: int) -> int:
     return (optin - PLAN_SCAN_RESERVED_SMEM) // 16 - 1
 
 
-@functools.lru_cache(maxsize=None)
-def _allow_shared_mem(device_id: int, family: str, name: str) -> None:
-    """Lets kernel ``name`` take as much dynamic shared memory as a block may opt into (past 48 KiB
-    needs the opt-in), once per device: every launch then takes what it needs below that.  (Raising
-    the limit per launch size would leave it at the last size set, too low for a larger launch.)"""
-    cupy = import_cupy()
-    driver = cupy.cuda.driver
-    fn = get_function(family, name).kernel.ptr
-    static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn)
-    optin = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
-    driver.funcSetAttribute(fn, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static)
-
-
-def plan_scan_config(family: str, name: str, rows: int, blocks: int | None = None) -> LaunchConfig:
+def plan_scan_config(rows: int, blocks: int | None = None) -> LaunchConfig:
     """``blocks`` (default: one per SM) of PLAN_THREADS, with the scan's shared arrays for ``rows``
-    rows as dynamic shared memory (the kernel reads its tile size from it)."""
-    device = _device_id()
-    shared_mem = (rows + 1) * 16
-    if shared_mem > 48 * 1024:
-        _allow_shared_mem(device, family, name)
-    return LaunchConfig(blocks or _sm_count(device), PLAN_THREADS, shared_mem)
+    rows as dynamic shared memory (the kernel reads its tile size from it).  Past 48 KiB this
+    relies on the kernel's opt-in, made as it was loaded (jit.LARGE_SHARED_MEM_KERNELS)."""
+    return LaunchConfig(blocks or _sm_count(_device_id()), PLAN_THREADS, (rows + 1) * 16)
 
 
 def plan_one_launch_blocks(verify_capacity: int, spare: int = 0) -> int:
@@ -423,11 +407,11 @@ def plan_kernels(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_po
         return ((family, name, LaunchConfig(plan_one_launch_blocks(verify_capacity, spare=int(verify_capacity > 0)), PLAN_THREADS)),)
     if bs <= PLAN_FUSED_MAX_ROWS:
         name = kernel_name("plan_fused", *template_args)
-        return ((family, name, plan_scan_config(family, name, bs, plan_one_launch_blocks(verify_capacity))),)
+        return ((family, name, plan_scan_config(bs, plan_one_launch_blocks(verify_capacity))),)
     name = kernel_name("plan_offsets", *template_args)
     device = _device_id()
     tile_rows = min(-(-bs // _sm_count(device)), plan_scan_max_rows(device))
-    offsets = (family, name, plan_scan_config(family, name, tile_rows))
+    offsets = (family, name, plan_scan_config(tile_rows))
     if verify_capacity == 0:  # a zero-capacity plan expands nothing
         return (offsets,)
     name = kernel_name("plan_entries", *template_args)
@@ -497,7 +481,7 @@ def plan_verify_kernel(kind: int, bs: int, verify_capacity: int, has_lut: bool, 
     and expansion, with a grid sized by the verify capacity)."""
     family = step_family(kind)
     name = kernel_name("plan_verify", int(kind), has_lut, has_pool, check_token, real_kv)
-    return family, name, plan_scan_config(family, name, bs, plan_one_launch_blocks(verify_capacity))
+    return family, name, plan_scan_config(bs, plan_one_launch_blocks(verify_capacity))
 
 
 def plan_verify_launch(a: PlanVerifyArgs) -> KernelLaunch:
