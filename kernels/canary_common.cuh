@@ -162,6 +162,22 @@ __device__ __forceinline__ CanaryRecord load_record(const CanaryBuffer& c, i64 s
   return r;
 }
 
+// The fields of slot `slot`'s record that slot_hash reads (real_kv_hash left 0): a predecessor's
+// record needs no more, and a verify that gathers many at once saves the registers.
+__device__ __forceinline__ CanaryRecord load_hashed_fields(const CanaryBuffer& c, i64 slot) {
+  const i64* row = c.data + slot * c.fields;
+  CanaryRecord r;
+  if (c.vec) {
+    const longlong2 a = *reinterpret_cast<const longlong2*>(row);
+    r.token = a.x; r.position = a.y;
+  } else {
+    r.token = row[0]; r.position = row[1];
+  }
+  r.prev_hash = row[2];
+  r.real_kv_hash = 0;
+  return r;
+}
+
 __device__ __forceinline__ void store_record(const CanaryBuffer& c, i64 slot, const CanaryRecord& r) {
   i64* row = c.data + slot * c.fields;
   if (c.vec) {
@@ -191,16 +207,13 @@ __device__ __forceinline__ i64 verify_entry_errors(i64 slot, i64 prev, i64 num_s
 // against the anchor instead; 0 or out of range: no chain check).
 __device__ __forceinline__ bool chain_checked(bool ok, i64 prev, i64 num_slots) { return ok && prev > 0 && prev < num_slots; }
 
-// Checks the record `r` of entry `slot` (loaded when `ok`: 0 < slot < num_slots; slot 0, the
-// padding slot, is never checked) against its position, its expected token (-1: unchecked), its
-// real KV and the hash of its predecessor `prev` (see chain_checked).  With `prev_hash_known`,
-// `prev_hash` is the hash of slot prev's record, which the caller has (a neighbouring lane loaded
-// the record, or the caller did ahead); else it is loaded here.  A violation goes to the ring;
-// every lane of a converged warp calls this.  Returns whether the entry violates.
-template <bool kCheckToken, bool kHasRealKv>
-__device__ __forceinline__ bool check_verify_entry(const CanaryBuffer& canary, const RealKvSources& sources, int kind,
-                                                   const LaunchLog& log, bool ok, i64 slot, const CanaryRecord& r,
-                                                   i64 prev, bool prev_hash_known, u64 prev_hash, i64 position, i64 token) {
+// check_verify_entry with the fold of the entry's real KV done by the caller: `real_kv` is
+// real_kv_fold of the slot (0 without real-KV sources or for an entry not `ok`), so the caller
+// picks when the fold's registers are live.
+template <bool kCheckToken>
+__device__ __forceinline__ bool check_folded_entry(const CanaryBuffer& canary, int kind, const LaunchLog& log, bool ok, i64 slot,
+                                                   const CanaryRecord& r, i64 prev, bool prev_hash_known, u64 prev_hash,
+                                                   i64 position, i64 token, u64 real_kv) {
   u64 expected_chain = static_cast<u64>(r.prev_hash);
   if (prev < 0) {
     expected_chain = kAnchorHash;
@@ -211,12 +224,26 @@ __device__ __forceinline__ bool check_verify_entry(const CanaryBuffer& canary, c
   i64 bits = 0;
   if (static_cast<u64>(r.prev_hash) != expected_chain) bits |= kVerifyChainHashMismatch;
   if (r.position != position) bits |= kVerifyPositionMismatch;
-  const u64 real_kv = kHasRealKv && ok ? real_kv_fold(sources, slot) : 0;
   if (static_cast<u64>(r.real_kv_hash) != real_kv) bits |= kVerifyRealKvHashMismatch;
   if (kCheckToken && expected_token != -1 && r.token != expected_token) bits |= kVerifyTokenMismatch;
   const bool hit = ok && bits != 0;
   log.append_rows(hit, kind, slot, r.position, r.token, expected_token, r.prev_hash, static_cast<i64>(expected_chain), bits);
   return hit;
+}
+
+// Checks the record `r` of entry `slot` (loaded when `ok`: 0 < slot < num_slots; slot 0, the
+// padding slot, is never checked) against its position, its expected token (-1: unchecked), its
+// real KV and the hash of its predecessor `prev` (see chain_checked).  With `prev_hash_known`,
+// `prev_hash` is the hash of slot prev's record, which the caller has (a neighbouring lane loaded
+// the record, or the caller did ahead); else it is loaded here.  A violation goes to the ring;
+// every lane of a converged warp calls this.  Returns whether the entry violates.
+template <bool kCheckToken, bool kHasRealKv>
+__device__ __forceinline__ bool check_verify_entry(const CanaryBuffer& canary, const RealKvSources& sources, int kind,
+                                                   const LaunchLog& log, bool ok, i64 slot, const CanaryRecord& r,
+                                                   i64 prev, bool prev_hash_known, u64 prev_hash, i64 position, i64 token) {
+  const u64 real_kv = kHasRealKv && ok ? real_kv_fold(sources, slot) : 0;
+  return check_folded_entry<kCheckToken>(canary, kind, log, ok, slot, r, prev, prev_hash_known, prev_hash, position, token,
+                                         real_kv);
 }
 
 // Element i of an index array that is int32 or int64 (engine tables come in either).

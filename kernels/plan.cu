@@ -468,15 +468,21 @@ __device__ __forceinline__ i64 scan_tile_rows() {
 // prev_is_left_lane the predecessor is entry t - 1, the left lane's entry of the same chunk.  A
 // lane past the warp's range (live false) holds slot 0, prev -1 and token -1.
 struct PlannedEntry {
-  i64 t, slot, prev, position, token;
+  i64 t, slot, prev, position;
+  int token;  // -1 or an entry of the int32 pool (int: a register less across a verifying sink)
   bool live, prev_is_left_lane;
 };
 
 // Where expand_entries hands the entries, kChunks chunks of a warp at a time (every lane calls it,
 // converged).  StoreEntries keeps them in the VerifyPlan, a chunk at a time (more chunks per step
-// only made the store-only plan slower); a fused verify checks them at once instead.
+// only made the store-only plan slower); a fused verify checks them instead.  Registers a sink
+// that gathers records cannot spare, a storing one can: kEarlyRowOutput, plan_and_expand starts
+// each thread's first per-request output before the expansion (live across it); kPairedLookups,
+// expand_entries has an entry's slot lookup and its predecessor's in flight together.
 struct StoreEntries {
   static constexpr int kChunks = 1;
+  static constexpr bool kEarlyRowOutput = true;
+  static constexpr bool kPairedLookups = true;
   const PlanOutputs& out;
 
   __device__ __forceinline__ void operator()(const PlannedEntry (&chunks)[kChunks]) const {
@@ -601,17 +607,17 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
       e[k].position = p;
       e[k].prev_is_left_lane = lane > 0 && t > row_begin;  // entry t - 1 is position p - 1 of this row
       // A predecessor no lane holds (first entry of the chunk or of the row) is looked up while the
-      // walk is at this row.  With one chunk per step (the store-only plans) its load goes out with
-      // the entry's own: after the entry's slot, it would wait for the entry's load (a second
-      // dependent load on a small plan's path).  With several (a fused verify) registers are short
-      // (two lookups in flight per chunk spill): after the entry's slot.
+      // walk is at this row.  With a sink that can spare the registers (Sink::kPairedLookups: the
+      // store-only plans) its load goes out with the entry's own: after the entry's slot, it would
+      // wait for the entry's load (a second dependent load on a small plan's path).  A fused
+      // verify is short of registers (two lookups in flight spill): after the entry's slot.
       const bool look_back = !e[k].prev_is_left_lane && p > 0;
       SlotLookup<kTable> own, back;
       own.start(in, row.table, p);
-      if (kChunks == 1 && look_back) back.start(in, row.table, p - 1);
+      if (Sink::kPairedLookups && look_back) back.start(in, row.table, p - 1);
       e[k].slot = slot_of(own, slot_errors[k]);
       if (look_back) {
-        if (kChunks > 1) back.start(in, row.table, p - 1);
+        if (!Sink::kPairedLookups) back.start(in, row.table, p - 1);
         e[k].prev = slot_of(back, clamped);
       }
       if (kHasPool) {
@@ -639,35 +645,56 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
   warp_add(out.out_of_range_count, clamped);
 }
 
+// `v`, as a value the compiler cannot relate to any other: what is computed from it is computed
+// afresh, not carried in registers from an earlier computation of the same.
+__device__ __forceinline__ i64 opaque(i64 v) {
+  asm volatile("" : "+l"(v));
+  return v;
+}
+
+// Rows [lo, hi) of the batch: block b's share of the per-request outputs of a one-launch plan.
+__device__ __forceinline__ void block_row_share(i64 bs, i64& lo, i64& hi) {
+  const i64 share = (bs + gridDim.x - 1) / gridDim.x;
+  lo = min(bs, blockIdx.x * share);
+  hi = min(bs, lo + share);
+}
+
 // The body of a one-launch plan (the whole batch fits the shared arrays; launched with
 // plan_fused's config): every block scans the batch on its own, expands its share of the entries
 // into `sink` from the offsets in its shared memory (unless they exceed the verify capacity),
 // then writes the per-request outputs of its share of the rows.  Returns the number of entries
-// expanded (over the whole grid; 0 when none are).
+// expanded (over the whole grid; 0 when none are).  What only the work after the expansion uses
+// (the earlier batch size, the totals, the shared arrays' addresses, the row share) is kept out of
+// registers across it: the expansion and a verifying sink need every register they can get.
 template <int kTable, bool kHasLut, bool kHasPool, class Sink>
 __device__ __forceinline__ i64 plan_and_expand(const PlanInputs& in, const PlanOutputs& out, const Sink& sink) {
-  extern __shared__ i64 smem[];
-  const i64 bs = in.bs;
-  i64* voff = smem;
-  i64* woff = smem + bs + 1;
-  // Read first, used last: the batch size the earlier plan wrote (block 0 overwrites it).
-  const i64 previous = blockIdx.x == 0 && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
+  extern __shared__ i64 smem[];  // the verify offsets [bs + 1], then the write offsets [bs + 1]
+  __shared__ int previous;  // the batch size the earlier plan wrote (block 0, thread 0)
+  // Read first (block 0 overwrites it), kept in shared memory once the scan is done.
+  const int earlier = blockIdx.x == 0 && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
   i64 total_v = 0, total_w = 0;
-  scan_rows<kTable>(in, 0, bs, voff, woff, total_v, total_w);
-  // This block's share of the per-request outputs.  With a sink of one chunk per step, the first
-  // row of each thread starts now, so its seed gather overlaps the expansion; a sink of several
-  // chunks needs those registers for its own gathers.
-  const i64 share = (bs + gridDim.x - 1) / gridDim.x, lo = min(bs, blockIdx.x * share), hi = min(bs, lo + share);
-  constexpr bool kEarlyRow = Sink::kChunks == 1;
+  scan_rows<kTable>(in, 0, in.bs, smem, smem + in.bs + 1, total_v, total_w);
+  if (threadIdx.x == 0) previous = earlier;
+  // With a sink that asks for it (StoreEntries), the first row of each thread's share starts now,
+  // so its seed gather overlaps the expansion; a verifying sink needs those registers for its own
+  // gathers.
+  constexpr bool kEarlyRow = Sink::kEarlyRowOutput;
   RowOutput<kTable, kHasLut, kHasPool> own;
-  if (kEarlyRow) own.begin(in, lo + threadIdx.x, hi);
-  const bool expand = total_v > 0 && total_v <= out.verify_capacity;
-  if (expand) expand_entries<kTable, kHasLut, kHasPool>(in, out, voff, total_v, sink, ReloadRows<kTable>{});
+  i64 lo, hi;
+  if (kEarlyRow) {
+    block_row_share(in.bs, lo, hi);
+    own.begin(in, lo + threadIdx.x, hi);
+  }
+  if (total_v > 0 && total_v <= out.verify_capacity)
+    expand_entries<kTable, kHasLut, kHasPool>(in, out, smem, total_v, sink, ReloadRows<kTable>{});
+  const i64 bs = opaque(in.bs);
+  const i64 *voff = smem, *woff = smem + bs + 1, total = voff[bs];
+  if (!kEarlyRow) block_row_share(bs, lo, hi);
   i64 errors = kEarlyRow ? own.finish(in, out, voff, woff, 0) : 0;
   errors += write_row_outputs<kTable, kHasLut, kHasPool>(in, out, voff, woff, 0, kEarlyRow ? lo + blockDim.x : lo, hi);
-  if (blockIdx.x == 0) finish_plan(out, bs, total_v, total_w, previous);
+  if (blockIdx.x == 0) finish_plan(out, bs, total, woff[bs], previous);
   warp_add(out.out_of_range_count, errors);
-  return expand ? total_v : 0;
+  return total > 0 && total <= out.verify_capacity ? total : 0;
 }
 
 template <int kTable, bool kHasLut, bool kHasPool>

@@ -1,7 +1,6 @@
 // The fused decode step's first launch: plan + verify in one kernel (README "The fused decode
-// step").  The plan's expansion hands each warp's 32-entry chunks of verify entries, several at a
-// time, to a VerifySink, which checks them at once as canary_verify would: the entries never
-// touch memory.
+// step").  The plan's expansion hands each warp's 32-entry chunks of verify entries to a
+// VerifySink, which checks them as canary_verify would: the entries never touch memory.
 // The per-request outputs (the WritePlan) and the VerifyPlan's counters (verify_num_valid,
 // enable, out_of_range_count) are written as plan_fused writes them; the entry arrays are not.
 // Instantiated per table kind, like the plan kernels; a batch too large for plan_fused takes
@@ -10,72 +9,79 @@
 
 namespace kvcanary {
 
-// Checks the entries of kChunks chunks at once against one canary buffer (check_verify_entry, as
-// canary_verify does) and counts, in the caller's registers, the out-of-range values and the
-// violations.  The check is latency-bound (table lookup, then record gather, per entry), so the
-// expansion issues every chunk's lookups before any chunk's gathers, and every chunk's record
-// loads are issued here before any is checked, beside the loads of the predecessors that no lane
-// of the chunk holds (the first entry of a chunk or of a request).  Any other entry's predecessor
-// is the left lane's entry, whose record comes by shuffle within the chunk; each lane hashes its
-// predecessor's record once.  kChunks: as many as fit 128 registers a thread without spilling
-// (the real-KV fold and the expected tokens take theirs).
+// plan_verify blocks an SM holds at once (mirrored by PLAN_VERIFY_BLOCKS_PER_SM in
+// cupy_backend.py): the launch bounds cap a thread at 64 registers, so that a small batch's plan
+// can run two blocks per SM (more warps in flight for the latency-bound check).
+constexpr int kPlanVerifyBlocksPerSm = 2;
+
+// Checks the entries of kChunks chunks at once against one canary buffer (as canary_verify does)
+// and adds the out-of-range values and the violations to the log's counters (a warp's atomic
+// only when it found any: no counter held in registers across the expansion).  The check is
+// latency-bound (table lookup, then record gather, per entry): every chunk's real-KV folds come
+// first (their registers are free again before the records arrive), then every chunk's record
+// loads are issued before any is checked, beside the loads of the predecessors that no lane of
+// the chunk holds (the first entry of a chunk or of a request).  Any other entry's predecessor is
+// the left lane's entry, whose record's hash comes by shuffle.  kChunks = 1: a thread fits 64
+// registers without spilling (kPlanVerifyBlocksPerSm), for every table kind and flag; more
+// chunks per step spill there.
 template <bool kCheckToken, bool kHasRealKv>
 struct VerifySink {
-  static constexpr int kChunks = kHasRealKv ? 2 : kCheckToken ? 3 : 4;
+  static constexpr int kChunks = 1;
+  static constexpr bool kEarlyRowOutput = false;
+  static constexpr bool kPairedLookups = !kCheckToken;  // with it, block / page tables with a LUT and a pool spill
   const CanaryBuffer& canary;
   const RealKvSources& sources;
   int kind;
   const LaunchLog& log;
-  i64& errors;
-  i64& violations;
 
   __device__ __forceinline__ void operator()(const PlannedEntry (&e)[kChunks]) const {
     const i64 num_slots = canary.num_slots;
     constexpr CanaryRecord kNone{0, 0, 0, 0};
     bool ok[kChunks];
     CanaryRecord rec[kChunks], loaded_prev[kChunks];
+    u64 real_kv[kChunks];
+    i64 errors = 0, violations = 0;
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {  // a dead lane holds slot 0: never checked, no out-of-range value
       errors += verify_entry_errors(e[k].slot, e[k].prev, num_slots);
       ok[k] = e[k].slot > 0 && e[k].slot < num_slots;
-      rec[k] = ok[k] ? load_record(canary, e[k].slot) : kNone;
+      real_kv[k] = kHasRealKv && ok[k] ? real_kv_fold(sources, e[k].slot) : 0;
     }
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) rec[k] = ok[k] ? load_record(canary, e[k].slot) : kNone;
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
       const bool own = !e[k].prev_is_left_lane && chain_checked(ok[k], e[k].prev, num_slots);
-      loaded_prev[k] = own ? load_record(canary, e[k].prev) : kNone;
+      loaded_prev[k] = own ? load_hashed_fields(canary, e[k].prev) : kNone;
     }
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
       if (!__any_sync(kFullMask, e[k].live)) break;  // past the warp's range: so are the later chunks
-      CanaryRecord before = loaded_prev[k];
-      const i64 left_token = __shfl_up_sync(kFullMask, rec[k].token, 1);
-      const i64 left_position = __shfl_up_sync(kFullMask, rec[k].position, 1);
-      const i64 left_prev_hash = __shfl_up_sync(kFullMask, rec[k].prev_hash, 1);
-      if (e[k].prev_is_left_lane) before = CanaryRecord{left_token, left_position, left_prev_hash, 0};
-      violations += check_verify_entry<kCheckToken, kHasRealKv>(canary, sources, kind, log, ok[k], e[k].slot, rec[k], e[k].prev,
-                                                                true, slot_hash(before), e[k].position, e[k].token);
+      const u64 left_hash = __shfl_up_sync(kFullMask, slot_hash(rec[k]), 1);
+      const u64 before = e[k].prev_is_left_lane ? left_hash : slot_hash(loaded_prev[k]);
+      violations += check_folded_entry<kCheckToken>(canary, kind, log, ok[k], e[k].slot, rec[k], e[k].prev, true, before,
+                                                    e[k].position, e[k].token, real_kv[k]);
     }
+    warp_add(log.out_of_range_counters + kind, errors);
+    warp_add(log.violation_counters + kind, violations);
   }
 };
 
 // Plan (as plan_fused) and verify of canary buffer 0 of `targets` (as canary_verify with one
-// buffer); launched with plan_fused's configuration.  The verify's counters: one kernel run and
-// the entries checked (none when the plan exceeds out.verify_capacity: enable is then 0), by one
-// thread; the out-of-range entry values and the violations, added once per warp.
+// buffer); launched like plan_fused, but with up to kPlanVerifyBlocksPerSm blocks per SM for a
+// small batch (the host decides).  The verify's counters: one kernel run and the entries checked
+// (none when the plan exceeds out.verify_capacity: enable is then 0), by one thread; the
+// out-of-range entry values and the violations, by the sink.
 template <int kTable, bool kHasLut, bool kHasPool, bool kCheckToken, bool kHasRealKv>
-__global__ void __launch_bounds__(kPlanThreads, 1)
+__global__ void __launch_bounds__(kPlanThreads, kPlanVerifyBlocksPerSm)
     plan_verify(PlanInputs in, PlanOutputs out, const __grid_constant__ CanaryTargets targets, LaunchLog log) {
   const int kind = targets.kind[0];
-  i64 errors = 0, violations = 0;
   const i64 entries = plan_and_expand<kTable, kHasLut, kHasPool>(
-      in, out, VerifySink<kCheckToken, kHasRealKv>{targets.canary[0], targets.sources[0], kind, log, errors, violations});
+      in, out, VerifySink<kCheckToken, kHasRealKv>{targets.canary[0], targets.sources[0], kind, log});
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     atomicAdd(log.kernel_run_counters + kind, 1ULL);
     if (entries > 0) atomicAdd(log.slot_run_counters + kind, static_cast<unsigned long long>(entries));
   }
-  warp_add(log.out_of_range_counters + kind, errors);
-  warp_add(log.violation_counters + kind, violations);
 }
 
 }  // namespace kvcanary
