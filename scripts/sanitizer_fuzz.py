@@ -89,7 +89,7 @@ def main():
     # The fused plan_and_verify step (one canary buffer: multi-buffer cases are left out), likewise,
     # on its usual grid (a warp per 32 entries) and on one block (each warp many chunks).
     fused = [case for case in map(make_case, range(args.first, args.first + args.cases // 2)) if case.buffers == 1]
-    one_block = mock.patch.object(cupy_backend, "plan_one_launch_blocks", lambda verify_capacity, spare=0: 1)
+    one_block = mock.patch.object(cupy_backend, "plan_one_launch_blocks", lambda verify_capacity, spare=0, per_sm=1: 1)
     for grid, patch in (("usual grid", contextlib.nullcontext()), ("one block", one_block)):
         with patch:
             for case in fused:

@@ -166,6 +166,7 @@ def test_launch_constants_match_the_kernels():
 
     assert _cuh_constant("kPlanThreads", "plan.cu") == cb.PLAN_THREADS
     assert _cuh_constant("kPlanSmallRows", "plan.cu") == cb.PLAN_SMALL_MAX_ROWS
+    assert _cuh_constant("kPlanVerifyBlocksPerSm", "step.cu") == cb.PLAN_VERIFY_BLOCKS_PER_SM
     assert _cuh_constant("kScanStateTiles", "plan.cu") == kc.plans.SCAN_STATE_TILES
     assert _cuh_constant("kScatterMaxGroupRows", "scatter.cu") == cb.SCATTER_MAX_GROUP_ROWS
     assert _cuh_constant("kVerifyThreads", "verify.cu") == cb.VERIFY_THREADS

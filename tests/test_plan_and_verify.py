@@ -217,7 +217,7 @@ def test_gpu_warps_walk_many_chunks_and_requests(monkeypatch):
     ab = get_backend_or_skip("cupy")
     from kvcanary_cupy.backends import cupy_backend
 
-    monkeypatch.setattr(cupy_backend, "plan_one_launch_blocks", lambda verify_capacity, spare=0: 1)
+    monkeypatch.setattr(cupy_backend, "plan_one_launch_blocks", lambda verify_capacity, spare=0, per_sm=1: 1)
     for seed in range(60):
         case = _fused_case(seed)
         assert_same(run_case(NUMPY, case, step="decode"), run_case(ab, case, step="fused"), context=f"seed {seed}")
@@ -248,8 +248,9 @@ def test_gpu_batches_past_one_launch_take_plan_then_verify(backend, monkeypatch)
 @pytest.mark.parametrize("bs", [0, 5, 32, 33, 256, 4096, 4097])
 def test_launches_follow_the_plan_paths_on_a_fake_device(bs):
     """Up to PLAN_FUSED_MAX_ROWS requests: one launch of plan_verify with plan_fused's grid for the
-    verify capacity (plan_small's batches too: the fused step always scans block-wide) and the
-    capacity in its outputs; past it: exactly plan's launches then verify's, over out[0]'s entries."""
+    verify capacity (plan_small's batches too: the fused step always scans block-wide; up to two
+    blocks per SM where plan_fused takes one, below) and the capacity in its outputs; past it:
+    exactly plan's launches then verify's, over out[0]'s entries."""
     pytest.importorskip("cupy")
     from fake_cupy import fake_device
     from kvcanary_cupy.backends import cupy_backend as cb
@@ -269,7 +270,7 @@ def test_launches_follow_the_plan_paths_on_a_fake_device(bs):
         vp, _ = kc.plan(*args, verify_capacity=vcap, out=out if stores else (kc.VerifyPlan.allocate(vcap, like=canary), out[1]))
         kc.verify(canary, vp, log=log)
         unfused = list(dev.launches)
-        grid = (cb.plan_one_launch_blocks(vcap),)  # on the fake device's SM count
+        grid = (cb.plan_one_launch_blocks(vcap, per_sm=cb.plan_verify_blocks_per_sm(bs)),)  # the fake device's SMs
     if stores:
         assert fused == unfused
         return
@@ -279,6 +280,34 @@ def test_launches_follow_the_plan_paths_on_a_fake_device(bs):
     assert np.frombuffer(launch.args[1], cb.PLAN_OUTPUTS)["verify_capacity"][0] == vcap
     if bs > cb.PLAN_SMALL_MAX_ROWS:  # the same grid as plan_fused's
         assert launch.grid == unfused[0].grid and unfused[0].name.startswith("kvcanary::plan_fused<")
+
+
+def test_small_batches_run_two_blocks_per_sm(monkeypatch):
+    """plan_verify's grid: a block per PLAN_THREADS entries of verify capacity, at most two per SM
+    up to PLAN_VERIFY_PACKED_MAX_ROWS requests (its launch bounds let an SM hold two), one per SM
+    beyond (every block scans every row), with the scan's shared arrays for the batch."""
+    pytest.importorskip("cupy")
+    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.tables import TableKind
+
+    monkeypatch.setattr(cb, "_device_id", lambda: 0)
+    monkeypatch.setattr(cb, "_sm_count", lambda device_id: 132)
+
+    def config(bs, capacity):
+        family, name, config = cb.plan_verify_kernel(TableKind.REQ_TO_TOKEN, bs, capacity, False, False, False, False)
+        assert (family, name) == ("step_req_to_token", "kvcanary::plan_verify<0, false, false, false, false>")
+        return config
+
+    threads, packed = cb.PLAN_THREADS, cb.PLAN_VERIFY_PACKED_MAX_ROWS
+    assert (cb.PLAN_VERIFY_BLOCKS_PER_SM, packed) == (2, 1024)
+    assert config(0, 0) == cb.LaunchConfig(1, threads, 16)
+    assert config(256, 100 * threads) == cb.LaunchConfig(100, threads, 257 * 16)
+    assert config(256, 200 * threads) == cb.LaunchConfig(200, threads, 257 * 16)
+    assert config(256, 524_288) == cb.LaunchConfig(264, threads, 257 * 16)  # W1's 256 decodes of ~2,048 tokens
+    assert config(packed, 10**9) == cb.LaunchConfig(264, threads, (packed + 1) * 16)
+    assert config(packed + 1, 10**9) == cb.LaunchConfig(132, threads, (packed + 2) * 16)
+    assert config(4096, 200 * threads) == cb.LaunchConfig(132, threads, 4097 * 16)
+    assert [cb.plan_verify_blocks_per_sm(bs) for bs in (0, 1, packed, packed + 1, 4096)] == [2, 2, 2, 1, 1]
 
 
 def test_arguments_are_checked_before_anything_is_written():

@@ -129,7 +129,7 @@ class LaunchConfig(NamedTuple):
     shared_mem: int = 0  # dynamic shared memory, bytes
 
 
-PLAN_THREADS = 512  # kPlanThreads in plan.cu: plan_small, plan_fused, plan_offsets and plan_verify blocks, one per SM
+PLAN_THREADS = 512  # kPlanThreads in plan.cu: plan_small, plan_fused, plan_offsets and plan_verify blocks
 PLAN_SMALL_MAX_ROWS = 32  # kPlanSmallRows in plan.cu: a batch of up to this many requests takes plan_small
 PLAN_FUSED_MAX_ROWS = 4096  # ... else up to this many plan in one launch (plan_fused)
 # A two-launch plan of at least this many requests has its blocks exchange their shares' totals
@@ -137,6 +137,12 @@ PLAN_FUSED_MAX_ROWS = 4096  # ... else up to this many plan in one launch (plan_
 # H200 the latter costs about 0.5 us per 1,000 requests (3.7 us at 256, 5.9 at 4,500, 12.0 at
 # 20,000), the state a flat 4.4-4.8 us up to 20,000.
 PLAN_SCAN_STATE_MIN_ROWS = 2_000
+PLAN_VERIFY_BLOCKS_PER_SM = 2  # kPlanVerifyBlocksPerSm in step.cu: plan_verify's launch bounds
+# plan_verify of up to this many requests runs up to PLAN_VERIFY_BLOCKS_PER_SM blocks per SM: its
+# check is latency-bound and gains from the warps; a larger batch runs one block per SM, as
+# plan_fused (every block scans every row, which the extra blocks only repeat: the H200 ran 4,096
+# requests slower at two).
+PLAN_VERIFY_PACKED_MAX_ROWS = 1024
 PLAN_SCAN_RESERVED_SMEM = 2048  # bytes of a scan block's shared memory kept for its static arrays
 THREADS = 256  # plan_entries and scatter blocks
 VERIFY_THREADS = 256  # kVerifyThreads in verify.cu
@@ -188,13 +194,14 @@ def plan_scan_config(rows: int, blocks: int | None = None) -> LaunchConfig:
     return LaunchConfig(blocks or _sm_count(_device_id()), PLAN_THREADS, (rows + 1) * 16)
 
 
-def plan_one_launch_blocks(verify_capacity: int, spare: int = 0) -> int:
+def plan_one_launch_blocks(verify_capacity: int, spare: int = 0, per_sm: int = 1) -> int:
     """Blocks of a one-launch plan: enough for a warp per 32 entries of the verify capacity, plus
     ``spare`` (plan_small's last block writes the per-request outputs beside the expansion), at
-    least one and at most one per SM.  The expansion gives each warp at least 32 entries, so
-    more blocks would only repeat the scan (and add to the launch)."""
+    least one and at most ``per_sm`` per SM (as many as an SM holds at once: one wave).  The
+    expansion gives each warp at least 32 entries, so more blocks would only repeat the scan (and
+    add to the launch)."""
     per_block = PLAN_THREADS  # 32 entries for each of its PLAN_THREADS // 32 warps
-    return max(1, min(_sm_count(_device_id()), -(-verify_capacity // per_block) + spare))
+    return max(1, min(per_sm * _sm_count(_device_id()), -(-verify_capacity // per_block) + spare))
 
 
 def write_config(name: str, write_req_capacity: int, num_buffers: int) -> LaunchConfig:
@@ -474,14 +481,21 @@ def plan_verify_stores_entries(bs: int) -> bool:
     return bs > PLAN_FUSED_MAX_ROWS
 
 
+def plan_verify_blocks_per_sm(bs: int) -> int:
+    """plan_verify's most blocks per SM for ``bs`` requests (PLAN_VERIFY_PACKED_MAX_ROWS)."""
+    return PLAN_VERIFY_BLOCKS_PER_SM if bs <= PLAN_VERIFY_PACKED_MAX_ROWS else 1
+
+
 def plan_verify_kernel(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool, check_token: bool,
                        real_kv: bool) -> tuple:
     """``(family, kernel name, LaunchConfig)`` of the fused plan + verify of ``bs`` requests (a
     batch that does not :func:`plan_verify_stores_entries`): plan_fused's configuration (its scan
-    and expansion, with a grid sized by the verify capacity)."""
+    and expansion, with a grid sized by the verify capacity), up to
+    :func:`plan_verify_blocks_per_sm` blocks per SM."""
     family = step_family(kind)
     name = kernel_name("plan_verify", int(kind), has_lut, has_pool, check_token, real_kv)
-    return family, name, plan_scan_config(bs, plan_one_launch_blocks(verify_capacity))
+    blocks = plan_one_launch_blocks(verify_capacity, per_sm=plan_verify_blocks_per_sm(bs))
+    return family, name, plan_scan_config(bs, blocks)
 
 
 def plan_verify_launch(a: PlanVerifyArgs) -> KernelLaunch:
