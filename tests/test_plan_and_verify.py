@@ -270,7 +270,7 @@ def test_launches_follow_the_plan_paths_on_a_fake_device(bs):
         vp, _ = kc.plan(*args, verify_capacity=vcap, out=out if stores else (kc.VerifyPlan.allocate(vcap, like=canary), out[1]))
         kc.verify(canary, vp, log=log)
         unfused = list(dev.launches)
-        grid = (cb.plan_one_launch_blocks(vcap, per_sm=cb.plan_verify_blocks_per_sm(bs)),)  # the fake device's SMs
+        grid = (cb.plan_one_launch_blocks(vcap, per_sm=cb.plan_verify_blocks_per_sm(bs, vcap)),)  # the fake device's SMs
     if stores:
         assert fused == unfused
         return
@@ -284,8 +284,9 @@ def test_launches_follow_the_plan_paths_on_a_fake_device(bs):
 
 def test_small_batches_run_two_blocks_per_sm(monkeypatch):
     """plan_verify's grid: a block per PLAN_THREADS entries of verify capacity, at most two per SM
-    up to PLAN_VERIFY_PACKED_MAX_ROWS requests (its launch bounds let an SM hold two), one per SM
-    beyond (every block scans every row), with the scan's shared arrays for the batch."""
+    when the capacity holds PLAN_VERIFY_PACKED_MIN_ENTRIES_PER_ROW entries per request (its launch
+    bounds let an SM hold two), else one per SM (every block scans every row), with the scan's
+    shared arrays for the batch."""
     pytest.importorskip("cupy")
     from kvcanary_cupy.backends import cupy_backend as cb
     from kvcanary_cupy.tables import TableKind
@@ -298,16 +299,16 @@ def test_small_batches_run_two_blocks_per_sm(monkeypatch):
         assert (family, name) == ("step_req_to_token", "kvcanary::plan_verify<0, false, false, false, false>")
         return config
 
-    threads, packed = cb.PLAN_THREADS, cb.PLAN_VERIFY_PACKED_MAX_ROWS
-    assert (cb.PLAN_VERIFY_BLOCKS_PER_SM, packed) == (2, 1024)
+    threads, per_row = cb.PLAN_THREADS, cb.PLAN_VERIFY_PACKED_MIN_ENTRIES_PER_ROW
+    assert (cb.PLAN_VERIFY_BLOCKS_PER_SM, per_row) == (2, 1024)
     assert config(0, 0) == cb.LaunchConfig(1, threads, 16)
     assert config(256, 100 * threads) == cb.LaunchConfig(100, threads, 257 * 16)
-    assert config(256, 200 * threads) == cb.LaunchConfig(200, threads, 257 * 16)
     assert config(256, 524_288) == cb.LaunchConfig(264, threads, 257 * 16)  # W1's 256 decodes of ~2,048 tokens
-    assert config(packed, 10**9) == cb.LaunchConfig(264, threads, (packed + 1) * 16)
-    assert config(packed + 1, 10**9) == cb.LaunchConfig(132, threads, (packed + 2) * 16)
-    assert config(4096, 200 * threads) == cb.LaunchConfig(132, threads, 4097 * 16)
-    assert [cb.plan_verify_blocks_per_sm(bs) for bs in (0, 1, packed, packed + 1, 4096)] == [2, 2, 2, 1, 1]
+    assert config(256, 256 * per_row - 1) == cb.LaunchConfig(132, threads, 257 * 16)
+    assert config(4096, 4096 * per_row) == cb.LaunchConfig(264, threads, 4097 * 16)
+    assert config(4096, 557_056) == cb.LaunchConfig(132, threads, 4097 * 16)  # W5's 4,096 decodes of ~136 tokens
+    assert [cb.plan_verify_blocks_per_sm(bs, cap) for bs, cap in ((0, 0), (0, per_row), (1, per_row - 1), (1, per_row),
+                                                                  (32, 32 * 512), (4096, 10**9))] == [1, 2, 1, 2, 1, 2]
 
 
 def test_arguments_are_checked_before_anything_is_written():

@@ -138,11 +138,11 @@ PLAN_FUSED_MAX_ROWS = 4096  # ... else up to this many plan in one launch (plan_
 # 20,000), the state a flat 4.4-4.8 us up to 20,000.
 PLAN_SCAN_STATE_MIN_ROWS = 2_000
 PLAN_VERIFY_BLOCKS_PER_SM = 2  # kPlanVerifyBlocksPerSm in step.cu: plan_verify's launch bounds
-# plan_verify of up to this many requests runs up to PLAN_VERIFY_BLOCKS_PER_SM blocks per SM: its
-# check is latency-bound and gains from the warps; a larger batch runs one block per SM, as
-# plan_fused (every block scans every row, which the extra blocks only repeat: the H200 ran 4,096
-# requests slower at two).
-PLAN_VERIFY_PACKED_MAX_ROWS = 1024
+# plan_verify runs up to PLAN_VERIFY_BLOCKS_PER_SM blocks per SM when its verify capacity holds at
+# least this many entries per request: its check is latency-bound and gains from the warps, but
+# every block scans every row, which extra blocks repeat.  On the H200, with 2,048 entries a
+# request, two blocks per SM took 0.79-0.89x the time of one at 256-3,072 requests; with 136, 1.03-1.20x.
+PLAN_VERIFY_PACKED_MIN_ENTRIES_PER_ROW = 1024
 PLAN_SCAN_RESERVED_SMEM = 2048  # bytes of a scan block's shared memory kept for its static arrays
 THREADS = 256  # plan_entries and scatter blocks
 VERIFY_THREADS = 256  # kVerifyThreads in verify.cu
@@ -481,9 +481,10 @@ def plan_verify_stores_entries(bs: int) -> bool:
     return bs > PLAN_FUSED_MAX_ROWS
 
 
-def plan_verify_blocks_per_sm(bs: int) -> int:
-    """plan_verify's most blocks per SM for ``bs`` requests (PLAN_VERIFY_PACKED_MAX_ROWS)."""
-    return PLAN_VERIFY_BLOCKS_PER_SM if bs <= PLAN_VERIFY_PACKED_MAX_ROWS else 1
+def plan_verify_blocks_per_sm(bs: int, verify_capacity: int) -> int:
+    """plan_verify's most blocks per SM for ``bs`` requests and ``verify_capacity`` entries
+    (PLAN_VERIFY_PACKED_MIN_ENTRIES_PER_ROW)."""
+    return PLAN_VERIFY_BLOCKS_PER_SM if verify_capacity >= PLAN_VERIFY_PACKED_MIN_ENTRIES_PER_ROW * max(bs, 1) else 1
 
 
 def plan_verify_kernel(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool, check_token: bool,
@@ -494,7 +495,7 @@ def plan_verify_kernel(kind: int, bs: int, verify_capacity: int, has_lut: bool, 
     :func:`plan_verify_blocks_per_sm` blocks per SM."""
     family = step_family(kind)
     name = kernel_name("plan_verify", int(kind), has_lut, has_pool, check_token, real_kv)
-    blocks = plan_one_launch_blocks(verify_capacity, per_sm=plan_verify_blocks_per_sm(bs))
+    blocks = plan_one_launch_blocks(verify_capacity, per_sm=plan_verify_blocks_per_sm(bs, verify_capacity))
     return family, name, plan_scan_config(bs, blocks)
 
 
