@@ -400,6 +400,15 @@ extern "C" __global__ void chain_floor(long long n, unsigned long long* out) {
   out[0] = h;
 }
 
+// As chain_floor, but its start value comes from memory, so the chain runs on the per-lane pipes
+// as a warp's chain over loaded tokens must (chain_floor's inputs are all constants: the compiler
+// runs it once per warp on the uniform datapath, whose 64-bit multiplies are faster).
+extern "C" __global__ void lane_chain_floor(long long n, unsigned long long* out) {
+  unsigned long long h = kvcanary::kAnchorHash ^ out[1];
+  for (long long i = 0; i < n; ++i) h = kvcanary::mix3(h, i, i);
+  out[0] = h;
+}
+
 extern "C" __global__ void two_chain_floor(long long n, unsigned long long* out) {
   unsigned long long h = kvcanary::kAnchorHash, g = ~h;
   for (long long i = 0; i < n; ++i) {
@@ -428,12 +437,12 @@ def detail_rows(cupy, names, rows: list):
 
     module = cupy.RawModule(code=jit._read("canary_common.cuh") + REFERENCE_KERNELS, options=jit.NVRTC_OPTIONS)
     gather, chain = module.get_function("gather_floor"), module.get_function("chain_floor")
-    two_chains = module.get_function("two_chain_floor")
-    out = cupy.zeros(1, cupy.int64)
+    two_chains, lane_chain = module.get_function("two_chain_floor"), module.get_function("lane_chain_floor")
+    out = cupy.zeros(2, cupy.int64)
     lines = [
         "detail: ratio = device us / the 'against' row's device us (targets: all-fail verify <= 1.3x clean, "
         "two buffers <= 1.1x one at W2 write, decode write W4 <= 4 us, W2 write <= 400 us per buffer)",
-        f"{'workload':<16} {'op':<26} {'device us':>10} {'against':<16} {'ratio':>6} {'SGLang us':>10}",
+        f"{'workload':<16} {'op':<26} {'device us':>10} {'against':<24} {'ratio':>6} {'SGLang us':>10}",
     ]
     for key in names:
         d = build(WORKLOADS[key], cupy)
@@ -463,13 +472,15 @@ def detail_rows(cupy, names, rows: list):
         if d["tokens"] > d["bs"]:  # a prefill: the serial chain of one request bounds the write
             per_request = np.int64(d["tokens"] // d["bs"])
             timed["write[chain floor]"] = lambda: chain((1,), (1,), (per_request, out))
+            timed["write[lane chain floor]"] = lambda: lane_chain((1,), (1,), (per_request, out))
             timed["write[2-chain floor]"] = lambda: two_chains((1,), (1,), (per_request, out))
         if d["bs"] > cupy_backend.PLAN_FUSED_MAX_ROWS:
             timed["plan"] = ops["plan"]
             timed["plan[grid 8/SM]"] = ("legacy", ops["plan"])
         against = {"verify[grid 8/SM]": "verify", "verify[all entries fail]": "verify", "verify[2 buffers]": "verify",
                    "verify": "verify[gather floor]", "write[grid 8/SM]": "write", "write[2 buffers]": "write",
-                   "write": "write[chain floor]", "write[2-chain floor]": "write[chain floor]",
+                   "write": "write[lane chain floor]", "write[lane chain floor]": "write[chain floor]",
+                   "write[2-chain floor]": "write[chain floor]",
                    "plan[grid 8/SM]": "plan"}
         times = {}
         for op, fn in timed.items():
@@ -483,10 +494,12 @@ def detail_rows(cupy, names, rows: list):
             ratio = us / times[ref] if ref in times else None
             rows.append({"workload": key, "op": op, "device_us": round(us, 3), "against": ref,
                          "ratio": ratio and round(ratio, 3), "sglang_us": SGLANG_US.get((key, op))})
-            lines.append(f"{WORKLOADS[key].name:<16} {op:<26} {us:>10.2f} {ref or '-':<16} {_cell(ratio, '6.2f')} "
+            lines.append(f"{WORKLOADS[key].name:<16} {op:<26} {us:>10.2f} {ref or '-':<24} {_cell(ratio, '6.2f')} "
                          f"{_cell(SGLANG_US.get((key, op)), '10.1f')}")
-    lines.append("(chain floor: one thread hashing a request's tokens as a serial mix3 chain of registers; 2-chain "
-                 "floor: one thread hashing two such chains interleaved; gather floor: the verify's loads alone)")
+    lines.append("(chain floor: one thread hashing a request's tokens as a serial mix3 chain of registers, all constants "
+                 "but the count, which the compiler runs on the uniform datapath; lane chain floor: the same chain from a "
+                 "loaded start value, on the per-lane pipes as a warp hashing loaded tokens must; 2-chain floor: one "
+                 "thread hashing two chains interleaved; gather floor: the verify's loads alone)")
     return lines
 
 
