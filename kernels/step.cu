@@ -21,14 +21,15 @@ constexpr int kPlanVerifyBlocksPerSm = 2;
 // first (their registers are free again before the records arrive), then every chunk's record
 // loads are issued before any is checked, beside the loads of the predecessors that no lane of
 // the chunk holds (the first entry of a chunk or of a request).  Any other entry's predecessor is
-// the left lane's entry, whose record's hash comes by shuffle.  kChunks = 1: a thread fits 64
+// the left lane's entry, whose record's hashed fields come by shuffle (with expected tokens, its
+// hash: one more hash a lane, fewer registers).  kChunks = 1: a thread fits 64
 // registers without spilling (kPlanVerifyBlocksPerSm), for every table kind and flag; more
 // chunks per step spill there.
 template <bool kCheckToken, bool kHasRealKv>
 struct VerifySink {
   static constexpr int kChunks = 1;
   static constexpr bool kEarlyRowOutput = false;
-  static constexpr bool kPairedLookups = !kCheckToken;  // with it, block / page tables with a LUT and a pool spill
+  static constexpr bool kPairedLookups = false;  // the predecessor's lookup after the entry's: fewer registers, and as fast
   const CanaryBuffer& canary;
   const RealKvSources& sources;
   int kind;
@@ -57,8 +58,16 @@ struct VerifySink {
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
       if (!__any_sync(kFullMask, e[k].live)) break;  // past the warp's range: so are the later chunks
-      const u64 left_hash = __shfl_up_sync(kFullMask, slot_hash(rec[k]), 1);
-      const u64 before = e[k].prev_is_left_lane ? left_hash : slot_hash(loaded_prev[k]);
+      u64 before;
+      if (kCheckToken) {  // the left lane's hash by shuffle: two hashes a lane, fewer registers live
+        const u64 left_hash = __shfl_up_sync(kFullMask, slot_hash(rec[k]), 1);
+        before = e[k].prev_is_left_lane ? left_hash : slot_hash(loaded_prev[k]);
+      } else {  // one hash a lane, of the left lane's record (its hashed fields by shuffle) or of its own predecessor's
+        const i64 left_token = __shfl_up_sync(kFullMask, rec[k].token, 1);
+        const i64 left_position = __shfl_up_sync(kFullMask, rec[k].position, 1);
+        const i64 left_prev_hash = __shfl_up_sync(kFullMask, rec[k].prev_hash, 1);
+        before = slot_hash(e[k].prev_is_left_lane ? CanaryRecord{left_token, left_position, left_prev_hash, 0} : loaded_prev[k]);
+      }
       violations += check_folded_entry<kCheckToken>(canary, kind, log, ok[k], e[k].slot, rec[k], e[k].prev, true, before,
                                                     e[k].position, e[k].token, real_kv[k]);
     }
