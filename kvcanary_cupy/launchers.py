@@ -60,6 +60,7 @@ def full_validation_forced() -> bool:
 # spellings (``flags.c_contiguous``, ``len(tensor)``) cost more.
 
 _INDEX_DTYPES = (_I32, _I64)
+_STRIDE_I64 = (8,)
 
 
 class _NumpyArrays:
@@ -95,43 +96,56 @@ class _NumpyArrays:
 
 
 class _CupyArrays:
+    # One read of each attribute, and no helper calls: ``strides == (8,)`` also says ndim == 1.
     def __init__(self, device: int):
         self.ndarray = import_cupy().ndarray
         self.device = device
 
-    def _address(self, x, size):
-        mem = x.data
-        ptr = mem.ptr
-        return ptr if mem.device_id == self.device and not ptr % size else None
-
     def vector(self, x, n):
-        if (type(x) is self.ndarray and x.dtype is _I64 and x.ndim == 1 and x.size == n
-                and (x.strides[0] == 8 or (n <= 1 and x.strides[0] >= 0))):  # empty arrays have stride 0
-            return self._address(x, 8)
+        if type(x) is self.ndarray and x.dtype is _I64 and x.size == n:
+            strides = x.strides
+            if strides == _STRIDE_I64 or (n <= 1 and len(strides) == 1 and strides[0] >= 0):  # empty: stride 0
+                mem = x.data
+                ptr = mem.ptr
+                if mem.device_id == self.device and not ptr % 8:
+                    return ptr
         return None
 
     def leading(self, x):
-        value = self.vector(x, x.size) if type(x) is self.ndarray else None
-        return None if value is None else (value, x.size)
+        if type(x) is not self.ndarray:
+            return None
+        n = x.size
+        value = self.vector(x, n)
+        return None if value is None else (value, n)
 
     def indices(self, x, n):
-        if type(x) is self.ndarray and x.dtype in _INDEX_DTYPES and x.ndim == 1 and (n < 0 or x.size == n):
-            size = x.dtype.itemsize
-            if x.strides[0] == size or (x.size <= 1 and x.strides[0] >= 0):
-                value = self._address(x, size)
-                if value is not None:
-                    return value, x.size, size == 8
+        if type(x) is self.ndarray:
+            dtype = x.dtype
+            length = x.size
+            if (dtype is _I32 or dtype is _I64) and (n < 0 or length == n):
+                strides = x.strides
+                size = dtype.itemsize
+                if len(strides) == 1 and (strides[0] == size or (length <= 1 and strides[0] >= 0)):
+                    mem = x.data
+                    ptr = mem.ptr
+                    if mem.device_id == self.device and not ptr % size:
+                        return ptr, length, size == 8
         return None
 
     def table(self, x, wide=False):
-        if type(x) is self.ndarray and (x.dtype is _I32 or (wide and x.dtype is _I64)) and x.ndim == 2:
-            rows, cols = x.shape
-            s0, s1 = x.strides
-            size = x.dtype.itemsize
-            if (cols <= 1 or s1 == size) and s0 >= 0 and not s0 % size or not rows * cols:  # empty: any strides
-                value = self._address(x, size)
-                if value is not None:
-                    return value, rows, cols, s0 // size, size == 8
+        if type(x) is self.ndarray:
+            dtype = x.dtype
+            if dtype is _I32 or (wide and dtype is _I64):
+                shape = x.shape
+                if len(shape) == 2:
+                    rows, cols = shape
+                    s0, s1 = x.strides
+                    size = dtype.itemsize
+                    if (cols <= 1 or s1 == size) and s0 >= 0 and not s0 % size or not rows * cols:  # empty: any strides
+                        mem = x.data
+                        ptr = mem.ptr
+                        if mem.device_id == self.device and not ptr % size:
+                            return ptr, rows, cols, s0 // size, size == 8
         return None
 
 
@@ -293,27 +307,47 @@ class _Binding:
                 fn = self._functions[(family, name)] = get_function(family, name).kernel
         return fn
 
-    def pack(self, params: np.ndarray, *per_step: str) -> None:
-        """Keep a kernel parameter record and its launch arguments, and the slots of the fields
-        ``per_step`` rewritten on every call."""
+    def pack(self, params: np.ndarray) -> None:
+        """Keep a kernel parameter record and its launch arguments."""
         self.params = params
         self.arguments = self.cb.kernel_arguments(params)
         self.param_slots = self.cb.ParamSlots(params)
-        self.slots = tuple(self.param_slots(name) for name in per_step)
 
-    def set(self, values) -> None:
-        """Write the per-step fields (in the order ``pack`` named them)."""
-        for (view, index), value in zip(self.slots, values):
-            view[index] = value
+    def setter(self, *names: str):
+        """A function writing the record's fields ``names`` from a sequence of values in that order."""
+        slots = tuple(self.param_slots(name) for name in names)
+
+        def set_fields(values) -> None:
+            for (view, index), value in zip(slots, values):
+                view[index] = value
+
+        return set_fields
+
+    def optional_setter(self, *names: str):
+        """:meth:`setter` for fields that are 0 in the common case: ``set_fields(None)`` zeroes them,
+        writing only when the previous call wrote values."""
+        set_fields, zeros, written = self.setter(*names), (0,) * len(names), [True]
+
+        def set_optional(values) -> None:
+            if values is not None:
+                set_fields(values)
+                written[0] = True
+            elif written[0]:
+                set_fields(zeros)
+                written[0] = False
+
+        return set_optional
 
     def launch(self, fn, grid, block, shared_mem: int = 0) -> None:
         """Launch on the bound device, on the caller's stream (torch's current one when torch
         tensors are bound) or behind it on the side stream."""
-        if self._get_device() == self.device:
-            self._launch(fn, grid, block, shared_mem)
-        else:
+        if self._get_device() != self.device:
             with import_cupy().cuda.Device(self.device):
                 self._launch(fn, grid, block, shared_mem)
+        elif self._stream_handle is None and self.side is None:  # CuPy's current stream: nothing to look up
+            fn(grid, block, self.arguments, shared_mem=shared_mem, stream=None)
+        else:
+            self._launch(fn, grid, block, shared_mem)
 
     def _launch(self, fn, grid, block, shared_mem: int) -> None:
         stream = None if self._stream_handle is None else _wrapped_torch_stream(self._stream_handle())
@@ -400,8 +434,9 @@ class WriteLauncher:
             else:
                 cb = b.cb
                 launch = cb.write_launch(args)
-                b.pack(launch.params, *(f"inputs.{k}" for k in (
-                    "input_ids", "positions", "out_cache_loc", "num_tokens", "expected_tokens", "expected_positions")))
+                b.pack(launch.params)
+                b.set = b.setter("inputs.input_ids", "inputs.positions", "inputs.out_cache_loc", "inputs.num_tokens")
+                b.set_expected = b.optional_setter("inputs.expected_tokens", "inputs.expected_positions")
                 b.grid, b.block = (launch.config.grid,), (launch.config.block,)
                 real_kv = cb.has_real_kv(args.targets, args.real_kv_hash_mode)
                 b.kernels = {checked: b.function("write", cb.write_kernel(len(args.targets), checked, real_kv))
@@ -434,7 +469,8 @@ class WriteLauncher:
                             input_ids=ids, positions=pos, out_cache_loc=loc, expected_input_tokens=et,
                             expected_input_positions=ep))
                     else:
-                        b.set((ids, pos, loc, n, 0, 0) if et is None else (ids, pos, loc, n, et, ep))
+                        b.set((ids, pos, loc, n))
+                        b.set_expected(None if et is None else (et, ep))
                         b.launch(b.kernels[et is not None], b.grid, b.block)
                     return
         ops.write(self.canary_buf, self.write_plan, input_ids, positions, out_cache_loc,
@@ -490,60 +526,46 @@ class VerifyLauncher:
             b.launch(b.kernel, b.grid, b.block)
 
 
-class _StepTable:
-    """One call's table, common case only: ``kind`` (tables.TableKind), its arrays as the backend
-    takes them (``entries``, ``kv_indptr``, ``virtual_to_physical``), ``rows`` (of entries),
-    ``pool_rows`` (the expected-token pool rows a plan may index) and ``shape``, the arguments of
-    :func:`cupy_backend.table_fields` (what changes only when the table's layout does)."""
-
-    __slots__ = ("kind", "entries", "kv_indptr", "virtual_to_physical", "rows", "pool_rows", "shape", "page_size",
-                 "null_block")
+_REQ_TO_TOKEN, _VIRTUAL_PAGES, _BLOCK, _PAGED_KV = (TableKind.REQ_TO_TOKEN, TableKind.VIRTUAL_PAGES, TableKind.BLOCK,
+                                                   TableKind.PAGED_KV)  # an enum member read costs ~0.1 us
 
 
 def _step_table(arrays, table, bs_rows: int):
-    """The table of one call as a :class:`_StepTable`, or None when it is not the common case.
+    """The table of one call, common case only, as ``(kind, entries, kv_indptr, virtual_to_physical,
+    rows, pool_rows, shape)``: its kind (tables.TableKind), its arrays as the backend takes them,
+    its rows (of entries), the expected-token pool rows a plan may index, and ``shape``, the
+    arguments of :func:`cupy_backend.table_fields` (what changes only when the table's layout does;
+    page size and null block first).  None when it is not the common case.
 
     ``bs_rows`` is the batch size for a table whose rows are the batch rows (PagedKvIndices)."""
-    t = _StepTable()
     cls = type(table)
-    if cls is ReqToToken:
-        source, v2p = table.req_to_token, table.virtual_to_physical
-    elif cls is BlockTable or cls is PagedKvIndices:
-        source = v2p = None
-    else:  # a bare req_to_token
-        source, v2p = table, None
-    if source is not None:
-        entries = arrays.table(source)
-        if entries is None:
-            return None
-        t.entries, t.rows, cols, stride, _ = entries
-        t.pool_rows, t.null_block, t.kv_indptr = t.rows, 0, None
-        if v2p is None:
-            t.kind, t.virtual_to_physical, t.page_size, pages = TableKind.REQ_TO_TOKEN, None, 1, 0
-        else:
-            pages = arrays.leading(v2p)
-            if pages is None or pages[1] < 1:
-                return None
-            t.kind, t.page_size = TableKind.VIRTUAL_PAGES, table.page_size
-            t.virtual_to_physical, pages = pages
-        t.shape = (t.page_size, 0, cols, stride, False, False, pages)
-        return t
-    t.virtual_to_physical = None
     if cls is BlockTable:
         entries = arrays.table(table.block_table, True)
         if entries is None or entries[2] * table.block_size > MAX_TABLE_TOKENS:
             return None
-        t.entries, t.rows, cols, stride, wide = entries
-        t.kind, t.kv_indptr, t.pool_rows, t.page_size, t.null_block = TableKind.BLOCK, None, t.rows, table.block_size, table.null_block
-        t.shape = (t.page_size, t.null_block, cols, stride, wide, False, 0)
-        return t
-    indptr, indices = arrays.indices(table.kv_indptr, bs_rows + 1), arrays.indices(table.kv_indices, -1)
-    if indptr is None or indices is None or indices[1] * table.page_size > MAX_TABLE_TOKENS:
+        entries, rows, cols, stride, wide = entries
+        return _BLOCK, entries, None, None, rows, rows, (table.block_size, table.null_block, cols, stride, wide,
+                                                                  False, 0)
+    if cls is PagedKvIndices:
+        indptr, indices = arrays.indices(table.kv_indptr, bs_rows + 1), arrays.indices(table.kv_indices, -1)
+        if indptr is None or indices is None or indices[1] * table.page_size > MAX_TABLE_TOKENS:
+            return None
+        (kv_indptr, _, indptr_wide), (entries, rows, wide) = indptr, indices
+        return _PAGED_KV, entries, kv_indptr, None, rows, bs_rows, (table.page_size, 0, 0, 0, wide, indptr_wide, 0)
+    if cls is ReqToToken:
+        entries, v2p = arrays.table(table.req_to_token), table.virtual_to_physical
+    else:  # a bare req_to_token
+        entries, v2p = arrays.table(table), None
+    if entries is None:
         return None
-    t.kind, t.page_size, t.null_block, t.pool_rows = TableKind.PAGED_KV, table.page_size, 0, bs_rows
-    (t.kv_indptr, _, indptr_wide), (t.entries, t.rows, wide) = indptr, indices
-    t.shape = (t.page_size, 0, 0, 0, wide, indptr_wide, 0)
-    return t
+    entries, rows, cols, stride, _ = entries
+    if v2p is None:
+        return _REQ_TO_TOKEN, entries, None, None, rows, rows, (1, 0, cols, stride, False, False, 0)
+    pages = arrays.leading(v2p)
+    if pages is None or pages[1] < 1:
+        return None
+    return _VIRTUAL_PAGES, entries, None, pages[0], rows, rows, (table.page_size, 0, cols, stride, False, False,
+                                                                         pages[1])
 
 
 class PlanLauncher:
@@ -589,9 +611,12 @@ class PlanLauncher:
         if b.numpy:
             b.args = args
         else:
-            b.pack(b.cb.plan_params(args), *(f"inputs.{k}" for k in (
-                "req_pool_indices", "prefix_lens", "extend_seq_lens", "bs", "table", "table_rows", "kv_indptr",
-                "virtual_to_physical", "pool", "pool_stride", "pool_cols", "valid_lens")), "outputs.clear_whole_capacity")
+            b.pack(b.cb.plan_params(args))
+            b.set = b.setter(*(f"inputs.{k}" for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "bs", "table",
+                                                       "table_rows")), "outputs.clear_whole_capacity")
+            # what only some tables (kv_indptr, virtual_to_physical) and expected tokens use
+            b.set_optional = b.optional_setter(*(f"inputs.{k}" for k in (
+                "kv_indptr", "virtual_to_physical", "pool", "pool_stride", "pool_cols", "valid_lens")))
             b.table_shape = None  # the table_fields last written
             b.kernels = {}  # (kind, bs, has_pool) -> ((function, grid, block, shared_mem), ...)
         self._bound = b
@@ -637,7 +662,8 @@ class PlanLauncher:
         t = _step_table(arrays, table, bs)
         if prefix is None or extend is None or t is None or bs > b.capacities[1]:
             return False
-        if b.window > 0 and not b.has_lut and t.kind in (TableKind.REQ_TO_TOKEN, TableKind.VIRTUAL_PAGES):
+        kind, entries, kv_indptr, v2p, rows, pool_rows, shape = t
+        if b.window > 0 and not b.has_lut and kind in (_REQ_TO_TOKEN, _VIRTUAL_PAGES):
             return False
         if req_to_verify_expected_tokens is None:
             if req_to_verify_expected_tokens_valid_lens is not None:
@@ -646,20 +672,23 @@ class PlanLauncher:
         else:
             pool = arrays.table(req_to_verify_expected_tokens)
             lens = arrays.vector(req_to_verify_expected_tokens_valid_lens, bs)
-            if pool is None or lens is None or pool[1] < t.pool_rows:
+            if pool is None or lens is None or pool[1] < pool_rows:
                 return False
         wp = self.write_plan
+        clear = not is_clean(wp)
         if b.numpy:
-            view = TableView(t.kind, t.entries, t.kv_indptr, t.virtual_to_physical, t.page_size, t.null_block, t.pool_rows, "")
+            view = TableView(kind, entries, kv_indptr, v2p, shape[0], shape[1], pool_rows, "")
             get_backend("numpy").plan(b.args._replace(
                 req_pool_indices=rp, prefix_lens=prefix, extend_seq_lens=extend, table=view,
-                expected_token_pool=pool[0], expected_token_valid_lens=lens, clear_whole_capacity=not is_clean(wp)))
+                expected_token_pool=pool[0], expected_token_valid_lens=lens, clear_whole_capacity=clear))
         else:
-            if t.shape != b.table_shape:
-                self._write_table_shape(b, t.shape)
-            b.set((rp or 0, prefix, extend, bs, t.entries, t.rows, t.kv_indptr or 0, t.virtual_to_physical or 0,
-                   pool[0] or 0, pool[3], pool[2], lens or 0, not is_clean(wp)))
-            for fn, grid, block, shared_mem in self._kernels(b, t.kind, bs, lens is not None):
+            if shape != b.table_shape:
+                self._write_table_shape(b, shape)
+            b.set((rp or 0, prefix, extend, bs, entries, rows, clear))
+            b.set_optional(None if kv_indptr is None and v2p is None and lens is None else
+                           (kv_indptr or 0, v2p or 0, pool[0] or 0, pool[3], pool[2], lens or 0))
+            for fn, grid, block, shared_mem in self._kernels(b, kind, bs, lens is not None):
                 b.launch(fn, grid, block, shared_mem)
-        mark_clean(wp)
+        if clear:
+            mark_clean(wp)
         return True

@@ -111,6 +111,48 @@ def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device(monkeypatch)
     assert kinds == set(TABLE_KINDS) and len(buffers) > 1
 
 
+def test_one_bound_planner_and_write_keep_the_free_launches_as_optional_inputs_come_and_go(monkeypatch):
+    """A planner and a WriteLauncher used step after step, the table kind, the expected-token pool
+    and the expected input tokens changing from one call to the next (bound launchers write the
+    fields these set only when they are used or were used last): the free functions' launches."""
+    pytest.importorskip("cupy")
+    from fake_cupy import fake_device
+
+    cases = [make_case(seed) for seed in range(24)]
+    steps = [(case, s) for pair in zip(*(case.steps for case in cases)) for case, s in zip(cases, pair)]
+    vcap, wcap = 4096, max(case.write_req_capacity for case in cases)
+    used = {"pool": set(), "expected": set(), "kind": set()}
+    with fake_device() as dev:
+        a = dev.asarray
+        buf = a(np.zeros((64, 4), np.int64))
+        log = kc.ViolationLog.allocate(64, like=buf)
+        planner = kc.CanaryPlanner(kc.CanaryCapacities(vcap, wcap), like=buf)
+        vp, wp = planner.verify_plan, planner.write_plan
+        write = kc.WriteLauncher(buf, wp, log=log)
+        for call, (case, s) in enumerate(steps):
+            rp, table, pool = _plan_inputs(case, s, a)
+            pool = pool if call % 3 else None  # a pool given, dropped, given again ...
+            lens = (a(s.prefix_lens), a(s.extend_seq_lens))
+            expected = dict(req_to_verify_expected_tokens=pool,
+                            req_to_verify_expected_tokens_valid_lens=None if pool is None else a(s.valid_lens))
+            tokens = (a(s.input_ids), a(s.positions), a(s.out_cache_loc))
+            checks = {} if s.expected_tokens is None or call % 2 else dict(
+                expected_input_tokens=a(s.expected_tokens), expected_input_positions=a(s.expected_positions))
+            used["pool"].add(pool is not None)
+            used["expected"].add(bool(checks))
+            used["kind"].add(case.table_kind)
+            kc.plan(rp, *lens, table, verify_capacity=vcap, write_req_capacity=wcap, out=(vp, wp), **expected)
+            ops.write(buf, wp, *tokens, log=log, **checks)
+            free, dev.launches[:] = list(dev.launches), []
+            with monkeypatch.context() as mp:
+                _free_functions_refused(mp)
+                planner.plan(rp, *lens, table, **expected)
+                write(*tokens, **checks)
+            assert dev.launches == free, f"call {call}: seed {case.seed} ({case.table_kind})"
+            dev.launches[:] = []
+    assert used == {"pool": {False, True}, "expected": {False, True}, "kind": set(TABLE_KINDS)}
+
+
 # ----------------------------------------------------------------------------------------------
 # per-step inputs outside the common case: the free function decides
 
