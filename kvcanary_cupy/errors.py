@@ -25,7 +25,9 @@ def public_api(fn):
     """Make the argument errors raised inside ``fn`` end their traceback at ``fn``'s frame.
 
     Other exceptions (bugs, CUDA errors) keep their whole traceback.  Nested entry points (a
-    planner calling :func:`kvcanary_cupy.plan`) cut at the outermost one.
+    planner calling :func:`kvcanary_cupy.plan`) cut at the outermost one.  The bound launchers'
+    calls, whose whole cost is a few microseconds, do the same inline (:func:`trimmed_argument_error`)
+    instead of paying for a wrapper's frame.
     """
     code = fn.__code__
 
@@ -45,6 +47,24 @@ def public_api(fn):
             raise exc.with_traceback(tb)  # noqa: B904 - the same exception, trimmed
 
     return entry_point
+
+
+def trimmed_argument_error(exc: BaseException):
+    """:func:`public_api` inline, for an entry point that catches ``(TypeError, ValueError)`` itself:
+    ``exc`` with its traceback ending at the catching frame when it is an argument error (raise it),
+    else None (re-raise as it is)::
+
+        except (TypeError, ValueError) as exc:
+            trimmed = trimmed_argument_error(exc)
+            if trimmed is None:
+                raise
+            raise trimmed  # noqa: B904
+    """
+    if not getattr(exc, _MARK, False):
+        return None
+    tb = exc.__traceback__  # its first entry is the frame that caught it
+    tb.tb_next = None
+    return exc.with_traceback(tb)
 
 
 class CanaryViolationError(RuntimeError):

@@ -33,7 +33,7 @@ import numpy as np
 from . import interop, ops
 from .backends import PlanArgs, TableView, get_backend
 from .constants import RealKvHashMode
-from .errors import public_api
+from .errors import public_api, trimmed_argument_error
 from .interop import array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream
 from .plans import check_count, is_clean, mark_clean, scan_state
 from .tables import MAX_TABLE_TOKENS, BlockTable, PagedKvIndices, ReqToToken, TableKind
@@ -444,17 +444,15 @@ class WriteLauncher:
                 b.side = self._side
         self._bound = b
 
-    @public_api
     def __call__(self, input_ids, positions, out_cache_loc, expected_input_tokens=None, expected_input_positions=None):
-        b = self._bound
-        if b is not None and not b.current():
-            self._bind()
+        try:
             b = self._bound
-        if b is not None:
-            arrays = b.arrays
-            leading = arrays.leading(input_ids)
+            if b is not None and not b.current():
+                self._bind()
+                b = self._bound
+            leading = None if b is None else b.arrays.leading(input_ids)
             if leading is not None:
-                vector = arrays.vector
+                vector = b.arrays.vector
                 ids, n = leading
                 pos, loc = vector(positions, n), vector(out_cache_loc, n)
                 if expected_input_tokens is None:
@@ -473,9 +471,14 @@ class WriteLauncher:
                         b.set_expected(None if et is None else (et, ep))
                         b.launch(b.kernels[et is not None], b.grid, b.block)
                     return
-        ops.write(self.canary_buf, self.write_plan, input_ids, positions, out_cache_loc,
-                  expected_input_tokens=expected_input_tokens, expected_input_positions=expected_input_positions,
-                  **self.options)
+            ops.write(self.canary_buf, self.write_plan, input_ids, positions, out_cache_loc,
+                      expected_input_tokens=expected_input_tokens, expected_input_positions=expected_input_positions,
+                      **self.options)
+        except (TypeError, ValueError) as exc:  # public_api, inline: its wrapper costs ~0.15-0.3 us a call
+            trimmed = trimmed_argument_error(exc)
+            if trimmed is None:
+                raise
+            raise trimmed  # noqa: B904 - the same exception, its traceback ending here
 
 
 class VerifyLauncher:
@@ -512,18 +515,23 @@ class VerifyLauncher:
                 b.kernel = b.function("verify", launch.name)
         self._bound = b
 
-    @public_api
     def __call__(self) -> None:
-        b = self._bound
-        if b is not None and not b.current():
-            self._bind()
+        try:
             b = self._bound
-        if b is None:
-            ops.verify(self.canary_buf, self.verify_plan, **self.options)
-        elif b.numpy:
-            get_backend("numpy").verify(b.args)
-        else:
-            b.launch(b.kernel, b.grid, b.block)
+            if b is not None and not b.current():
+                self._bind()
+                b = self._bound
+            if b is None:
+                ops.verify(self.canary_buf, self.verify_plan, **self.options)
+            elif b.numpy:
+                get_backend("numpy").verify(b.args)
+            else:
+                b.launch(b.kernel, b.grid, b.block)
+        except (TypeError, ValueError) as exc:  # public_api, inline: its wrapper costs ~0.15-0.3 us a call
+            trimmed = trimmed_argument_error(exc)
+            if trimmed is None:
+                raise
+            raise trimmed  # noqa: B904 - the same exception, its traceback ending here
 
 
 _REQ_TO_TOKEN, _VIRTUAL_PAGES, _BLOCK, _PAGED_KV = (TableKind.REQ_TO_TOKEN, TableKind.VIRTUAL_PAGES, TableKind.BLOCK,

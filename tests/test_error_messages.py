@@ -41,6 +41,8 @@ CALLS = {
     "CanaryPlanner.from_engine": (lambda: CanaryPlanner.from_engine(kv_pool_size=4, max_running_requests="2"),
                                   "planner.py", "from_engine", TypeError),
     "CanaryPlanner.plan": (lambda: _planner().plan(i64([1]), [1], i64([1]), linear_rtt(2, 4)), "planner.py", "plan", TypeError),
+    "WriteLauncher call": (lambda: kc.WriteLauncher(canary(8), make_write_plan(NP, [0, 1], [-1]), log=make_log(NP))(
+        i64([1]), i64([0, 1]), i64([3])), "launchers.py", "__call__", ValueError),
     "CanaryPlanner.plan via plan": (lambda: _planner().plan(i64([1]), i64([9]), i64([1]), linear_rtt(2, 4), strict=True),
                                     "planner.py", "plan", ValueError),
 }
