@@ -58,7 +58,7 @@ def trimmed_argument_error(exc: BaseException):
             trimmed = trimmed_argument_error(exc)
             if trimmed is None:
                 raise
-            raise trimmed  # noqa: B904
+            raise trimmed
     """
     if not getattr(exc, _MARK, False):
         return None

@@ -481,7 +481,7 @@ class WriteLauncher:
             trimmed = trimmed_argument_error(exc)
             if trimmed is None:
                 raise
-            raise trimmed  # noqa: B904 - the same exception, its traceback ending here
+            raise trimmed  # the same exception, its traceback ending here
 
 
 class VerifyLauncher:
@@ -534,7 +534,7 @@ class VerifyLauncher:
             trimmed = trimmed_argument_error(exc)
             if trimmed is None:
                 raise
-            raise trimmed  # noqa: B904 - the same exception, its traceback ending here
+            raise trimmed  # the same exception, its traceback ending here
 
 
 _REQ_TO_TOKEN, _VIRTUAL_PAGES, _BLOCK, _PAGED_KV = (TableKind.REQ_TO_TOKEN, TableKind.VIRTUAL_PAGES, TableKind.BLOCK,
@@ -555,8 +555,8 @@ def _step_table(arrays, table, bs_rows: int):
         if entries is None or entries[2] * table.block_size > MAX_TABLE_TOKENS:
             return None
         entries, rows, cols, stride, wide = entries
-        return _BLOCK, entries, None, None, rows, rows, (table.block_size, table.null_block, cols, stride, wide,
-                                                                  False, 0)
+        shape = (table.block_size, table.null_block, cols, stride, wide, False, 0)
+        return _BLOCK, entries, None, None, rows, rows, shape
     if cls is PagedKvIndices:
         indptr, indices = arrays.indices(table.kv_indptr, bs_rows + 1), arrays.indices(table.kv_indices, -1)
         if indptr is None or indices is None or indices[1] * table.page_size > MAX_TABLE_TOKENS:
@@ -575,8 +575,8 @@ def _step_table(arrays, table, bs_rows: int):
     pages = arrays.leading(v2p)
     if pages is None or pages[1] < 1:
         return None
-    return _VIRTUAL_PAGES, entries, None, pages[0], rows, rows, (table.page_size, 0, cols, stride, False, False,
-                                                                         pages[1])
+    shape = (table.page_size, 0, cols, stride, False, False, pages[1])
+    return _VIRTUAL_PAGES, entries, None, pages[0], rows, rows, shape
 
 
 class PlanLauncher:

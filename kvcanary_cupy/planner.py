@@ -179,7 +179,7 @@ class CanaryPlanner:
             trimmed = trimmed_argument_error(exc)
             if trimmed is None:
                 raise
-            raise trimmed  # noqa: B904 - the same exception, its traceback ending here
+            raise trimmed  # the same exception, its traceback ending here
 
     def verify_overflowed(self) -> bool:
         """Whether the last plan overflowed ``verify_capacity`` (its verify is then skipped).
