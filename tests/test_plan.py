@@ -1,5 +1,7 @@
 """plan(): worked examples of the plan (docs/format.md §4), the no-stale-outputs decision and the out-of-range rules."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -52,6 +54,12 @@ def test_mixed_batch_offsets(ab):
     assert wph["verify_offsets"].tolist() == [0, 0, 4, 14]
     assert int(vph["verify_num_valid"][0]) == 14
     assert wph["write_seed_slot_indices"].tolist() == [-1, 2 * 16 + 3, 3 * 16 + 9]
+
+
+def test_write_offsets_are_exact_past_2_53(ab):
+    """write_offsets are int64 sums: past 2**53, where float64 loses the last bit, they stay exact."""
+    _, wph = check(ab, [1, 2], [0, 0], [2**53 + 1, 1], linear_rtt(3, 4))
+    assert wph["write_offsets"].tolist() == [0, 2**53 + 1, 2**53 + 2]
 
 
 @pytest.mark.parametrize("garbage", [99, 99999])
@@ -704,3 +712,48 @@ def test_allocated_write_plans_carry_a_zeroed_scan_state_outside_their_fields():
     assert state.dtype == np.int64 and state.shape == (3 * SCAN_STATE_TILES,) and not state.any()
     assert "_kvcanary_scan_state" not in wp.arrays()
     assert scan_state(kc.WritePlan(**wp.arrays())) is None
+
+
+@pytest.mark.parametrize("op", ["plan", "plan_and_verify"])
+def test_plan_refuses_allocations_and_copies_while_capturing(op):
+    """Inside a CUDA graph capture (the fake device's capturing stream) plan and plan_and_verify
+    refuse to allocate their outputs or to copy a strided input, saying what and what to pass
+    instead, and launch nothing."""
+    pytest.importorskip("cupy")
+    from fake_cupy import fake_device
+    from kvcanary_cupy import interop
+
+    asks_the_stream = interop.is_capturing  # the fake device answers "not capturing" without asking
+    values = dict(req_pool_indices=[1, 2], prefix_lens=[3, 4], extend_seq_lens=[1, 1],
+                  req_to_verify_expected_tokens_valid_lens=[8, 8], full_to_swa_index_mapping=np.arange(24))
+    with fake_device(record_bytes=False) as dev, pytest.MonkeyPatch.context() as mp:
+        a = dev.asarray
+        rtt = a(linear_rtt(3, 8))
+        canary, log = a(np.zeros((24, 4), np.int64)), kc.ViolationLog.allocate(4, like=rtt)
+        out = (kc.VerifyPlan.allocate(16, like=rtt), kc.WritePlan.allocate(2, like=rtt))
+        call = getattr(kc, op)
+        fused = (canary,) if op == "plan_and_verify" else ()
+        fused_kw = dict(log=log) if op == "plan_and_verify" else {}
+
+        def run(strided=None, out=out):
+            kw = {k: a(np.asarray(v, np.int64)) for k, v in values.items()}
+            if strided is not None:
+                kw[strided] = a(np.repeat(np.asarray(values[strided], np.int64), 2))[::2]
+            call(kw.pop("req_pool_indices"), kw.pop("prefix_lens"), kw.pop("extend_seq_lens"), rtt, *fused,
+                 req_to_verify_expected_tokens=a(np.zeros((3, 8), np.int32)), verify_capacity=16, out=out, **fused_kw, **kw)
+
+        mp.setattr(interop, "is_capturing", asks_the_stream)
+        dev.current[-1].capturing = True
+        with pytest.raises(ValueError, match="^" + re.escape(
+                f"kv-canary: {op} with out=None allocates its VerifyPlan and WritePlan, but the current stream is capturing a "
+                "CUDA graph; pass out=(VerifyPlan, WritePlan) allocated before capturing (a CanaryPlanner holds such a pair)") + "$"):
+            run(out=None)
+        for name, value in values.items():
+            with pytest.raises(ValueError, match="^" + re.escape(
+                    f"kv-canary: kv-canary would copy {name} (it is not contiguous: strides (16,) for shape ({len(value)},)), "
+                    f"but the current stream is capturing a CUDA graph; make {name} contiguous before capturing") + "$"):
+                run(strided=name)
+        assert not dev.launches
+        dev.current[-1].capturing = False
+        run()  # the same call, contiguous and into out, is accepted
+        assert dev.launches

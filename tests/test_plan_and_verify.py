@@ -88,6 +88,46 @@ def test_corruption_is_found_with_the_rows_verify_writes(ab):
     assert by_slot == {first: position, int(rtt[1, 3]): chain, other: chain, int(rtt[2, 1]): chain}
 
 
+def test_positions_past_2_53_are_checked_exactly(ab):
+    """Positions past 2**53 are int64 through the fused step, as through plan + verify (float64
+    would read an odd one as its even neighbour).  One request on 2**22 + 3 pages of 2**31 - 1
+    tokens, all page 0; a window of 2 at the end of its prefix: positions q + 1 and q + 2 (q = 2**22 + 2
+    whole pages), slots 1 and 2.  Slot 1's predecessor (slot 0) is unknown: only slot 2's chain,
+    from slot 1's record, is checked, and differs."""
+    a = ab.asarray
+    page, pages = 2**31 - 1, 2**22 + 3
+    q = (pages - 1) * page
+    assert q > 2**53 and float(q + 1) != q + 1
+    table = kc.PagedKvIndices(a(np.array([0, pages], np.int64)), a(np.zeros(pages, np.int32)), page)
+    canary = np.zeros((3, 4), np.int64)
+    canary[1:, 1] = [q + 1, q + 2]
+    inputs = (None, a(np.array([q + 3])), a(np.zeros(1, np.int64)), table)
+    rings = []
+    for fused in (True, False):
+        log = kc.ViolationLog.allocate(4, like=ab.like)
+        if fused:
+            kc.plan_and_verify(*inputs, a(canary), log=log, verify_capacity=2, swa_window_size=2)
+        else:
+            kc.verify(a(canary), kc.plan(*inputs, verify_capacity=2, swa_window_size=2)[0], log=log)
+        assert int(ab.to_numpy(log.write_index)[0]) == 1
+        rings.append(ab.to_numpy(log.ring)[:1])
+    np.testing.assert_array_equal(rings[0], rings[1])
+    assert (int(rings[0][0, 1]), int(rings[0][0, 7])) == (2, kc.FailReason.VERIFY_CHAIN_HASH_MISMATCH.value)
+
+
+def test_strict_checks_the_lookups_of_the_entries_it_plans(ab):
+    """strict=True checks the LUT lookup of every entry the fused step plans (all of them when they
+    fit verify_capacity), though out[0] (allocated with no entries here) stores none: position 0
+    of a row whose seed is not looked up (nothing is written) is outside the LUT."""
+    a = ab.asarray
+    rtt = np.array([[0, 1, 2, 3], [100, 5, 6, 7]], np.int32)
+    with pytest.raises(ValueError, match=r"^kv-canary: req_to_token\[1, 0\] = 100 \(batch row 0\) is outside "
+                                         r"full_to_swa_index_mapping of length 60$"):
+        kc.plan_and_verify(a(np.array([1])), a(np.array([3])), a(np.array([0])), a(rtt), a(np.zeros((60, 4), np.int64)),
+                           log=kc.ViolationLog.allocate(4, like=ab.like), verify_capacity=8,
+                           full_to_swa_index_mapping=a(np.arange(60)), strict=True)
+
+
 def test_expected_tokens_are_checked_when_asked(ab):
     d = decode_step()
     pool = np.zeros((d["rtt"].shape[0], d["rtt"].shape[1]), np.int32)

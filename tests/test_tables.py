@@ -2,6 +2,8 @@
 plan through the equivalent materialised req_to_token byte for byte on every backend; worked
 examples, the out-of-range rules of tables, bad input, and the planner."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from canary_builders import (
     assert_plan_equals_oracle,
     equivalent_req_to_token,
     host,
+    linear_rtt,
     oracle_plan,
     plan_entries,
     shifted_pool,
@@ -338,14 +341,17 @@ def test_table_arrays_are_checked_by_plan(ab):
     indptr, indices = a([0, 1, 3]), a([1, 2, 3])
     call(kc.PagedKvIndices(indptr, indices, 2), rp=None)  # valid
     _rejected(ab, call, kc.PagedKvIndices(indptr, indices, 2), ValueError,
-              "req_pool_indices must be None with a PagedKvIndices table")
+              "^" + re.escape("kv-canary: req_pool_indices must be None with a PagedKvIndices table: its rows are the "
+                              "batch rows (request r owns kv_indices[kv_indptr[r]:kv_indptr[r+1]])") + "$")
     _rejected(ab, call, kc.PagedKvIndices(a([0, 1]), indices, 2), ValueError,
               r"kv_indptr length must be bs \+ 1=3, got 2", rp=None)
     _rejected(ab, call, kc.PagedKvIndices(a([0.0, 1, 3], np.float64), indices, 2), TypeError,
               "kv_indptr must have dtype int32 or int64, got float64", rp=None)
     _rejected(ab, call, kc.PagedKvIndices(indptr, a([[1, 2, 3]]), 2), ValueError,
               r"kv_indices must be 1-D, got shape \(1, 3\)", rp=None)
-    _rejected(ab, call, kc.BlockTable(bt, 2), ValueError, "req_pool_indices is required with a BlockTable table", rp=None)
+    _rejected(ab, call, kc.BlockTable(bt, 2), ValueError,
+              "^" + re.escape("kv-canary: req_pool_indices is required with a BlockTable table (only a PagedKvIndices "
+                              "table, whose rows are the batch rows, takes None)") + "$", rp=None)
     v2p = a([0, 1], I32)
     _rejected(ab, call, kc.ReqToToken(a(np.ones((2, 3))), virtual_to_physical=v2p, page_size=2), TypeError,
               "virtual_to_physical must have dtype int64, got int32")
@@ -359,6 +365,35 @@ def test_table_arrays_are_checked_by_plan(ab):
                   r"block_table width 4294967296 x block_size 2147483647 = \d+ tokens exceeds 2\*\*62")
     with pytest.raises(TypeError, match="table must be a ReqToToken, BlockTable or PagedKvIndices"):
         call([[1, 2]])
+
+
+def test_strided_inputs_plan_as_contiguous_ones(ab):
+    """Read-only 1-D inputs that are not contiguous (every second item of a larger array) plan the
+    same bytes as contiguous ones: they are copied before a kernel reads them."""
+    def strided(x, dtype=I64):
+        return ab.asarray(np.repeat(np.asarray(x, dtype), 2))[::2]
+
+    def both(rp, prefix, extend, make_table, window=0, lut=None):
+        (vp0, wp0), (vp1, wp1) = poisoned_out(ab, 8, len(prefix)), poisoned_out(ab, 8, len(prefix))
+        for a, out in ((lambda x: _a(ab, x, I64), (vp0, wp0)), (strided, (vp1, wp1))):
+            kc.plan(None if rp is None else a(rp), a(prefix), a(extend), make_table(a), verify_capacity=8, out=out,
+                    swa_window_size=window, full_to_swa_index_mapping=None if lut is None else a(lut))
+        got, want = (host(ab, vp1), host(ab, wp1)), (host(ab, vp0), host(ab, wp0))
+        assert_same_plan(got, want)
+        return want
+
+    # request 0 owns page 1 (slots 2, 3), request 1 pages 2 and 3 (slots 4-7)
+    vph, wph = both(None, [2, 3], [1, 1], lambda a: kc.PagedKvIndices(a([0, 1, 3]), a([1, 2, 3]), 2))
+    assert plan_entries(vph) == [(2, -1, 0, -1), (3, -1, 1, 2), (4, -1, 0, -1), (5, -1, 1, 4), (6, -1, 2, 5)]
+    assert wph["write_seed_slot_indices"].tolist() == [3, 6]
+    # virtual token ids 0-3 on virtual pages 0, 1 -> physical pages 5, 7
+    vph, _ = both([1], [3], [1], lambda a: kc.ReqToToken(_a(ab, [[0, 0, 0, 0], [0, 1, 2, 3]], I32),
+                                                         virtual_to_physical=a([5, 7]), page_size=2))
+    assert plan_entries(vph) == [(10, -1, 0, -1), (11, -1, 1, 10), (14, -1, 2, 11)]
+    # the SWA LUT: positions 3 and 4 of row 1 (slots 11, 12) -> 111, 112
+    vph, _ = both([1], [5], [1], lambda a: kc.ReqToToken(_a(ab, linear_rtt(2, 8), I32)), window=2,
+                  lut=100 + np.arange(16))
+    assert plan_entries(vph) == [(111, -1, 3, 110), (112, -1, 4, 111)]
 
 
 # ---- the kernels' division by the page size ----------------------------------------------------------

@@ -139,6 +139,8 @@ def test_plan_shapes(ab):
     call = PlanCall(ab)
     assert_rejected(ab, ValueError, r"req_pool_indices must be 1-D, got shape \(2, 1\)",
                     lambda: call((0, a64(ab, [[1], [2]]))), *call.out)
+    assert_rejected(ab, ValueError, r"req_pool_indices must be 1-D, got shape \(\)",  # 0-d: no len() to take
+                    lambda: call((0, a64(ab, 1))), *call.out)
     assert_rejected(ab, ValueError, r"prefix_lens length must be bs \(len\(req_pool_indices\)\)=2, got 3",
                     lambda: call((1, a64(ab, [1, 2, 3]))), *call.out)
     assert_rejected(ab, ValueError, r"extend_seq_lens length must be bs .*=2, got 1",
@@ -164,7 +166,7 @@ def test_plan_req_to_token_may_have_a_wider_row_stride(ab):
     (dict(verify_capacity=2**31, out=None), ValueError, "verify_capacity must be at most 2147483647, got 2147483648"),
     # 2**31 - 1 (what CanaryCapacities.from_engine clamps to) is a valid capacity: only the out size differs
     (dict(verify_capacity=2**31 - 1), ValueError,
-     r"plan verify_capacity=2147483647 does not match out\[0\].verify_slot_indices.shape\[0\]=32"),
+     r"plan verify_capacity=2147483647 does not match out\[0\].verify_slot_indices.shape\[0\]=32$"),
     (dict(write_req_capacity=2**31 - 1), ValueError,
      r"plan write_req_capacity=2147483647 does not match out\[1\].write_seed_slot_indices.shape\[0\]=2"),
     (dict(write_req_capacity=2**31), ValueError, "write_req_capacity must be at most 2147483647, got 2147483648"),
@@ -173,7 +175,7 @@ def test_plan_req_to_token_may_have_a_wider_row_stride(ab):
      r"^kv-canary: bs=2 exceeds write_req_capacity=1; size the WritePlan for the largest batch "
      r"\(CanaryCapacities.from_engine\(max_running_requests=...\) for a CanaryPlanner\)$"),
     (dict(verify_capacity=31), ValueError,
-     r"plan verify_capacity=31 does not match out\[0\].verify_slot_indices.shape\[0\]=32"),
+     r"plan verify_capacity=31 does not match out\[0\].verify_slot_indices.shape\[0\]=32$"),
     (dict(write_req_capacity=3), ValueError,
      r"plan write_req_capacity=3 does not match out\[1\].write_seed_slot_indices.shape\[0\]=2"),
     (dict(swa_window_size=-1), ValueError, "swa_window_size must be >= 0, got -1"),
@@ -209,6 +211,11 @@ def test_plan_out_array_checks(ab):
     assert_rejected(ab, ValueError, r"out\[0\].enable length must be 1, got 2", lambda: call(out=(bad_vp, wp)), bad_vp, wp)
     bad_wp = WritePlan(**{**wp.arrays(), "verify_offsets": ab.asarray(np.zeros(4, np.int64))})
     assert_rejected(ab, ValueError, r"out\[1\].verify_offsets length must be write_req_capacity \+ 1=3, got 4",
+                    lambda: call(out=(vp, bad_wp)), vp, bad_wp)
+    # two bad fields: the first of the record's field table is named (the capacity field comes second)
+    bad_wp = WritePlan(**{**wp.arrays(), "write_offsets": ab.asarray(np.zeros(4, np.int64)),
+                          "write_seed_slot_indices": ab.asarray(np.zeros(2, np.int32))})
+    assert_rejected(ab, ValueError, r"out\[1\].write_offsets length must be write_req_capacity \+ 1=3, got 4",
                     lambda: call(out=(vp, bad_wp)), vp, bad_wp)
     strided = ab.asarray(np.zeros(64, np.int64))[::2]
     bad_vp = VerifyPlan(**{**vp.arrays(), "verify_prev_slot_indices": strided})
