@@ -753,6 +753,10 @@ def test_plan_refuses_allocations_and_copies_while_capturing(op):
                     f"kv-canary: kv-canary would copy {name} (it is not contiguous: strides (16,) for shape ({len(value)},)), "
                     f"but the current stream is capturing a CUDA graph; make {name} contiguous before capturing") + "$"):
                 run(strided=name)
+        reversed_offsets = kc.WritePlan(**{**out[1].arrays(), "write_offsets": a(np.zeros(3, np.int64))[::-1]})
+        with pytest.raises(ValueError, match=r"^kv-canary: out\[1\]\.write_offsets has negative strides; kv-canary writes "
+                                             r"into it, pass a contiguous array$"):  # an output is never copied
+            run(out=(out[0], reversed_offsets))
         assert not dev.launches
         dev.current[-1].capturing = False
         run()  # the same call, contiguous and into out, is accepted
