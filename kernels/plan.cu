@@ -808,6 +808,29 @@ __device__ bool wait_earlier_totals(ScanState* state, i64 tile, unsigned long lo
   return published;
 }
 
+// This plan's flag for block `tile`: its own flag (written by it alone) + 1.
+__device__ __forceinline__ unsigned long long own_flag(const ScanState* state, i64 tile) {
+  return __ldcg(&state->flag[tile]) + 1;
+}
+
+// Block `tile` publishes its share's totals under `flag` (thread 0; an empty share publishes zeros).
+__device__ __forceinline__ void publish_totals(ScanState* state, i64 tile, unsigned long long flag, i64 v, i64 w) {
+  if (threadIdx.x != 0) return;
+  state->totals[tile][0] = v;
+  state->totals[tile][1] = w;
+  store_release(&state->flag[tile], flag);
+}
+
+// The verify and write lengths of rows [0, lo), the rows before block `tile`'s share: from the
+// earlier shares' published totals when there is a state and they come in time, else summed by
+// the block itself.
+template <int kTable>
+__device__ __forceinline__ void lengths_before(const PlanInputs& in, ScanState* state, i64 tile, unsigned long long flag, i64 lo,
+                                               i64& before_v, i64& before_w) {
+  before_v = before_w = 0;
+  if (!(state && wait_earlier_totals(state, tile, flag, before_v, before_w))) sum_rows<kTable>(in, 0, lo, before_v, before_w);
+}
+
 // plan_offsets for a share of at most a row per thread, in one pass: each thread loads its row
 // once, the block scans the rows, publishes its totals (with a scan state) and issues its row's
 // seed gather before it waits for the earlier shares (or sums the rows before them), so the
@@ -816,7 +839,7 @@ template <int kTable, bool kHasLut, bool kHasPool>
 __device__ __forceinline__ void plan_offsets_one_pass(const PlanInputs& in, const PlanOutputs& out, ScanState* state, i64* voff,
                                                       i64* woff, i64 lo, i64 hi, bool finisher, i64 previous) {
   if (lo >= hi && !finisher && !state) return;
-  const unsigned long long flag = state ? __ldcg(&state->flag[blockIdx.x]) + 1 : 0;  // its own flag, written by it alone
+  const unsigned long long flag = state ? own_flag(state, blockIdx.x) : 0;
   const i64 r = lo + threadIdx.x;
   RowGroup<1> g;
   g.load(in, r, 0, hi);
@@ -828,16 +851,12 @@ __device__ __forceinline__ void plan_offsets_one_pass(const PlanInputs& in, cons
   warp_inclusive_scan(inc_v, inc_w);
   i64 before_v, before_w, total_v, total_w;
   scan_warp_totals(inc_v, inc_w, before_v, before_w, total_v, total_w);
-  if (state && threadIdx.x == 0) {  // an empty share publishes zeros too
-    state->totals[blockIdx.x][0] = total_v;
-    state->totals[blockIdx.x][1] = total_w;
-    store_release(&state->flag[blockIdx.x], flag);
-  }
+  if (state) publish_totals(state, blockIdx.x, flag, total_v, total_w);
   if (lo >= hi && !finisher) return;
   RowOutput<kTable, kHasLut, kHasPool> own;
   own.start(in, r, in_share, g.rp[0], g.prefix[0], g.extend[0], table);
-  i64 carry_v = 0, carry_w = 0;
-  if (!(state && wait_earlier_totals(state, blockIdx.x, flag, carry_v, carry_w))) sum_rows<kTable>(in, 0, lo, carry_v, carry_w);
+  i64 carry_v, carry_w;
+  lengths_before<kTable>(in, state, blockIdx.x, flag, lo, carry_v, carry_w);
   if (in_share) {  // the shared arrays hold the share's rows: read back by this thread alone
     voff[threadIdx.x] = carry_v + before_v + inc_v - v;
     woff[threadIdx.x] = carry_w + before_w + inc_w - w;
@@ -863,25 +882,20 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_offsets(PlanInputs in, P
   const i64 share = (bs + gridDim.x - 1) / gridDim.x, lo = min(bs, blockIdx.x * share), hi = min(bs, lo + share);
   const bool finisher = bs > 0 ? lo <= bs - 1 && bs - 1 < hi : blockIdx.x == 0;
   const i64 previous = finisher && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
-  i64 carry_v = 0, carry_w = 0, errors = 0;
-  bool have_carry = false;
   if (hi - lo <= blockDim.x && hi - lo <= tile_rows) {  // a row per thread: one pass
     plan_offsets_one_pass<kTable, kHasLut, kHasPool>(in, out, state, voff, woff, lo, hi, finisher, previous);
     return;
   }
+  const unsigned long long flag = state ? own_flag(state, blockIdx.x) : 0;
   if (state) {
-    const unsigned long long flag = __ldcg(&state->flag[blockIdx.x]) + 1;  // its own flag, written by it alone
     i64 own_v, own_w;
-    sum_rows<kTable>(in, lo, hi, own_v, own_w);  // zeros for an empty share, which publishes too
-    if (threadIdx.x == 0) {
-      state->totals[blockIdx.x][0] = own_v;
-      state->totals[blockIdx.x][1] = own_w;
-      store_release(&state->flag[blockIdx.x], flag);
-    }
-    if (lo < hi || finisher) have_carry = wait_earlier_totals(state, blockIdx.x, flag, carry_v, carry_w);
+    sum_rows<kTable>(in, lo, hi, own_v, own_w);
+    publish_totals(state, blockIdx.x, flag, own_v, own_w);
   }
+  i64 errors = 0;
   if (lo < hi || finisher) {
-    if (!have_carry) sum_rows<kTable>(in, 0, lo, carry_v, carry_w);
+    i64 carry_v, carry_w;
+    lengths_before<kTable>(in, state, blockIdx.x, flag, lo, carry_v, carry_w);
     for (i64 tile = lo; tile < hi; tile += tile_rows) {
       const i64 n = min(tile_rows, hi - tile);
       scan_rows<kTable>(in, tile, n, voff, woff, carry_v, carry_w);
