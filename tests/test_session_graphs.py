@@ -85,6 +85,17 @@ def _assert_same_as_numpy(session, reference):
     assert session.stats == reference.stats
 
 
+def _graph_session(backend, overlap):
+    """The backend, a toy engine's steps, their NumPy reference session and a session on the
+    backend to capture (violations recorded, not raised), kernels compiled before any capture."""
+    ab = get_backend_or_skip(backend)
+    kc.warmup()
+    engine, steps = _steps()
+    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore",
+                               overlap_head_write=overlap)
+    return ab, steps, _numpy_reference(engine, steps), session
+
+
 OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in_order"])
 
 
@@ -92,12 +103,7 @@ OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in_
 def test_cupy_graph_capture_replay_read_one_step_late(overlap):
     import cupy
 
-    ab = get_backend_or_skip("cupy")
-    kc.warmup()
-    engine, steps = _steps()
-    reference = _numpy_reference(engine, steps)
-    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore",
-                               overlap_head_write=overlap)
+    ab, steps, reference, session = _graph_session("cupy", overlap=overlap)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         bufs = _Buffers(ab, *steps[0])
@@ -120,12 +126,7 @@ def test_cupy_graph_capture_replay_read_one_step_late(overlap):
 def test_torch_graph_capture_replay_read_one_step_late(overlap):
     import torch
 
-    ab = get_backend_or_skip("torch_cuda")
-    kc.warmup()
-    engine, steps = _steps()
-    reference = _numpy_reference(engine, steps)
-    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore",
-                               overlap_head_write=overlap)
+    ab, steps, reference, session = _graph_session("torch_cuda", overlap=overlap)
     bufs = _Buffers(ab, *steps[0])
     torch.cuda.synchronize()
     gc.collect()  # a CuPy graph of an earlier test freed by the GC inside torch's capture would invalidate it
@@ -168,12 +169,7 @@ def test_pre_and_post_forward_in_separate_graphs_without_overlap():
     """overlap_head_write=False: nothing forks in pre_forward, so it can be captured apart from post_forward."""
     import cupy
 
-    ab = get_backend_or_skip("cupy")
-    kc.warmup()
-    engine, steps = _steps()
-    reference = _numpy_reference(engine, steps)
-    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore",
-                               overlap_head_write=False)
+    ab, steps, reference, session = _graph_session("cupy", overlap=False)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         bufs = _Buffers(ab, *steps[0])
