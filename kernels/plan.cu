@@ -15,7 +15,7 @@
 //   expands the entries from those offsets, reading the total on the device.
 // Either way the grid depends only on shapes, so a captured graph replays any batch content.
 //
-// Every kernel is instantiated for each table kind (kTable): the slot of a request's position is
+// Every kernel is instantiated for each table layout (kTable): the slot of a request's position is
 // read through table_row / SlotLookup below, so the scan and the expansion never see the layout.
 #include "canary_common.cuh"
 
@@ -29,11 +29,22 @@ constexpr int kPlanSmallRows = 32;  // plan_small: a batch of up to a warp's wid
 constexpr i64 kI64Max = 0x7fffffffffffffffLL;
 constexpr i64 kNoSeed = -kI64Max - 1;  // INT64_MIN: table_slot never returns it (slots saturate at +-kI64Max)
 
-// Table kinds (mirrored by kvcanary_cupy.tables.TableKind).
+// Table layouts (kTable; mirrored by kvcanary_cupy.jit.TableLayout).  Each table kind (mirrored by
+// kvcanary_cupy.tables.TableKind) has its general layout, of the kind's value.  A block or page
+// table that the host knows to have int32 ids (and kv_indptr), a power-of-two page size, an int32
+// null block and rows of at most 2**31 - 1 tokens (block_table's width, or kv_indices' length,
+// times the page size) also has a narrow layout (kTableNarrow added; cupy_backend.table_layout
+// picks it), which finds slots with 32-bit shifts and masks and never decides at run time.
 constexpr int kTableReqToToken = 0;    // SGLang req_to_token: a slot per token, row 0 = padding
 constexpr int kTableVirtualPages = 1;  // req_to_token of virtual token ids + virtual_to_physical pages
 constexpr int kTableBlock = 2;         // vLLM block table: a block id per block_size tokens
 constexpr int kTablePagedKv = 3;       // FlashInfer CSR: kv_indptr / kv_indices, rows = batch rows
+constexpr int kTableNarrow = 4;
+constexpr int kTableBlockNarrow = kTableBlock | kTableNarrow;
+constexpr int kTablePagedKvNarrow = kTablePagedKv | kTableNarrow;
+
+__host__ __device__ constexpr int table_kind(int table) { return table & ~kTableNarrow; }
+__host__ __device__ constexpr bool is_narrow(int table) { return (table & kTableNarrow) != 0; }
 
 template <bool kHasLut>
 __device__ __forceinline__ i64 swa_translate(i64 value, const i64* lut, i64 lut_len, i64& clamped) {
@@ -139,29 +150,52 @@ __device__ __forceinline__ i64 page_slot(const PlanInputs& in, i64 id, i64 offse
   return id * in.page_size + offset;
 }
 
-// A request's row of the table: `base` indexes its first entry, `len` is its length in tokens
-// (the bound of prefix_lens); ok is false for a row outside the table.
-// narrow (block and page tables): int32 ids, page_size and len below 2**31, so SlotLookup can work
-// in 32 bits and no slot can saturate.
+// A request's row of the table: where its entries start, its length in tokens (the bound of
+// prefix_lens), and ok, false for a row outside the table (whose entries are never read).  A
+// general layout's row: `base` indexes its first entry; narrow (block and page tables): int32 ids,
+// page_size and len below 2**31, so SlotLookup can work in 32 bits and no slot can saturate.
+template <int kTable, bool kNarrowLayout = is_narrow(kTable)>
 struct TableRow {
   i64 base, len;
   bool ok, narrow;
 };
 
+// A narrow layout's row: the global address of its first id (kept as an integer, which shuffles
+// and selects carry without the compiler forgetting that it is global: read as a pointer, such an
+// address is read with a generic load) and its length in 32 bits.
+template <int kTable>
+struct TableRow<kTable, true> {
+  size_t ids;
+  int len;
+  bool ok;
+};
+
 constexpr i64 kNarrowLimit = 0x7fffffffLL;
 
 template <int kTable>
-__device__ __forceinline__ TableRow table_row(const PlanInputs& in, i64 r, i64 rp) {
-  if (kTable == kTablePagedKv) {
+__device__ __forceinline__ TableRow<kTable> table_row(const PlanInputs& in, i64 r, i64 rp) {
+  if constexpr (is_narrow(kTable)) {  // the host's guarantees (above) keep every value in int32
+    const size_t ids = __cvta_generic_to_global(in.table);
+    const int shift = static_cast<int>(in.page_shift);
+    if constexpr (kTable == kTablePagedKvNarrow) {
+      const int lo = static_cast<const int*>(in.kv_indptr)[r], hi = static_cast<const int*>(in.kv_indptr)[r + 1];
+      const bool ok = lo >= 0 && lo <= hi && hi <= static_cast<int>(in.table_rows);
+      return {ids + (ok ? lo : 0) * sizeof(int), ok ? (hi - lo) << shift : 0, ok};
+    } else {
+      const bool ok = rp >= 0 && rp < in.table_rows;
+      return {ids + (ok ? rp * in.table_stride : 0) * sizeof(int), static_cast<int>(in.table_cols) << shift, ok};
+    }
+  } else if constexpr (kTable == kTablePagedKv) {
     const i64 lo = load_index(in.kv_indptr, in.kv_indptr_is_int64, r);
     const i64 hi = load_index(in.kv_indptr, in.kv_indptr_is_int64, r + 1);
     const bool ok = lo >= 0 && lo <= hi && hi <= in.table_rows;
     const i64 len = ok ? (hi - lo) * in.page_size : 0;
     return {ok ? lo : 0, len, ok, !in.table_is_int64 && in.page_size <= kNarrowLimit && len <= kNarrowLimit};
+  } else {
+    const bool ok = rp >= 0 && rp < in.table_rows;
+    const i64 len = kTable == kTableBlock ? in.table_cols * in.page_size : in.table_cols;
+    return {ok ? rp * in.table_stride : 0, len, ok, !in.table_is_int64 && in.page_size <= kNarrowLimit && len <= kNarrowLimit};
   }
-  const bool ok = rp >= 0 && rp < in.table_rows;
-  const i64 len = kTable == kTableBlock ? in.table_cols * in.page_size : in.table_cols;
-  return {ok ? rp * in.table_stride : 0, len, ok, !in.table_is_int64 && in.page_size <= kNarrowLimit && len <= kNarrowLimit};
 }
 
 // page = value / page_size, offset = value % page_size for 0 <= value < 2**62 (positions are below
@@ -182,17 +216,17 @@ constexpr bool kLookupCounts = kTable == kTableVirtualPages || kHasLut;
 // that holds p (and waits for nothing: the narrow and req_to_token paths keep it 32-bit, decide
 // nothing on it), slot() waits for it and returns the slot.  slot() counts into `errors` the
 // virtual token ids past virtual_to_physical (they address the padding slot 0).
-template <int kTable>
+template <int kTable, bool kNarrowLayout = is_narrow(kTable)>
 struct SlotLookup {
   i64 wide_element, offset;  // the element of the wide path; p's offset in its page (block and page tables)
   int element;  // the element of every other path: a slot, a token id, or a block / page id
   bool narrow;
 
-  __device__ __forceinline__ void start(const PlanInputs& in, const TableRow& row, i64 p) {
+  __device__ __forceinline__ void start(const PlanInputs& in, const TableRow<kTable>& row, i64 p) {
     narrow = kTable <= kTableVirtualPages || row.narrow;
     if (kTable <= kTableVirtualPages) {
       element = static_cast<const int*>(in.table)[row.base + p];
-    } else if (narrow) {  // the usual tables: a shift or a 32-bit division, one multiply-add in slot()
+    } else if (narrow) {  // int32 ids, a general page size: a shift or a 32-bit division, one multiply-add in slot()
       const unsigned q = static_cast<unsigned>(p), size = static_cast<unsigned>(in.page_size);
       const unsigned page = in.page_shift >= 0 ? q >> in.page_shift : q / size;
       element = static_cast<const int*>(in.table)[row.base + page];
@@ -225,8 +259,27 @@ struct SlotLookup {
   }
 };
 
+// ... in a narrow layout: p's page is p >> page_shift, its offset p & (page_size - 1), its slot
+// id * page_size + offset, all but the slot in 32 bits (no saturation: |id * page_size| < 2**62).
 template <int kTable>
-__device__ __forceinline__ i64 table_slot(const PlanInputs& in, const TableRow& row, i64 p, i64& errors) {
+struct SlotLookup<kTable, true> {
+  int id;
+  unsigned offset;
+
+  __device__ __forceinline__ void start(const PlanInputs& in, const TableRow<kTable>& row, i64 p) {
+    const unsigned q = static_cast<unsigned>(p);
+    id = static_cast<const int*>(__cvta_global_to_generic(row.ids))[q >> static_cast<unsigned>(in.page_shift)];
+    offset = q & (static_cast<unsigned>(in.page_size) - 1);
+  }
+
+  __device__ __forceinline__ i64 slot(const PlanInputs& in, i64&) const {
+    if (kTable == kTableBlockNarrow && id == static_cast<int>(in.null_block)) return 0;
+    return static_cast<i64>(static_cast<u64>(static_cast<i64>(id)) << static_cast<unsigned>(in.page_shift)) | offset;
+  }
+};
+
+template <int kTable>
+__device__ __forceinline__ i64 table_slot(const PlanInputs& in, const TableRow<kTable>& row, i64 p, i64& errors) {
   SlotLookup<kTable> lookup;
   lookup.start(in, row, p);
   return lookup.slot(in, errors);
@@ -249,7 +302,7 @@ __device__ __forceinline__ bool row_active(i64 rp) { return kTable > kTableVirtu
 // Row r's verify and write lengths: its window of the prefix inside its table row, and its new
 // tokens (0 for an inactive row).
 template <int kTable>
-__device__ __forceinline__ void row_lengths(const PlanInputs& in, const TableRow& row, i64 rp, i64 prefix, i64 extend, i64& v,
+__device__ __forceinline__ void row_lengths(const PlanInputs& in, const TableRow<kTable>& row, i64 rp, i64 prefix, i64 extend, i64& v,
                                             i64& w) {
   v = w = 0;
   if (!row_active<kTable>(rp)) return;
@@ -382,12 +435,12 @@ struct RowOutput {
     const i64 pool_index = in_batch && in.req_pool_indices ? in.req_pool_indices[row] : 0;
     const bool active = in_batch && row_active<kTable>(pool_index);
     start(in, row, in_batch, pool_index, in_batch ? in.prefix_lens[row] : 0, in_batch ? in.extend_seq_lens[row] : 0,
-          active ? table_row<kTable>(in, row, pool_index) : TableRow{});
+          active ? table_row<kTable>(in, row, pool_index) : TableRow<kTable>{});
   }
 
   // `table`: the table row of an active row in the batch (else unused).
   __device__ __forceinline__ void start(const PlanInputs& in, i64 row, bool in_batch, i64 pool_index, i64 prefix, i64 extend,
-                                        const TableRow& table) {
+                                        const TableRow<kTable>& table) {
     r = row;
     have = in_batch;
     rp = pool_index;
@@ -496,9 +549,10 @@ struct StoreEntries {
 };
 
 // A request's row as expand_entries walks it.
+template <int kTable>
 struct ExpandRow {
   i64 pool_row;  // its row of the expected-token pool: its pool row (its batch row with a CSR table)
-  TableRow table;
+  TableRow<kTable> table;
   i64 start;  // its window start: the position of its first verify entry
 };
 
@@ -524,9 +578,9 @@ struct ReloadRows {
   }
 
   // A request with entries has a valid table row: its pool row is its table row.
-  __device__ __forceinline__ void fetch(const PlanInputs& in, i64 r, bool need, ExpandRow& row) const {
+  __device__ __forceinline__ void fetch(const PlanInputs& in, i64 r, bool need, ExpandRow<kTable>& row) const {
     if (!need) return;
-    row.pool_row = kTable == kTablePagedKv ? r : in.req_pool_indices[r];
+    row.pool_row = table_kind(kTable) == kTablePagedKv ? r : in.req_pool_indices[r];
     row.table = table_row<kTable>(in, r, row.pool_row);
     row.start = window_start(in.prefix_lens[r], in.window);
   }
@@ -537,7 +591,7 @@ struct ReloadRows {
 // global load between the scan and the table lookups.
 template <int kTable>
 struct LaneRows {
-  ExpandRow own;  // this lane's row (anything past the batch: never taken)
+  ExpandRow<kTable> own;  // this lane's row (anything past the batch: never taken)
   i64 offset;  // its verify offset (the batch's total past the batch)
 
   __device__ __forceinline__ i64 first_row(const PlanInputs&, const i64*, i64 begin) const {
@@ -545,16 +599,22 @@ struct LaneRows {
     return 31 - __clz(__ballot_sync(kFullMask, offset <= begin));
   }
 
-  __device__ __forceinline__ void fetch(const PlanInputs&, i64 r, bool need, ExpandRow& row) const {
+  // Only what the expansion reads: not the table row's len or ok (a row with entries lies in the
+  // table), nor a page table's pool row (its batch row r).  A narrow layout's row with entries
+  // starts in [0, len), 32 bits.
+  __device__ __forceinline__ void fetch(const PlanInputs&, i64 r, bool need, ExpandRow<kTable>& row) const {
     if (!__any_sync(kFullMask, need)) return;  // the usual case past the first row: no shuffle to wait for
     const int src = static_cast<int>(r);
-    ExpandRow got;
-    got.pool_row = __shfl_sync(kFullMask, own.pool_row, src);
-    got.table.base = __shfl_sync(kFullMask, own.table.base, src);
-    got.table.len = __shfl_sync(kFullMask, own.table.len, src);
-    got.table.ok = __shfl_sync(kFullMask, static_cast<int>(own.table.ok), src);
-    got.table.narrow = __shfl_sync(kFullMask, static_cast<int>(own.table.narrow), src);
-    got.start = __shfl_sync(kFullMask, own.start, src);
+    ExpandRow<kTable> got = row;
+    got.pool_row = table_kind(kTable) == kTablePagedKv ? r : __shfl_sync(kFullMask, own.pool_row, src);
+    if constexpr (is_narrow(kTable)) {
+      got.table.ids = __shfl_sync(kFullMask, own.table.ids, src);
+      got.start = __shfl_sync(kFullMask, static_cast<unsigned>(own.start), src);
+    } else {
+      got.table.base = __shfl_sync(kFullMask, own.table.base, src);
+      got.table.narrow = __shfl_sync(kFullMask, static_cast<int>(own.table.narrow), src);
+      got.start = __shfl_sync(kFullMask, own.start, src);
+    }
     if (need) row = got;
   }
 };
@@ -581,7 +641,7 @@ __device__ void expand_entries(const PlanInputs& in, const PlanOutputs& out, con
 
   i64 r = rows.first_row(in, verify_offsets, begin);
   i64 row_begin = verify_offsets[r], row_next = verify_offsets[r + 1];
-  ExpandRow row;
+  ExpandRow<kTable> row;
   rows.fetch(in, r, true, row);
   i64 clamped = 0;
   // The slot of a lookup started at the current row, its out-of-range values counted into `errors`.
@@ -723,8 +783,8 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_small(PlanInputs in, Pla
   g.load(in, lane, 32, bs);
   const bool in_batch = lane < bs;
   LaneRows<kTable> rows;
-  rows.own.pool_row = kTable == kTablePagedKv ? lane : g.rp[0];
-  rows.own.table = in_batch && row_active<kTable>(g.rp[0]) ? table_row<kTable>(in, lane, g.rp[0]) : TableRow{};
+  rows.own.pool_row = table_kind(kTable) == kTablePagedKv ? lane : g.rp[0];
+  rows.own.table = in_batch && row_active<kTable>(g.rp[0]) ? table_row<kTable>(in, lane, g.rp[0]) : TableRow<kTable>{};
   rows.own.start = window_start(g.prefix[0], in.window);
   i64 v = 0, w = 0;
   if (in_batch) row_lengths<kTable>(in, rows.own.table, g.rp[0], g.prefix[0], g.extend[0], v, w);
@@ -844,7 +904,7 @@ __device__ __forceinline__ void plan_offsets_one_pass(const PlanInputs& in, cons
   RowGroup<1> g;
   g.load(in, r, 0, hi);
   const bool in_share = r < hi;
-  const TableRow table = in_share && row_active<kTable>(g.rp[0]) ? table_row<kTable>(in, r, g.rp[0]) : TableRow{};
+  const TableRow<kTable> table = in_share && row_active<kTable>(g.rp[0]) ? table_row<kTable>(in, r, g.rp[0]) : TableRow<kTable>{};
   i64 v = 0, w = 0;
   if (in_share) row_lengths<kTable>(in, table, g.rp[0], g.prefix[0], g.extend[0], v, w);
   i64 inc_v = v, inc_w = w;

@@ -3,7 +3,7 @@
 // VerifySink, which checks them as canary_verify would: the entries never touch memory.
 // The per-request outputs (the WritePlan) and the VerifyPlan's counters (verify_num_valid,
 // enable, out_of_range_count) are written as plan_fused writes them; the entry arrays are not.
-// Instantiated per table kind, like the plan kernels; a batch too large for plan_fused takes
+// Instantiated per table layout, like the plan kernels; a batch too large for plan_fused takes
 // plan + verify (the host decides).
 #include "plan.cu"
 

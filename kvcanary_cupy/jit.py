@@ -9,6 +9,7 @@ use or ahead of time with :func:`warmup` (do that before capturing a CUDA graph)
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import importlib.resources
@@ -44,26 +45,44 @@ class KernelFamily(NamedTuple):
                 for args in itertools.product(*(values for _, values in params))]
 
 
-def plan_family(kind: TableKind) -> str:
-    """The plan kernels of one table kind are a family of their own: compiled on first use of it."""
-    return f"plan_{kind.name.lower()}"
+TABLE_NARROW = 4  # kTableNarrow in kernels/plan.cu
 
 
-def step_family(kind: TableKind) -> str:
-    """The fused plan + verify kernels of one table kind (step.cu): compiled on first use of them."""
-    return f"step_{kind.name.lower()}"
+class TableLayout(enum.IntEnum):
+    """The table layouts the plan kernels are instantiated for (kTable in kernels/plan.cu): each
+    table kind's general layout, of its :class:`~kvcanary_cupy.tables.TableKind` value, and the
+    narrow layout (TABLE_NARROW added) of a block or page table with int32 ids, a power-of-two
+    page size and rows of at most 2**31 - 1 tokens, which ``cupy_backend.table_layout`` picks."""
+
+    REQ_TO_TOKEN = TableKind.REQ_TO_TOKEN
+    VIRTUAL_PAGES = TableKind.VIRTUAL_PAGES
+    BLOCK = TableKind.BLOCK
+    PAGED_KV = TableKind.PAGED_KV
+    BLOCK_NARROW = TableKind.BLOCK | TABLE_NARROW
+    PAGED_KV_NARROW = TableKind.PAGED_KV | TABLE_NARROW
+
+
+def plan_family(layout: int) -> str:
+    """The plan kernels of one table layout (a TableKind is its general layout) are a family of
+    their own: compiled on first use of it."""
+    return f"plan_{TableLayout(layout).name.lower()}"
+
+
+def step_family(layout: int) -> str:
+    """The fused plan + verify kernels of one table layout (step.cu): compiled on first use of them."""
+    return f"step_{TableLayout(layout).name.lower()}"
 
 
 BUFFERS = ("kBuffers", tuple(range(1, MAX_CANARY_BUFFERS + 1)))  # canary buffers of one write/verify launch
 
 FAMILIES = {
-    **{plan_family(kind): KernelFamily("plan.cu", tuple(
-        (k, (("kTable", (int(kind),)), ("kHasLut", BOOL), ("kHasPool", BOOL))) for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")))
-       for kind in TableKind},
-    **{step_family(kind): KernelFamily("step.cu", (
-        ("plan_verify", (("kTable", (int(kind),)), ("kHasLut", BOOL), ("kHasPool", BOOL), ("kCheckToken", BOOL),
+    **{plan_family(layout): KernelFamily("plan.cu", tuple(
+        (k, (("kTable", (int(layout),)), ("kHasLut", BOOL), ("kHasPool", BOOL))) for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")))
+       for layout in TableLayout},
+    **{step_family(layout): KernelFamily("step.cu", (
+        ("plan_verify", (("kTable", (int(layout),)), ("kHasLut", BOOL), ("kHasPool", BOOL), ("kCheckToken", BOOL),
                          ("kHasRealKv", BOOL))),))
-       for kind in TableKind},
+       for layout in TableLayout},
     "write": KernelFamily("write.cu", (("canary_write", (BUFFERS, ("kInputAssert", BOOL), ("kHasRealKv", BOOL))),)),
     "verify": KernelFamily("verify.cu", (("canary_verify", (BUFFERS, ("kCheckToken", BOOL), ("kHasRealKv", BOOL))),)),
     "scatter": KernelFamily("scatter.cu", (("scatter_req_token_ids", ()),)),

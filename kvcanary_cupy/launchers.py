@@ -543,26 +543,33 @@ _REQ_TO_TOKEN, _VIRTUAL_PAGES, _BLOCK, _PAGED_KV = (TableKind.REQ_TO_TOKEN, Tabl
 
 def _step_table(arrays, table, bs_rows: int):
     """The table of one call, common case only, as ``(kind, entries, kv_indptr, virtual_to_physical,
-    rows, pool_rows, shape)``: its kind (tables.TableKind), its arrays as the backend takes them,
-    its rows (of entries), the expected-token pool rows a plan may index, and ``shape``, the
-    arguments of :func:`cupy_backend.table_fields` (what changes only when the table's layout does;
-    page size and null block first).  None when it is not the common case.
+    rows, pool_rows, row_tokens, shape)``: its kind (tables.TableKind), its arrays as the backend
+    takes them, its rows (of entries), the expected-token pool rows a plan may index, the bound of
+    its rows' lengths in tokens (cupy_backend.table_layout) and ``shape``, the arguments of
+    :func:`cupy_backend.table_fields` (what changes only when the table's layout does; page size and
+    null block first).  None when it is not the common case.
 
     ``bs_rows`` is the batch size for a table whose rows are the batch rows (PagedKvIndices)."""
     cls = type(table)
     if cls is BlockTable:
         entries = arrays.table(table.block_table, True)
-        if entries is None or entries[2] * table.block_size > MAX_TABLE_TOKENS:
+        if entries is None:
             return None
         entries, rows, cols, stride, wide = entries
+        tokens = cols * table.block_size
+        if tokens > MAX_TABLE_TOKENS:
+            return None
         shape = (table.block_size, table.null_block, cols, stride, wide, False, 0)
-        return _BLOCK, entries, None, None, rows, rows, shape
+        return _BLOCK, entries, None, None, rows, rows, tokens, shape
     if cls is PagedKvIndices:
         indptr, indices = arrays.indices(table.kv_indptr, bs_rows + 1), arrays.indices(table.kv_indices, -1)
-        if indptr is None or indices is None or indices[1] * table.page_size > MAX_TABLE_TOKENS:
+        if indptr is None or indices is None:
             return None
         (kv_indptr, _, indptr_wide), (entries, rows, wide) = indptr, indices
-        return _PAGED_KV, entries, kv_indptr, None, rows, bs_rows, (table.page_size, 0, 0, 0, wide, indptr_wide, 0)
+        tokens = rows * table.page_size
+        if tokens > MAX_TABLE_TOKENS:
+            return None
+        return _PAGED_KV, entries, kv_indptr, None, rows, bs_rows, tokens, (table.page_size, 0, 0, 0, wide, indptr_wide, 0)
     if cls is ReqToToken:
         entries, v2p = arrays.table(table.req_to_token), table.virtual_to_physical
     else:  # a bare req_to_token
@@ -570,13 +577,13 @@ def _step_table(arrays, table, bs_rows: int):
     if entries is None:
         return None
     entries, rows, cols, stride, _ = entries
-    if v2p is None:
-        return _REQ_TO_TOKEN, entries, None, None, rows, rows, (1, 0, cols, stride, False, False, 0)
+    if v2p is None:  # a req_to_token row holds a token per column
+        return _REQ_TO_TOKEN, entries, None, None, rows, rows, cols, (1, 0, cols, stride, False, False, 0)
     pages = arrays.leading(v2p)
     if pages is None or pages[1] < 1:
         return None
     shape = (table.page_size, 0, cols, stride, False, False, pages[1])
-    return _VIRTUAL_PAGES, entries, None, pages[0], rows, rows, shape
+    return _VIRTUAL_PAGES, entries, None, pages[0], rows, rows, cols, shape
 
 
 class PlanLauncher:
@@ -628,27 +635,32 @@ class PlanLauncher:
             # what only some tables (kv_indptr, virtual_to_physical) and expected tokens use
             b.set_optional = b.optional_setter(*(f"inputs.{k}" for k in (
                 "kv_indptr", "virtual_to_physical", "pool", "pool_stride", "pool_cols", "valid_lens")))
-            b.table_shape = None  # the table_fields last written
-            b.kernels = {}  # (kind, bs, has_pool) -> ((function, grid, block, shared_mem), ...)
+            b.table_shape = b.table_kind = None  # the table_fields last written, and the table's kind
+            b.narrow_row_tokens, b.narrow_layout = -1, None  # cupy_backend.narrow_layout of that shape
+            b.kernels = {}  # (layout, bs, has_pool) -> ((function, grid, block, shared_mem), ...)
         self._bound = b
 
     @staticmethod
     def _kernels(b, key: tuple) -> tuple:
-        """The launches of ``key`` = ``(kind, bs, has_pool)``, looked up once (the call reads ``b.kernels`` first)."""
+        """The launches of ``key`` = ``(layout, bs, has_pool)``, looked up once (the call reads ``b.kernels`` first)."""
         if len(b.kernels) > 4096:
             b.kernels.clear()
-        kind, bs, has_pool = key
+        layout, bs, has_pool = key
         with import_cupy().cuda.Device(b.device):  # grids are sized from the bound device's SM count
             kernels = b.kernels[key] = tuple(
                 (b.function(family, name), (config.grid,), (config.block,), config.shared_mem)
-                for family, name, config in b.cb.plan_kernels(kind, bs, b.capacities[0], b.has_lut, has_pool))
+                for family, name, config in b.cb.plan_kernels(layout, bs, b.capacities[0], b.has_lut, has_pool))
         return kernels
 
-    def _write_table_shape(self, b, shape: tuple) -> None:
+    @staticmethod
+    def _write_table_shape(b, kind, shape: tuple) -> None:
+        """Writes the table fields of ``shape`` and keeps the part of the layout choice that they decide."""
         for name, value in b.cb.table_fields(*shape):
             view, index = b.param_slots(f"inputs.{name}")
             view[index] = value
-        b.table_shape = shape
+        page_size, null_block, _, _, entries_int64, kv_indptr_int64, _ = shape
+        b.narrow_row_tokens, b.narrow_layout = b.cb.narrow_layout(kind, page_size, null_block, entries_int64, kv_indptr_int64)
+        b.table_shape, b.table_kind = shape, kind
 
     def __call__(self, req_pool_indices, prefix_lens, extend_seq_lens, table,
                  req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None) -> bool:
@@ -673,7 +685,7 @@ class PlanLauncher:
         t = _step_table(arrays, table, bs)
         if prefix is None or extend is None or t is None or bs > b.capacities[1]:
             return False
-        kind, entries, kv_indptr, v2p, rows, pool_rows, shape = t
+        kind, entries, kv_indptr, v2p, rows, pool_rows, row_tokens, shape = t
         if b.window > 0 and not b.has_lut and kind in (_REQ_TO_TOKEN, _VIRTUAL_PAGES):
             return False
         if req_to_verify_expected_tokens is None:
@@ -693,12 +705,12 @@ class PlanLauncher:
                 req_pool_indices=rp, prefix_lens=prefix, extend_seq_lens=extend, table=view,
                 expected_token_pool=pool[0], expected_token_valid_lens=lens, clear_whole_capacity=clear))
         else:
-            if shape != b.table_shape:
-                self._write_table_shape(b, shape)
+            if shape != b.table_shape or kind is not b.table_kind:
+                self._write_table_shape(b, kind, shape)
             b.set((rp or 0, prefix, extend, bs, entries, rows, clear))
             b.set_optional(None if kv_indptr is None and v2p is None and lens is None else
                            (kv_indptr or 0, v2p or 0, pool[0] or 0, pool[3], pool[2], lens or 0))
-            key = (kind, bs, lens is not None)
+            key = (b.narrow_layout if row_tokens <= b.narrow_row_tokens else kind, bs, lens is not None)  # table_layout
             for fn, grid, block, shared_mem in b.kernels.get(key) or self._kernels(b, key):
                 b.launch(fn, grid, block, shared_mem)
         if clear:

@@ -3,6 +3,8 @@ architectures (no GPU needed), the header's constants equal the Python ones, the
 ship as package data, variant names change whenever any compiled byte does, and the parameter
 records the launches fill mirror the kernels' signatures."""
 
+import functools
+import operator
 import re
 
 import numpy as np
@@ -85,16 +87,20 @@ def test_compile_errors_name_the_family(monkeypatch):
 
 
 def test_instantiation_lists_cover_every_flag_combination():
-    for kind in kc.tables.TableKind:
-        assert jit.FAMILIES[jit.plan_family(kind)].instantiations() == [
-            f"kvcanary::{k}<{int(kind)}, {a}, {b}>" for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")
+    layouts = {"plan_req_to_token": 0, "plan_virtual_pages": 1, "plan_block": 2, "plan_paged_kv": 3, "plan_block_narrow": 6,
+               "plan_paged_kv_narrow": 7}
+    assert {jit.plan_family(layout): int(layout) for layout in jit.TableLayout} == layouts
+    assert [jit.plan_family(kind) for kind in kc.tables.TableKind] == list(layouts)[:4]  # a kind names its general layout
+    for family, layout in layouts.items():
+        assert jit.FAMILIES[family].instantiations() == [
+            f"kvcanary::{k}<{layout}, {a}, {b}>" for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")
             for a in ("false", "true") for b in ("false", "true")
         ]
-    for kind in kc.tables.TableKind:
-        assert jit.FAMILIES[jit.step_family(kind)].instantiations() == [
-            f"kvcanary::plan_verify<{int(kind)}, {a}, {b}, {c}, {d}>" for a in ("false", "true") for b in ("false", "true")
+        assert jit.FAMILIES[family.replace("plan_", "step_", 1)].instantiations() == [
+            f"kvcanary::plan_verify<{layout}, {a}, {b}, {c}, {d}>" for a in ("false", "true") for b in ("false", "true")
             for c in ("false", "true") for d in ("false", "true")
         ]
+    assert jit.step_family(jit.TableLayout.PAGED_KV_NARROW) == "step_paged_kv_narrow"
     assert jit.FAMILIES["write"].instantiations() == [
         f"kvcanary::canary_write<{n}, {a}, {b}>" for n in range(1, kc.MAX_CANARY_BUFFERS + 1)
         for a in ("false", "true") for b in ("false", "true")
@@ -134,6 +140,8 @@ def _cuh_constant(name, filename="canary_common.cuh"):
     m = re.search(rf"constexpr \w+ {name} = ([^;]+);", jit._read(filename))
     assert m, name
     expr = m.group(1).replace("ULL", "")
+    if re.fullmatch(r"k\w+( \| k\w+)+", expr):  # constants of the same file or'ed together
+        return functools.reduce(operator.or_, (_cuh_constant(term, filename) for term in expr.split(" | ")))
     if "<<" in expr:
         base, shift = expr.split("<<")
         return int(base) << int(shift)
@@ -182,14 +190,17 @@ def test_session_record_layout_matches_python():
         assert _cuh_constant("kStage" + "".join(w.capitalize() for w in name.split("_")), "session.cu") == index, name
 
 
-def test_table_kinds_match_the_kernels():
+def test_table_kinds_and_layouts_match_the_kernels():
     from kvcanary_cupy.tables import TableKind
 
     names = {"REQ_TO_TOKEN": "kTableReqToToken", "VIRTUAL_PAGES": "kTableVirtualPages", "BLOCK": "kTableBlock",
-             "PAGED_KV": "kTablePagedKv"}
-    assert set(names) == {k.name for k in TableKind}
+             "PAGED_KV": "kTablePagedKv", "BLOCK_NARROW": "kTableBlockNarrow", "PAGED_KV_NARROW": "kTablePagedKvNarrow"}
+    assert set(names) == {k.name for k in jit.TableLayout} > {k.name for k in TableKind}
     for kind in TableKind:
-        assert _cuh_constant(names[kind.name], "plan.cu") == kind.value, kind
+        assert jit.TableLayout[kind.name] == kind.value
+    assert _cuh_constant("kTableNarrow", "plan.cu") == jit.TABLE_NARROW
+    for layout in jit.TableLayout:
+        assert _cuh_constant(names[layout.name], "plan.cu") == layout.value, layout
 
 
 def test_compile_reports_are_cached_by_every_compiled_byte(tmp_path, monkeypatch):

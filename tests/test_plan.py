@@ -632,7 +632,7 @@ def test_scan_kernels_opt_in_to_the_device_limit_once_as_they_load_never_at_a_la
                           if jit.kernel_of(name) in jit.LARGE_SHARED_MEM_KERNELS)
         assert sorted(dev.attributes_set) == expected
         assert {jit.kernel_of(e[0]) for e in expected} == {"plan_fused", "plan_offsets", "plan_verify"}
-        assert len(expected) == 4 * (4 + 4 + 16)  # per table kind: plan_fused, plan_offsets, plan_verify variants
+        assert len(expected) == len(jit.TableLayout) * (4 + 4 + 16)  # per table layout: plan_fused, plan_offsets, plan_verify variants
 
         dev.current[-1].capturing = True  # a capture of plans too large for 48 KiB, for each plan path
         a = dev.asarray

@@ -23,7 +23,8 @@ from ..interop import import_cupy
 from ..jit import get_function, kernel_name, plan_family, step_family
 from ..plans import SCAN_STATE_TILES, VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 from ..tables import TableKind
-from . import VERIFY_ENTRY_FIELDS, LogViews, MoveArgs, PlanArgs, PlanVerifyArgs, ScatterArgs, StageArgs, VerifyArgs, WriteArgs
+from . import (VERIFY_ENTRY_FIELDS, LogViews, MoveArgs, PlanArgs, PlanVerifyArgs, ScatterArgs, StageArgs, TableView, VerifyArgs,
+               WriteArgs)
 
 I64, I32 = np.int64, np.int32
 
@@ -373,6 +374,42 @@ def table_fields(page_size: int, null_block: int, cols: int, stride: int, entrie
             ("kv_indptr_is_int64", int(kv_indptr_int64)))
 
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def narrow_layout(kind: int, page_size: int, null_block: int, entries_int64: bool, kv_indptr_int64: bool) -> tuple[int, int]:
+    """``(max_row_tokens, layout)``: a table of ``kind`` plans through its narrow layout
+    (jit.TableLayout) when its rows hold at most max_row_tokens tokens: 2**31 - 1 for a block table
+    of int32 ids with a power-of-two block size and an int32 null block, or a page table of int32
+    kv_indptr and kv_indices with a power-of-two page size; -1 (never) for any other table."""
+    narrow = -1
+    if not entries_int64 and not page_size & (page_size - 1):
+        if kind == TableKind.BLOCK and INT32_MIN <= null_block <= INT32_MAX or kind == TableKind.PAGED_KV and not kv_indptr_int64:
+            narrow = INT32_MAX
+    return narrow, jit.TableLayout(kind | jit.TABLE_NARROW) if narrow >= 0 else kind
+
+
+def table_layout(kind: int, row_tokens: int, page_size: int, null_block: int, entries_int64: bool,
+                 kv_indptr_int64: bool) -> int:
+    """The layout the plan kernels read a table of ``kind`` in (jit.TableLayout, kTable): its
+    :func:`narrow_layout` when ``row_tokens``, which bounds every row's length in tokens (a block
+    table's width, a page table's kv_indices length, times the page size), is within its limit;
+    else the kind's general one.  (A bound planner keeps narrow_layout per table shape.)"""
+    max_row_tokens, narrow = narrow_layout(kind, page_size, null_block, entries_int64, kv_indptr_int64)
+    return narrow if row_tokens <= max_row_tokens else kind
+
+
+def view_layout(t: TableView) -> int:
+    """:func:`table_layout` of a table's views."""
+    entries = t.entries
+    if t.kind == TableKind.PAGED_KV:
+        row_tokens = entries.shape[0] * t.page_size
+    else:  # a req_to_token row holds a token per column
+        row_tokens = entries.shape[1] * (t.page_size if t.kind == TableKind.BLOCK else 1)
+    return table_layout(t.kind, row_tokens, t.page_size, t.null_block, entries.dtype == np.int64,
+                        t.kv_indptr is not None and t.kv_indptr.dtype == np.int64)
+
+
 def plan_params(a: PlanArgs) -> np.ndarray:
     """The plan kernels' parameters; per-step arrays that are None (a bound planner) are left 0."""
     t, o = a.table, a.out
@@ -406,9 +443,10 @@ def plan_params(a: PlanArgs) -> np.ndarray:
     return p
 
 
-def plan_kernels(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool) -> tuple:
-    """``(family, kernel name, LaunchConfig)`` of each launch of a plan of ``bs`` requests, in order."""
-    family, template_args = plan_family(kind), (int(kind), has_lut, has_pool)
+def plan_kernels(layout: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool) -> tuple:
+    """``(family, kernel name, LaunchConfig)`` of each launch of a plan of ``bs`` requests through a
+    table of ``layout`` (:func:`table_layout`; a TableKind is its general layout), in order."""
+    family, template_args = plan_family(layout), (int(layout), has_lut, has_pool)
     if bs <= PLAN_SMALL_MAX_ROWS:
         name = kernel_name("plan_small", *template_args)
         return ((family, name, LaunchConfig(plan_one_launch_blocks(verify_capacity, spare=int(verify_capacity > 0)), PLAN_THREADS)),)
@@ -427,7 +465,7 @@ def plan_kernels(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_po
 
 def plan(a: PlanArgs) -> None:
     params = plan_params(a)
-    for family, name, config in plan_kernels(a.table.kind, a.prefix_lens.shape[0], a.out.verify_slot_indices.shape[0],
+    for family, name, config in plan_kernels(view_layout(a.table), a.prefix_lens.shape[0], a.out.verify_slot_indices.shape[0],
                                              a.swa_lut is not None, a.expected_token_pool is not None):
         _launch_record(KernelLaunch(family, name, config, params))
 
@@ -487,14 +525,14 @@ def plan_verify_blocks_per_sm(bs: int, verify_capacity: int) -> int:
     return PLAN_VERIFY_BLOCKS_PER_SM if verify_capacity >= PLAN_VERIFY_PACKED_MIN_ENTRIES_PER_ROW * max(bs, 1) else 1
 
 
-def plan_verify_kernel(kind: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool, check_token: bool,
+def plan_verify_kernel(layout: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool, check_token: bool,
                        real_kv: bool) -> tuple:
-    """``(family, kernel name, LaunchConfig)`` of the fused plan + verify of ``bs`` requests (a
-    batch that does not :func:`plan_verify_stores_entries`): plan_fused's configuration (its scan
-    and expansion, with a grid sized by the verify capacity), up to
+    """``(family, kernel name, LaunchConfig)`` of the fused plan + verify of ``bs`` requests through
+    a table of ``layout`` (a batch that does not :func:`plan_verify_stores_entries`): plan_fused's
+    configuration (its scan and expansion, with a grid sized by the verify capacity), up to
     :func:`plan_verify_blocks_per_sm` blocks per SM."""
-    family = step_family(kind)
-    name = kernel_name("plan_verify", int(kind), has_lut, has_pool, check_token, real_kv)
+    family = step_family(layout)
+    name = kernel_name("plan_verify", int(layout), has_lut, has_pool, check_token, real_kv)
     blocks = plan_one_launch_blocks(verify_capacity, per_sm=plan_verify_blocks_per_sm(bs, verify_capacity))
     return family, name, plan_scan_config(bs, blocks)
 
@@ -509,7 +547,7 @@ def plan_verify_launch(a: PlanVerifyArgs) -> KernelLaunch:
     p["targets"], p["log"] = _targets_struct(v.targets, v.real_kv_hash_mode), _log_struct(v.log)
     # Without a pool every expected token is -1 (unchecked): the token check would find nothing.
     has_pool = a.plan.expected_token_pool is not None
-    family, name, config = plan_verify_kernel(a.plan.table.kind, _len(a.plan.prefix_lens), a.verify_capacity,
+    family, name, config = plan_verify_kernel(view_layout(a.plan.table), _len(a.plan.prefix_lens), a.verify_capacity,
                                               a.plan.swa_lut is not None, has_pool, v.check_expected_token and has_pool,
                                               has_real_kv(v.targets, v.real_kv_hash_mode))
     return KernelLaunch(family, name, config, p)
