@@ -6,6 +6,7 @@ batches up to 20,000 requests).  Without a GPU it runs a smaller set, wide batch
 torch tensors.
 """
 
+import numpy as np
 import pytest
 
 from conftest import get_backend_or_skip
@@ -103,15 +104,37 @@ def test_torch_cpu_matches_numpy_wide_batches(seed):
     assert_same(ref, run_case(ab, case), context=f"torch_cpu big seed {seed}")
 
 
+def _table_layouts(case) -> set:
+    """The table layouts (jit.TableLayout) the case's steps plan through on the GPU."""
+    from kvcanary_cupy.backends.cupy_backend import table_layout
+    from kvcanary_cupy.tables import TableKind
+
+    t = case.table
+    if case.table_kind == "block":
+        bt = t["block_table"]
+        return {table_layout(TableKind.BLOCK, bt.shape[1] * t["block_size"], t["block_size"], t["null_block"],
+                             bt.dtype == np.int64, False)}
+    if case.table_kind == "csr":
+        return {table_layout(TableKind.PAGED_KV, s.kv_indices.shape[0] * t["block_size"], t["block_size"], 0,
+                             s.kv_indices.dtype == np.int64, s.kv_indptr.dtype == np.int64) for s in case.steps}
+    return {TableKind.REQ_TO_TOKEN if case.table_kind == "rtt" else TableKind.VIRTUAL_PAGES}
+
+
 def test_fuzz_cases_exercise_every_path():
     """The generator reaches overflow, out-of-range skips, violations and dropped rows, and plans
-    through every table kind with out-of-range plan inputs."""
+    through every table kind with out-of-range plan inputs, and through every table layout (block
+    and CSR tables of int32 and int64 ids, power-of-two page sizes and others)."""
+    from kvcanary_cupy.jit import TableLayout
+
     seen = {"overflow": 0, "out_of_range": 0, "violations": 0, "dropped": 0, "lut": 0, "several_buffers": 0}
     seen.update({f"{kind} plan out of range": 0 for kind in TABLE_KINDS})
+    seen.update({f"{layout.name} layout": 0 for layout in TableLayout})
     for seed in range(120):
         case = make_case(seed)
         snapshots = run_case(NUMPY, case)["snapshots"]
         last = snapshots[-1]
+        for layout in _table_layouts(case):
+            seen[f"{TableLayout(layout).name} layout"] += 1
         seen[f"{case.table_kind} plan out of range"] += int(last["vp.out_of_range_count"][0] > 0)
         seen["overflow"] += int(any(s["vp.enable"][0] == 0 for s in snapshots))
         seen["out_of_range"] += int(last["vp.out_of_range_count"][0] + last["log.out_of_range_counters"].sum() > 0)

@@ -153,6 +153,51 @@ def test_one_bound_planner_and_write_keep_the_free_launches_as_optional_inputs_c
     assert used == {"pool": {False, True}, "expected": {False, True}, "kind": set(TABLE_KINDS)}
 
 
+def test_a_bound_planner_picks_each_calls_table_layout_as_the_free_plan_does(monkeypatch):
+    """One planner, one table after another: the table layout it launches (cupy_backend.table_layout,
+    its per-shape part kept by the planner) follows each call's table as the free function's does:
+    a CSR table's kv_indices length (the bound of its rows) crossing 2**31 tokens, its kv_indptr's
+    dtype, a block table's id dtype, null block, block size and width, and a req_to_token of the
+    same shape as a block table of block size 1."""
+    pytest.importorskip("cupy")
+    from fake_cupy import fake_device
+
+    i32, big = np.int32, 2**30
+    bt = np.array([[1, 2], [3, 4]])
+    with fake_device() as dev:
+        a = dev.asarray
+        rp, prefix, extend = a(np.array([1, 0])), a(np.array([2, 1])), a(np.array([1, 1]))
+        csr = lambda indptr, indices, page, indptr_dtype=i32: (None, kc.PagedKvIndices(
+            a(np.array(indptr, indptr_dtype)), a(np.array(indices, i32)), page))
+        calls = [  # (req_pool_indices, table), the layout (kTable) it plans through
+            ((rp, kc.BlockTable(a(bt.astype(i32)), 16)), 6),
+            ((rp, kc.BlockTable(a(bt), 16)), 2),  # int64 ids
+            ((rp, kc.BlockTable(a(bt.astype(i32)), 16, null_block=2**31)), 2),
+            ((rp, kc.BlockTable(a(bt.astype(i32)), 16, null_block=-(2**31))), 6),
+            ((rp, kc.BlockTable(a(bt.astype(i32)), 12)), 2),
+            ((rp, kc.BlockTable(a(bt.astype(i32)), big)), 2),  # rows of 2**31 tokens
+            ((rp, kc.BlockTable(a(bt[:, :1].astype(i32)), big)), 6),
+            ((rp, kc.BlockTable(a(bt.astype(i32)), 1)), 6),
+            ((rp, a(bt.astype(i32))), 0),  # the same shape as that block table
+            ((rp, kc.BlockTable(a(bt.astype(i32)), 1)), 6),
+            (csr([0, 1, 2], [5, 6], big), 3),  # 2**31 tokens of kv_indices
+            (csr([0, 1, 1], [5], big), 7),
+            (csr([0, 1, 1], [5], big, np.int64), 3),
+            (csr([0, 1, 1], [5], 16), 7),
+            (csr([0, 2, 2], [5, 6], 48), 3),
+        ]
+        planner = kc.CanaryPlanner(kc.CanaryCapacities(64, 2), like=prefix)
+        for (rows, table), layout in calls:
+            kc.plan(rows, prefix, extend, table, verify_capacity=64, out=(planner.verify_plan, planner.write_plan))
+            free, dev.launches[:] = list(dev.launches), []
+            with monkeypatch.context() as mp:
+                _free_functions_refused(mp)
+                planner.plan(rows, prefix, extend, table)
+            assert [launch.name for launch in free] == [f"kvcanary::plan_small<{layout}, false, false>"], (table, layout)
+            assert dev.launches == free
+            dev.launches[:] = []
+
+
 # ----------------------------------------------------------------------------------------------
 # per-step inputs outside the common case: the free function decides
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy import jit
 from canary_builders import (
     INT64_MAX,
     assert_plan_equals_oracle,
@@ -15,11 +16,15 @@ from canary_builders import (
     host,
     linear_rtt,
     oracle_plan,
+    paged_slot,
     plan_entries,
+    ring_rows,
     shifted_pool,
 )
+from conftest import get_backend_or_skip
 
 I32, I64 = np.int32, np.int64
+NUMPY = get_backend_or_skip("numpy")
 
 
 def _a(ab, x, dtype=None):
@@ -415,6 +420,174 @@ def test_page_division_is_exact_below_2_62(page_size):
         got = value >> shift if shift >= 0 else ((value * magic) >> 64) >> magic_shift
         assert got == value // page_size, (value, page_size)
     assert 0 <= magic < 2**64 and (shift >= 0) == (page_size & (page_size - 1) == 0)
+
+
+# ---- the narrow and the general layouts of block and page tables ------------------------------------------
+
+
+L = jit.TableLayout
+BIG_PAGE = 2**30  # rows of 1 and 2 such pages: 2**30 and 2**31 tokens, the first past the narrow layout's rows
+_BT = np.array([[5, 0, 7, -(2**31)], [2**31 - 1, 3, 0, 1]])
+_INDICES = np.array([9, -3, 2**31 - 1, 0, 4])
+
+LAYOUT_CASES = {  # name: (table, req_pool_indices, prefix_lens, swa_window_size, the layout cupy_backend picks)
+    "block int32, size 4": (dict(block_table=_BT.astype(I32), block_size=4), [1, 0, 2, -1], [16, 9, 3, 4], 0, L.BLOCK_NARROW),
+    "block int32, null block int32 min": (dict(block_table=_BT.astype(I32), block_size=4, null_block=-(2**31)), [0, 1],
+                                          [16, 17], 0, L.BLOCK_NARROW),
+    "block int32, null block past int32": (dict(block_table=_BT.astype(I32), block_size=4, null_block=2**31), [0, 1],
+                                           [16, 16], 0, L.BLOCK),
+    "block int64": (dict(block_table=_BT * 3, block_size=4), [1, 0], [16, 9], 0, L.BLOCK),
+    "block int32, size 3": (dict(block_table=_BT.astype(I32), block_size=3), [1, 0], [12, 7], 0, L.BLOCK),
+    "block int32, rows of 2**31 tokens": (dict(block_table=np.array([[4, 2**31 - 1]], I32), block_size=BIG_PAGE), [0, 0],
+                                          [2**31 - 1, BIG_PAGE + 1], 3, L.BLOCK),
+    "block int32, rows of 2**30 tokens": (dict(block_table=np.array([[2**31 - 1]], I32), block_size=BIG_PAGE), [0, 0],
+                                          [BIG_PAGE, 2], 3, L.BLOCK_NARROW),
+    "csr int32, page 16": (dict(kv_indptr=np.array([0, 2, 2, 5], I32), kv_indices=_INDICES.astype(I32), page_size=16), None,
+                           [32, 0, 41], 0, L.PAGED_KV_NARROW),
+    "csr int32, rows outside kv_indices": (dict(kv_indptr=np.array([-1, 3, 2, 6], I32), kv_indices=_INDICES.astype(I32),
+                                                page_size=16), None, [3, 3, 5], 0, L.PAGED_KV_NARROW),
+    "csr int64 kv_indptr": (dict(kv_indptr=np.array([0, 2, 2, 5], I64), kv_indices=_INDICES.astype(I32), page_size=16), None,
+                            [32, 0, 40], 0, L.PAGED_KV),
+    "csr int64 kv_indices": (dict(kv_indptr=np.array([0, 2, 2, 5], I32), kv_indices=_INDICES * 5, page_size=16), None,
+                             [32, 0, 40], 0, L.PAGED_KV),
+    "csr int32, page 48": (dict(kv_indptr=np.array([0, 2, 2, 5], I32), kv_indices=_INDICES.astype(I32), page_size=48), None,
+                           [96, 0, 20], 0, L.PAGED_KV),
+    "csr int32, 2**31 tokens": (dict(kv_indptr=np.array([0, 2], I32), kv_indices=np.array([7, 2**31 - 1], I32),
+                                     page_size=BIG_PAGE), None, [2**31 - 1], 3, L.PAGED_KV),
+    "csr int32, 2**30 tokens": (dict(kv_indptr=np.array([0, 1, 1], I32), kv_indices=np.array([2**31 - 1], I32),
+                                     page_size=BIG_PAGE), None, [BIG_PAGE, 0], 3, L.PAGED_KV_NARROW),
+}
+
+
+K, INT32_MAX = kc.tables.TableKind, 2**31 - 1
+
+LAYOUT_BOUNDS = [  # (kind, row_tokens, page_size, null_block, int64 ids, int64 kv_indptr), the layout
+    ((K.BLOCK, INT32_MAX, 1, 0, False, False), L.BLOCK_NARROW),
+    ((K.BLOCK, 2**31, 1, 0, False, False), L.BLOCK),
+    ((K.BLOCK, 2**31 - 16, 16, 0, False, False), L.BLOCK_NARROW),
+    ((K.BLOCK, 2**31, 16, 0, False, False), L.BLOCK),
+    ((K.BLOCK, 2**30, 2**30, 0, False, False), L.BLOCK_NARROW),
+    ((K.BLOCK, 0, 16, 0, False, False), L.BLOCK_NARROW),  # a table of no columns
+    ((K.BLOCK, 48, 3, 0, False, False), L.BLOCK),
+    ((K.BLOCK, 2**30 - 1, 2**30 - 1, 0, False, False), L.BLOCK),
+    ((K.BLOCK, 64, 16, 0, True, False), L.BLOCK),
+    ((K.BLOCK, 64, 16, 0, False, True), L.BLOCK_NARROW),  # a block table has no kv_indptr
+    ((K.BLOCK, 64, 16, -(2**31), False, False), L.BLOCK_NARROW),
+    ((K.BLOCK, 64, 16, -(2**31) - 1, False, False), L.BLOCK),
+    ((K.BLOCK, 64, 16, INT32_MAX, False, False), L.BLOCK_NARROW),
+    ((K.BLOCK, 64, 16, 2**31, False, False), L.BLOCK),
+    ((K.PAGED_KV, INT32_MAX, 1, 0, False, False), L.PAGED_KV_NARROW),
+    ((K.PAGED_KV, 2**31, 1, 0, False, False), L.PAGED_KV),
+    ((K.PAGED_KV, 2**31, 2**30, 0, False, False), L.PAGED_KV),
+    ((K.PAGED_KV, 2**30, 2**30, 0, False, False), L.PAGED_KV_NARROW),
+    ((K.PAGED_KV, 96, 48, 0, False, False), L.PAGED_KV),
+    ((K.PAGED_KV, 64, 16, 0, True, False), L.PAGED_KV),
+    ((K.PAGED_KV, 64, 16, 0, False, True), L.PAGED_KV),
+    ((K.REQ_TO_TOKEN, 64, 1, 0, False, False), L.REQ_TO_TOKEN),
+    ((K.VIRTUAL_PAGES, 64, 16, 0, False, False), L.VIRTUAL_PAGES),
+]
+
+
+@pytest.mark.parametrize("args, layout", LAYOUT_BOUNDS)
+def test_the_layout_choice_at_its_bounds(args, layout):
+    """cupy_backend.table_layout: the narrow layout takes a block table of int32 ids, a power-of-two
+    block size, an int32 null block and rows of at most 2**31 - 1 tokens, and a CSR table of int32
+    kv_indptr and kv_indices, a power-of-two page size and at most 2**31 - 1 tokens of kv_indices;
+    any other table, and every req_to_token, its kind's general layout.  narrow_layout, which a
+    planner keeps per table shape, gives the same."""
+    from kvcanary_cupy.backends import cupy_backend as cb
+
+    kind, row_tokens, *shape = args
+    assert cb.table_layout(*args) == layout
+    max_row_tokens, narrow = cb.narrow_layout(kind, *shape)
+    assert (narrow if row_tokens <= max_row_tokens else kind) == layout
+    assert narrow in (kind, kind | jit.TABLE_NARROW) and (max_row_tokens < 0) == (narrow == kind)
+
+
+def _table_slot(t, r, rp, p):
+    """The slot of position p of batch row r (req_pool_indices ``rp``) of table ``t``, by hand."""
+    if "block_table" in t:
+        block = int(t["block_table"][rp[r], p // t["block_size"]])
+        return 0 if block == t.get("null_block", 0) else paged_slot(block, t["block_size"], p % t["block_size"])
+    page = int(t["kv_indices"][int(t["kv_indptr"][r]) + p // t["page_size"]])
+    return paged_slot(page, t["page_size"], p % t["page_size"])
+
+
+def _table_row(t, r, rp):
+    """``(inside, length)``: whether batch row r's table row lies in the table, and its length in
+    tokens, the bound of its prefix (a block table's width x block size; 0 for a CSR row outside)."""
+    if "block_table" in t:
+        rows, cols = t["block_table"].shape
+        return 0 <= rp[r] < rows, cols * t["block_size"]
+    lo, hi = int(t["kv_indptr"][r]), int(t["kv_indptr"][r + 1])
+    inside = 0 <= lo <= hi <= len(t["kv_indices"])
+    return inside, (hi - lo) * t["page_size"] if inside else 0
+
+
+def _layouts_launched(monkeypatch) -> list:
+    """The table layouts the CuPy backend plans through from now on, one per plan (plan_kernels or
+    plan_verify_kernel: the free functions, a planner and plan_and_verify alike)."""
+    from kvcanary_cupy.backends import cupy_backend as cb
+
+    seen = []
+    for name in ("plan_kernels", "plan_verify_kernel"):
+        def spy(layout, *args, _choose=getattr(cb, name)):
+            seen.append(L(layout))
+            return _choose(layout, *args)
+
+        monkeypatch.setattr(cb, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_narrow_and_general_layouts_plan_as_numpy_does(ab, case, monkeypatch):
+    """A block or page table of int32 ids (and kv_indptr), a power-of-two page size, an int32 null
+    block and rows of at most 2**31 - 1 tokens plans through the narrow layout on the GPU; any
+    other through the general one, at the bounds of that choice too: the free plan, a planner and
+    plan_and_verify all equal NumPy's byte for byte and the slots by hand (ids at both ends of
+    int32, positions just below 2**31 through a window, rows outside the table)."""
+    t, rp, prefix, window, layout = LAYOUT_CASES[case]
+    kind = "block" if "block_table" in t else "csr"
+    bs, vcap = len(prefix), 128
+    extend = [1] * bs
+    launched = _layouts_launched(monkeypatch)
+    got = plan_through(ab, rp, prefix, extend, make_table(ab, kind, t), verify_capacity=vcap, swa_window_size=window)
+    want = plan_through(NUMPY, rp, prefix, extend, make_table(NUMPY, kind, t), verify_capacity=vcap, swa_window_size=window)
+    assert_same_plan(got, want)
+
+    vph, wph = want
+    rows = rp if rp is not None else list(range(bs))
+    offsets = wph["verify_offsets"]
+    assert int(vph["enable"][0]) == 1
+    for e, (slot, token, p, prev) in enumerate(plan_entries(vph)):
+        r = int(np.searchsorted(offsets[1:bs + 1], e, side="right"))
+        assert offsets[r] <= e < offsets[r + 1] and token == -1
+        assert slot == _table_slot(t, r, rows, p)
+        assert prev == (_table_slot(t, r, rows, p - 1) if p > 0 else -1)
+    table_rows = [_table_row(t, r, rows) for r in range(bs)]
+    assert wph["write_seed_slot_indices"][:bs].tolist() == [
+        _table_slot(t, r, rows, prefix[r] - 1) if inside and 0 < prefix[r] <= length else -1
+        for r, (inside, length) in enumerate(table_rows)]
+    assert int(vph["out_of_range_count"][0]) == sum((not inside) + (prefix[r] > length) for r, (inside, length) in enumerate(table_rows))
+
+    planner = kc.CanaryPlanner(kc.CanaryCapacities(vcap, bs), like=ab.like, swa_window_size=window)
+    vp, wp = planner.plan(_a(ab, rp, I64), _a(ab, prefix, I64), _a(ab, extend, I64), make_table(ab, kind, t))
+    assert plan_entries(host(ab, vp)) == plan_entries(vph)
+    assert_same_plan((host(ab, wp),), (wph,))
+
+    fused = []
+    for backend in (ab, NUMPY):  # a canary of 32 zeroed slots: the slots inside it violate
+        canary, log = backend.asarray(np.zeros((32, 4), I64)), kc.ViolationLog.allocate(64, like=backend.like)
+        vp, wp = kc.plan_and_verify(_a(backend, rp, I64), _a(backend, prefix, I64), _a(backend, extend, I64),
+                                    make_table(backend, kind, t), canary, log=log, verify_capacity=vcap,
+                                    swa_window_size=window)
+        vp_host, log_host = host(backend, vp), host(backend, log)
+        fused.append(({k: vp_host[k] for k in ("verify_num_valid", "enable", "out_of_range_count")}, host(backend, wp),
+                      {k: v for k, v in log_host.items() if k != "ring"}, ring_rows(log_host)))
+    got_counts, got_wp, got_log, got_rows = fused[0]
+    assert_same_plan((got_counts, got_wp, got_log), fused[1][:3])
+    assert got_rows == fused[1][3]
+    assert launched == ([layout] * 3 if ab.is_gpu else [])
 
 
 # ---- strict=True -----------------------------------------------------------------------------------------
