@@ -426,7 +426,7 @@ def test_page_division_is_exact_below_2_62(page_size):
 
 
 L = jit.TableLayout
-BIG_PAGE = 2**30  # rows of 1 and 2 such pages: 2**30 and 2**31 tokens, the first past the narrow layout's rows
+BIG_PAGE = 2**30  # rows of 1 and 2 such pages: 2**30 and 2**31 tokens, the second past the narrow layout's bound
 _BT = np.array([[5, 0, 7, -(2**31)], [2**31 - 1, 3, 0, 1]])
 _INDICES = np.array([9, -3, 2**31 - 1, 0, 4])
 

@@ -382,11 +382,11 @@ def narrow_layout(kind: int, page_size: int, null_block: int, entries_int64: boo
     (jit.TableLayout) when its rows hold at most max_row_tokens tokens: 2**31 - 1 for a block table
     of int32 ids with a power-of-two block size and an int32 null block, or a page table of int32
     kv_indptr and kv_indices with a power-of-two page size; -1 (never) for any other table."""
-    narrow = -1
-    if not entries_int64 and not page_size & (page_size - 1):
-        if kind == TableKind.BLOCK and INT32_MIN <= null_block <= INT32_MAX or kind == TableKind.PAGED_KV and not kv_indptr_int64:
-            narrow = INT32_MAX
-    return narrow, jit.TableLayout(kind | jit.TABLE_NARROW) if narrow >= 0 else kind
+    if entries_int64 or page_size & (page_size - 1):
+        return -1, kind
+    if kind == TableKind.BLOCK and INT32_MIN <= null_block <= INT32_MAX or kind == TableKind.PAGED_KV and not kv_indptr_int64:
+        return INT32_MAX, jit.TableLayout(kind | jit.TABLE_NARROW)
+    return -1, kind
 
 
 def table_layout(kind: int, row_tokens: int, page_size: int, null_block: int, entries_int64: bool,
