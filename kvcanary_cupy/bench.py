@@ -115,27 +115,50 @@ def op_bytes(d) -> dict:
     }
 
 
+def _capture(cupy, stream, fn, k):
+    """A graph of ``k`` calls of ``fn`` on ``stream``, warmed up by one replay."""
+    fn()
+    stream.synchronize()
+    stream.begin_capture()
+    for _ in range(k):
+        fn()
+    graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    return graph
+
+
+def _replay_us(cupy, stream, graph, k) -> float:
+    """Device microseconds of one of a graph's ``k`` calls, from one replay between two events."""
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    graph.launch(stream)
+    stop.record(stream)
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1000 / k
+
+
 def time_graph(cupy, fn, k=50, replays=20) -> float:
     """Median device microseconds of one ``fn()`` from a graph of ``k`` calls."""
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        fn()
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(k):
-            fn()
-        graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        times = []
-        for _ in range(replays):
-            start.record(stream)
-            graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1000 / k)
-    return statistics.median(times)
+        graph = _capture(cupy, stream, fn, k)
+        return statistics.median(_replay_us(cupy, stream, graph, k) for _ in range(replays))
+
+
+def time_graphs_interleaved(cupy, fns: dict, k=50, rounds=60) -> dict:
+    """Median device microseconds of one call of each of ``fns`` (name -> fn), each from a graph of
+    ``k`` calls, their replays taken in turn: the GPU's clock and temperature drift over a run, so
+    variants compared with each other are timed side by side, not one after another.  Every call
+    must leave the same state (the replays of one variant follow another's)."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        graphs = {name: _capture(cupy, stream, fn, k) for name, fn in fns.items()}
+        times = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, graph in graphs.items():
+                times[name].append(_replay_us(cupy, stream, graph, k))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def time_eager(cupy, fn, reps=20) -> float:
@@ -333,8 +356,8 @@ def run_tables(cupy, names, rows: list):
     """Plan device time through each engine table (block size 16), and what a vLLM / FlashInfer
     user writes without them: materialise the slot table with vectorised CuPy ops, then plan with
     vectorised CuPy ops (eager)."""
-    lines = [f"engine tables, block/page size {BLOCK_SIZE}: plan device us (graph of 50); baseline = materialise the slot "
-             "table + vectorised plan, eager",
+    lines = [f"engine tables, block/page size {BLOCK_SIZE}: plan device us (graph of 50; the tables' replays in turn, "
+             "median of 60 each); baseline = materialise the slot table + vectorised plan, eager",
              f"{'workload':<16} {'table':<13} {'device us':>10} {'x req_to_token':>15} {'table MB':>9} {'baseline us':>12} {'x faster':>9}"]
     for key in names:
         d = build_paged(WORKLOADS[key], cupy)
@@ -350,10 +373,9 @@ def run_tables(cupy, names, rows: list):
             "paged_kv": lambda: baseline_plan(cupy, dict(rp=d["rp_rtt"], prefix=d["prefix"], extend=d["extend"],
                                                          rtt=materialise_paged_kv(cupy, d))),
         }
-        reference = None
-        for name, fn in table_plans(d, vp, wp).items():
-            us = time_graph(cupy, fn)
-            reference = reference or us
+        device_us = time_graphs_interleaved(cupy, table_plans(d, vp, wp))
+        reference = device_us["req_to_token"]
+        for name, us in device_us.items():
             base = time_eager(cupy, baselines[name])
             rows.append({"workload": key, "op": f"plan[{name}]", "device_us": round(us, 3), "x_req_to_token": round(us / reference, 3),
                          "table_bytes": table_bytes[name], "baseline_us": round(base, 1)})
