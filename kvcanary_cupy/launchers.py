@@ -700,7 +700,7 @@ class PlanLauncher:
         wp = self.write_plan
         clear = not is_clean(wp)
         if b.numpy:
-            view = TableView(kind, entries, kv_indptr, v2p, shape[0], shape[1], pool_rows, "")
+            view = TableView(kind, entries, kv_indptr, v2p, shape[0], shape[1], pool_rows, "", row_tokens)
             get_backend("numpy").plan(b.args._replace(
                 req_pool_indices=rp, prefix_lens=prefix, extend_seq_lens=extend, table=view,
                 expected_token_pool=pool[0], expected_token_valid_lens=lens, clear_whole_capacity=clear))

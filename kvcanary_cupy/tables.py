@@ -136,10 +136,12 @@ def as_table(table):
                     f"got {type(table).__module__}.{type(table).__name__}")
 
 
-def _check_tokens_fit(what: str, num: int, size_name: str, size: int) -> None:
-    """Positions stay below 2**62 (the kernels divide them by the page size with a multiply)."""
+def _checked_tokens(what: str, num: int, size_name: str, size: int) -> int:
+    """``num * size``, the bound of a row's length in tokens, checked: positions stay below 2**62
+    (the kernels divide them by the page size with a multiply)."""
     if num * size > MAX_TABLE_TOKENS:
         fail(ValueError, f"{what} {num} x {size_name} {size} = {num * size} tokens exceeds 2**62")
+    return num * size
 
 
 def table_view(table, views: dict, bs: int, xp) -> TableView:
@@ -154,20 +156,21 @@ def table_view(table, views: dict, bs: int, xp) -> TableView:
             check_1d(v2p, "virtual_to_physical", np.int64, min_length=1)
             v2p = contiguous_input(v2p, "virtual_to_physical", xp)
         return TableView(kind, rtt, None, v2p, table.page_size, null_block=0, pool_rows=rtt.shape[0],
-                         pool_rows_why=f"req_to_token.shape[0]={rtt.shape[0]} rows (one per request pool row)")
+                         pool_rows_why=f"req_to_token.shape[0]={rtt.shape[0]} rows (one per request pool row)",
+                         row_tokens=rtt.shape[1])  # a token per column
     if kind == TableKind.BLOCK:
         bt = views["block_table"]
         check_integer_dtype(bt, "block_table")
         check_2d_rows(bt, "block_table", bt.dtype)
-        _check_tokens_fit("block_table width", bt.shape[1], "block_size", table.block_size)
+        tokens = _checked_tokens("block_table width", bt.shape[1], "block_size", table.block_size)
         return TableView(kind, bt, None, None, table.block_size, null_block=int(table.null_block), pool_rows=bt.shape[0],
-                         pool_rows_why=f"block_table.shape[0]={bt.shape[0]} rows (one per block-table row)")
+                         pool_rows_why=f"block_table.shape[0]={bt.shape[0]} rows (one per block-table row)", row_tokens=tokens)
     indptr, indices = views["kv_indptr"], views["kv_indices"]
     for name, x in (("kv_indptr", indptr), ("kv_indices", indices)):
         check_integer_dtype(x, name)
     check_1d(indptr, "kv_indptr", indptr.dtype, bs + 1, length_name="bs + 1")
     check_1d(indices, "kv_indices", indices.dtype)
-    _check_tokens_fit("kv_indices length", indices.shape[0], "page_size", table.page_size)
+    tokens = _checked_tokens("kv_indices length", indices.shape[0], "page_size", table.page_size)
     return TableView(kind, contiguous_input(indices, "kv_indices", xp), contiguous_input(indptr, "kv_indptr", xp), None,
                      table.page_size, null_block=0, pool_rows=bs,
-                     pool_rows_why=f"bs={bs} rows (one per batch row: the rows of a PagedKvIndices table)")
+                     pool_rows_why=f"bs={bs} rows (one per batch row: the rows of a PagedKvIndices table)", row_tokens=tokens)

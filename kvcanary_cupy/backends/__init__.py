@@ -37,6 +37,7 @@ class TableView(NamedTuple):
     null_block: int  # BLOCK: the id that addresses the padding slot 0
     pool_rows: int  # expected-token pool rows the plan may index
     pool_rows_why: str  # "<where pool_rows comes from>=<n> rows (why)", for messages
+    row_tokens: int  # bounds every row's length in tokens (the width, or kv_indices' length, x page_size)
 
 
 class PlanArgs(NamedTuple):

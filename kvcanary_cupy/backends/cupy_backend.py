@@ -401,12 +401,7 @@ def table_layout(kind: int, row_tokens: int, page_size: int, null_block: int, en
 
 def view_layout(t: TableView) -> int:
     """:func:`table_layout` of a table's views."""
-    entries = t.entries
-    if t.kind == TableKind.PAGED_KV:
-        row_tokens = entries.shape[0] * t.page_size
-    else:  # a req_to_token row holds a token per column
-        row_tokens = entries.shape[1] * (t.page_size if t.kind == TableKind.BLOCK else 1)
-    return table_layout(t.kind, row_tokens, t.page_size, t.null_block, entries.dtype == np.int64,
+    return table_layout(t.kind, t.row_tokens, t.page_size, t.null_block, t.entries.dtype == np.int64,
                         t.kv_indptr is not None and t.kv_indptr.dtype == np.int64)
 
 
