@@ -22,8 +22,7 @@
 namespace kvcanary {
 
 constexpr int kPlanThreads = 512;  // plan_fused and plan_offsets blocks
-constexpr int kPlanUnroll = 2;  // rows whose loads a thread issues together in a scan (more cost a
-                                // small batch's scan their instructions: it is latency-bound)
+constexpr int kScanRowsPerLane = 9;  // the most rows a lane sums in a pass of a long scan (odd: scan_pass_blocked)
 constexpr int kSumUnroll = 8;  // ... and in a sum
 constexpr int kPlanSmallRows = 32;  // plan_small: a batch of up to a warp's width, a row per lane
 constexpr i64 kI64Max = 0x7fffffffffffffffLL;
@@ -371,48 +370,126 @@ __device__ void sum_rows(const PlanInputs& in, i64 lo, i64 hi, i64& total_v, i64
   scan_warp_totals(sum_v, sum_w, before_v, before_w, total_v, total_w);
 }
 
+// One pass of scan_rows over rows [base, end) of a warp's chunk (at most 64): two rows a lane,
+// base + lane and base + 32 + lane, each 32 scanned with shuffles (their scans interleaved); the
+// offsets, relative to the warp's first row, go to the shared arrays, and run_v / run_w (the
+// warp's rows so far) grow by the pass's lengths.
+template <int kTable>
+__device__ __forceinline__ void scan_pass_strided(const PlanInputs& in, i64 lo, i64 base, i64 end, i64* voff, i64* woff, i64& run_v,
+                                                  i64& run_w) {
+  constexpr int kRows = 2;
+  const int lane = threadIdx.x & 31;
+  RowGroup<kRows> g;
+  g.load(in, lo + base + lane, 32, lo + end);
+  i64 v[kRows], w[kRows], inc_v[kRows], inc_w[kRows];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const i64 i = base + 32 * k + lane;
+    v[k] = w[k] = 0;
+    if (i < end) row_lengths<kTable>(in, lo + i, g.rp[k], g.prefix[k], g.extend[k], v[k], w[k]);
+    inc_v[k] = v[k];
+    inc_w[k] = w[k];
+  }
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      const i64 uv = __shfl_up_sync(kFullMask, inc_v[k], o), uw = __shfl_up_sync(kFullMask, inc_w[k], o);
+      if (lane >= o) { inc_v[k] += uv; inc_w[k] += uw; }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const i64 i = base + 32 * k + lane;
+    if (i < end) {
+      voff[i] = run_v + inc_v[k] - v[k];
+      woff[i] = run_w + inc_w[k] - w[k];
+    }
+    run_v += __shfl_sync(kFullMask, inc_v[k], 31);
+    run_w += __shfl_sync(kFullMask, inc_w[k], 31);
+  }
+}
+
+// ... for longer chunks: rows [base, end), at most 32 * kPerLane, in two steps over the shared
+// arrays.  The lanes load the rows coalesced (base + 32 k + lane) and stage their lengths there;
+// then each lane takes kPerLane consecutive rows (base + kPerLane * lane + k), sums them, and one
+// warp scan of the lane sums places them all: a shuffle scan per 32 * kPerLane rows instead of
+// one per 32 (the scan of a few thousand rows, which every block of a one-launch plan runs, was
+// bound by its shuffles and 64-bit adds).  kPerLane is odd, so the lanes' accesses (kPerLane * 8
+// bytes apart) fall in distinct bank pairs.
+template <int kTable, int kPerLane>
+__device__ __forceinline__ void scan_pass_blocked(const PlanInputs& in, i64 lo, i64 base, i64 end, i64* voff, i64* woff, i64& run_v,
+                                                  i64& run_w) {
+  static_assert(kPerLane % 2 == 1, "scan_pass_blocked: an odd number of rows a lane");
+  const int lane = threadIdx.x & 31;
+  RowGroup<kPerLane> g;
+  g.load(in, lo + base + lane, 32, lo + end);
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const i64 i = base + 32 * k + lane;
+    if (i < end) {
+      i64 v, w;
+      row_lengths<kTable>(in, lo + i, g.rp[k], g.prefix[k], g.extend[k], v, w);
+      voff[i] = v;
+      woff[i] = w;
+    }
+  }
+  __syncwarp();
+  const i64 mine = base + kPerLane * lane;
+  i64 v[kPerLane], w[kPerLane], sum_v = 0, sum_w = 0;
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const bool have = mine + k < end;
+    v[k] = have ? voff[mine + k] : 0;
+    w[k] = have ? woff[mine + k] : 0;
+    sum_v += v[k];
+    sum_w += w[k];
+  }
+  i64 inc_v = sum_v, inc_w = sum_w;
+  warp_inclusive_scan(inc_v, inc_w);
+  i64 at_v = run_v + inc_v - sum_v, at_w = run_w + inc_w - sum_w;
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    if (mine + k < end) {
+      voff[mine + k] = at_v;
+      woff[mine + k] = at_w;
+    }
+    at_v += v[k];
+    at_w += w[k];
+  }
+  run_v += __shfl_sync(kFullMask, inc_v, 31);
+  run_w += __shfl_sync(kFullMask, inc_w, 31);
+}
+
+// The pass for `per_lane` rows a lane (1: scan_pass_strided; else odd, at most kPerLane), its
+// variant picked once per pass (per_lane is the same for every warp of the block).
+template <int kTable, int kPerLane>
+__device__ __forceinline__ void scan_pass(int per_lane, const PlanInputs& in, i64 lo, i64 base, i64 end, i64* voff, i64* woff,
+                                          i64& run_v, i64& run_w) {
+  if constexpr (kPerLane >= 3) {
+    if (per_lane == kPerLane) return scan_pass_blocked<kTable, kPerLane>(in, lo, base, end, voff, woff, run_v, run_w);
+    scan_pass<kTable, kPerLane - 2>(per_lane, in, lo, base, end, voff, woff, run_v, run_w);
+  } else {
+    scan_pass_strided<kTable>(in, lo, base, end, voff, woff, run_v, run_w);
+  }
+}
+
 // Turns rows [lo, lo + n) into offsets in shared memory: voff[i] / woff[i] = carry + the verify /
 // write lengths of rows lo .. lo + i - 1, and voff[n] / woff[n] = the carries past the last row
-// (returned through carry_v / carry_w).  Warp w takes a contiguous chunk of the rows, 32 at a
-// time (coalesced loads, conflict-free shared stores), and scans it with shuffles; then the
-// block scans the warps' totals and each warp adds what precedes it.
-template <int kTable>
+// (returned through carry_v / carry_w).  Warp w takes a contiguous chunk of the rows, in passes
+// of up to 64 rows (scan_pass_strided) or, for longer chunks, of 32 * per_lane rows (up to
+// kRowsPerLane a lane, scan_pass_blocked); then the block scans the warps' totals and each warp
+// adds what precedes it.
+template <int kTable, int kRowsPerLane>
 __device__ void scan_rows(const PlanInputs& in, i64 lo, i64 n, i64* voff, i64* woff, i64& carry_v, i64& carry_w) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const i64 chunk = ((n + num_warps - 1) / num_warps + 31) & ~static_cast<i64>(31);
   const i64 first_row = min(n, warp * chunk), last_row = min(n, first_row + chunk);
+  const int per_lane = chunk <= 64 ? 1 : static_cast<int>(min(static_cast<i64>(kRowsPerLane), (chunk >> 5) | 1));
+  const i64 pass_rows = per_lane == 1 ? 64 : 32 * per_lane;
   i64 run_v = 0, run_w = 0;  // this warp's rows so far
-  for (i64 base = first_row; base < last_row; base += 32 * kPlanUnroll) {
-    RowGroup<kPlanUnroll> g;
-    g.load(in, lo + base + lane, 32, lo + last_row);
-    i64 v[kPlanUnroll], w[kPlanUnroll], inc_v[kPlanUnroll], inc_w[kPlanUnroll];
-#pragma unroll
-    for (int k = 0; k < kPlanUnroll; ++k) {
-      const i64 i = base + 32 * k + lane;
-      v[k] = w[k] = 0;
-      if (i < last_row) row_lengths<kTable>(in, lo + i, g.rp[k], g.prefix[k], g.extend[k], v[k], w[k]);
-      inc_v[k] = v[k];
-      inc_w[k] = w[k];
-    }
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {  // the K items' scans interleaved, so their shuffles overlap
-#pragma unroll
-      for (int k = 0; k < kPlanUnroll; ++k) {
-        const i64 uv = __shfl_up_sync(kFullMask, inc_v[k], o), uw = __shfl_up_sync(kFullMask, inc_w[k], o);
-        if (lane >= o) { inc_v[k] += uv; inc_w[k] += uw; }
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kPlanUnroll; ++k) {
-      const i64 i = base + 32 * k + lane;
-      if (i < last_row) {
-        voff[i] = run_v + inc_v[k] - v[k];
-        woff[i] = run_w + inc_w[k] - w[k];
-      }
-      run_v += __shfl_sync(kFullMask, inc_v[k], 31);
-      run_w += __shfl_sync(kFullMask, inc_w[k], 31);
-    }
-  }
+  for (i64 base = first_row; base < last_row; base += pass_rows)
+    scan_pass<kTable, kRowsPerLane>(per_lane, in, lo, base, min(last_row, base + pass_rows), voff, woff, run_v, run_w);
   i64 before_v, before_w, total_v, total_w;
   scan_warp_totals(run_v, run_w, before_v, before_w, total_v, total_w);
   before_v += carry_v;
@@ -736,14 +813,14 @@ __device__ __forceinline__ void block_row_share(i64 bs, i64& lo, i64& hi) {
 // expanded (over the whole grid; 0 when none are).  What only the work after the expansion uses
 // (the earlier batch size, the totals, the shared arrays' addresses, the row share) is kept out of
 // registers across it: the expansion and a verifying sink need every register they can get.
-template <int kTable, bool kHasLut, bool kHasPool, class Sink>
+template <int kTable, bool kHasLut, bool kHasPool, int kScanRows, class Sink>
 __device__ __forceinline__ i64 plan_and_expand(const PlanInputs& in, const PlanOutputs& out, const Sink& sink) {
   extern __shared__ i64 smem[];  // the verify offsets [bs + 1], then the write offsets [bs + 1]
   __shared__ int previous;  // the batch size the earlier plan wrote (block 0, thread 0)
   // Read first (block 0 overwrites it), kept in shared memory once the scan is done.
   const int earlier = blockIdx.x == 0 && threadIdx.x == 0 ? *out.write_num_valid_reqs : 0;
   i64 total_v = 0, total_w = 0;
-  scan_rows<kTable>(in, 0, in.bs, smem, smem + in.bs + 1, total_v, total_w);
+  scan_rows<kTable, kScanRows>(in, 0, in.bs, smem, smem + in.bs + 1, total_v, total_w);
   if (threadIdx.x == 0) previous = earlier;
   // With a sink that asks for it (StoreEntries), the first row of each thread's share starts now,
   // so its seed gather overlaps the expansion; a verifying sink needs those registers for its own
@@ -767,9 +844,12 @@ __device__ __forceinline__ i64 plan_and_expand(const PlanInputs& in, const PlanO
   return total > 0 && total <= out.verify_capacity ? total : 0;
 }
 
-template <int kTable, bool kHasLut, bool kHasPool>
+// kScanRows: the most rows a lane sums in a pass of the scan (scan_rows), 1 or kScanRowsPerLane;
+// the host takes 1 (the strided passes alone, a smaller kernel) for batches whose warps scan at
+// most 64 rows each.
+template <int kTable, bool kHasLut, bool kHasPool, int kScanRows>
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_fused(PlanInputs in, PlanOutputs out) {
-  plan_and_expand<kTable, kHasLut, kHasPool>(in, out, StoreEntries{out});
+  plan_and_expand<kTable, kHasLut, kHasPool, kScanRows>(in, out, StoreEntries{out});
 }
 
 // A batch of at most kPlanSmallRows requests (a row per lane) in one launch, without the block-wide
@@ -968,7 +1048,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_offsets(PlanInputs in, P
     lengths_before<kTable>(in, state, blockIdx.x, flag, lo, carry_v, carry_w);
     for (i64 tile = lo; tile < hi; tile += tile_rows) {
       const i64 n = min(tile_rows, hi - tile);
-      scan_rows<kTable>(in, tile, n, voff, woff, carry_v, carry_w);
+      scan_rows<kTable, kScanRowsPerLane>(in, tile, n, voff, woff, carry_v, carry_w);
       errors += write_row_outputs<kTable, kHasLut, kHasPool>(in, out, voff, woff, tile, tile, tile + n);
       __syncthreads();  // the next tile reuses the shared arrays
     }

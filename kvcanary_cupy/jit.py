@@ -75,9 +75,14 @@ def step_family(layout: int) -> str:
 
 BUFFERS = ("kBuffers", tuple(range(1, MAX_CANARY_BUFFERS + 1)))  # canary buffers of one write/verify launch
 
+SCAN_ROWS_PER_LANE = 9  # kScanRowsPerLane in kernels/plan.cu: the most rows a lane sums in a pass of a long scan
+# plan_fused's kScanRows: the strided scan passes alone (1), or those and the blocked ones
+PLAN_FUSED_SCAN_ROWS = ("kScanRows", (1, SCAN_ROWS_PER_LANE))
+
 FAMILIES = {
     **{plan_family(layout): KernelFamily("plan.cu", tuple(
-        (k, (("kTable", (int(layout),)), ("kHasLut", BOOL), ("kHasPool", BOOL))) for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")))
+        (k, (("kTable", (int(layout),)), ("kHasLut", BOOL), ("kHasPool", BOOL)) + ((PLAN_FUSED_SCAN_ROWS,) if k == "plan_fused" else ()))
+        for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")))
        for layout in TableLayout},
     **{step_family(layout): KernelFamily("step.cu", (
         ("plan_verify", (("kTable", (int(layout),)), ("kHasLut", BOOL), ("kHasPool", BOOL), ("kCheckToken", BOOL),

@@ -110,12 +110,14 @@ def _layout(rng, kind: str, rows: int, cols: int):
     return table, slots, (pages + 1) * page_size
 
 
-def make_case(seed: int, *, big: bool = False, table_kind: str | None = None) -> Case:
-    """Case ``seed``; its table kind cycles with the seed unless ``table_kind`` is given."""
+def make_case(seed: int, *, big: bool = False, table_kind: str | None = None, bs: int | None = None) -> Case:
+    """Case ``seed``; its table kind cycles with the seed unless ``table_kind`` is given.  A big
+    case has 4,000 to 20,000 requests, or ``bs``."""
     rng = np.random.default_rng(seed)
     kind = table_kind or TABLE_KINDS[seed % len(TABLE_KINDS)]
     if big:
-        bs, rows, cols = int(rng.integers(4000, 20001)), 0, int(rng.integers(4, 17))
+        drawn, rows, cols = int(rng.integers(4000, 20001)), 0, int(rng.integers(4, 17))
+        bs = bs or drawn  # drawn either way: the other draws stay what they were
         rows = bs + 1
     else:
         bs, rows, cols = int(rng.integers(0, 48)), int(rng.integers(2, 40)), int(rng.integers(1, 200))

@@ -6,6 +6,8 @@ batches up to 20,000 requests).  Without a GPU it runs a smaller set, wide batch
 torch tensors.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -34,7 +36,32 @@ def test_gpu_matches_numpy_wide_batches(backend, seed):
     assert_same(run_case(NUMPY, case), run_case(ab, case), context=f"{backend} big seed {seed}")
 
 
-@pytest.mark.parametrize(("tile_rows", "sm_count"), [(1, None), (1, 3), (5, 3), (37, None), (1000, None)])
+# A warp's share of the rows of one launch's scan (ceil(bs / 16) of plan_fused's 16 warps, rounded up
+# to 32) in passes of 64 rows (two a lane, strided) up to 64 rows, else of 32 * per_lane rows
+# (per_lane consecutive rows a lane, odd, at most 9 in plan_fused and 3 in plan_verify):
+# 1,100 -> 96 rows (3 a lane), 1,600 -> 128 (5), 2,600 -> 192 (7), 4,096 -> 256 (9; plan_verify 3
+# passes of 3), 14,000 (one block's shared arrays) -> 896 (4 passes of 9).
+@pytest.mark.parametrize("bs", [1100, 1600, 2600, 4096, 14_000])
+@pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
+def test_gpu_one_launch_plans_of_thousands_of_requests_match_numpy(backend, bs, monkeypatch):
+    """plan_fused and the decode step's plan_verify over batches whose warps scan more than 64
+    rows each (scan_rows's blocked passes, a variant for each size above), every table kind, each
+    against NumPy byte for byte.  PLAN_FUSED_MAX_ROWS is raised to what one block's shared memory
+    holds so that 14,000 requests take one launch too."""
+    ab = get_backend_or_skip(backend)
+    from kvcanary_cupy.backends import cupy_backend
+
+    max_rows = cupy_backend.plan_scan_max_rows(cupy_backend._device_id())
+    assert bs <= max_rows
+    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", max_rows)
+    for seed in range(20_000, 20_000 + len(TABLE_KINDS)):  # one case per table kind
+        case = dataclasses.replace(make_case(seed, big=True, bs=bs), buffers=1)
+        assert case.steps[0].prefix_lens.shape[0] == bs
+        assert_same(run_case(NUMPY, case), run_case(ab, case), context=f"{backend} bs {bs} seed {seed}")
+        assert_same(run_case(NUMPY, case, step="decode"), run_case(ab, case, step="fused"), context=f"{backend} bs {bs} seed {seed} fused")
+
+
+@pytest.mark.parametrize(("tile_rows", "sm_count"), [(1, None), (1, 3), (5, 3), (37, None), (1000, None), (6000, 3)])
 @pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
 @pytest.mark.parametrize("with_scan_state", [True, False])
 def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, sm_count, with_scan_state, monkeypatch):

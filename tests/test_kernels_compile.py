@@ -93,8 +93,9 @@ def test_instantiation_lists_cover_every_flag_combination():
     assert [jit.plan_family(kind) for kind in kc.tables.TableKind] == list(layouts)[:4]  # a kind names its general layout
     for family, layout in layouts.items():
         assert jit.FAMILIES[family].instantiations() == [
-            f"kvcanary::{k}<{layout}, {a}, {b}>" for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")
+            f"kvcanary::{k}<{layout}, {a}, {b}{rows}>" for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")
             for a in ("false", "true") for b in ("false", "true")
+            for rows in ((", 1", f", {jit.SCAN_ROWS_PER_LANE}") if k == "plan_fused" else ("",))
         ]
         assert jit.FAMILIES[family.replace("plan_", "step_", 1)].instantiations() == [
             f"kvcanary::plan_verify<{layout}, {a}, {b}, {c}, {d}>" for a in ("false", "true") for b in ("false", "true")
@@ -176,6 +177,7 @@ def test_launch_constants_match_the_kernels():
     assert _cuh_constant("kPlanSmallRows", "plan.cu") == cb.PLAN_SMALL_MAX_ROWS
     assert _cuh_constant("kPlanVerifyBlocksPerSm", "step.cu") == cb.PLAN_VERIFY_BLOCKS_PER_SM
     assert _cuh_constant("kScanStateTiles", "plan.cu") == kc.plans.SCAN_STATE_TILES
+    assert _cuh_constant("kScanRowsPerLane", "plan.cu") == jit.SCAN_ROWS_PER_LANE
     assert _cuh_constant("kScatterMaxGroupRows", "scatter.cu") == cb.SCATTER_MAX_GROUP_ROWS
     assert _cuh_constant("kVerifyThreads", "verify.cu") == cb.VERIFY_THREADS
     assert _cuh_constant("kWriteThreads", "write.cu") == cb.WRITE_THREADS

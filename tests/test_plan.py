@@ -632,7 +632,7 @@ def test_scan_kernels_opt_in_to_the_device_limit_once_as_they_load_never_at_a_la
                           if jit.kernel_of(name) in jit.LARGE_SHARED_MEM_KERNELS)
         assert sorted(dev.attributes_set) == expected
         assert {jit.kernel_of(e[0]) for e in expected} == {"plan_fused", "plan_offsets", "plan_verify"}
-        assert len(expected) == len(jit.TableLayout) * (4 + 4 + 16)  # per table layout: plan_fused, plan_offsets, plan_verify variants
+        assert len(expected) == len(jit.TableLayout) * (8 + 4 + 16)  # per table layout: plan_fused, plan_offsets, plan_verify variants
 
         dev.current[-1].capturing = True  # a capture of plans too large for 48 KiB, for each plan path
         a = dev.asarray
@@ -678,6 +678,7 @@ def test_plan_path_and_grid_follow_the_shapes(monkeypatch):
     PLAN_THREADS entries of verify capacity (a warp per 32; plan_small one more), at least one and
     at most one per SM."""
     pytest.importorskip("cupy")
+    from kvcanary_cupy import jit
     from kvcanary_cupy.backends import cupy_backend as cb
     from kvcanary_cupy.tables import TableKind
 
@@ -688,6 +689,11 @@ def test_plan_path_and_grid_follow_the_shapes(monkeypatch):
     def launches(bs, capacity):
         return [(name.split("<")[0].split("::")[1], config)
                 for _, name, config in cb.plan_kernels(TableKind.BLOCK, bs, capacity, False, True)]
+
+    def fused_scan_rows(bs):  # plan_fused's kScanRows, its last template argument
+        ((_, name, _),) = cb.plan_kernels(TableKind.BLOCK, bs, 10**6, False, True)
+        assert name.startswith("kvcanary::plan_fused<2, false, true, ")
+        return int(name[:-1].split(", ")[-1])
 
     threads = cb.PLAN_THREADS
     assert launches(0, 0) == [("plan_small", cb.LaunchConfig(1, threads))]
@@ -700,6 +706,8 @@ def test_plan_path_and_grid_follow_the_shapes(monkeypatch):
     assert launches(256, 524_288) == [("plan_fused", cb.LaunchConfig(132, threads, 257 * 16))]
     assert launches(4096, 10**9) == [("plan_fused", cb.LaunchConfig(132, threads, 4097 * 16))]
     assert launches(4097, 0) == [("plan_offsets", cb.LaunchConfig(132, threads, (32 + 1) * 16))]  # 32 rows per block
+    # Past 16 warps x 64 rows plan_fused's scan takes its blocked passes too.
+    assert [fused_scan_rows(bs) for bs in (33, 1024, 1025, 4096)] == [1, 1, jit.SCAN_ROWS_PER_LANE, jit.SCAN_ROWS_PER_LANE]
 
 
 def test_allocated_write_plans_carry_a_zeroed_scan_state_outside_their_fields():

@@ -438,6 +438,14 @@ def plan_params(a: PlanArgs) -> np.ndarray:
     return p
 
 
+def plan_fused_scan_rows(bs: int) -> int:
+    """plan_fused's kScanRows for ``bs`` requests: past 64 rows a warp (its 16 warps' shares of the
+    batch) the scan's blocked passes, a lane summing up to jit.SCAN_ROWS_PER_LANE consecutive rows
+    under one warp scan (H200, 4,096 requests: 12.6 -> 11.9 us); up to that the kernel with the
+    strided passes alone, whose smaller code measured faster there (W1: 7.96 against 8.1 us)."""
+    return jit.SCAN_ROWS_PER_LANE if bs > PLAN_THREADS // 32 * 64 else 1
+
+
 def plan_kernels(layout: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool) -> tuple:
     """``(family, kernel name, LaunchConfig)`` of each launch of a plan of ``bs`` requests through a
     table of ``layout`` (:func:`table_layout`; a TableKind is its general layout), in order."""
@@ -446,7 +454,7 @@ def plan_kernels(layout: int, bs: int, verify_capacity: int, has_lut: bool, has_
         name = kernel_name("plan_small", *template_args)
         return ((family, name, LaunchConfig(plan_one_launch_blocks(verify_capacity, spare=int(verify_capacity > 0)), PLAN_THREADS)),)
     if bs <= PLAN_FUSED_MAX_ROWS:
-        name = kernel_name("plan_fused", *template_args)
+        name = kernel_name("plan_fused", *template_args, plan_fused_scan_rows(bs))
         return ((family, name, plan_scan_config(bs, plan_one_launch_blocks(verify_capacity))),)
     name = kernel_name("plan_offsets", *template_args)
     device = _device_id()
