@@ -370,7 +370,7 @@ __device__ void sum_rows(const PlanInputs& in, i64 lo, i64 hi, i64& total_v, i64
   scan_warp_totals(sum_v, sum_w, before_v, before_w, total_v, total_w);
 }
 
-// One pass of scan_rows over rows [base, end) of a warp's chunk (at most 64): two rows a lane,
+// One pass of scan_rows over rows [base, min(end, base + 64)) of a warp's chunk: two rows a lane,
 // base + lane and base + 32 + lane, each 32 scanned with shuffles (their scans interleaved); the
 // offsets, relative to the warp's first row, go to the shared arrays, and run_v / run_w (the
 // warp's rows so far) grow by the pass's lengths.
@@ -461,35 +461,36 @@ __device__ __forceinline__ void scan_pass_blocked(const PlanInputs& in, i64 lo, 
   run_w += __shfl_sync(kFullMask, inc_w, 31);
 }
 
-// The pass for `per_lane` rows a lane (1: scan_pass_strided; else odd, at most kPerLane), its
-// variant picked once per pass (per_lane is the same for every warp of the block).
+// The blocked pass for `per_lane` rows a lane (odd, 3 to kPerLane), its variant picked once per
+// pass (per_lane is the same for every warp of the block).
 template <int kTable, int kPerLane>
 __device__ __forceinline__ void scan_pass(int per_lane, const PlanInputs& in, i64 lo, i64 base, i64 end, i64* voff, i64* woff,
                                           i64& run_v, i64& run_w) {
-  if constexpr (kPerLane >= 3) {
-    if (per_lane == kPerLane) return scan_pass_blocked<kTable, kPerLane>(in, lo, base, end, voff, woff, run_v, run_w);
-    scan_pass<kTable, kPerLane - 2>(per_lane, in, lo, base, end, voff, woff, run_v, run_w);
-  } else {
-    scan_pass_strided<kTable>(in, lo, base, end, voff, woff, run_v, run_w);
+  if constexpr (kPerLane > 3) {
+    if (per_lane < kPerLane) return scan_pass<kTable, kPerLane - 2>(per_lane, in, lo, base, end, voff, woff, run_v, run_w);
   }
+  if constexpr (kPerLane >= 3) scan_pass_blocked<kTable, kPerLane>(in, lo, base, end, voff, woff, run_v, run_w);
 }
 
 // Turns rows [lo, lo + n) into offsets in shared memory: voff[i] / woff[i] = carry + the verify /
 // write lengths of rows lo .. lo + i - 1, and voff[n] / woff[n] = the carries past the last row
 // (returned through carry_v / carry_w).  Warp w takes a contiguous chunk of the rows, in passes
-// of up to 64 rows (scan_pass_strided) or, for longer chunks, of 32 * per_lane rows (up to
-// kRowsPerLane a lane, scan_pass_blocked); then the block scans the warps' totals and each warp
-// adds what precedes it.
+// of 64 rows (scan_pass_strided) or, with kRowsPerLane > 1 and chunks longer than 64 rows, of
+// 32 * per_lane rows (per_lane odd, at most kRowsPerLane: scan_pass_blocked); then the block
+// scans the warps' totals and each warp adds what precedes it.
 template <int kTable, int kRowsPerLane>
 __device__ void scan_rows(const PlanInputs& in, i64 lo, i64 n, i64* voff, i64* woff, i64& carry_v, i64& carry_w) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
   const i64 chunk = ((n + num_warps - 1) / num_warps + 31) & ~static_cast<i64>(31);
   const i64 first_row = min(n, warp * chunk), last_row = min(n, first_row + chunk);
-  const int per_lane = chunk <= 64 ? 1 : static_cast<int>(min(static_cast<i64>(kRowsPerLane), (chunk >> 5) | 1));
-  const i64 pass_rows = per_lane == 1 ? 64 : 32 * per_lane;
   i64 run_v = 0, run_w = 0;  // this warp's rows so far
-  for (i64 base = first_row; base < last_row; base += pass_rows)
-    scan_pass<kTable, kRowsPerLane>(per_lane, in, lo, base, min(last_row, base + pass_rows), voff, woff, run_v, run_w);
+  const int per_lane = kRowsPerLane == 1 || chunk <= 64 ? 1 : static_cast<int>(min(static_cast<i64>(kRowsPerLane), (chunk >> 5) | 1));
+  if (per_lane == 1) {
+    for (i64 base = first_row; base < last_row; base += 64) scan_pass_strided<kTable>(in, lo, base, last_row, voff, woff, run_v, run_w);
+  } else {
+    for (i64 base = first_row; base < last_row; base += 32 * per_lane)
+      scan_pass<kTable, kRowsPerLane>(per_lane, in, lo, base, min(last_row, base + 32 * per_lane), voff, woff, run_v, run_w);
+  }
   i64 before_v, before_w, total_v, total_w;
   scan_warp_totals(run_v, run_w, before_v, before_w, total_v, total_w);
   before_v += carry_v;
