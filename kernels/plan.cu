@@ -23,7 +23,7 @@ namespace kvcanary {
 
 constexpr int kPlanThreads = 512;  // plan_fused and plan_offsets blocks
 constexpr int kScanRowsPerLane = 9;  // the most rows a lane sums in a pass of a long scan (odd: scan_pass_blocked)
-constexpr int kSumUnroll = 8;  // ... and in a sum
+constexpr int kSumUnroll = 8;  // rows whose loads a thread issues together in sum_rows
 constexpr int kPlanSmallRows = 32;  // plan_small: a batch of up to a warp's width, a row per lane
 constexpr i64 kI64Max = 0x7fffffffffffffffLL;
 constexpr i64 kNoSeed = -kI64Max - 1;  // INT64_MIN: table_slot never returns it (slots saturate at +-kI64Max)
