@@ -75,9 +75,9 @@ def test_gpu_one_launch_plans_on_a_grid_of_one_block_match_numpy(backend, monkey
 
     monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: 1)
     cases = [(seed, dataclasses.replace(make_case(seed), buffers=1)) for seed in range(80)]
-    warp_span = 32 * (cupy_backend.PLAN_THREADS // 32)  # past this many entries a warp takes several chunks
-    several = [(seed, case) for seed, case in cases if case.verify_capacity > warp_span]
-    one = [(seed, case) for seed, case in cases if case.verify_capacity <= warp_span]
+    one_chunk_each = 32 * (cupy_backend.PLAN_THREADS // 32)  # past this many entries a warp takes several chunks
+    several = [(seed, case) for seed, case in cases if case.verify_capacity > one_chunk_each]
+    one = [(seed, case) for seed, case in cases if case.verify_capacity <= one_chunk_each]
     assert len(several) >= 16 and len(one) >= 4
     for seed, case in several[:16] + one[:4]:
         context = f"{backend} one block seed {seed}"
