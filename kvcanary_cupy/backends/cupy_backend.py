@@ -23,8 +23,8 @@ from ..interop import import_cupy
 from ..jit import get_function, kernel_name, plan_family, step_family
 from ..plans import SCAN_STATE_TILES, VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 from ..tables import TableKind
-from . import (VERIFY_ENTRY_FIELDS, LogViews, MoveArgs, PlanArgs, PlanVerifyArgs, ScatterArgs, StageArgs, TableView, VerifyArgs,
-               WriteArgs)
+from . import (VERIFY_ENTRY_FIELDS, VERIFY_INPUT_FIELDS, LogViews, MoveArgs, PlanArgs, PlanVerifyArgs, ScatterArgs, StageArgs,
+               TableView, VerifyArgs, WriteArgs)
 
 I64, I32 = np.int64, np.int32
 
@@ -279,9 +279,7 @@ def _param_record(*fields) -> np.dtype:
 PLAN_PARAMS = _param_record(("inputs", PLAN_INPUTS), ("outputs", PLAN_OUTPUTS))
 WRITE_PARAMS = _param_record(("targets", CANARY_TARGETS), ("inputs", WRITE_INPUTS), ("log", LAUNCH_LOG))
 VERIFY_PARAMS = _param_record(
-    ("targets", CANARY_TARGETS), ("verify_slot_indices", "u8"), ("verify_expected_tokens", "u8"),
-    ("verify_expected_positions", "u8"), ("verify_prev_slot_indices", "u8"), ("verify_num_valid", "u8"), ("enable", "u8"),
-    ("verify_capacity", "i8"), ("log", LAUNCH_LOG),
+    ("targets", CANARY_TARGETS), *((k, "u8") for k in VERIFY_INPUT_FIELDS), ("verify_capacity", "i8"), ("log", LAUNCH_LOG),
 )
 PLAN_VERIFY_PARAMS = _param_record(("inputs", PLAN_INPUTS), ("outputs", PLAN_OUTPUTS), ("targets", CANARY_TARGETS),
                                    ("log", LAUNCH_LOG))
@@ -504,8 +502,7 @@ def write(a: WriteArgs) -> None:
 def verify_launch(a: VerifyArgs) -> KernelLaunch:
     p = np.zeros(1, VERIFY_PARAMS)
     p["targets"], p["log"] = _targets_struct(a.targets, a.real_kv_hash_mode), _log_struct(a.log)
-    for key in ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
-                "verify_num_valid", "enable"):
+    for key in VERIFY_INPUT_FIELDS:
         p[key] = _ptr(getattr(a, key))
     p["verify_capacity"] = a.verify_slot_indices.shape[0]
     name = kernel_name("canary_verify", len(a.targets), a.check_expected_token, has_real_kv(a.targets, a.real_kv_hash_mode))
