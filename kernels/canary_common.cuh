@@ -127,6 +127,19 @@ struct LaunchLog {
   }
 };
 
+// Every kernel's first statement.  On sm_90 and later the host launches the kernels with
+// programmatic stream serialization (README "Launch overlap"), so a kernel's blocks may start
+// while the work before it on the stream is still finishing; this waits until that work has
+// completed and its writes are visible, before the kernel reads or writes any memory.  For a
+// launch without that attribute, or before sm_90, it does nothing.  No kernel signals its
+// dependents early (griddepcontrol.launch_dependents): on the H200 that made the W1 decode step
+// 1 us slower, the next kernel's blocks taking room on the SMs of a full grid.
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // A canary slot's record: the first four int64 of the slot's row.
 struct CanaryRecord {
   i64 token, position, prev_hash, real_kv_hash;

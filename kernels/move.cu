@@ -26,6 +26,7 @@ __device__ __forceinline__ MovePair move_pair(const void* src_pages, const void*
 __global__ void move_gather(const i64* __restrict__ canary, i64 num_pages, i64 page_elems, const void* src_pages,
                             const void* dst_pages, int ids_are_int64, i64 num_pairs, i64* __restrict__ staging,
                             unsigned long long* out_of_range_count) {
+  wait_for_prior_grids();
   i64 errors = 0;
   for (i64 e = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; e < num_pairs * page_elems;
        e += static_cast<i64>(gridDim.x) * blockDim.x) {
@@ -39,6 +40,7 @@ __global__ void move_gather(const i64* __restrict__ canary, i64 num_pages, i64 p
 
 __global__ void move_clear(i64* __restrict__ canary, i64 num_pages, i64 page_elems, const void* src_pages,
                            const void* dst_pages, int ids_are_int64, i64 num_pairs) {
+  wait_for_prior_grids();
   for (i64 e = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; e < num_pairs * page_elems;
        e += static_cast<i64>(gridDim.x) * blockDim.x) {
     const i64 pair = e / page_elems, w = e - pair * page_elems;
@@ -49,6 +51,7 @@ __global__ void move_clear(i64* __restrict__ canary, i64 num_pages, i64 page_ele
 
 __global__ void move_scatter(i64* __restrict__ canary, i64 num_pages, i64 page_elems, const void* src_pages,
                              const void* dst_pages, int ids_are_int64, i64 num_pairs, const i64* __restrict__ staging) {
+  wait_for_prior_grids();
   for (i64 e = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; e < num_pairs * page_elems;
        e += static_cast<i64>(gridDim.x) * blockDim.x) {
     const i64 pair = e / page_elems, w = e - pair * page_elems;

@@ -850,6 +850,7 @@ __device__ __forceinline__ i64 plan_and_expand(const PlanInputs& in, const PlanO
 // most 64 rows each.
 template <int kTable, bool kHasLut, bool kHasPool, int kScanRows>
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_fused(PlanInputs in, PlanOutputs out) {
+  wait_for_prior_grids();
   plan_and_expand<kTable, kHasLut, kHasPool, kScanRows>(in, out, StoreEntries{out});
 }
 
@@ -862,6 +863,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_fused(PlanInputs in, Pla
 // possible.
 template <int kTable, bool kHasLut, bool kHasPool>
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_small(PlanInputs in, PlanOutputs out) {
+  wait_for_prior_grids();
   __shared__ i64 warp_offsets[kPlanThreads / 32][2][kPlanSmallRows + 1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   i64* voff = warp_offsets[warp][0];
@@ -1025,6 +1027,7 @@ __device__ __forceinline__ void plan_offsets_one_pass(const PlanInputs& in, cons
 // come in time, the block sums every row before its share itself.
 template <int kTable, bool kHasLut, bool kHasPool>
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_offsets(PlanInputs in, PlanOutputs out) {
+  wait_for_prior_grids();
   extern __shared__ i64 smem[];
   const i64 bs = in.bs, tile_rows = scan_tile_rows();
   ScanState* state = bs >= out.scan_state_min_rows ? reinterpret_cast<ScanState*>(out.scan_state) : nullptr;
@@ -1060,6 +1063,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_offsets(PlanInputs in, P
 
 template <int kTable, bool kHasLut, bool kHasPool>
 __global__ void plan_entries(PlanInputs in, PlanOutputs out) {
+  wait_for_prior_grids();
   const i64 total = out.verify_offsets[in.bs];
   if (total > 0 && *out.enable != 0) expand_entries<kTable, kHasLut, kHasPool>(in, out, out.verify_offsets, total, StoreEntries{out},
                                                                                      ReloadRows<kTable>{});

@@ -52,6 +52,7 @@ __global__ void scatter_req_token_ids(const i64* __restrict__ flat_in, i64 num_v
                                       const i64* __restrict__ req_pool_indices, i64 bs, int* __restrict__ pool_out,
                                       i64 pool_rows, i64 pool_cols, i64 pool_stride, i64 group_rows,
                                       unsigned long long* __restrict__ out_of_range_count) {
+  wait_for_prior_grids();
   __shared__ i64 s_pool_row[kScatterMaxGroupRows], s_start[kScatterMaxGroupRows];
   __shared__ i64 s_lo[kScatterMaxGroupRows], s_hi[kScatterMaxGroupRows];
   __shared__ long long s_taken[kScatterMaxGroupRows];  // later rows with lo == 0 write columns [0, s_taken)

@@ -53,6 +53,7 @@ __device__ __forceinline__ i64 clamp_count(i64 v, i64 hi) { return v < 0 ? 0 : (
 
 // One block: everything it reads is read before thread 0 resets write_index.
 __global__ void session_stage(SessionStage s, i64 stamp) {
+  wait_for_prior_grids();
   __shared__ i64 rows;
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -100,6 +101,7 @@ __device__ __forceinline__ i64 batch_row_of(const i64* offsets, i64 bs, i64 e) {
 
 // A fixed grid over the plan's verify entries; returns at once when the step logged nothing.
 __global__ void session_attribute(SessionStage s) {
+  wait_for_prior_grids();
   const i64* header = s.staging;
   if (header[kStageRows] == 0 || header[kStageEnable] == 0) return;
   const i64 stamp = header[kStageStamp];

@@ -84,6 +84,7 @@ struct VerifySink {
 template <int kTable, bool kHasLut, bool kHasPool, bool kCheckToken, bool kHasRealKv>
 __global__ void __launch_bounds__(kPlanThreads, kPlanVerifyBlocksPerSm)
     plan_verify(PlanInputs in, PlanOutputs out, const __grid_constant__ CanaryTargets targets, LaunchLog log) {
+  wait_for_prior_grids();
   const int kind = targets.kind[0];
   // The strided scan passes alone: a blocked pass's registers spill at 64 a thread (and its batch
   // sizes gain little: plan_verify's W5 18.1 -> 18.0 us on the H200).

@@ -22,6 +22,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 1)
                   const i64* __restrict__ expected_positions, const i64* __restrict__ prev_slots,
                   const int* __restrict__ verify_num_valid, const int* __restrict__ enable, i64 verify_capacity,
                   LaunchLog log) {
+  wait_for_prior_grids();
   constexpr int kItems = kBuffers == 1 ? 2 : 1;  // entries per lane and step: bounds the registers
   const int lane = threadIdx.x & 31;
   const bool first_thread = blockIdx.x == 0 && threadIdx.x == 0;

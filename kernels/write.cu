@@ -85,6 +85,7 @@ __device__ __forceinline__ void finish_token(const CanaryBuffer& canary, int kin
 
 template <int kBuffers, bool kInputAssert, bool kHasRealKv>
 __global__ void canary_write(const __grid_constant__ CanaryTargets t, WriteInputs in, LaunchLog log) {
+  wait_for_prior_grids();
   // Per warp: a chunk's {token, position} for the chain, and the chain value before each token.
   __shared__ longlong2 staged[kWriteWarps][32];
   __shared__ u64 chains[kWriteWarps][32];
