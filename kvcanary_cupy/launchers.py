@@ -295,6 +295,8 @@ class _Binding:
         self._get_device = import_cupy().cuda.runtime.getDevice
         self._functions = {}
         self.side = None  # a write's _SideStream (see WriteLauncher)
+        self._overlap_enabled = cupy_backend.launch_overlap.enabled  # asked per launch (plain_launches)
+        self._overlapped = {}  # (function, grid, block, shared_mem) -> its OverlappedLaunch
 
     def moved(self) -> bool:
         """Whether a bound torch tensor no longer has the address it was bound with."""
@@ -315,6 +317,7 @@ class _Binding:
         self.params = params
         self.arguments = self.cb.kernel_arguments(params)
         self.param_slots = self.cb.ParamSlots(params)
+        self._overlapped.clear()  # they point into the record they were packed with
 
     def setter(self, *names: str):
         """A function writing the record's fields ``names`` from a sequence of values in that order."""
@@ -343,21 +346,35 @@ class _Binding:
 
     def launch(self, fn, grid, block, shared_mem: int = 0) -> None:
         """Launch on the bound device, on the caller's stream (torch's current one when torch
-        tensors are bound) or behind it on the side stream."""
+        tensors are bound) or behind it on the side stream; overlapping the work before it where
+        the device allows (:mod:`kvcanary_cupy.backends.launch_overlap`)."""
+        overlap = self._overlap_enabled(self.device)
         if self._get_device() != self.device:
             with import_cupy().cuda.Device(self.device):
-                self._launch(fn, grid, block, shared_mem)
-        elif self._stream_handle is None and self.side is None:  # CuPy's current stream: nothing to look up
+                self._launch(fn, grid, block, shared_mem, overlap)
+        elif self._stream_handle is None and self.side is None and not overlap:  # nothing to look up
             fn(grid, block, self.arguments, shared_mem=shared_mem, stream=None)
         else:
-            self._launch(fn, grid, block, shared_mem)
+            self._launch(fn, grid, block, shared_mem, overlap)
 
-    def _launch(self, fn, grid, block, shared_mem: int) -> None:
-        stream = None if self._stream_handle is None else _wrapped_torch_stream(self._stream_handle())
+    def _launch(self, fn, grid, block, shared_mem: int, overlap: bool) -> None:
+        handle = None if self._stream_handle is None else self._stream_handle()
+        stream = None
         if self.side is not None:
-            self.side.fork(import_cupy().cuda.get_current_stream() if stream is None else stream)
+            self.side.fork(import_cupy().cuda.get_current_stream() if handle is None else _wrapped_torch_stream(handle))
             stream = self.side.stream
-        fn(grid, block, self.arguments, shared_mem=shared_mem, stream=stream)
+            handle = stream.ptr
+        if not overlap:
+            if stream is None and handle is not None:
+                stream = _wrapped_torch_stream(handle)
+            fn(grid, block, self.arguments, shared_mem=shared_mem, stream=stream)
+            return
+        key = (fn, grid, block, shared_mem)
+        overlapped = self._overlapped.get(key)
+        if overlapped is None:
+            overlapped = self._overlapped[key] = self.cb.launch_overlap.OverlappedLaunch(
+                fn.ptr, grid[0], block[0], shared_mem, self.cb.record_addresses(self.params))
+        overlapped(import_cupy().cuda.get_current_stream().ptr if handle is None else handle)
 
 
 class _SideStream:

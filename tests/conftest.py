@@ -119,7 +119,13 @@ def _cupy_attributes():
         import cupy
     except ImportError:
         return {}
-    return {(where, name): getattr(cupy.cuda if where else cupy, name) for where, names in _CUPY_GUARDED.items() for name in names}
+    from kvcanary_cupy.backends import cupy_backend, launch_overlap
+
+    found = {(where, name): getattr(cupy.cuda if where else cupy, name) for where, names in _CUPY_GUARDED.items() for name in names}
+    # what the fake device patches in the library itself
+    found.update({("kvcanary_cupy.backends.launch_overlap", name): getattr(launch_overlap, name) for name in ("driver_launch", "supported")})
+    found[("kvcanary_cupy.backends.cupy_backend", "record_addresses")] = cupy_backend.record_addresses
+    return found
 
 
 @pytest.fixture(autouse=True)
@@ -128,6 +134,6 @@ def no_fake_cupy_leaks():
     would break every real-GPU test after it, so each test must leave CuPy as it found it."""
     before = _cupy_attributes()
     yield
-    leaked = [f"cupy.{where + '.' if where else ''}{name}" for key, value in _cupy_attributes().items()
-              if value is not before[key] for where, name in [key]]
-    assert not leaked, f"this test left CuPy patched: {leaked}"
+    leaked = [f"{where if where.startswith('kvcanary') else 'cupy' + ('.' + where if where else '')}.{name}"
+              for key, value in _cupy_attributes().items() if value is not before[key] for where, name in [key]]
+    assert not leaked, f"this test left CuPy or the library patched: {leaked}"

@@ -19,6 +19,7 @@ Used by ``tests/test_launchers.py``, ``tests/test_session_launchers.py`` and
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ class Launch(NamedTuple):
     block: tuple
     stream: object
     args: tuple  # bytes of each argument
+    shared_mem: int  # dynamic shared memory, bytes
 
 
 class FakeStream:
@@ -102,18 +104,22 @@ class FakeDevice:
     copy (a stand-in for what the device would have written).  Kernels are loaded through the
     library's own ``jit.get_function`` (a fake module per family, a cache of this device's own);
     ``attributes_set`` lists each kernel attribute the driver was asked to set, as ``(kernel,
-    attribute, value, whether the current stream was capturing)``."""
+    attribute, value, whether the current stream was capturing)``.  ``overlap``: the device is an
+    sm_90 one whose driver has cuLaunchKernelEx, so record launches go through the library's launch
+    overlap (recorded like a CuPy launch, without argument bytes; ``overlapped`` lists each one's
+    argument addresses); without it, an sm_80 one, launched through CuPy."""
 
     SM_COUNT = 132
     SHARED_MEM_OPTIN = 232_448  # an H200's MaxSharedMemoryPerBlockOptin
     STATIC_SHARED_MEM = 2_000  # every kernel's static shared memory, bytes
     PLAN_SCAN_MAX_ROWS = 14_400  # an H200's opt-in shared memory in pairs of int64 offsets
 
-    def __init__(self, record_bytes: bool = True):
+    def __init__(self, record_bytes: bool = True, overlap: bool = False):
         import cupy
 
         self.cupy = cupy
         self.record_bytes = record_bytes
+        self.overlap = overlap
         self.launches: list[Launch] = []
         self.timeline: list[tuple] = []
         self.streams: dict = {}  # pointer -> FakeStream
@@ -124,6 +130,7 @@ class FakeDevice:
         self.kernels: list[str] = []  # kernel name by function pointer
         self.attributes_set: list[tuple] = []
         self.on_copy = None
+        self.overlapped: list[tuple] = []  # the argument addresses of each overlapped launch
         self.current = [FakeStream(self, "main")]
         self._created = {"stream": 0, "event": 0}
         self._keep = []
@@ -151,10 +158,15 @@ class FakeDevice:
         mem = cupy.cuda.UnownedMemory(host.ctypes.data, max(host.nbytes, 1), host, device_id=0)
         return cupy.ndarray(host.shape, host.dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
+    def record_launch(self, name, grid, block, stream, args, shared_mem) -> None:
+        self.launches.append(Launch(name, grid, block, stream, args, shared_mem))
+        self.timeline.append(("launch", name, stream.name))
+        emulate = self.emulated.get(name)
+        if emulate is not None:
+            emulate(args)
+
     def to_numpy(self, x) -> np.ndarray:
         """The host bytes behind a fake CuPy array."""
-        import ctypes
-
         nbytes = x.nbytes
         buf = (ctypes.c_char * nbytes).from_address(x.data.ptr) if nbytes else b""
         return np.frombuffer(bytes(buf), x.dtype).reshape(x.shape)
@@ -168,6 +180,7 @@ class FakeDevice:
         class Device:
             def __init__(self, device_id=None):
                 self.id = 0 if device_id is None else device_id
+                self.compute_capability = "90" if device.overlap else "80"
                 self.attributes = {"MultiProcessorCount": FakeDevice.SM_COUNT,
                                    "MaxSharedMemoryPerBlockOptin": FakeDevice.SHARED_MEM_OPTIN}
 
@@ -187,12 +200,8 @@ class FakeDevice:
 
             def __call__(self, grid, block, args, stream=None, **kwargs):
                 args = tuple(bytes(np.asarray(a).tobytes()) for a in args) if device.record_bytes else ()
-                stream = device.current[-1] if stream is None else stream
-                device.launches.append(Launch(self.name, tuple(grid), tuple(block), stream, args))
-                device.timeline.append(("launch", self.name, stream.name))
-                emulate = device.emulated.get(self.name)
-                if emulate is not None:
-                    emulate(args)
+                device.record_launch(self.name, tuple(grid), tuple(block), device.current[-1] if stream is None else stream, args,
+                                     kwargs.get("shared_mem", 0))
 
         class RawKernel(Function):
             @functools.cached_property
@@ -215,8 +224,6 @@ class FakeDevice:
         monkeypatch.setattr(self.cupy.cuda, "Stream", lambda *a, **k: FakeStream(self, self._name("stream")))
         monkeypatch.setattr(self.cupy.cuda, "Event", lambda *a, **k: FakeEvent(self, self._name("event")))
         monkeypatch.setattr(self.cupy.cuda, "get_current_stream", lambda device_id=-1: self.current[-1])
-        import ctypes
-
         import cupyx
 
         monkeypatch.setattr(cupyx, "empty_pinned", lambda shape, dtype=float: np.zeros(shape, dtype))
@@ -238,14 +245,37 @@ class FakeDevice:
         monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: FakeDevice.SM_COUNT)
         monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block: 4)
         monkeypatch.setattr(cupy_backend, "plan_scan_max_rows", lambda device_id: FakeDevice.PLAN_SCAN_MAX_ROWS)
+        overlap = cupy_backend.launch_overlap
+        monkeypatch.setattr(overlap, "supported", functools.lru_cache(maxsize=None)(overlap.supported.__wrapped__))
+        field_sizes = {}  # address -> size of each parameter record field the library handed out
+        record_addresses = cupy_backend.record_addresses
+
+        def sized_record_addresses(params):
+            addresses = record_addresses(params)
+            for address, name in zip(addresses, params.dtype.names):
+                field_sizes[address] = params.dtype.fields[name][0].itemsize
+            return addresses
+
+        def launch_kernel_ex(config, function, arguments, extra):
+            """cuLaunchKernelEx: recorded like a CuPy launch (each argument's bytes read at its address)."""
+            c = config.contents
+            assert c.numAttrs == 1 and c.attrs[0].id == overlap.PROGRAMMATIC_STREAM_SERIALIZATION and c.attrs[0].value == 1
+            assert (c.gridDimY, c.gridDimZ, c.blockDimY, c.blockDimZ, extra) == (1, 1, 1, 1, None)
+            addresses = tuple(arguments)
+            self.overlapped.append(addresses)
+            args = tuple(ctypes.string_at(a, field_sizes[a]) for a in addresses) if self.record_bytes else ()
+            self.record_launch(self.kernels[function.value], (c.gridDimX,), (c.blockDimX,), self.streams[c.hStream], args,
+                               c.sharedMemBytes)
+            return 0
+
+        monkeypatch.setattr(cupy_backend, "record_addresses", sized_record_addresses)
+        monkeypatch.setattr(overlap, "driver_launch", lambda: launch_kernel_ex if self.overlap else None)
         if self.record_bytes:  # the arguments as one-element NumPy views, whose bytes can be read back
             monkeypatch.setattr(cupy_backend, "_CPointer", None)
 
 
 def host_view(ptr: int, dtype, count: int) -> np.ndarray:
     """A writable NumPy view of ``count`` items at the host address ``ptr`` (a fake device array)."""
-    import ctypes
-
     dtype = np.dtype(dtype)
     return np.frombuffer((ctypes.c_char * (dtype.itemsize * count)).from_address(ptr), dtype) if count else np.zeros(0, dtype)
 
@@ -273,11 +303,11 @@ def _session_stage_on_host(args) -> None:
 
 
 @contextlib.contextmanager
-def fake_device(record_bytes: bool = True):
+def fake_device(record_bytes: bool = True, overlap: bool = False):
     """A :class:`FakeDevice` installed for the duration of the block."""
     import pytest
 
     with pytest.MonkeyPatch.context() as mp:
-        dev = FakeDevice(record_bytes)
+        dev = FakeDevice(record_bytes, overlap)
         dev.install(mp)
         yield dev

@@ -3,7 +3,8 @@
 Every launch goes on CuPy's current stream (the front door makes that torch's current stream
 when torch tensors are involved), allocates nothing, reads nothing back and has a grid fixed by
 host-known shapes, so a whole step can be captured in a CUDA graph and replayed with new batch
-contents.  Scalars are passed as NumPy scalars of the exact C parameter type; the structs of
+contents.  On sm_90 and later the parameter-record launches overlap the work before them
+(:mod:`.launch_overlap`).  Scalars are passed as NumPy scalars of the exact C parameter type; the structs of
 ``canary_common.cuh`` are passed by value as one-element NumPy structured arrays.  Plan, write,
 verify and the session's staging take their parameters as one record per kernel (field i =
 parameter i, passed by its address), which a bound launcher (:mod:`kvcanary_cupy.launchers`,
@@ -23,6 +24,7 @@ from ..interop import import_cupy
 from ..jit import get_function, kernel_name, plan_family, step_family
 from ..plans import SCAN_STATE_TILES, VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 from ..tables import TableKind
+from . import launch_overlap
 from . import (VERIFY_ENTRY_FIELDS, VERIFY_INPUT_FIELDS, LogViews, MoveArgs, PlanArgs, PlanVerifyArgs, ScatterArgs, StageArgs,
                TableView, VerifyArgs, WriteArgs)
 
@@ -330,8 +332,13 @@ def kernel_arguments(params: np.ndarray) -> tuple:
     """
     if _CPointer is None:
         return tuple(params[name] for name in params.dtype.names)
+    return tuple(_CPointer(address) for address in record_addresses(params))
+
+
+def record_addresses(params: np.ndarray) -> tuple:
+    """The host address of each field of a parameter record: where a launch reads argument i."""
     base = params.ctypes.data
-    return tuple(_CPointer(base + offset) for offset in _field_offsets(params.dtype))
+    return tuple(base + offset for offset in _field_offsets(params.dtype))
 
 
 class KernelLaunch(NamedTuple):
@@ -342,7 +349,15 @@ class KernelLaunch(NamedTuple):
 
 
 def _launch_record(launch: KernelLaunch) -> None:
-    _launch(launch.family, launch.name, launch.config, kernel_arguments(launch.params))
+    """Launch a parameter record's kernel on CuPy's current stream: overlapping the work before it
+    where the device allows (:mod:`.launch_overlap`), else through CuPy."""
+    if not launch_overlap.enabled(_device_id()):
+        _launch(launch.family, launch.name, launch.config, kernel_arguments(launch.params))
+        return
+    c = launch.config
+    function = get_function(launch.family, launch.name).kernel.ptr
+    overlapped = launch_overlap.OverlappedLaunch(function, c.grid, c.block, c.shared_mem, record_addresses(launch.params))
+    overlapped(import_cupy().cuda.get_current_stream().ptr)
 
 
 INT64_MAX = 2**63 - 1

@@ -1,0 +1,125 @@
+"""Launch overlap: the canary's kernels launched with programmatic stream serialization.
+
+CuPy launches through ``cuLaunchKernel``: a kernel starts once everything before it on the stream
+has finished, and the launch's own latency (about 1 us on an H200) follows that.  On sm_90 and
+later the canary's record launches (plan, plan_and_verify, verify, write; free functions and
+bound launchers) go through ``cuLaunchKernelEx`` with
+``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` instead, which lets the launch overlap
+the end of the work before it.  Every kernel of ``kernels/`` opens with ``wait_for_prior_grids()``
+(``griddepcontrol.wait``), which holds its threads until that work has completed and its writes
+are visible, so every byte is what a plain launch computes; only the launch latency is hidden.
+Streams, events and CUDA graph capture work as with a plain launch (a captured launch keeps its
+programmatic edge).
+
+``KVCANARY_LAUNCH_OVERLAP=0`` in the environment (read once per process and device) launches
+plainly through CuPy everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+
+from ..interop import import_cupy
+
+LAUNCH_OVERLAP_ENV = "KVCANARY_LAUNCH_OVERLAP"
+MIN_COMPUTE_CAPABILITY = 90  # griddepcontrol (PTX ISA 7.8) and the launch attribute: sm_90 and later
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+
+
+class LaunchAttribute(ctypes.Structure):
+    """cuda.h's ``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union (of which
+    this attribute reads the first int)."""
+
+    _fields_ = [("id", ctypes.c_uint), ("_pad", ctypes.c_ubyte * 4), ("value", ctypes.c_int), ("_rest", ctypes.c_ubyte * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """cuda.h's ``CUlaunchConfig`` (ctypes pads ``hStream`` to its 8-byte alignment, as C does)."""
+
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    """libcuda, or None where it cannot be loaded or has no ``cuLaunchKernelEx`` (before CUDA 12)."""
+    try:
+        lib = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+        launch = lib.cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    launch.restype = ctypes.c_int
+    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def driver_launch():
+    """``cuLaunchKernelEx(config, function, kernel_params, extra)``, or None (see :func:`_driver`)."""
+    lib = _driver()
+    return None if lib is None else lib.cuLaunchKernelEx
+
+
+@functools.lru_cache(maxsize=None)
+def supported(device_id: int) -> bool:
+    """Whether launches on ``device_id`` can overlap (sm_90 or later, a driver with
+    cuLaunchKernelEx) and are not turned off by KVCANARY_LAUNCH_OVERLAP=0."""
+    if os.environ.get(LAUNCH_OVERLAP_ENV, "1").strip() == "0":
+        return False
+    capability = int(import_cupy().cuda.Device(device_id).compute_capability)
+    return capability >= MIN_COMPUTE_CAPABILITY and driver_launch() is not None
+
+
+_plain_depth = 0  # plain_launches blocks entered and not left
+
+
+def enabled(device_id: int) -> bool:
+    """Whether a launch on ``device_id`` made now overlaps (a bound launcher asks once, as it binds)."""
+    return _plain_depth == 0 and supported(device_id)
+
+
+@contextlib.contextmanager
+def plain_launches():
+    """Within the block, launches (and launchers bound) go through CuPy as on a device without
+    launch overlap: the benchmark's and the tests' comparisons of the two."""
+    global _plain_depth
+    _plain_depth += 1
+    try:
+        yield
+    finally:
+        _plain_depth -= 1
+
+
+def _error_name(status: int) -> str:
+    name = ctypes.c_char_p()
+    lib = _driver()
+    if lib is None or lib.cuGetErrorName(status, ctypes.byref(name)) != 0 or not name.value:
+        return f"CUresult {status}"
+    return name.value.decode()
+
+
+class OverlappedLaunch:
+    """One kernel's launch, packed once: its function, grid, block, dynamic shared memory and the
+    addresses of its argument values (which must stay valid and in place for as long as it is
+    used; the driver reads them at each call).  Calling it launches on a stream (a raw handle)."""
+
+    __slots__ = ("_attribute", "_config", "_config_ref", "_function", "_arguments")
+
+    def __init__(self, function_ptr: int, grid: int, block: int, shared_mem: int, argument_addresses):
+        self._attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self._config = LaunchConfig(grid, 1, 1, block, 1, 1, shared_mem, None, ctypes.pointer(self._attribute), 1)
+        self._config_ref = ctypes.pointer(self._config)
+        self._function = ctypes.c_void_p(function_ptr)
+        self._arguments = (ctypes.c_void_p * len(argument_addresses))(*argument_addresses)
+
+    def __call__(self, stream_handle: int) -> None:
+        self._config.hStream = stream_handle
+        status = driver_launch()(self._config_ref, self._function, self._arguments, None)
+        if status != 0:
+            raise RuntimeError(f"kv-canary: cuLaunchKernelEx failed with {_error_name(status)} "
+                               f"(set {LAUNCH_OVERLAP_ENV}=0 to launch through CuPy instead)")
