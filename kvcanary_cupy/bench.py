@@ -8,12 +8,14 @@ searchsorted, gathers), eager, as a user would without this library.
 CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend.
 
     kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4,W5]
-                   [--sections ops,detail,tables,capacity,step,host] [--out FILE] [--json FILE]
+                   [--sections ops,detail,tables,capacity,step,overlap,host] [--out FILE] [--json FILE]
 
 ``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
 next to the equivalent req_to_token at W1, W3 and W4, against what a user writes without them;
 ``capacity`` times the plan at write_req_capacity = bs, 4,096 and 65,536.  ``step`` times the fused
 decode step (plan_and_verify + write) against plan + verify + write at W1, W3, W4 and W5.
+``overlap`` times the plan and the steps with launch overlap (sm_90 and later,
+``kvcanary_cupy.backends.launch_overlap``) against plain CuPy launches.
 ``host`` (issue #10): host microseconds per eager call, back to back, of the free functions and of
 the bound path (CanaryPlanner, VerifyLauncher, WriteLauncher), with CuPy arrays and with CUDA
 torch tensors, against the targets and SGLang's eager calls (``benchmarks/host_profile.py``
@@ -530,6 +532,40 @@ STEP_TARGET_US = {"W1": 12.0}
 STEP_WORKLOADS = ("W1", "W3", "W4", "W5")  # W5: the largest batch of one launch; W4 takes plan + verify
 
 
+def step_calls(cupy, d) -> dict:
+    """A decode step's calls on fixed buffers of their own: plan_and_verify (+ write) and
+    plan + verify (+ write); checked to verify clean."""
+    from .backends import cupy_backend
+
+    ops = gpu_ops(cupy, d)
+    vcap = d["total_verify"]
+    log = kc.ViolationLog.allocate(1024, like=d["rp"])
+    stored = cupy_backend.plan_verify_stores_entries(d["bs"])  # plan_and_verify takes plan + verify
+    out = (kc.VerifyPlan.allocate(vcap if stored else 0, like=d["rp"]), kc.WritePlan.allocate(d["bs"], like=d["rp"]))
+    inputs = (d["rp"], d["prefix"], d["extend"], d["rtt"])
+
+    def fused():
+        kc.plan_and_verify(*inputs, d["canary"], log=log, verify_capacity=vcap, out=out)
+
+    def fused_step():
+        fused()
+        kc.write(d["canary"], out[1], d["ids"], d["pos"], d["loc"], log=log)
+
+    def unfused():
+        ops["plan"]()
+        ops["verify"]()
+
+    def unfused_step():
+        unfused()
+        ops["write"]()
+
+    fused_step()
+    if int(log.write_index[0]) != 0:
+        raise RuntimeError("the benchmark's canary must verify clean through plan_and_verify")
+    return {"plan_and_verify + write": fused_step, "plan + verify + write": unfused_step,
+            "plan_and_verify": fused, "plan + verify": unfused}
+
+
 def step_rows(cupy, names, rows: list):
     """A whole decode step, device us: plan_and_verify + write (2 launches, the verify entries
     never stored) against plan + verify + write (3 launches), and plan_and_verify alone against
@@ -543,43 +579,50 @@ def step_rows(cupy, names, rows: list):
     ]
     for key in names:
         d = build(WORKLOADS[key], cupy)
-        ops = gpu_ops(cupy, d)
-        vcap = d["total_verify"]
-        log = kc.ViolationLog.allocate(1024, like=d["rp"])
-        stored = cupy_backend.plan_verify_stores_entries(d["bs"])  # plan_and_verify takes plan + verify
-        out = (kc.VerifyPlan.allocate(vcap if stored else 0, like=d["rp"]), kc.WritePlan.allocate(d["bs"], like=d["rp"]))
-        inputs = (d["rp"], d["prefix"], d["extend"], d["rtt"])
-
-        def fused():
-            kc.plan_and_verify(*inputs, d["canary"], log=log, verify_capacity=vcap, out=out)
-
-        def fused_step():
-            fused()
-            kc.write(d["canary"], out[1], d["ids"], d["pos"], d["loc"], log=log)
-
-        def unfused():
-            ops["plan"]()
-            ops["verify"]()
-
-        def unfused_step():
-            unfused()
-            ops["write"]()
-
-        fused_step()
-        if int(log.write_index[0]) != 0:
-            raise RuntimeError("the benchmark's canary must verify clean through plan_and_verify")
+        calls = step_calls(cupy, d)
+        stored = cupy_backend.plan_verify_stores_entries(d["bs"])
         sglang = [SGLANG_US.get((key, op)) for op in ("plan", "verify", "write")]
         sglang = sum(sglang) if None not in sglang else None
-        for op, fn, ref, theirs in (("plan_and_verify + write", fused_step, unfused_step, sglang),
-                                    ("plan_and_verify", fused, unfused, None)):
-            us, ref_us = time_graph(cupy, fn), time_graph(cupy, ref)
-            target = STEP_TARGET_US.get(key) if fn is fused_step else None
+        for op, ref, theirs in (("plan_and_verify + write", "plan + verify + write", sglang),
+                                ("plan_and_verify", "plan + verify", None)):
+            us, ref_us = time_graph(cupy, calls[op]), time_graph(cupy, calls[ref])
+            target = STEP_TARGET_US.get(key) if ref == "plan + verify + write" else None
             rows.append({"workload": key, "op": f"step[{op}]", "device_us": round(us, 3), "unfused_us": round(ref_us, 3),
                          "target_us": target, "sglang_us": theirs})
             lines.append(f"{WORKLOADS[key].name:<16} {op:<28} {us:>10.2f} {ref_us:>11.2f} {us / ref_us:>10.2f} "
                          f"{_cell(target and us / target, '9.2f')} {_cell(theirs, '10.1f')}{' (stored)' if stored else ''}")
     lines.append("(unfused: plan + verify + write, resp. plan + verify; SGLang: its plan + verify + write; stored: past "
                  f"{cupy_backend.PLAN_FUSED_MAX_ROWS:,} requests plan_and_verify stores the entries and takes plan + verify)")
+    return lines
+
+
+def overlap_rows(cupy, names, rows: list):
+    """Device us with launch overlap (the default on sm_90 and later) against plain CuPy launches
+    of the same calls (``launch_overlap.plain_launches``): graphs captured each way, their replays
+    taken in turn.  A call's time in a graph of 50 includes what its launch overlaps of the call
+    before it, as it would behind an engine's kernels."""
+    from .backends import launch_overlap
+
+    if not launch_overlap.supported(cupy.cuda.Device().id):
+        return [f"launch overlap: off on this device (before sm_90, no cuLaunchKernelEx, or {launch_overlap.LAUNCH_OVERLAP_ENV}=0)"]
+
+    def plain(fn):
+        def call():
+            with launch_overlap.plain_launches():
+                fn()
+        return call
+
+    lines = ["launch overlap: device us per call (graph of 50 calls; the two ways' replays in turn, median of 30 each)",
+             f"{'workload':<16} {'op':<28} {'overlapped':>10} {'plain':>8} {'x plain':>8} {'saved us':>9}"]
+    for key in names:
+        d = build(WORKLOADS[key], cupy)
+        calls = {"plan": gpu_ops(cupy, d)["plan"], **step_calls(cupy, d)}
+        times = time_graphs_interleaved(cupy, {**calls, **{f"{op} [plain]": plain(fn) for op, fn in calls.items()}}, rounds=30)
+        for op in calls:
+            us, plain_us = times[op], times[f"{op} [plain]"]
+            rows.append({"workload": key, "op": f"overlap[{op}]", "device_us": round(us, 3), "plain_us": round(plain_us, 3)})
+            lines.append(f"{WORKLOADS[key].name:<16} {op:<28} {us:>10.2f} {plain_us:>8.2f} {us / plain_us:>8.2f} "
+                         f"{plain_us - us:>9.2f}")
     return lines
 
 
@@ -686,9 +729,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
                         help="cupy: this machine's GPU (default); numpy: the CPU backend")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
-    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,host",
+    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host",
                         help="GPU sections: ops (plan/verify/write), detail (verify/write: grids, floors, several "
-                             "buffers), tables (engine tables), capacity, step (the fused decode step), host")
+                             "buffers), tables (engine tables), capacity, step (the fused decode step), overlap "
+                             "(overlapped launches against plain ones), host")
     parser.add_argument("--out", metavar="FILE", help="also write the table to FILE")
     parser.add_argument("--json", metavar="FILE", help="also write the measurements as JSON to FILE")
 
@@ -717,6 +761,8 @@ def run(args) -> int:
             lines += run_capacity(cupy, rows)
         if "step" in sections:
             lines += step_rows(cupy, [n for n in names if n in STEP_WORKLOADS], rows)
+        if "overlap" in sections:
+            lines += overlap_rows(cupy, [n for n in names if n in STEP_WORKLOADS], rows)
         if "host" in sections:
             lines += host_times(cupy, names, rows)
     else:

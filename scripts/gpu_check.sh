@@ -78,7 +78,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   stage sim-cuda 120 python3 -m kvcanary_cupy sim --device cuda --steps 400 --quiet --json "$OUT/sim-cuda.json" --plot "$OUT/sim-cuda.png"
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  stage bench "${BENCH_S:-150}" python3 -m kvcanary_cupy bench --out "$OUT/bench.txt" --json "$OUT/bench.json"
+  stage bench "${BENCH_S:-240}" python3 -m kvcanary_cupy bench --out "$OUT/bench.txt" --json "$OUT/bench.json"
   stage bench-session 60 python3 benchmarks/bench_session.py --out "$OUT/bench-session.txt"
 fi
 exit $status
