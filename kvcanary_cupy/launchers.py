@@ -358,15 +358,11 @@ class _Binding:
             self._launch(fn, grid, block, shared_mem, overlap)
 
     def _launch(self, fn, grid, block, shared_mem: int, overlap: bool) -> None:
-        handle = None if self._stream_handle is None else self._stream_handle()
-        stream = None
+        stream = None if self._stream_handle is None else _wrapped_torch_stream(self._stream_handle())
         if self.side is not None:
-            self.side.fork(import_cupy().cuda.get_current_stream() if handle is None else _wrapped_torch_stream(handle))
+            self.side.fork(import_cupy().cuda.get_current_stream() if stream is None else stream)
             stream = self.side.stream
-            handle = stream.ptr
         if not overlap:
-            if stream is None and handle is not None:
-                stream = _wrapped_torch_stream(handle)
             fn(grid, block, self.arguments, shared_mem=shared_mem, stream=stream)
             return
         key = (fn, grid, block, shared_mem)
@@ -374,7 +370,7 @@ class _Binding:
         if overlapped is None:
             overlapped = self._overlapped[key] = self.cb.launch_overlap.OverlappedLaunch(
                 fn.ptr, grid[0], block[0], shared_mem, self.cb.record_addresses(self.params))
-        overlapped(import_cupy().cuda.get_current_stream().ptr if handle is None else handle)
+        overlapped((import_cupy().cuda.get_current_stream() if stream is None else stream).ptr)
 
 
 class _SideStream:

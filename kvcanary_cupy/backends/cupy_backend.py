@@ -4,8 +4,8 @@ Every launch goes on CuPy's current stream (the front door makes that torch's cu
 when torch tensors are involved), allocates nothing, reads nothing back and has a grid fixed by
 host-known shapes, so a whole step can be captured in a CUDA graph and replayed with new batch
 contents.  On sm_90 and later the parameter-record launches overlap the work before them
-(:mod:`.launch_overlap`).  Scalars are passed as NumPy scalars of the exact C parameter type; the structs of
-``canary_common.cuh`` are passed by value as one-element NumPy structured arrays.  Plan, write,
+(:mod:`.launch_overlap`).  Scalars are passed as NumPy scalars of the exact C parameter type; the
+structs of ``canary_common.cuh`` are passed by value as one-element NumPy structured arrays.  Plan, write,
 verify and the session's staging take their parameters as one record per kernel (field i =
 parameter i, passed by its address), which a bound launcher (:mod:`kvcanary_cupy.launchers`,
 :class:`BoundStage`) packs once and patches per call.

@@ -79,13 +79,13 @@ _plain_depth = 0  # plain_launches blocks entered and not left
 
 
 def enabled(device_id: int) -> bool:
-    """Whether a launch on ``device_id`` made now overlaps (a bound launcher asks once, as it binds)."""
+    """Whether a launch on ``device_id`` made now overlaps (asked at every launch)."""
     return _plain_depth == 0 and supported(device_id)
 
 
 @contextlib.contextmanager
 def plain_launches():
-    """Within the block, launches (and launchers bound) go through CuPy as on a device without
+    """Within the block, launches (bound launchers' too) go through CuPy as on a device without
     launch overlap: the benchmark's and the tests' comparisons of the two."""
     global _plain_depth
     _plain_depth += 1
