@@ -169,7 +169,7 @@ def test_overlapped_launches_equal_plain_ones_on_a_fake_device():
 # on the GPU
 
 
-def _overlap_supported(ab):
+def _overlap_supported():
     from kvcanary_cupy.backends import launch_overlap
 
     import cupy
@@ -186,7 +186,7 @@ def test_gpu_overlapped_steps_match_plain_ones(backend):
     """Fuzzed steps (every table kind, several buffers, real KV, out-of-range values), free and
     bound, and the fused decode step: overlapped launches give plain launches' bytes."""
     ab = get_backend_or_skip(backend)
-    launch_overlap = _overlap_supported(ab)
+    launch_overlap = _overlap_supported()
     for seed in range(60):
         case = make_case(seed)
         for kwargs in ({}, {"bound": True}, {"step": "fused"} if case.buffers == 1 else {"step": "decode"}):
@@ -250,7 +250,8 @@ def test_gpu_plans_read_the_lengths_an_early_triggering_kernel_before_them_wrote
     that triggers its dependents at once and writes the prefix lengths 2 ms later: each plans them."""
     import cupy
 
-    _overlap_supported(get_backend_or_skip("cupy"))
+    get_backend_or_skip("cupy")
+    _overlap_supported()
     fill, b = _slow_fill(cupy), _Batch(cupy)
     fused_out = (kc.VerifyPlan.allocate(0, like=b.rp), kc.WritePlan.allocate(b.bs, like=b.rp))
 
@@ -286,7 +287,8 @@ def test_gpu_a_verify_reads_the_records_an_early_triggering_kernel_before_it_wro
     every canary record 2 ms later: every entry violates (the records it was planned over were clean)."""
     import cupy
 
-    _overlap_supported(get_backend_or_skip("cupy"))
+    get_backend_or_skip("cupy")
+    _overlap_supported()
     fill, b = _slow_fill(cupy), _Batch(cupy)
     b.prefill(cupy)
     log = kc.ViolationLog.allocate(64, like=b.rp)
@@ -302,7 +304,8 @@ def test_gpu_a_write_reads_the_tokens_an_early_triggering_kernel_before_it_wrote
     the step's input ids 2 ms later: the records hold those ids."""
     import cupy
 
-    _overlap_supported(get_backend_or_skip("cupy"))
+    get_backend_or_skip("cupy")
+    _overlap_supported()
     fill, b = _slow_fill(cupy), _Batch(cupy)
     b.prefill(cupy)
     write = kc.WriteLauncher(b.canary, b.wp, log=b.log)
