@@ -120,6 +120,7 @@ class FakeDevice:
         self.cupy = cupy
         self.record_bytes = record_bytes
         self.overlap = overlap
+        self.driver_version = 13000  # cuda.h's CUDA_VERSION encoding: 13.0
         self.launches: list[Launch] = []
         self.timeline: list[tuple] = []
         self.streams: dict = {}  # pointer -> FakeStream
@@ -237,6 +238,7 @@ class FakeDevice:
 
         monkeypatch.setattr(self.cupy.cuda.runtime, "memcpyAsync", memcpy_async)
         monkeypatch.setattr(self.cupy.cuda.runtime, "getDevice", lambda: 0)
+        monkeypatch.setattr(self.cupy.cuda.runtime, "driverGetVersion", lambda: self.driver_version)
         monkeypatch.setattr(interop, "is_capturing", lambda placement: False)  # no stream to ask
         monkeypatch.setattr(jit, "_compile", lambda family: RawModule())
         monkeypatch.setattr(jit, "_functions", {})

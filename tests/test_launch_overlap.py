@@ -68,7 +68,7 @@ def test_launch_structs_have_the_layout_of_cuda_h():
                        "sharedMemBytes": 24, "hStream": 32, "attrs": 40, "numAttrs": 48}
 
 
-def test_launches_overlap_on_sm90_with_the_driver_entry_unless_turned_off(monkeypatch):
+def test_launches_overlap_on_sm90_with_a_cuda_12_3_driver_unless_turned_off(monkeypatch):
     pytest.importorskip("cupy")
     from fake_cupy import fake_device
     from kvcanary_cupy.backends import launch_overlap
@@ -86,6 +86,9 @@ def test_launches_overlap_on_sm90_with_the_driver_entry_unless_turned_off(monkey
         monkeypatch.setenv(launch_overlap.LAUNCH_OVERLAP_ENV, "0")
         assert not launch_overlap.enabled(0)
     monkeypatch.delenv(launch_overlap.LAUNCH_OVERLAP_ENV)
+    with fake_device(overlap=True) as dev:
+        dev.driver_version = launch_overlap.MIN_DRIVER_VERSION - 10  # CUDA 12.2: graphs drop programmatic edges
+        assert not launch_overlap.enabled(0)
     with fake_device(overlap=True), pytest.MonkeyPatch.context() as mp:  # undone before the fake device is
         mp.setattr(launch_overlap, "driver_launch", lambda: None)  # a driver before CUDA 12
         assert not launch_overlap.enabled(0)

@@ -26,6 +26,7 @@ from ..interop import import_cupy
 
 LAUNCH_OVERLAP_ENV = "KVCANARY_LAUNCH_OVERLAP"
 MIN_COMPUTE_CAPABILITY = 90  # griddepcontrol (PTX ISA 7.8) and the launch attribute: sm_90 and later
+MIN_DRIVER_VERSION = 12030  # CUDA 12.3, whose graphs first keep a captured launch's programmatic edge
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 
 
@@ -67,12 +68,14 @@ def driver_launch():
 
 @functools.lru_cache(maxsize=None)
 def supported(device_id: int) -> bool:
-    """Whether launches on ``device_id`` can overlap (sm_90 or later, a driver with
-    cuLaunchKernelEx) and are not turned off by KVCANARY_LAUNCH_OVERLAP=0."""
+    """Whether launches on ``device_id`` can overlap (sm_90 or later, a CUDA 12.3 or later driver
+    with cuLaunchKernelEx) and are not turned off by KVCANARY_LAUNCH_OVERLAP=0."""
     if os.environ.get(LAUNCH_OVERLAP_ENV, "1").strip() == "0":
         return False
-    capability = int(import_cupy().cuda.Device(device_id).compute_capability)
-    return capability >= MIN_COMPUTE_CAPABILITY and driver_launch() is not None
+    cuda = import_cupy().cuda
+    capability = int(cuda.Device(device_id).compute_capability)
+    return (capability >= MIN_COMPUTE_CAPABILITY and cuda.runtime.driverGetVersion() >= MIN_DRIVER_VERSION
+            and driver_launch() is not None)
 
 
 _plain_depth = 0  # plain_launches blocks entered and not left
