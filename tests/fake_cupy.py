@@ -105,9 +105,10 @@ class FakeDevice:
     library's own ``jit.get_function`` (a fake module per family, a cache of this device's own);
     ``attributes_set`` lists each kernel attribute the driver was asked to set, as ``(kernel,
     attribute, value, whether the current stream was capturing)``.  ``overlap``: the device is an
-    sm_90 one whose driver has cuLaunchKernelEx, so record launches go through the library's launch
-    overlap (recorded like a CuPy launch, without argument bytes; ``overlapped`` lists each one's
-    argument addresses); without it, an sm_80 one, launched through CuPy."""
+    sm_90 one whose driver (version ``driver_version``, 13.0 unless set) has cuLaunchKernelEx, so
+    record launches go through the library's launch overlap (recorded like a CuPy launch, each
+    argument's bytes read at the address the library handed the driver; ``overlapped`` lists those
+    addresses per launch); without it, an sm_80 one, launched through CuPy."""
 
     SM_COUNT = 132
     SHARED_MEM_OPTIN = 232_448  # an H200's MaxSharedMemoryPerBlockOptin
