@@ -295,7 +295,8 @@ class _Binding:
         self._get_device = import_cupy().cuda.runtime.getDevice
         self._functions = {}
         self.side = None  # a write's _SideStream (see WriteLauncher)
-        self._overlap_enabled = cupy_backend.launch_overlap.enabled  # asked per launch (plain_launches)
+        self._overlap = cupy_backend.launch_overlap  # plain_depth read per launch
+        self._overlap_supported = self._overlap.supported(self.device)  # fixed per process and device
         self._overlapped = {}  # (function, grid, block, shared_mem) -> its OverlappedLaunch
 
     def moved(self) -> bool:
@@ -348,7 +349,7 @@ class _Binding:
         """Launch on the bound device, on the caller's stream (torch's current one when torch
         tensors are bound) or behind it on the side stream; overlapping the work before it where
         the device allows (:mod:`kvcanary_cupy.backends.launch_overlap`)."""
-        overlap = self._overlap_enabled(self.device)
+        overlap = self._overlap_supported and not self._overlap.plain_depth  # launch_overlap.enabled, without its calls
         if self._get_device() != self.device:
             with import_cupy().cuda.Device(self.device):
                 self._launch(fn, grid, block, shared_mem, overlap)

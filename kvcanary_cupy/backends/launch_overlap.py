@@ -78,24 +78,26 @@ def supported(device_id: int) -> bool:
             and driver_launch() is not None)
 
 
-_plain_depth = 0  # plain_launches blocks entered and not left
+# plain_launches blocks entered and not left.  Bound launchers read it at every launch (an
+# attribute read: no call on their per-step path) beside supported(), asked once when bound.
+plain_depth = 0
 
 
 def enabled(device_id: int) -> bool:
     """Whether a launch on ``device_id`` made now overlaps (asked at every launch)."""
-    return _plain_depth == 0 and supported(device_id)
+    return plain_depth == 0 and supported(device_id)
 
 
 @contextlib.contextmanager
 def plain_launches():
     """Within the block, launches (bound launchers' too) go through CuPy as on a device without
     launch overlap: the benchmark's and the tests' comparisons of the two."""
-    global _plain_depth
-    _plain_depth += 1
+    global plain_depth
+    plain_depth += 1
     try:
         yield
     finally:
-        _plain_depth -= 1
+        plain_depth -= 1
 
 
 def _error_name(status: int) -> str:
