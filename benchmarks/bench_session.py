@@ -10,8 +10,9 @@
   200 back-to-back steps, one sync at the end.
 - host us per op through the session (issue 10's targets: <= 15 us per op with CuPy arrays, <= 25
   us with CUDA torch tensors): eager ``pre_forward`` (plan + HEAD verify + HEAD write: 3 ops) and
-  ``post_forward`` (TAIL verify + TAIL write: 2 ops), 200 back-to-back calls, one sync at the end
-  (a call whose device time exceeds its host time shows its device time).
+  ``post_forward`` (TAIL verify + TAIL write: 2 ops), each call timed over 200 back-to-back steps
+  (one sync at the end), the median of each: host time, which the device keeps up with at W1 and
+  W3 (a whole step's device time is below its host time there).
 - the HEAD write on the side stream: device us of a W2 prefill step (8 x 4,096 tokens, a serial
   chain of about 530 us per buffer) around a stand-in forward pass (a kernel spinning on the step's
   stream), with ``overlap_head_write`` on and off.
@@ -150,12 +151,25 @@ def eager_step_us(sync, session, step, steps=200) -> float:
     return back_to_back_us(sync, whole_step, steps)
 
 
-def host_per_op(sync, session, d) -> tuple:
-    """Host us of an eager pre_forward and post_forward (the step minus its pre_forward)."""
-    pre_us = back_to_back_us(sync, pre_fn(session, d))
-    step_us = back_to_back_us(sync, step_fn(session, d))
+def host_per_op(sync, session, d, steps=200) -> tuple:
+    """Host us of an eager pre_forward and of the post_forward after it: each timed around its own
+    call over ``steps`` back-to-back steps, one sync at the end, and the median of each taken (the
+    two timed apart, a noisy host's spikes in one do not land in the other's figure)."""
+    pre, post = pre_fn(session, d), session.post_forward
+    pre()
+    post()
+    sync()
+    pre_s, post_s = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        pre()
+        t1 = time.perf_counter()
+        post()
+        pre_s.append(t1 - t0)
+        post_s.append(time.perf_counter() - t1)
+    sync()
     session.end_step()
-    return pre_us, step_us - pre_us
+    return percentiles(pre_s)[0], percentiles(post_s)[0]
 
 
 def gpu_frameworks():
@@ -185,7 +199,8 @@ def run_gpu(names, forward_us: float):
                   f"{'workload':<16} {'frame':<6} {'end_step us (median, p90)':>26} {'x target':>9} {'step device us':>15} "
                   f"{'step eager us':>14}"]
     op_lines = [
-        "host us per op through the session (eager, 200 back-to-back calls, one sync at the end; pre_forward = plan "
+        "host us per op through the session (eager, 200 back-to-back steps, one sync at the end, each call timed: the "
+        "median; pre_forward = plan "
         f"+ HEAD verify + HEAD write, post_forward = TAIL verify + TAIL write; target per op: "
         f"{HOST_TARGET_US['cupy']:.0f} us CuPy, {HOST_TARGET_US['torch']:.0f} us torch)",
         f"{'workload':<16} {'frame':<6} {'pre_forward us':>15} {'per op':>7} {'x target':>9} "
