@@ -168,6 +168,24 @@ def test_overlapped_launches_equal_plain_ones_on_a_fake_device():
                 assert repeated, "a bound launcher's repeated launches read the record it packed once"
 
 
+def test_launchers_bound_where_launches_cannot_overlap_launch_through_cupy():
+    """A device before sm_90, or KVCANARY_LAUNCH_OVERLAP=0 (both asked once, when a launcher is
+    bound): free functions and bound launchers alike launch through CuPy, never the driver."""
+    pytest.importorskip("cupy")
+    from fake_cupy import fake_device
+    from kvcanary_cupy.backends import launch_overlap
+
+    case = make_case(3)
+    for overlap, env in ((False, None), (True, "0")):
+        with fake_device(overlap=overlap) as dev, pytest.MonkeyPatch.context() as mp:
+            if env is not None:
+                mp.setenv(launch_overlap.LAUNCH_OVERLAP_ENV, env)
+            run = _fake_steps(dev, case, dev.current[-1])
+            dev.launches[:], dev.overlapped[:] = [], []
+            run()
+            assert dev.launches and dev.overlapped == [], f"overlap={overlap} env={env}"
+
+
 # ----------------------------------------------------------------------------------------------
 # on the GPU
 
