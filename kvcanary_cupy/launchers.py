@@ -369,7 +369,7 @@ class _Binding:
         key = (fn, grid, block, shared_mem)
         overlapped = self._overlapped.get(key)
         if overlapped is None:
-            overlapped = self._overlapped[key] = self.cb.launch_overlap.OverlappedLaunch(
+            overlapped = self._overlapped[key] = self._overlap.OverlappedLaunch(
                 fn.ptr, grid[0], block[0], shared_mem, self.cb.record_addresses(self.params))
         overlapped((import_cupy().cuda.get_current_stream() if stream is None else stream).ptr)
 
