@@ -135,7 +135,7 @@ def main():
 def quiet_session(d, move):
     """A session on the workload's arrays, and a function marking a staged record as a step in
     which the HEAD and TAIL kernels ran and nothing happened (the staging's stand-in)."""
-    from kvcanary_cupy.backends import STAGE_HEADER
+    from kvcanary_cupy.args import STAGE_HEADER
 
     a = {k: move(v) for k, v in d.items() if isinstance(v, np.ndarray)}
     session = kc.CanarySession(a["canary"].shape[0], max_batch_size=d["bs"], verify_capacity=d["total_verify"],

@@ -31,7 +31,8 @@ import sys
 import numpy as np
 
 from . import interop, ops
-from .backends import PlanArgs, TableView, get_backend
+from .args import PlanArgs, TableView
+from .backends import get_backend
 from .constants import RealKvHashMode
 from .errors import public_api, trimmed_argument_error
 from .interop import array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream

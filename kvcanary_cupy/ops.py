@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import strict as strict_checks
-from .backends import (
+from .args import (
     CanaryTarget,
     LogViews,
     MoveArgs,
@@ -25,8 +25,8 @@ from .backends import (
     VERIFY_ENTRY_FIELDS,
     VerifyArgs,
     WriteArgs,
-    get_backend,
 )
+from .backends import get_backend
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES, MAX_CANARY_BUFFERS, RealKvHashMode
 from .errors import fail, public_api
 from .interop import (

@@ -21,8 +21,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .backends import (ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_INPUT_FIELDS, LogViews, StageArgs, StageLayout,
-                       get_backend)
+from .args import ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_INPUT_FIELDS, LogViews, StageArgs, StageLayout
+from .backends import get_backend
 from .constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
 from .errors import CanaryHealthError, CanaryViolationError, fail, public_api
 from .interop import allocate, backend_view, import_cupy, placement_of, stream_is_capturing

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backends import MoveArgs, PlanArgs, ScatterArgs, VerifyArgs, WriteArgs
+from .args import MoveArgs, PlanArgs, ScatterArgs, VerifyArgs, WriteArgs
 from .backends.numpy_backend import move_pair_checks, plan_row_checks, scatter_row_checks, table_slots, write_range_checks
 from .errors import fail
 from .interop import refuse_view_copy_during_capture, to_numpy

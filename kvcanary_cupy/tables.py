@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .backends import TableView
+from .args import TableView
 from .errors import fail
 from .validation import check_1d, check_2d_rows, check_int, check_integer_dtype, contiguous_input
 
@@ -146,7 +146,7 @@ def _checked_tokens(what: str, num: int, size_name: str, size: int) -> int:
 
 def table_view(table, views: dict, bs: int, xp) -> TableView:
     """Checks the backend views of ``table``'s arrays (``views`` by argument name) for a batch of
-    ``bs`` requests; returns them as the backends' :class:`~kvcanary_cupy.backends.TableView`."""
+    ``bs`` requests; returns them as the backends' :class:`~kvcanary_cupy.args.TableView`."""
     kind = table.kind
     if kind in (TableKind.REQ_TO_TOKEN, TableKind.VIRTUAL_PAGES):
         rtt = views["req_to_token"]

@@ -284,7 +284,8 @@ def host_view(ptr: int, dtype, count: int) -> np.ndarray:
 
 
 def _session_stage_on_host(args) -> None:
-    from kvcanary_cupy.backends import LogViews, StageArgs, StageLayout, numpy_backend
+    from kvcanary_cupy.args import LogViews, StageArgs, StageLayout
+    from kvcanary_cupy.backends import numpy_backend
     from kvcanary_cupy.backends.cupy_backend import SESSION_STAGE
     from kvcanary_cupy.constants import VIOLATION_FIELDS
 

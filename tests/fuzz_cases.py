@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import kvcanary_cupy as kc
-from kvcanary_cupy.backends import VERIFY_ENTRY_FIELDS, get_backend
+from kvcanary_cupy.args import VERIFY_ENTRY_FIELDS
+from kvcanary_cupy.backends import get_backend
 
 BOUNDARY_TOKENS = np.array([0, 1, 0xFFFFFFFF, -1, 0x80000000, 0x7FFFFFFF, 2**63 - 1, -(2**63)], np.int64)
 

@@ -184,7 +184,7 @@ def test_launch_constants_match_the_kernels():
 
 
 def test_session_record_layout_matches_python():
-    from kvcanary_cupy.backends import ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS
+    from kvcanary_cupy.args import ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS
 
     assert _cuh_constant("kStageHeaderFields", "session.cu") == STAGE_HEADER_FIELDS >= len(STAGE_HEADER)
     assert _cuh_constant("kAttributionFields", "session.cu") == len(ATTRIBUTION)

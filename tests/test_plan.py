@@ -265,19 +265,19 @@ def test_a_count_that_is_no_batch_size_clears_the_whole_capacity(ab, previous):
 def test_backend_argument_records_keep_their_field_names():
     """VerifyArgs and StageArgs derive their plan views from the field table; their names and order
     are the backends' interface and stay as they were."""
-    from kvcanary_cupy.backends import StageArgs, VerifyArgs
+    from kvcanary_cupy.args import StageArgs, VerifyArgs
 
     verify_reads = ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
                     "verify_num_valid", "enable")
     assert VerifyArgs._fields == ("targets", *verify_reads, "check_expected_token", "real_kv_hash_mode", "log")
     assert StageArgs._fields == ("log", *verify_reads, "plan_out_of_range_count", "verify_offsets", "write_num_valid_reqs",
                                  "marks", "staging", "layout")
-    assert VerifyArgs.__module__ == StageArgs.__module__ == "kvcanary_cupy.backends"
+    assert VerifyArgs.__module__ == StageArgs.__module__ == "kvcanary_cupy.args"
 
 
 def test_plan_records_derive_from_one_field_table():
     """plans.py's field table is the one source of the records, the backends' views and the kernel struct."""
-    from kvcanary_cupy.backends import PlanOutputs
+    from kvcanary_cupy.args import PlanOutputs
     from kvcanary_cupy.backends.cupy_backend import PLAN_OUTPUTS
     from kvcanary_cupy.plans import VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 

@@ -383,7 +383,8 @@ def test_step_calls_reject_bad_order_and_arguments_before_writing(ab):
 
 def _stage_case(ab, *, attribution_capacity, seed=0):
     """A log with verify and write rows, a plan whose entries read some of their slots, and a staging."""
-    from kvcanary_cupy.backends import LogViews, StageArgs, StageLayout, get_backend
+    from kvcanary_cupy.args import LogViews, StageArgs, StageLayout
+    from kvcanary_cupy.backends import get_backend
     from kvcanary_cupy.interop import backend_view, placement_of
 
     rng = np.random.default_rng(seed)

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..args import (VERIFY_ENTRY_FIELDS, VERIFY_INPUT_FIELDS, LogViews, MoveArgs, PlanArgs, PlanVerifyArgs, ScatterArgs, StageArgs,
+                    TableView, VerifyArgs, WriteArgs)
 from ..constants import MAX_CANARY_BUFFERS, REAL_KV_PARTIAL_BYTES, RealKvHashMode
 from .. import jit
 from ..interop import import_cupy
@@ -25,8 +27,6 @@ from ..jit import get_function, kernel_name, plan_family, step_family
 from ..plans import SCAN_STATE_TILES, VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 from ..tables import TableKind
 from . import launch_overlap
-from . import (VERIFY_ENTRY_FIELDS, VERIFY_INPUT_FIELDS, LogViews, MoveArgs, PlanArgs, PlanVerifyArgs, ScatterArgs, StageArgs,
-               TableView, VerifyArgs, WriteArgs)
 
 I64, I32 = np.int64, np.int32
 

@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..args import (STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_ENTRY_FIELDS, CanaryTarget, LogViews, MoveArgs, PlanArgs,
+                    PlanVerifyArgs, ScatterArgs, SourceView, StageArgs, TableView, VerifyArgs, WriteArgs)
 from ..constants import (
     FailReason,
     RealKvHashMode,
@@ -20,8 +22,6 @@ from ..constants import (
 )
 from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_array
 from ..tables import TableKind
-from . import (STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_ENTRY_FIELDS, CanaryTarget, LogViews, MoveArgs, PlanArgs,
-               PlanVerifyArgs, ScatterArgs, SourceView, StageArgs, TableView, VerifyArgs, WriteArgs)
 
 _ANCHOR_U64 = np.uint64(ANCHOR_HASH)
 _I64 = np.int64
