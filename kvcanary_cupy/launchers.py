@@ -36,13 +36,12 @@ from .backends import get_backend
 from .constants import RealKvHashMode
 from .errors import public_api, trimmed_argument_error
 from .interop import array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream
-from .plans import check_count, is_clean, mark_clean, scan_state
+from .plans import is_clean, mark_clean, scan_state
 from .tables import MAX_TABLE_TOKENS, BlockTable, PagedKvIndices, ReqToToken, TableKind
-from .validation import check_int
+from .validation import I32, I64, check_count, check_int
 
 FULL_VALIDATION_ENV = "KVCANARY_FULL_VALIDATION"
 
-_I64, _I32 = np.dtype(np.int64), np.dtype(np.int32)
 
 
 def full_validation_forced() -> bool:
@@ -60,14 +59,14 @@ def full_validation_forced() -> bool:
 # free function decides.  Each attribute read here costs tens of nanoseconds; the obvious
 # spellings (``flags.c_contiguous``, ``len(tensor)``) cost more.
 
-_INDEX_DTYPES = (_I32, _I64)
+_INDEX_DTYPES = (I32, I64)
 _STRIDE_I64 = (8,)
 
 
 class _NumpyArrays:
     @staticmethod
     def vector(x, n):
-        if type(x) is np.ndarray and x.dtype is _I64 and x.ndim == 1 and x.size == n:
+        if type(x) is np.ndarray and x.dtype is I64 and x.ndim == 1 and x.size == n:
             flags = x.flags
             if flags.c_contiguous and flags.aligned:
                 return x
@@ -82,12 +81,12 @@ class _NumpyArrays:
         if type(x) is np.ndarray and x.dtype in _INDEX_DTYPES and x.ndim == 1 and (n < 0 or x.size == n):
             flags = x.flags
             if flags.c_contiguous and flags.aligned:
-                return x, x.size, x.dtype is _I64
+                return x, x.size, x.dtype is I64
         return None
 
     @staticmethod
     def table(x, wide=False):
-        if type(x) is np.ndarray and (x.dtype is _I32 or (wide and x.dtype is _I64)) and x.ndim == 2 and x.flags.aligned:
+        if type(x) is np.ndarray and (x.dtype is I32 or (wide and x.dtype is I64)) and x.ndim == 2 and x.flags.aligned:
             rows, cols = x.shape
             s0, s1 = x.strides
             size = x.dtype.itemsize
@@ -103,7 +102,7 @@ class _CupyArrays:
         self.device = device
 
     def vector(self, x, n):
-        if type(x) is self.ndarray and x.dtype is _I64 and x.size == n:
+        if type(x) is self.ndarray and x.dtype is I64 and x.size == n:
             strides = x.strides
             if strides == _STRIDE_I64 or (n <= 1 and len(strides) == 1 and strides[0] >= 0):  # empty: stride 0
                 mem = x.data
@@ -123,7 +122,7 @@ class _CupyArrays:
         if type(x) is self.ndarray:
             dtype = x.dtype
             length = x.size
-            if (dtype is _I32 or dtype is _I64) and (n < 0 or length == n):
+            if (dtype is I32 or dtype is I64) and (n < 0 or length == n):
                 strides = x.strides
                 size = dtype.itemsize
                 if len(strides) == 1 and (strides[0] == size or (length <= 1 and strides[0] >= 0)):
@@ -136,7 +135,7 @@ class _CupyArrays:
     def table(self, x, wide=False):
         if type(x) is self.ndarray:
             dtype = x.dtype
-            if dtype is _I32 or (wide and dtype is _I64):
+            if dtype is I32 or (wide and dtype is I64):
                 shape = x.shape
                 if len(shape) == 2:
                     rows, cols = shape

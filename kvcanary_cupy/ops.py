@@ -41,20 +41,23 @@ from .interop import (
     refuse_during_capture,
     side_stream,
 )
-from .plans import (INT32_MAX, RealKvSource, VerifyPlan, ViolationLog, WritePlan, check_count, check_num_sources, is_clean,
+from .plans import (RealKvSource, VerifyPlan, ViolationLog, WritePlan, check_num_sources, is_clean,
                     mark_clean, scan_state)
 from .tables import ReqToToken, TableKind, as_table, table_view
 from .validation import (
+    I32,
+    I64,
+    INT32_MAX,
     check_1d,
     check_2d_rows,
     check_contiguous_output,
+    check_count,
     check_dtype,
     check_int,
     check_integer_dtype,
     contiguous_input,
 )
 
-I64, I32 = np.int64, np.int32
 
 
 def _check_type(obj, name: str, cls) -> None:

@@ -12,9 +12,9 @@ from .errors import fail, public_api, trimmed_argument_error
 from .interop import import_cupy, is_torch_tensor, placement_of, refuse_during_capture, to_numpy
 from .launchers import PlanLauncher
 from .ops import plan as plan_step
-from .plans import INT32_MAX, VerifyPlan, WritePlan
+from .plans import VerifyPlan, WritePlan
 from .tables import as_table
-from .validation import check_int
+from .validation import INT32_MAX, check_int
 
 
 class CanaryCapacityWarning(UserWarning):

@@ -21,19 +21,7 @@ from .constants import (
 )
 from .errors import fail, public_api
 from .interop import allocate, placement_of, refuse_during_capture
-from .validation import check_int
-
-INT32_MAX = 2**31 - 1
-
-
-def check_count(value, name: str, *, positive: bool = False, maximum: int = INT32_MAX) -> int:
-    """A non-negative (or ``positive``) Python int (bools refused), or an error naming ``name``."""
-    value = check_int(value, name)
-    if value < int(positive):
-        fail(ValueError, f"{name} must be {'positive' if positive else 'non-negative'}, got {value}")
-    if value > maximum:
-        fail(ValueError, f"{name} must be at most {maximum}, got {value}")
-    return value
+from .validation import _is_int, check_count
 
 
 def _refuse_allocation_during_capture(like, owner: str) -> None:
@@ -228,10 +216,6 @@ class ViolationLog(_ArrayRecord):
         from .reporting import ViolationReport
 
         return ViolationReport.from_log(self)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

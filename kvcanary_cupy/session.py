@@ -28,9 +28,9 @@ from .errors import CanaryHealthError, CanaryViolationError, fail, public_api
 from .interop import allocate, backend_view, import_cupy, placement_of, stream_is_capturing
 from .launchers import VerifyLauncher, WriteLauncher, launch_stream_getter
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
-from .plans import ViolationLog, allocate_canary_buffer, check_count, check_num_sources
+from .plans import ViolationLog, allocate_canary_buffer, check_num_sources
 from .reporting import Violation, ViolationReport, reason_name, tag_name
-from .validation import check_int
+from .validation import I64, check_count, check_int
 
 logger = logging.getLogger("kvcanary_cupy")
 
@@ -56,7 +56,6 @@ _TAGS = {  # (head, tail, sweep) launch tags of a FULL and of an SWA session
 _ATTRIBUTION = {name: i for i, name in enumerate(ATTRIBUTION)}
 _ROWS, _MATCHES, _ENABLE, _NUM_VALID, _PLAN_OUT_OF_RANGE = (
     STAGE_HEADER.index(k) for k in ("rows", "matches", "enable", "verify_num_valid", "plan_out_of_range"))
-_INT64 = np.dtype(np.int64)
 
 
 class _Record:
@@ -116,7 +115,7 @@ class _CudaTransport:
         self._device = placement.device
         self._get_device = cupy.cuda.runtime.getDevice
         self._memcpy, self._d2h = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToHost
-        self._nbytes = layout.size * _INT64.itemsize
+        self._nbytes = layout.size * I64.itemsize
         self.launch_stream = launch_stream_getter(placement)
         with cupy.cuda.Device(self._device):
             self._side = cupy.cuda.Stream(non_blocking=True)
@@ -304,7 +303,7 @@ class CanarySession:
             if n != tokens:
                 fail(ValueError, f"{name} length must be len(input_ids)={tokens}, got {n}")
             dtype = x.dtype
-            if dtype is not _INT64 and str(dtype) not in ("int64", "torch.int64"):  # str() of a NumPy dtype costs ~1.5 us
+            if dtype is not I64 and str(dtype) not in ("int64", "torch.int64"):  # str() of a NumPy dtype costs ~1.5 us
                 fail(TypeError, f"{name} must have dtype int64, got {dtype}")
         self._join_head_write()  # a pre_forward without post_forward: its write still reads the plan
         self.planner.plan(req_pool_indices, prefix_lens, extend_seq_lens, table,

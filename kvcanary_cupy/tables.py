@@ -24,9 +24,8 @@ import numpy as np
 
 from .args import TableView
 from .errors import fail
-from .validation import check_1d, check_2d_rows, check_int, check_integer_dtype, contiguous_input
+from .validation import INT32_MAX, check_1d, check_2d_rows, check_int, check_integer_dtype, contiguous_input
 
-INT32_MAX = 2**31 - 1
 MAX_TABLE_TOKENS = 2**62  # bound of a row's length in tokens: positions and slots stay far from overflow
 
 

@@ -12,6 +12,10 @@ import numpy as np
 from .errors import fail
 from .interop import refuse_view_copy_during_capture
 
+# The one home of the int32 bounds and the index dtypes (np.dtype objects: ``x.dtype is I64`` holds).
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+I64, I32 = np.dtype(np.int64), np.dtype(np.int32)
+
 _CONVERT_HINT = {
     "int64": "convert with .astype(int64) (NumPy/CuPy) or .long() (torch)",
     "int32": "convert with .astype(int32) (NumPy/CuPy) or .int() (torch)",
@@ -74,10 +78,24 @@ def contiguous_input(x, name: str, xp):
     return xp.ascontiguousarray(x)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def check_int(value, name: str, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not _is_int(value):
         fail(TypeError, f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = int(value)
     if minimum is not None and value < minimum:
         fail(ValueError, f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_count(value, name: str, *, positive: bool = False, maximum: int = INT32_MAX) -> int:
+    """A non-negative (or ``positive``) Python int (bools refused), or an error naming ``name``."""
+    value = check_int(value, name)
+    if value < int(positive):
+        fail(ValueError, f"{name} must be {'positive' if positive else 'non-negative'}, got {value}")
+    if value > maximum:
+        fail(ValueError, f"{name} must be at most {maximum}, got {value}")
     return value

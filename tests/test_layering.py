@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import numpy as np
+
 PACKAGE = "kvcanary_cupy"
 ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
 
@@ -101,3 +103,20 @@ def test_circles_are_found():
 
 def test_no_import_circle():
     assert circles(import_graph()) == []
+
+
+def test_int32_bound_and_index_dtypes_have_one_home():
+    """INT32_MAX and the I64 / I32 aliases live in validation.py; a module-level copy elsewhere could drift."""
+    aliases = {"np.int64", "np.int32", "np.dtype(np.int64)", "np.dtype(np.int32)", "2 ** 31 - 1", "-2 ** 31"}
+    copies = []
+    for name, path in _modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign):
+                values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+                if any(ast.unparse(v) in aliases for v in values):
+                    copies.append(name)
+    assert set(copies) == {f"{PACKAGE}.validation"}
+    from kvcanary_cupy import validation
+
+    assert (validation.INT32_MIN, validation.INT32_MAX) == (-(2**31), 2**31 - 1)
+    assert (validation.I64, validation.I32) == (np.dtype("int64"), np.dtype("int32"))

@@ -26,9 +26,9 @@ from ..interop import import_cupy
 from ..jit import get_function, kernel_name, plan_family, step_family
 from ..plans import SCAN_STATE_TILES, VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 from ..tables import TableKind
+from ..validation import INT32_MAX, INT32_MIN
 from . import launch_overlap
 
-I64, I32 = np.int64, np.int32
 
 CANARY_BUFFER = np.dtype([("data", "u8"), ("num_slots", "i8"), ("fields", "i4"), ("vec", "i4")], align=True)
 REAL_KV_SOURCES = np.dtype(
@@ -227,8 +227,8 @@ def _len(x) -> int:
     return 0 if x is None else x.shape[0]
 
 
-def _row_stride(x) -> I64:
-    return I64(x.strides[0] // x.dtype.itemsize)
+def _row_stride(x) -> np.int64:
+    return np.int64(x.strides[0] // x.dtype.itemsize)
 
 
 def _targets_struct(targets: tuple, mode: int) -> np.ndarray:
@@ -385,9 +385,6 @@ def table_fields(page_size: int, null_block: int, cols: int, stride: int, entrie
             ("page_magic", magic), ("page_magic_shift", magic_shift), ("page_id_limit", INT64_MAX // page_size),
             ("null_block", null_block), ("num_virtual_pages", num_virtual_pages), ("table_is_int64", int(entries_int64)),
             ("kv_indptr_is_int64", int(kv_indptr_int64)))
-
-
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def narrow_layout(kind: int, page_size: int, null_block: int, entries_int64: bool, kv_indptr_int64: bool) -> tuple[int, int]:
@@ -594,8 +591,8 @@ def move(a: MoveArgs) -> None:
     if n == 0:
         return
     config = LaunchConfig(min(-(-n * page_elems // THREADS), _sm_count(_device_id()) * BLOCKS_PER_SM), THREADS)
-    pairs = (I64(a.canary.shape[0] // a.page_size), I64(page_elems), a.src_pages, a.dst_pages,
-             I32(a.src_pages.dtype == np.int64), I64(n))
+    pairs = (np.int64(a.canary.shape[0] // a.page_size), np.int64(page_elems), a.src_pages, a.dst_pages,
+             np.int32(a.src_pages.dtype == np.int64), np.int64(n))
     # Three launches: every moved row is staged before any source is cleared, and every source is
     # cleared before any destination is written (sources and destinations may overlap).
     _launch("move", kernel_name("move_gather"), config, (a.canary, *pairs, a.workspace, a.out_of_range_count))
@@ -610,8 +607,8 @@ def scatter(a: ScatterArgs) -> None:
     rows, cols = a.pool_out.shape
     config, group_rows = scatter_config(bs)
     _launch("scatter", kernel_name("scatter_req_token_ids"), config, (
-        a.flat_in, I64(a.flat_in.shape[0]), a.offsets, a.req_pool_indices, I64(bs), a.pool_out, I64(rows),
-        I64(cols), _row_stride(a.pool_out), I64(group_rows), a.out_of_range_count,
+        a.flat_in, np.int64(a.flat_in.shape[0]), a.offsets, a.req_pool_indices, np.int64(bs), a.pool_out, np.int64(rows),
+        np.int64(cols), _row_stride(a.pool_out), np.int64(group_rows), a.out_of_range_count,
     ))
 
 

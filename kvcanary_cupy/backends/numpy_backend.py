@@ -22,9 +22,9 @@ from ..constants import (
 )
 from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_array
 from ..tables import TableKind
+from ..validation import I64
 
 _ANCHOR_U64 = np.uint64(ANCHOR_HASH)
-_I64 = np.int64
 
 
 def _as_i64(u: np.ndarray) -> np.ndarray:
@@ -52,17 +52,17 @@ def table_rows(a: PlanArgs) -> TableRows:
     t = a.table
     bs = a.prefix_lens.shape[0]
     if t.kind == TableKind.PAGED_KV:
-        indptr = np.asarray(t.kv_indptr, _I64)
+        indptr = np.asarray(t.kv_indptr, I64)
         lo, hi = indptr[:-1], indptr[1:]
         ok = (lo >= 0) & (lo <= hi) & (hi <= t.entries.shape[0])
         return TableRows(np.ones(bs, bool), ok, np.where(ok, lo, 0), np.where(ok, hi - lo, 0) * t.page_size,
-                         np.arange(bs, dtype=_I64))
-    rp = np.asarray(a.req_pool_indices, _I64)
+                         np.arange(bs, dtype=I64))
+    rp = np.asarray(a.req_pool_indices, I64)
     rows, cols = t.entries.shape
     ok = (rp >= 0) & (rp < rows)
     padding = rp == 0 if t.kind != TableKind.BLOCK else np.zeros(bs, bool)
     length = cols * t.page_size if t.kind == TableKind.BLOCK else cols
-    return TableRows(~padding, ok, np.where(ok, rp, 0), np.full(bs, length, _I64), rp)
+    return TableRows(~padding, ok, np.where(ok, rp, 0), np.full(bs, length, I64), rp)
 
 
 def page_slot(ids: np.ndarray, page_size: int, offset: np.ndarray) -> np.ndarray:
@@ -77,10 +77,10 @@ def table_slots(t: TableView, base: np.ndarray, pos: np.ndarray):
     """The KV slots of positions ``pos`` of table rows ``base`` (valid rows, ``0 <= pos < length``),
     and how many virtual token ids lay past ``virtual_to_physical`` (table_slot in plan.cu)."""
     if t.kind in (TableKind.REQ_TO_TOKEN, TableKind.VIRTUAL_PAGES):
-        values = t.entries[base, pos].astype(_I64)
+        values = t.entries[base, pos].astype(I64)
         if t.kind == TableKind.REQ_TO_TOKEN:
             return values, 0
-        v2p = np.asarray(t.virtual_to_physical, _I64)
+        v2p = np.asarray(t.virtual_to_physical, I64)
         negative = values < 0  # passes through, as in a plain req_to_token
         page, offset = np.divmod(np.maximum(values, 0), t.page_size)
         past = ~negative & (page >= v2p.shape[0])
@@ -89,9 +89,9 @@ def table_slots(t: TableView, base: np.ndarray, pos: np.ndarray):
         return np.where(negative, values, slots), int(np.count_nonzero(past))
     page, offset = np.divmod(pos, t.page_size)
     if t.kind == TableKind.BLOCK:
-        ids = t.entries[base, page].astype(_I64)
+        ids = t.entries[base, page].astype(I64)
         return np.where(ids == t.null_block, 0, page_slot(ids, t.page_size, offset)), 0
-    return page_slot(t.entries[base + page].astype(_I64), t.page_size, offset), 0
+    return page_slot(t.entries[base + page].astype(I64), t.page_size, offset), 0
 
 
 def plan_row_checks(a: PlanArgs):
@@ -101,12 +101,12 @@ def plan_row_checks(a: PlanArgs):
     :class:`TableRows` and ``[bs]`` int64 arrays (``seed_ok`` bool).  Only active rows count.
     """
     rows = table_rows(a)
-    prefix = np.asarray(a.prefix_lens, _I64)
-    extend = np.asarray(a.extend_seq_lens, _I64)
+    prefix = np.asarray(a.prefix_lens, I64)
+    extend = np.asarray(a.extend_seq_lens, I64)
     prefix_ok = (prefix >= 0) & (prefix <= rows.length)
-    errors = (~rows.ok).astype(_I64) + ~prefix_ok + (extend < 0)
+    errors = (~rows.ok).astype(I64) + ~prefix_ok + (extend < 0)
     if a.expected_token_pool is not None:
-        lens = np.asarray(a.expected_token_valid_lens, _I64)
+        lens = np.asarray(a.expected_token_valid_lens, I64)
         errors += (lens < 0) | (lens > a.expected_token_pool.shape[1])
     errors = np.where(rows.active, errors, 0)
 
@@ -157,34 +157,34 @@ def plan(a: PlanArgs, verify_capacity: int | None = None) -> None:
     errors = int(row_errors.sum())
     stale_end = stale_rows_end(a)
 
-    prefix = np.asarray(a.prefix_lens, _I64)
+    prefix = np.asarray(a.prefix_lens, I64)
     seed_rows = np.nonzero(seed_ok)[0]
-    seeds = np.full(bs, -1, _I64)
+    seeds = np.full(bs, -1, I64)
     if seed_rows.size:
         seeds[seed_rows], seed_errors = _slots(a, rows.base[seed_rows], prefix[seed_rows] - 1)
         errors += seed_errors
 
-    voff = np.zeros(bs + 1, _I64)
+    voff = np.zeros(bs + 1, I64)
     np.cumsum(verify_len, out=voff[1:])
-    woff = np.zeros(bs + 1, _I64)
+    woff = np.zeros(bs + 1, I64)
     np.cumsum(write_len, out=woff[1:])
     total = int(voff[bs])
     enabled = total <= vcap
 
     if enabled and total > 0:
         owner = np.repeat(np.arange(bs), verify_len)
-        pos = verify_start[owner] + (np.arange(total, dtype=_I64) - voff[owner])
+        pos = verify_start[owner] + (np.arange(total, dtype=I64) - voff[owner])
         base = rows.base[owner]
         slots, slot_errors = _slots(a, base, pos)
         has_prev = pos > 0
-        prev = np.full(total, -1, _I64)
+        prev = np.full(total, -1, I64)
         prev[has_prev], prev_errors = _slots(a, base[has_prev], pos[has_prev] - 1)
         errors += slot_errors + prev_errors
-        tokens = np.full(total, -1, _I64)
+        tokens = np.full(total, -1, I64)
         if a.expected_token_pool is not None:
             pool = a.expected_token_pool
             q = pos + a.token_offset
-            limit = np.minimum(np.asarray(a.expected_token_valid_lens, _I64)[owner], pool.shape[1])
+            limit = np.minimum(np.asarray(a.expected_token_valid_lens, I64)[owner], pool.shape[1])
             ok = (q >= 0) & (q < limit)
             tokens[ok] = pool[rows.pool_row[owner][ok], q[ok]]
         out.verify_slot_indices[:total] = slots
@@ -252,7 +252,7 @@ def append_rows(log: LogViews, kind: int, rows: np.ndarray) -> None:
 
 def _rows(kind, slot, position, stored_token, expected_token, chain, aux, bits) -> np.ndarray:
     n = slot.shape[0]
-    rows = np.empty((n, VIOLATION_FIELDS), _I64)
+    rows = np.empty((n, VIOLATION_FIELDS), I64)
     for col, values in enumerate((kind, slot, position, stored_token, expected_token, chain, aux, bits)):
         rows[:, col] = values
     return rows
@@ -265,8 +265,8 @@ def _rows(kind, slot, position, stored_token, expected_token, chain, aux, bits) 
 def write_range_checks(offsets, num_valid_reqs: int, num_tokens: int):
     """Each request's token range ``[start, end)`` clamped into ``[0, num_tokens]``, and a mask of
     requests whose raw range was out of range (counted once each)."""
-    start_raw = np.asarray(offsets[:num_valid_reqs], _I64)
-    end_raw = np.asarray(offsets[1 : num_valid_reqs + 1], _I64)
+    start_raw = np.asarray(offsets[:num_valid_reqs], I64)
+    end_raw = np.asarray(offsets[1 : num_valid_reqs + 1], I64)
     start = np.clip(start_raw, 0, num_tokens)
     end = np.clip(end_raw, start, num_tokens)
     bad = (start_raw < 0) | (start_raw > num_tokens) | (end_raw < start_raw) | (end_raw > num_tokens)
@@ -297,7 +297,7 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
     start, end, bad_range = write_range_checks(a.write_offsets, num_reqs, num_tokens)
     errors = int(np.count_nonzero(bad_range))
 
-    seed = np.asarray(a.write_seed_slot_indices[:num_reqs], _I64)
+    seed = np.asarray(a.write_seed_slot_indices[:num_reqs], I64)
     seed_oob = seed >= num_slots
     errors += int(np.count_nonzero(seed_oob))
     seed_ok = (seed > 0) & ~seed_oob  # seed 0 is the padding slot: no predecessor, like -1
@@ -308,7 +308,7 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
     pos_assert = seed_ok & _flag_value(a.chain_position_assert)
     running_pos = seed_rec[:, 1].copy()
 
-    loc = np.asarray(a.out_cache_loc, _I64)
+    loc = np.asarray(a.out_cache_loc, I64)
     # Fingerprints depend only on each slot's KV bytes, which a write never changes: hash every
     # in-range slot once, up front, rather than token by token inside the serial chain walk.
     in_range = (loc >= 0) & (loc < num_slots)
@@ -328,8 +328,8 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
         live, idx, slot = live[ok], idx[ok], slot[ok]
         if live.size == 0:
             continue
-        token = np.asarray(a.input_ids[idx], _I64)
-        pos = np.asarray(a.positions[idx], _I64)
+        token = np.asarray(a.input_ids[idx], I64)
+        pos = np.asarray(a.positions[idx], I64)
         chain = running[live]
         if input_assert:
             bits = np.where(token != a.expected_input_tokens[idx], FailReason.WRITE_TOKEN_MISMATCH.value, 0)
@@ -380,12 +380,12 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
         return
     active = min(max(int(a.verify_num_valid[0]), 0), a.verify_slot_indices.shape[0])
     log.slot_run_counters[kind] += active
-    slot = np.asarray(a.verify_slot_indices[:active], _I64)
+    slot = np.asarray(a.verify_slot_indices[:active], I64)
     slot_oob = (slot < 0) | (slot >= num_slots)
     errors = int(np.count_nonzero(slot_oob))
     keep = np.nonzero((slot != 0) & ~slot_oob)[0]
     slot = slot[keep]
-    prev = np.asarray(a.verify_prev_slot_indices[:active], _I64)[keep]
+    prev = np.asarray(a.verify_prev_slot_indices[:active], I64)[keep]
     prev_oob = prev >= num_slots
     errors += int(np.count_nonzero(prev_oob))
     log.out_of_range_counters[kind] += errors
@@ -401,11 +401,11 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     reachable = (prev < 0) | prev_ok
     stored_chain = stored[:, 2].view(np.uint64)
     expected_chain = np.where(reachable, expected_chain, stored_chain)
-    expected_pos = np.asarray(a.verify_expected_positions[:active], _I64)[keep]
+    expected_pos = np.asarray(a.verify_expected_positions[:active], I64)[keep]
     if a.check_expected_token:
-        expected_tok = np.asarray(a.verify_expected_tokens[:active], _I64)[keep]
+        expected_tok = np.asarray(a.verify_expected_tokens[:active], I64)[keep]
     else:
-        expected_tok = np.full(keep.size, -1, _I64)
+        expected_tok = np.full(keep.size, -1, I64)
     expected_rkv = _as_i64(real_kv_hashes(target.sources, a.real_kv_hash_mode, slot))
 
     bits = np.where(stored_chain != expected_chain, FailReason.VERIFY_CHAIN_HASH_MISMATCH.value, 0)
@@ -435,7 +435,7 @@ def plan_verify(a: PlanVerifyArgs) -> None:
     """:func:`plan` then :func:`verify` through scratch entry arrays of exactly the plan's entries:
     the caller's VerifyPlan gets the plan's counters, never its entries."""
     total = int(plan_row_checks(a.plan)[2].sum())
-    scratch = {k: np.empty(total if total <= a.verify_capacity else 0, _I64) for k in VERIFY_ENTRY_FIELDS}
+    scratch = {k: np.empty(total if total <= a.verify_capacity else 0, I64) for k in VERIFY_ENTRY_FIELDS}
     plan(a.plan._replace(out=a.plan.out._replace(**scratch)), a.verify_capacity)
     verify(a.verify._replace(**scratch))
 
@@ -448,8 +448,8 @@ def scatter_row_checks(a: ScatterArgs):
     """Per request: pool row (-1 when it writes nothing), source start, the pool columns
     ``[lo, hi)`` it writes (those below ``min(length, cols)`` with a source inside ``flat_in``),
     and whether a value was out of range.  The kernel's ``scatter_row`` computes the same."""
-    rp = np.asarray(a.req_pool_indices, _I64)
-    offsets = np.asarray(a.offsets, _I64)
+    rp = np.asarray(a.req_pool_indices, I64)
+    offsets = np.asarray(a.offsets, I64)
     rows, cols = a.pool_out.shape
     n = a.flat_in.shape[0]
     start = offsets[:-1]
@@ -472,9 +472,9 @@ def scatter(a: ScatterArgs) -> None:
     if total == 0:
         return
     owner = np.repeat(np.arange(rp.shape[0]), width)  # batch rows in increasing order
-    first = np.zeros(rp.shape[0] + 1, _I64)
+    first = np.zeros(rp.shape[0] + 1, I64)
     np.cumsum(width, out=first[1:])
-    col = lo[owner] + np.arange(total, dtype=_I64) - first[owner]
+    col = lo[owner] + np.arange(total, dtype=I64) - first[owner]
     writers = rp[width > 0]
     if np.unique(writers).size < writers.size:
         # Rows share a pool row: per (pool row, column) the largest batch row writing it wins.
@@ -520,13 +520,13 @@ def session_stage(a: StageArgs, stamp: int) -> None:
 
     active = min(max(header["verify_num_valid"], 0), a.verify_slot_indices.shape[0])
     bs = min(max(header["batch_size"], 0), a.verify_offsets.shape[0] - 1)
-    entry_slots = np.asarray(a.verify_slot_indices[:active], _I64)
+    entry_slots = np.asarray(a.verify_slot_indices[:active], I64)
     in_range = (entry_slots > 0) & (entry_slots < num_slots)
     entries = np.nonzero(in_range)[0]
     entries = entries[a.marks[entry_slots[entries]] == stamp]
     out[STAGE_HEADER.index("matches")] = entries.size
     entries = entries[: layout.attribution_capacity]
-    rows_before = np.searchsorted(np.asarray(a.verify_offsets[1 : bs + 1], _I64), entries, side="right")
+    rows_before = np.searchsorted(np.asarray(a.verify_offsets[1 : bs + 1], I64), entries, side="right")
     batch_row = np.where(rows_before < bs, rows_before, -1)
     records = np.stack([entry_slots[entries], batch_row, entries, a.verify_expected_positions[entries],
                         a.verify_prev_slot_indices[entries], a.verify_expected_tokens[entries]], axis=1)
@@ -546,7 +546,7 @@ def prepare_stage(a: StageArgs):
 def move_pair_checks(a: MoveArgs):
     """``(src, dst, src_ok, dst_ok)``: the page ids as int64 and which lie in the canary's whole pages."""
     num_pages = a.canary.shape[0] // a.page_size
-    src, dst = np.asarray(a.src_pages, _I64), np.asarray(a.dst_pages, _I64)
+    src, dst = np.asarray(a.src_pages, I64), np.asarray(a.dst_pages, I64)
     return src, dst, (src >= 0) & (src < num_pages), (dst >= 0) & (dst < num_pages)
 
 
