@@ -1,4 +1,4 @@
-"""The benchmark from a source checkout: the same as ``kvcanary bench`` (see kvcanary_cupy/bench.py).
+"""The benchmark from a source checkout: the same as ``kvcanary bench`` (see kvcanary_cupy/devtools/bench.py).
 
     python benchmarks/bench_canary.py [--backend cupy|numpy] [--workloads W1,W2,W3,W4]
                                       [--sections ops,tables,capacity,host] [--out FILE] [--json FILE]
@@ -6,7 +6,7 @@
 
 import sys
 
-from kvcanary_cupy.bench import main
+from kvcanary_cupy.devtools.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

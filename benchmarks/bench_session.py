@@ -35,10 +35,10 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
+sys.path.insert(0, os.path.dirname(HERE))  # the checkout's package, installed or not
 
 import kvcanary_cupy as kc  # noqa: E402
-from kvcanary_cupy.bench import HOST_TARGET_US, WORKLOADS, build  # noqa: E402
+from kvcanary_cupy.devtools.bench import HOST_TARGET_US, WORKLOADS, build  # noqa: E402
 
 END_STEP_TARGET_US = 30.0  # issue 7: end_step's host cost when nothing happened
 OVERLAP_WORKLOAD = "W2"
@@ -227,7 +227,7 @@ def run_gpu(names, forward_us: float):
 
 def overlap_rows(cupy, forward_us: float):
     """Device us of a prefill step around a stand-in forward pass, the HEAD write overlapped or in order."""
-    from canary_builders import spin
+    from kvcanary_cupy.devtools.spin import spin
 
     d = build(WORKLOADS[OVERLAP_WORKLOAD], cupy)
     forward = lambda: spin(int(forward_us * SPIN_CYCLES_PER_US))  # noqa: E731 - on the step's (current) stream

@@ -4,7 +4,7 @@ For plan (through a CanaryPlanner, and kc.plan with ``out=``), verify and write 
 and the free functions), and a CanarySession's pre_forward (plan + HEAD verify + HEAD write) and
 whole step (pre_forward + post_forward: 5 ops) against the free functions it would otherwise call,
 at one workload, the backend's own work is taken out so only the front door is measured: NumPy arrays with the NumPy backend stubbed, and CuPy arrays on a fake device
-(``tests/fake_cupy.py``: real CuPy arrays over host memory, kernel launches recorded, not run).
+(``kvcanary_cupy/devtools/fake_cupy.py``: real CuPy arrays over host memory, kernel launches recorded, not run).
 On a GPU the launch itself adds its driver cost (``kvcanary bench --sections host`` measures that).
 
 Then the session's ``end_step`` when nothing happened (the HEAD and TAIL kernels ran, no
@@ -30,10 +30,10 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
+sys.path.insert(0, os.path.dirname(HERE))  # the checkout's package, installed or not
 
 import kvcanary_cupy as kc  # noqa: E402
-from kvcanary_cupy import bench as bc  # noqa: E402
+from kvcanary_cupy.devtools import bench as bc  # noqa: E402
 
 
 def step_ops(d, move):
@@ -117,7 +117,7 @@ def main():
         mp.setattr(numpy_backend, "session_stage", lambda a, stamp: mark(a.staging))
         end_step_lines.append(end_step_row("NumPy", session, None, args))
     try:
-        from fake_cupy import fake_device, host_view
+        from kvcanary_cupy.devtools.fake_cupy import fake_device, host_view
     except ImportError:
         print("\n".join(["", *end_step_lines]))
         return

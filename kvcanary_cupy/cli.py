@@ -85,7 +85,7 @@ def _run_sim(args) -> int:
 
 
 def main(argv=None) -> int:
-    from . import bench
+    from .devtools import bench
 
     parser = argparse.ArgumentParser(prog="kvcanary", description="KV-cache canary for paged-attention engines: "
                                      "a fault-injection simulator and the kernel benchmarks.")

@@ -9,12 +9,12 @@ against these oracles.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 import numpy as np
 
 from kvcanary_cupy import VerifyPlan, ViolationLog, WritePlan
+from kvcanary_cupy.devtools.spin import spin  # noqa: F401 - the tests' stand-in GPU work
 
 # ---------------------------------------------------------------------------------------------
 # hash primitives (docs/format.md §2), independent of kvcanary_cupy.hashing
@@ -203,28 +203,6 @@ def count_free_calls(monkeypatch) -> dict:
     monkeypatch.setattr(ops, "verify", counting("verify", ops.verify))
     monkeypatch.setattr(planner, "plan_step", counting("plan", planner.plan_step))
     return counts
-
-
-SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {}
-}
-"""
-
-
-@functools.lru_cache(maxsize=None)
-def _spin_kernel():
-    import cupy
-
-    return cupy.RawKernel(SPIN, "spin")
-
-
-def spin(cycles: int, stream=None) -> None:
-    """Keep ``stream`` (a CuPy stream; the current one when None) busy for ``cycles`` GPU clock
-    cycles (about 2e6 per millisecond on an H200): for stream-ordering tests and stand-in work.
-    Capture-safe once compiled (the kernel is kept)."""
-    _spin_kernel()((1,), (1,), (np.int64(cycles),), stream=stream)
 
 
 # ---------------------------------------------------------------------------------------------

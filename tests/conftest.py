@@ -130,7 +130,7 @@ def _cupy_attributes():
 
 @pytest.fixture(autouse=True)
 def no_fake_cupy_leaks():
-    """Tests that fake a CUDA device (tests/fake_cupy.py) patch CuPy; a patch outliving its test
+    """Tests that fake a CUDA device (kvcanary_cupy/devtools/fake_cupy.py) patch CuPy; a patch outliving its test
     would break every real-GPU test after it, so each test must leave CuPy as it found it."""
     before = _cupy_attributes()
     yield

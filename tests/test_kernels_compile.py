@@ -15,7 +15,8 @@ from kvcanary_cupy import jit
 
 pytest.importorskip("cupy")
 
-from kvcanary_cupy.backends.cupy_backend import KERNEL_STRUCTS  # noqa: E402
+from kvcanary_cupy.devtools import abi_check  # noqa: E402
+from kvcanary_cupy.devtools.abi_check import KERNEL_STRUCTS  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", jit.SUPPORTED_ARCHS)
@@ -26,7 +27,7 @@ def test_every_variant_compiles_and_fits_its_launch(family, arch):
     spills nothing, and its registers fit its block size."""
     from kvcanary_cupy.backends import cupy_backend as cb
 
-    report = jit.compile_check(arch, family, cb.family_struct_asserts(family))[family]
+    report = abi_check.compile_check(arch, family, abi_check.family_struct_asserts(family))[family]
     assert report.cubin_bytes > 1000
     assert set(report.registers) == set(jit.FAMILIES[family].instantiations())
     block = {"plan_offsets": cb.PLAN_THREADS, "plan_fused": cb.PLAN_THREADS, "plan_small": cb.PLAN_THREADS,
@@ -45,8 +46,8 @@ def test_every_kernel_struct_is_checked_field_by_field():
 
     sources = jit._read("canary_common.cuh") + jit._read("write.cu")
     c_structs = set(re.findall(r"^struct (\w+) \{", sources, re.M)) - {"CanaryRecord", "ChainState", "TokenInputs"}
-    assert c_structs <= set(cb.KERNEL_STRUCTS), c_structs - set(cb.KERNEL_STRUCTS)
-    text = cb.struct_asserts(cb.LAUNCH_LOG, "LaunchLog")
+    assert c_structs <= set(abi_check.KERNEL_STRUCTS), c_structs - set(abi_check.KERNEL_STRUCTS)
+    text = abi_check.struct_asserts(cb.LAUNCH_LOG, "LaunchLog")
     assert "sizeof(kvcanary::LaunchLog) == 56" in text
     assert "sizeof(kvcanary::LaunchLog::capacity) == 4" in text
     assert text.count("static_assert") == 1 + len(cb.LAUNCH_LOG.names)
@@ -55,10 +56,8 @@ def test_every_kernel_struct_is_checked_field_by_field():
 @pytest.mark.parametrize("struct", sorted(KERNEL_STRUCTS))
 def test_every_kernel_struct_matches_its_mirror(struct):
     """Every member's offset in the compiled C struct equals its NumPy mirror's (read from PTX)."""
-    from kvcanary_cupy.backends import cupy_backend as cb
-
-    dtype, family = cb.KERNEL_STRUCTS[struct]
-    assert cb.struct_offsets_differ(dtype, struct, family) == []
+    dtype, family = abi_check.KERNEL_STRUCTS[struct]
+    assert abi_check.struct_offsets_differ(dtype, struct, family) == []
 
 
 @pytest.mark.parametrize("struct, first, second", [("LaunchLog", "slot_run_counters", "kernel_run_counters"),
@@ -68,22 +67,20 @@ def test_swapped_mirror_fields_fail_to_compile(struct, first, second):
     """Two equal-width fields swapped in a NumPy mirror keep its size but fail the compile."""
     import numpy as np
 
-    from kvcanary_cupy.backends import cupy_backend as cb
-
-    dtype, family = cb.KERNEL_STRUCTS[struct]
+    dtype, family = abi_check.KERNEL_STRUCTS[struct]
     names = [second if n == first else first if n == second else n for n in dtype.names]
     swapped = np.dtype({"names": names, "formats": [dtype.fields[n][0] for n in dtype.names],
                         "offsets": [dtype.fields[n][1] for n in dtype.names], "itemsize": dtype.itemsize})
     assert swapped.itemsize == dtype.itemsize
-    jit.compile_check("sm_90", family, cb.struct_asserts(swapped, struct))  # sizes and widths still agree
-    differ = cb.struct_offsets_differ(swapped, struct, family)
+    abi_check.compile_check("sm_90", family, abi_check.struct_asserts(swapped, struct))  # sizes and widths still agree
+    differ = abi_check.struct_offsets_differ(swapped, struct, family)
     assert [d.split(":")[0] for d in differ] == [f"{struct}.{n}" for n in names if n in (first, second)], differ
 
 
 def test_compile_errors_name_the_family(monkeypatch):
     monkeypatch.setitem(jit.FAMILIES, "broken", jit.KernelFamily("plan.cu", (("no_such_kernel", ()),)))
     with pytest.raises(RuntimeError, match="plan.cu failed to compile for sm_90"):
-        jit.compile_check("sm_90", "broken")
+        abi_check.compile_check("sm_90", "broken")
 
 
 def test_instantiation_lists_cover_every_flag_combination():
@@ -210,7 +207,7 @@ def test_compile_reports_are_cached_by_every_compiled_byte(tmp_path, monkeypatch
     from cupy_backends.cuda.libs import nvrtc
 
     monkeypatch.setenv("KVCANARY_COMPILE_CACHE", str(tmp_path))
-    first = jit.compile_check("sm_90", "session")["session"]
+    first = abi_check.compile_check("sm_90", "session")["session"]
     assert len(list(tmp_path.iterdir())) == 1
 
     def no_compile(*args, **kwargs):
@@ -218,13 +215,13 @@ def test_compile_reports_are_cached_by_every_compiled_byte(tmp_path, monkeypatch
 
     with monkeypatch.context() as m:
         m.setattr(nvrtc, "compileProgram", no_compile)
-        assert jit.compile_check("sm_90", "session")["session"] == first
+        assert abi_check.compile_check("sm_90", "session")["session"] == first
         with pytest.raises(AssertionError, match="compiled again"):
-            jit.compile_check("sm_90", "session", "\n// one more byte\n")
+            abi_check.compile_check("sm_90", "session", "\n// one more byte\n")
     monkeypatch.setenv("KVCANARY_COMPILE_CACHE", "off")
     # another byte, since some NVRTC versions skip ptxas (and its register report) for a source
     # compiled before in the same process
-    assert jit.compile_check("sm_90", "session", "\n// off\n")["session"].registers == first.registers
+    assert abi_check.compile_check("sm_90", "session", "\n// off\n")["session"].registers == first.registers
     assert len(list(tmp_path.iterdir())) == 1
 
 
@@ -233,7 +230,7 @@ def _kernel_parameter_bytes(kernel, filename):
     structs: their NumPy mirrors, whose layouts the struct asserts pin)."""
     from kvcanary_cupy.backends import cupy_backend as cb
 
-    sizes_of = {name: dtype for name, (dtype, _) in cb.KERNEL_STRUCTS.items()} | {"i64": np.int64, "int": np.int32}
+    sizes_of = {name: dtype for name, (dtype, _) in abi_check.KERNEL_STRUCTS.items()} | {"i64": np.int64, "int": np.int32}
     m = re.search(rf"__global__ void (?:__launch_bounds__\([\w, ]+\)\s*)?{kernel}\(([^)]*)\)", jit._read(filename))
     assert m, kernel
     sizes = []

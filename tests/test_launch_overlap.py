@@ -70,7 +70,7 @@ def test_launch_structs_have_the_layout_of_cuda_h():
 
 def test_launches_overlap_on_sm90_with_a_cuda_12_3_driver_unless_turned_off(monkeypatch):
     pytest.importorskip("cupy")
-    from fake_cupy import fake_device
+    from kvcanary_cupy.devtools.fake_cupy import fake_device
     from kvcanary_cupy.backends import launch_overlap
 
     with fake_device(overlap=False):
@@ -143,7 +143,7 @@ def test_overlapped_launches_equal_plain_ones_on_a_fake_device():
     in the same order beside the same event records and waits; a bound launcher packs its launch
     once, pointing into its bound parameter record."""
     pytest.importorskip("cupy")
-    from fake_cupy import fake_device
+    from kvcanary_cupy.devtools.fake_cupy import fake_device
     from kvcanary_cupy.backends import launch_overlap
 
     for seed in range(12):
@@ -172,7 +172,7 @@ def test_launchers_bound_where_launches_cannot_overlap_launch_through_cupy():
     """A device before sm_90, or KVCANARY_LAUNCH_OVERLAP=0 (both asked once, when a launcher is
     bound): free functions and bound launchers alike launch through CuPy, never the driver."""
     pytest.importorskip("cupy")
-    from fake_cupy import fake_device
+    from kvcanary_cupy.devtools.fake_cupy import fake_device
     from kvcanary_cupy.backends import launch_overlap
 
     case = make_case(3)

@@ -55,7 +55,7 @@ def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device(monkeypatch)
     """Same kernels, grids, blocks, stream and argument bytes as the free functions, for the same
     arrays, and all of it on the bound path (empty batches included)."""
     pytest.importorskip("cupy")
-    from fake_cupy import fake_device
+    from kvcanary_cupy.devtools.fake_cupy import fake_device
 
     free_functions = (ops.write, ops.verify, kc.plan)
     kinds, buffers = set(), set()
@@ -116,7 +116,7 @@ def test_one_bound_planner_and_write_keep_the_free_launches_as_optional_inputs_c
     and the expected input tokens changing from one call to the next (bound launchers write the
     fields these set only when they are used or were used last): the free functions' launches."""
     pytest.importorskip("cupy")
-    from fake_cupy import fake_device
+    from kvcanary_cupy.devtools.fake_cupy import fake_device
 
     cases = [make_case(seed) for seed in range(24)]
     steps = [(case, s) for pair in zip(*(case.steps for case in cases)) for case, s in zip(cases, pair)]
@@ -160,7 +160,7 @@ def test_a_bound_planner_picks_each_calls_table_layout_as_the_free_plan_does(mon
     dtype, a block table's id dtype, null block, block size and width, and a req_to_token of the
     same shape as a block table of block size 1."""
     pytest.importorskip("cupy")
-    from fake_cupy import fake_device
+    from kvcanary_cupy.devtools.fake_cupy import fake_device
 
     i32, big = np.int32, 2**30
     bt = np.array([[1, 2], [3, 4]])
@@ -423,7 +423,7 @@ def test_side_stream_write_forks_and_join_joins_with_one_event_each(monkeypatch,
     stream; join() records the join event there and the caller's stream waits for it.  Under
     KVCANARY_FULL_VALIDATION the free function forks (an event of its own per call) and join() still joins."""
     cupy = pytest.importorskip("cupy")
-    from fake_cupy import fake_device
+    from kvcanary_cupy.devtools.fake_cupy import fake_device
 
     monkeypatch.setenv(launchers.FULL_VALIDATION_ENV, "1" if full_validation else "0")
     with fake_device(record_bytes=False) as dev:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 
@@ -120,3 +122,12 @@ def test_int32_bound_and_index_dtypes_have_one_home():
 
     assert (validation.INT32_MIN, validation.INT32_MAX) == (-(2**31), 2**31 - 1)
     assert (validation.I64, validation.I32) == (np.dtype("int64"), np.dtype("int32"))
+
+
+def test_importing_the_package_loads_no_devtools():
+    """Dev tooling (ABI and compile checks, the fake device, the benchmark) stays off the run-time import path."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {PACKAGE}"], cwd=ROOT.parent,
+                          capture_output=True, text=True, check=True)
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert {f"{PACKAGE}.ops", f"{PACKAGE}.session"} <= loaded  # the report is read
+    assert sorted(m for m in loaded if m.startswith(f"{PACKAGE}.devtools")) == []

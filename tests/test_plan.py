@@ -619,7 +619,7 @@ def test_scan_kernels_opt_in_to_the_device_limit_once_as_they_load_never_at_a_la
     batch met inside a capture) makes no driver call; kernels without the scan arrays are left as
     they are."""
     pytest.importorskip("cupy")
-    from fake_cupy import FakeDevice, fake_device
+    from kvcanary_cupy.devtools.fake_cupy import FakeDevice, fake_device
     from kvcanary_cupy import jit
     from kvcanary_cupy.backends import cupy_backend as cb
 
@@ -728,7 +728,7 @@ def test_plan_refuses_allocations_and_copies_while_capturing(op):
     refuse to allocate their outputs or to copy a strided input, saying what and what to pass
     instead, and launch nothing."""
     pytest.importorskip("cupy")
-    from fake_cupy import fake_device
+    from kvcanary_cupy.devtools.fake_cupy import fake_device
     from kvcanary_cupy import interop
 
     asks_the_stream = interop.is_capturing  # the fake device answers "not capturing" without asking

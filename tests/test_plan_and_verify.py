@@ -20,7 +20,7 @@ NUMPY = get_backend_or_skip("numpy")
 def decode_step(seed=0, bs=6):
     """A decode step over stamped prefixes (as bench.build makes them, small): a req_to_token of
     permuted slots, every prefix's records written by an earlier step."""
-    from kvcanary_cupy.bench import Workload, build
+    from kvcanary_cupy.devtools.bench import Workload, build
 
     return build(Workload("test", bs, 3, 12, 1), np, seed=seed)
 
@@ -292,7 +292,7 @@ def test_launches_follow_the_plan_paths_on_a_fake_device(bs):
     blocks per SM where plan_fused takes one, below) and the capacity in its outputs; past it:
     exactly plan's launches then verify's, over out[0]'s entries."""
     pytest.importorskip("cupy")
-    from fake_cupy import fake_device
+    from kvcanary_cupy.devtools.fake_cupy import fake_device
     from kvcanary_cupy.backends import cupy_backend as cb
 
     rtt = np.arange(1, 3 * bs + 4, dtype=np.int32).reshape(bs + 1, 3)

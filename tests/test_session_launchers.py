@@ -173,7 +173,7 @@ def _short(timeline):
 
 def test_head_write_forks_onto_the_side_stream_and_post_forward_joins_it():
     pytest.importorskip("cupy")
-    from fake_cupy import fake_device
+    from kvcanary_cupy.devtools.fake_cupy import fake_device
 
     with fake_device(record_bytes=False) as dev:
         session, pre = _fake_session(dev, ToyEngine())
@@ -206,7 +206,7 @@ def test_head_write_forks_onto_the_side_stream_and_post_forward_joins_it():
 
 def test_without_overlap_every_launch_is_on_the_step_stream():
     pytest.importorskip("cupy")
-    from fake_cupy import fake_device
+    from kvcanary_cupy.devtools.fake_cupy import fake_device
 
     with fake_device(record_bytes=False) as dev:
         session, pre = _fake_session(dev, ToyEngine(), overlap_head_write=False)

@@ -12,7 +12,7 @@ import kvcanary_cupy as kc
 from kvcanary_cupy import session as session_module
 
 pytest.importorskip("cupy")
-from fake_cupy import fake_device, host_view  # noqa: E402
+from kvcanary_cupy.devtools.fake_cupy import fake_device, host_view  # noqa: E402
 
 HEAD, TAIL = kc.CanaryLaunchTag.HEAD_K_FULL, kc.CanaryLaunchTag.TAIL_K_FULL
 WRITE_POSITION = kc.FailReason.WRITE_POSITION_MISMATCH.value

@@ -136,7 +136,7 @@ def test_gpu_commands_without_a_gpu_print_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cuda_unavailable_reason", lambda: "no CUDA GPU found (test)")
     assert cli.main(["sim", "--device", "cuda"]) == 2
     assert capsys.readouterr().err == "kvcanary sim: --device cuda: no CUDA GPU found (test)\n"
-    from kvcanary_cupy import bench
+    from kvcanary_cupy.devtools import bench
 
     monkeypatch.setattr(bench, "cuda_unavailable_reason", lambda: "CuPy is not installed: pip install ...")
     assert cli.main(["bench"]) == 2

@@ -29,7 +29,8 @@ from ..tables import TableKind
 from ..validation import INT32_MAX, INT32_MIN
 from . import launch_overlap
 
-
+# The NumPy mirrors of the structs the kernels take by value; devtools/abi_check.py (KERNEL_STRUCTS)
+# checks each one's size, widths and offsets against its C struct.
 CANARY_BUFFER = np.dtype([("data", "u8"), ("num_slots", "i8"), ("fields", "i4"), ("vec", "i4")], align=True)
 REAL_KV_SOURCES = np.dtype(
     [("data", "u8", 4), ("row_stride", "i8", 4), ("page_size", "i4", 4), ("num_bytes_per_token", "i4", 4),
@@ -78,52 +79,6 @@ SESSION_STAGE = np.dtype(
                            "attribution_capacity", "num_kinds")],
     align=True,
 )
-
-# Every struct a kernel takes by value: C name (namespace kvcanary) -> (its NumPy mirror, a family
-# that compiles it).  Field names equal the C member names; tests/test_kernels_compile.py checks
-# each with its family (struct_asserts for sizes and widths, struct_offsets_differ for offsets), so
-# a field's offset or width drifting fails there.
-KERNEL_STRUCTS = {
-    "CanaryBuffer": (CANARY_BUFFER, "verify"),
-    "RealKvSources": (REAL_KV_SOURCES, "verify"),
-    "CanaryTargets": (CANARY_TARGETS, "verify"),
-    "LaunchLog": (LAUNCH_LOG, "verify"),
-    "WriteInputs": (WRITE_INPUTS, "write"),
-    "PlanInputs": (PLAN_INPUTS, plan_family(TableKind.REQ_TO_TOKEN)),
-    "PlanOutputs": (PLAN_OUTPUTS, plan_family(TableKind.REQ_TO_TOKEN)),
-    "SessionStage": (SESSION_STAGE, "session"),
-}
-
-
-def struct_asserts(dtype: np.dtype, c_name: str) -> str:
-    """C++ ``static_assert`` lines pinning the size of ``kvcanary::c_name`` and the width of each
-    of its members to the NumPy structured ``dtype`` mirroring it (offsets: struct_offsets_differ)."""
-    t = f"kvcanary::{c_name}"
-    lines = [f'static_assert(sizeof({t}) == {dtype.itemsize}, "{c_name}: size differs from its NumPy mirror");']
-    for field, (ftype, *_) in dtype.fields.items():
-        lines.append(f'static_assert(sizeof({t}::{field}) == {ftype.itemsize}, "{c_name}.{field}: width differs from its NumPy mirror");')
-    return "\n".join(lines) + "\n"
-
-
-def family_struct_asserts(family: str) -> str:
-    """The size and width asserts of every registered struct that ``family`` compiles."""
-    return "".join(struct_asserts(dtype, name) for name, (dtype, fam) in KERNEL_STRUCTS.items() if fam == family)
-
-
-def struct_offsets_differ(dtype: np.dtype, c_name: str, family: str, arch: str = "sm_90") -> list[str]:
-    """The members of ``kvcanary::c_name`` whose offset differs from the NumPy mirror ``dtype``.
-
-    NVRTC before 13.1 has no ``__builtin_offsetof`` (and the null-pointer ``offsetof`` is no
-    constant expression), so the offsets are read back from the PTX of a probe kernel that stores
-    each member's address in a null struct: the compiler folds every one to a constant.
-    """
-    t = f"kvcanary::{c_name}"
-    stores = "".join(f"  out[{i}] = reinterpret_cast<unsigned long long>(&(reinterpret_cast<{t}*>(0)->{field}));\n"
-                     for i, field in enumerate(dtype.names))
-    probe = f'extern "C" __global__ void kvcanary_layout_probe(unsigned long long* out) {{\n{stores}}}\n'
-    got = jit.ptx_stored_constants(family, probe, "kvcanary_layout_probe", arch)
-    return [f"{c_name}.{field}: offset differs from its NumPy mirror (C {got.get(i)}, NumPy {dtype.fields[field][1]})"
-            for i, field in enumerate(dtype.names) if got.get(i) != dtype.fields[field][1]]
 
 
 class LaunchConfig(NamedTuple):

@@ -12,8 +12,8 @@ can be checked without a GPU.  A copy happens at once; an event completes at onc
 :meth:`FakeDevice.complete` runs (the host running ahead of the device).
 :meth:`FakeDevice.emulate_session_staging` runs the NumPy reference of the session's staging
 kernels at their launch, so a session's end_step computes real records.
-Used by ``tests/test_launchers.py``, ``tests/test_session_launchers.py`` and
-``benchmarks/host_profile.py``.
+Used by the tests and by ``benchmarks/host_profile.py`` (which is why it ships here rather than
+in ``tests/``).
 """
 
 from __future__ import annotations

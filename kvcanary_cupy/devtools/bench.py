@@ -457,7 +457,7 @@ def _legacy_grids():
     """Patch the persistent grids back to 8 blocks per SM (the launches read it at call time)."""
     from unittest import mock
 
-    from .backends import cupy_backend
+    from ..backends import cupy_backend
 
     return mock.patch.object(cupy_backend, "resident_blocks_per_sm", lambda *args: LEGACY_BLOCKS_PER_SM)
 
@@ -465,8 +465,8 @@ def _legacy_grids():
 def detail_rows(cupy, names, rows: list):
     """verify and write in detail: grids sized by occupancy against 8 blocks per SM, a verify in
     which every entry fails, two buffers in one launch, and the floors of the gather and the chain."""
-    from . import jit
-    from .backends import cupy_backend
+    from .. import jit
+    from ..backends import cupy_backend
 
     module = cupy.RawModule(code=jit._read("canary_common.cuh") + REFERENCE_KERNELS, options=jit.NVRTC_OPTIONS)
     gather, chain = module.get_function("gather_floor"), module.get_function("chain_floor")
@@ -544,7 +544,7 @@ STEP_WORKLOADS = ("W1", "W3", "W4", "W5")  # W5: the largest batch of one launch
 def step_calls(cupy, d) -> dict:
     """A decode step's calls on fixed buffers of their own: the plan, plan_and_verify (+ write) and
     plan + verify (+ write); checked to verify clean."""
-    from .backends import cupy_backend
+    from ..backends import cupy_backend
 
     ops = gpu_ops(cupy, d)
     vcap = d["total_verify"]
@@ -579,7 +579,7 @@ def step_rows(cupy, names, rows: list):
     """A whole decode step, device us: plan_and_verify + write (2 launches, the verify entries
     never stored) against plan + verify + write (3 launches), and plan_and_verify alone against
     plan + verify; SGLang's plan + verify + write for reference."""
-    from .backends import cupy_backend
+    from ..backends import cupy_backend
 
     lines = [
         "fused decode step: device us per step (graph of 50 steps); target: W1 plan_and_verify + write <= "
@@ -610,7 +610,7 @@ def overlap_rows(cupy, names, rows: list):
     of the same calls (``launch_overlap.plain_launches``): graphs captured each way, their replays
     taken in turn.  A call's time in a graph of 50 includes what its launch overlaps of the call
     before it, as it would behind an engine's kernels."""
-    from .backends import launch_overlap
+    from ..backends import launch_overlap
 
     if not launch_overlap.supported(cupy.cuda.Device().id):
         return [f"launch overlap: off on this device (before sm_90, no cuLaunchKernelEx, or {launch_overlap.LAUNCH_OVERLAP_ENV}=0)"]
