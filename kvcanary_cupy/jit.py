@@ -18,6 +18,7 @@ import re
 import threading
 from typing import NamedTuple
 
+from .backends.cuda import device as cuda_device
 from .constants import MAX_CANARY_BUFFERS
 from .interop import import_cupy
 from .tables import TableKind
@@ -160,8 +161,7 @@ _functions: dict = {}
 def get_function(family: str, name: str):
     """The compiled kernel ``name`` of ``family`` for the current CUDA device (compiled and
     loaded once; one of LARGE_SHARED_MEM_KERNELS is opted in as it is loaded)."""
-    cupy = import_cupy()
-    device = cupy.cuda.Device().id
+    device = cuda_device.current_id()
     key = (device, family, name)
     fn = _functions.get(key)
     if fn is None:
@@ -170,19 +170,9 @@ def get_function(family: str, name: str):
             if fn is None:
                 fn = _compile(family).get_function(name)
                 if kernel_of(name) in LARGE_SHARED_MEM_KERNELS:
-                    _allow_all_shared_mem(fn, device)
+                    cuda_device.allow_all_shared_mem(fn, device)
                 _functions[key] = fn
     return fn
-
-
-def _allow_all_shared_mem(fn, device: int) -> None:
-    """Lets ``fn`` take as much dynamic shared memory as a block of ``device`` may opt into."""
-    cupy = import_cupy()
-    driver = cupy.cuda.driver
-    ptr = fn.kernel.ptr
-    static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, ptr)
-    optin = cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
-    driver.funcSetAttribute(ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static)
 
 
 @functools.lru_cache(maxsize=None)

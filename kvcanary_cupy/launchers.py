@@ -348,7 +348,7 @@ class _Binding:
     def launch(self, fn, grid, block, shared_mem: int = 0) -> None:
         """Launch on the bound device, on the caller's stream (torch's current one when torch
         tensors are bound) or behind it on the side stream; overlapping the work before it where
-        the device allows (:mod:`kvcanary_cupy.backends.launch_overlap`)."""
+        the device allows (:mod:`kvcanary_cupy.backends.cuda.launch`)."""
         overlap = self._overlap_supported and not self._overlap.plain_depth  # launch_overlap.enabled, without its calls
         if self._get_device() != self.device:
             with import_cupy().cuda.Device(self.device):

@@ -77,7 +77,7 @@ def main():
                 mock.patch.object(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1), \
                 mock.patch.object(cupy_backend, "plan_scan_max_rows", lambda device_id: 7), \
                 mock.patch.object(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0), \
-                mock.patch.object(cupy_backend, "_sm_count", lambda device_id: blocks) if blocks else contextlib.nullcontext():
+                mock.patch.object(cupy_backend.cuda_device, "sm_count", lambda device_id: blocks) if blocks else contextlib.nullcontext():
             for seed in range(args.first, args.first + args.cases // 2):
                 case = make_case(seed)
                 assert_same(run_case(numpy_ab, case), run_case(cupy_ab, case), context=f"two-launch seed {seed} ({blocks})")

@@ -119,11 +119,13 @@ def _cupy_attributes():
         import cupy
     except ImportError:
         return {}
-    from kvcanary_cupy.backends import cupy_backend, launch_overlap
+    from kvcanary_cupy.backends import cupy_backend
+    from kvcanary_cupy.backends.cuda import device, launch
 
     found = {(where, name): getattr(cupy.cuda if where else cupy, name) for where, names in _CUPY_GUARDED.items() for name in names}
     # what the fake device patches in the library itself
-    found.update({("kvcanary_cupy.backends.launch_overlap", name): getattr(launch_overlap, name) for name in ("driver_launch", "supported")})
+    found.update({("kvcanary_cupy.backends.cuda.launch", name): getattr(launch, name) for name in ("driver_launch", "supported")})
+    found[("kvcanary_cupy.backends.cuda.device", "sm_count")] = device.sm_count
     found[("kvcanary_cupy.backends.cupy_backend", "record_addresses")] = cupy_backend.record_addresses
     return found
 

@@ -51,7 +51,7 @@ def test_gpu_one_launch_plans_of_thousands_of_requests_match_numpy(backend, bs, 
     ab = get_backend_or_skip(backend)
     from kvcanary_cupy.backends import cupy_backend
 
-    max_rows = cupy_backend.plan_scan_max_rows(cupy_backend._device_id())
+    max_rows = cupy_backend.plan_scan_max_rows(cupy_backend.cuda_device.current_id())
     assert bs <= max_rows
     monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", max_rows)
     for seed in range(20_000, 20_000 + len(TABLE_KINDS)):  # one case per table kind
@@ -73,7 +73,7 @@ def test_gpu_one_launch_plans_on_a_grid_of_one_block_match_numpy(backend, monkey
     ab = get_backend_or_skip(backend)
     from kvcanary_cupy.backends import cupy_backend
 
-    monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: 1)
+    monkeypatch.setattr(cupy_backend.cuda_device, "sm_count", lambda device_id: 1)
     cases = [(seed, dataclasses.replace(make_case(seed), buffers=1)) for seed in range(80)]
     one_chunk_each = 32 * (cupy_backend.PLAN_THREADS // 32)  # past this many entries a warp takes several chunks
     several = [(seed, case) for seed, case in cases if case.verify_capacity > one_chunk_each]
@@ -111,7 +111,7 @@ def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, sm_count, with_sc
     monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1)
     monkeypatch.setattr(cupy_backend, "plan_scan_max_rows", lambda device_id: tile_rows)
     if sm_count:
-        monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: sm_count)
+        monkeypatch.setattr(cupy_backend.cuda_device, "sm_count", lambda device_id: sm_count)
     assert [k[1].split("<")[0] for k in cupy_backend.plan_kernels(TableKind.REQ_TO_TOKEN, 0, 1, False, False)] == [
         "kvcanary::plan_offsets", "kvcanary::plan_entries"]
     seeds = range(0, 60) if tile_rows < 1000 else range(10_000, 10_002)

@@ -176,7 +176,7 @@ def test_cupy_graph_replays_the_scan_state_of_the_two_launch_plan(bound, monkeyp
     steps, want, engine = _prepare(get_backend_or_skip("cupy"), "two_kernels", bound=bound)
     assert replay_in_cupy_graph(engine, steps, want) == 4
     flags = engine.ab.to_numpy(kc.plans.scan_state(engine.wp))[:kc.plans.SCAN_STATE_TILES]
-    assert (flags[:cupy_backend._sm_count(0)] == 4).all() and not flags[cupy_backend._sm_count(0):].any()  # one per replay
+    assert (flags[:cupy_backend.cuda_device.sm_count(0)] == 4).all() and not flags[cupy_backend.cuda_device.sm_count(0):].any()  # one per replay
 
 
 def capture_in_cupy_graph(engine, first_inputs, in_capture=lambda: None):

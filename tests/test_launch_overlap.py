@@ -1,4 +1,4 @@
-"""Launch overlap (kvcanary_cupy/backends/launch_overlap.py): record launches through
+"""Launch overlap (kvcanary_cupy/backends/cuda/launch.py): record launches through
 cuLaunchKernelEx with programmatic stream serialization on sm_90 and later.
 
 On the CPU: every kernel waits for the work before it as its first statement, the ctypes structs
@@ -59,7 +59,7 @@ def test_every_kernel_waits_for_the_work_before_it_first():
 
 def test_launch_structs_have_the_layout_of_cuda_h():
     """CUlaunchAttribute and CUlaunchConfig as cuda.h (CUDA 12 and 13) lays them out on 64-bit hosts."""
-    from kvcanary_cupy.backends.launch_overlap import LaunchAttribute, LaunchConfig
+    from kvcanary_cupy.backends.cuda.launch import LaunchAttribute, LaunchConfig
 
     assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
     assert ctypes.sizeof(LaunchConfig) == 56
@@ -71,7 +71,7 @@ def test_launch_structs_have_the_layout_of_cuda_h():
 def test_launches_overlap_on_sm90_with_a_cuda_12_3_driver_unless_turned_off(monkeypatch):
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import fake_device
-    from kvcanary_cupy.backends import launch_overlap
+    from kvcanary_cupy.backends.cuda import launch as launch_overlap
 
     with fake_device(overlap=False):
         assert not launch_overlap.enabled(0)
@@ -144,7 +144,7 @@ def test_overlapped_launches_equal_plain_ones_on_a_fake_device():
     once, pointing into its bound parameter record."""
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import fake_device
-    from kvcanary_cupy.backends import launch_overlap
+    from kvcanary_cupy.backends.cuda import launch as launch_overlap
 
     for seed in range(12):
         case = make_case(seed)
@@ -173,7 +173,7 @@ def test_launchers_bound_where_launches_cannot_overlap_launch_through_cupy():
     bound): free functions and bound launchers alike launch through CuPy, never the driver."""
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import fake_device
-    from kvcanary_cupy.backends import launch_overlap
+    from kvcanary_cupy.backends.cuda import launch as launch_overlap
 
     case = make_case(3)
     for overlap, env in ((False, None), (True, "0")):
@@ -191,7 +191,7 @@ def test_launchers_bound_where_launches_cannot_overlap_launch_through_cupy():
 
 
 def _overlap_supported():
-    from kvcanary_cupy.backends import launch_overlap
+    from kvcanary_cupy.backends.cuda import launch as launch_overlap
 
     import cupy
 

@@ -131,3 +131,15 @@ def test_importing_the_package_loads_no_devtools():
     loaded = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert {f"{PACKAGE}.ops", f"{PACKAGE}.session"} <= loaded  # the report is read
     assert sorted(m for m in loaded if m.startswith(f"{PACKAGE}.devtools")) == []
+
+
+def test_device_queries_go_through_one_module():
+    """Every question the run-time asks of the CUDA device is asked in backends/cuda/device.py, so a
+    fake device answers them all by replacing that one module's functions."""
+    queries = (".attributes[", ").compute_capability", "driverGetVersion", "occupancyMaxActiveBlocksPerMultiprocessor",
+               "funcGetAttribute", "funcSetAttribute", "Device().id")
+    seam = f"{PACKAGE}.backends.cuda.device"
+    askers = {name for name, path in _modules().items() if not name.startswith(f"{PACKAGE}.devtools")
+              for line in path.read_text().splitlines() if not line.lstrip().startswith("#")
+              for query in queries if query in line}
+    assert askers == {seam}

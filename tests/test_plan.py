@@ -660,8 +660,8 @@ def test_scan_launches_fit_the_opt_in_and_only_scan_kernels_take_dynamic_shared_
     from kvcanary_cupy.tables import TableKind
 
     optin = 232_448
-    monkeypatch.setattr(cb, "_device_id", lambda: 0)
-    monkeypatch.setattr(cb, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(cb.cuda_device, "current_id", lambda: 0)
+    monkeypatch.setattr(cb.cuda_device, "sm_count", lambda device_id: 132)
     monkeypatch.setattr(cb, "plan_scan_max_rows", lambda device_id: (optin - cb.PLAN_SCAN_RESERVED_SMEM) // 16 - 1)
     monkeypatch.setattr(cb, "resident_blocks_per_sm", lambda device_id, family, name, block: 4)
     launches = [launch for kind in TableKind for bs in (5, 3000, 4096, 4097, 10**6, 10**8)
@@ -682,8 +682,8 @@ def test_plan_path_and_grid_follow_the_shapes(monkeypatch):
     from kvcanary_cupy.backends import cupy_backend as cb
     from kvcanary_cupy.tables import TableKind
 
-    monkeypatch.setattr(cb, "_device_id", lambda: 0)
-    monkeypatch.setattr(cb, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(cb.cuda_device, "current_id", lambda: 0)
+    monkeypatch.setattr(cb.cuda_device, "sm_count", lambda device_id: 132)
     monkeypatch.setattr(cb, "plan_scan_max_rows", lambda device_id: 1000)
 
     def launches(bs, capacity):

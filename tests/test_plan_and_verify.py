@@ -239,7 +239,7 @@ def test_gpu_big_batches_in_one_launch(monkeypatch):
     ab = get_backend_or_skip("cupy")
     from kvcanary_cupy.backends import cupy_backend
 
-    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", cupy_backend.plan_scan_max_rows(cupy_backend._device_id()))
+    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", cupy_backend.plan_scan_max_rows(cupy_backend.cuda_device.current_id()))
     ran = 0
     for seed in range(4):
         case = _fused_case(10_000 + seed, big=True)
@@ -331,8 +331,8 @@ def test_small_batches_run_two_blocks_per_sm(monkeypatch):
     from kvcanary_cupy.backends import cupy_backend as cb
     from kvcanary_cupy.tables import TableKind
 
-    monkeypatch.setattr(cb, "_device_id", lambda: 0)
-    monkeypatch.setattr(cb, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(cb.cuda_device, "current_id", lambda: 0)
+    monkeypatch.setattr(cb.cuda_device, "sm_count", lambda device_id: 132)
 
     def config(bs, capacity):
         family, name, config = cb.plan_verify_kernel(TableKind.REQ_TO_TOKEN, bs, capacity, False, False, False, False)

@@ -650,8 +650,8 @@ def test_write_grid(monkeypatch, capacity, buffers, blocks):
     per warp scheduler, then a warp per 32 requests, for each canary buffer."""
     from kvcanary_cupy.backends import cupy_backend
 
-    monkeypatch.setattr(cupy_backend, "_device_id", lambda: 0)
-    monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: 132)
+    monkeypatch.setattr(cupy_backend.cuda_device, "current_id", lambda: 0)
+    monkeypatch.setattr(cupy_backend.cuda_device, "sm_count", lambda device_id: 132)
     monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block: 16)
     config = cupy_backend.write_config("kvcanary::canary_write<1, false, false>", capacity, buffers)
     assert config == cupy_backend.LaunchConfig(blocks, cupy_backend.WRITE_THREADS)

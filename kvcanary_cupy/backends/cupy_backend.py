@@ -4,7 +4,7 @@ Every launch goes on CuPy's current stream (the front door makes that torch's cu
 when torch tensors are involved), allocates nothing, reads nothing back and has a grid fixed by
 host-known shapes, so a whole step can be captured in a CUDA graph and replayed with new batch
 contents.  On sm_90 and later the parameter-record launches overlap the work before them
-(:mod:`.launch_overlap`).  Scalars are passed as NumPy scalars of the exact C parameter type; the
+(:mod:`.cuda.launch`).  Scalars are passed as NumPy scalars of the exact C parameter type; the
 structs of ``canary_common.cuh`` are passed by value as one-element NumPy structured arrays.  Plan, write,
 verify and the session's staging take their parameters as one record per kernel (field i =
 parameter i, passed by its address), which a bound launcher (:mod:`kvcanary_cupy.launchers`,
@@ -27,7 +27,8 @@ from ..jit import get_function, kernel_name, plan_family, step_family
 from ..plans import SCAN_STATE_TILES, VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 from ..tables import TableKind
 from ..validation import INT32_MAX, INT32_MIN
-from . import launch_overlap
+from .cuda import device as cuda_device
+from .cuda import launch as launch_overlap
 
 # The NumPy mirrors of the structs the kernels take by value; devtools/abi_check.py (KERNEL_STRUCTS)
 # checks each one's size, widths and offsets against its C struct.
@@ -112,44 +113,32 @@ ATTRIBUTE_BLOCKS_PER_SM = 2  # the attribution grid: small, since it usually exi
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
-    return import_cupy().cuda.Device(device_id).attributes["MultiProcessorCount"]
-
-
-def _device_id() -> int:
-    return import_cupy().cuda.Device().id
-
-
-@functools.lru_cache(maxsize=None)
 def resident_blocks_per_sm(device_id: int, family: str, name: str, block: int) -> int:
     """Blocks of ``block`` threads of one compiled kernel that one SM holds at once (CUDA's
     occupancy calculator over its registers and shared memory), cached per device and kernel."""
-    cupy = import_cupy()
-    fn = get_function(family, name)
-    return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, block, 0))
+    return max(1, cuda_device.max_active_blocks_per_sm(get_function(family, name), block))
 
 
 def persistent_config(family: str, name: str, block: int = THREADS) -> LaunchConfig:
     """A grid of as many blocks as are resident at once, so it runs in one wave (a larger grid
     leaves its last blocks to start after the first ones finish); the kernels loop over a count
     read on the device."""
-    device = _device_id()
-    return LaunchConfig(_sm_count(device) * resident_blocks_per_sm(device, family, name, block), block)
+    device = cuda_device.current_id()
+    return LaunchConfig(cuda_device.sm_count(device) * resident_blocks_per_sm(device, family, name, block), block)
 
 
 @functools.lru_cache(maxsize=None)
 def plan_scan_max_rows(device_id: int) -> int:
     """The most rows one scan tile holds: a block's opt-in shared memory, less the static arrays,
     at a verify and a write offset (int64) per row plus their ends."""
-    optin = import_cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
-    return (optin - PLAN_SCAN_RESERVED_SMEM) // 16 - 1
+    return (cuda_device.shared_mem_optin(device_id) - PLAN_SCAN_RESERVED_SMEM) // 16 - 1
 
 
 def plan_scan_config(rows: int, blocks: int | None = None) -> LaunchConfig:
     """``blocks`` (default: one per SM) of PLAN_THREADS, with the scan's shared arrays for ``rows``
     rows as dynamic shared memory (the kernel reads its tile size from it).  Past 48 KiB this
     relies on the kernel's opt-in, made as it was loaded (jit.LARGE_SHARED_MEM_KERNELS)."""
-    return LaunchConfig(blocks or _sm_count(_device_id()), PLAN_THREADS, (rows + 1) * 16)
+    return LaunchConfig(blocks or cuda_device.sm_count(cuda_device.current_id()), PLAN_THREADS, (rows + 1) * 16)
 
 
 def plan_one_launch_blocks(verify_capacity: int, spare: int = 0, per_sm: int = 1) -> int:
@@ -159,7 +148,7 @@ def plan_one_launch_blocks(verify_capacity: int, spare: int = 0, per_sm: int = 1
     expansion gives each warp at least 32 entries, so more blocks would only repeat the scan (and
     add to the launch)."""
     per_block = PLAN_THREADS  # 32 entries for each of its PLAN_THREADS // 32 warps
-    return max(1, min(per_sm * _sm_count(_device_id()), -(-verify_capacity // per_block) + spare))
+    return max(1, min(per_sm * cuda_device.sm_count(cuda_device.current_id()), -(-verify_capacity // per_block) + spare))
 
 
 def write_config(name: str, write_req_capacity: int, num_buffers: int) -> LaunchConfig:
@@ -168,7 +157,7 @@ def write_config(name: str, write_req_capacity: int, num_buffers: int) -> Launch
     resident warps; each buffer has warps of its own (write.cu)."""
     full = persistent_config("write", name, WRITE_THREADS)
     warps_per_block = WRITE_THREADS // 32
-    spread = _sm_count(_device_id()) * WRITE_SCHEDULERS_PER_SM
+    spread = cuda_device.sm_count(cuda_device.current_id()) * WRITE_SCHEDULERS_PER_SM
     per_buffer = min(write_req_capacity, max(-(-write_req_capacity // 32), spread))
     warps = max(num_buffers, min(max(1, per_buffer) * num_buffers, full.grid * warps_per_block))
     return LaunchConfig(-(-warps // warps_per_block), WRITE_THREADS)
@@ -305,8 +294,8 @@ class KernelLaunch(NamedTuple):
 
 def _launch_record(launch: KernelLaunch) -> None:
     """Launch a parameter record's kernel on CuPy's current stream: overlapping the work before it
-    where the device allows (:mod:`.launch_overlap`), else through CuPy."""
-    if not launch_overlap.enabled(_device_id()):
+    where the device allows (:mod:`.cuda.launch`), else through CuPy."""
+    if not launch_overlap.enabled(cuda_device.current_id()):
         _launch(launch.family, launch.name, launch.config, kernel_arguments(launch.params))
         return
     c = launch.config
@@ -397,7 +386,7 @@ def plan_params(a: PlanArgs) -> np.ndarray:
     outs["verify_capacity"] = o.verify_slot_indices.shape[0]
     outs["write_req_capacity"] = o.write_seed_slot_indices.shape[0]
     outs["clear_whole_capacity"] = a.clear_whole_capacity
-    if a.scan_state is not None and _sm_count(_device_id()) <= SCAN_STATE_TILES:  # a tile per plan_offsets block
+    if a.scan_state is not None and cuda_device.sm_count(cuda_device.current_id()) <= SCAN_STATE_TILES:  # a tile per plan_offsets block
         outs["scan_state"] = a.scan_state.data.ptr
     outs["scan_state_min_rows"] = PLAN_SCAN_STATE_MIN_ROWS
     return p
@@ -423,8 +412,8 @@ def plan_kernels(layout: int, bs: int, verify_capacity: int, has_lut: bool, has_
         name = kernel_name("plan_fused", *template_args, plan_fused_scan_rows(bs))
         return ((family, name, plan_scan_config(bs, plan_one_launch_blocks(verify_capacity))),)
     name = kernel_name("plan_offsets", *template_args)
-    device = _device_id()
-    tile_rows = min(-(-bs // _sm_count(device)), plan_scan_max_rows(device))
+    device = cuda_device.current_id()
+    tile_rows = min(-(-bs // cuda_device.sm_count(device)), plan_scan_max_rows(device))
     offsets = (family, name, plan_scan_config(tile_rows))
     if verify_capacity == 0:  # a zero-capacity plan expands nothing
         return (offsets,)
@@ -535,7 +524,7 @@ def plan_verify(a: PlanVerifyArgs) -> None:
 def scatter_config(bs: int) -> tuple[LaunchConfig, int]:
     """``(launch, rows per group)``: a group per block while the batch fits the device, then
     groups of up to SCATTER_MAX_GROUP_ROWS rows so one scan of the later rows serves many."""
-    blocks = _sm_count(_device_id()) * BLOCKS_PER_SM
+    blocks = cuda_device.sm_count(cuda_device.current_id()) * BLOCKS_PER_SM
     group_rows = max(1, min(SCATTER_MAX_GROUP_ROWS, -(-bs // blocks)))
     return LaunchConfig(max(1, min(blocks, -(-bs // group_rows))), THREADS), group_rows
 
@@ -545,7 +534,7 @@ def move(a: MoveArgs) -> None:
     page_elems = a.page_size * a.canary.shape[1]
     if n == 0:
         return
-    config = LaunchConfig(min(-(-n * page_elems // THREADS), _sm_count(_device_id()) * BLOCKS_PER_SM), THREADS)
+    config = LaunchConfig(min(-(-n * page_elems // THREADS), cuda_device.sm_count(cuda_device.current_id()) * BLOCKS_PER_SM), THREADS)
     pairs = (np.int64(a.canary.shape[0] // a.page_size), np.int64(page_elems), a.src_pages, a.dst_pages,
              np.int32(a.src_pages.dtype == np.int64), np.int64(n))
     # Three launches: every moved row is staged before any source is cleared, and every source is
@@ -599,7 +588,7 @@ class BoundStage:
         with import_cupy().cuda.Device(device):
             self._stage_fn = get_function("session", kernel_name("session_stage")).kernel
             self._attribute_fn = get_function("session", kernel_name("session_attribute")).kernel
-            self._grid = (_sm_count(device) * ATTRIBUTE_BLOCKS_PER_SM,)
+            self._grid = (cuda_device.sm_count(device) * ATTRIBUTE_BLOCKS_PER_SM,)
         self._params = params  # the launch arguments point into it
         self._stage_arguments = kernel_arguments(params)
         self._attribute_arguments = self._stage_arguments[:1]  # the same SessionStage, by address

@@ -15,7 +15,7 @@ next to the equivalent req_to_token at W1, W3 and W4, against what a user writes
 ``capacity`` times the plan at write_req_capacity = bs, 4,096 and 65,536.  ``step`` times the fused
 decode step (plan_and_verify + write) against plan + verify + write at W1, W3, W4 and W5.
 ``overlap`` times the plan and the steps with launch overlap (sm_90 and later,
-``kvcanary_cupy.backends.launch_overlap``) against plain CuPy launches.
+``kvcanary_cupy.backends.cuda.launch``) against plain CuPy launches.
 ``host`` (issue #10): host microseconds per eager call, back to back, of the free functions and of
 the bound path (CanaryPlanner, VerifyLauncher, WriteLauncher), with CuPy arrays and with CUDA
 torch tensors, against the targets and SGLang's eager calls (``benchmarks/host_profile.py``
@@ -610,7 +610,7 @@ def overlap_rows(cupy, names, rows: list):
     of the same calls (``launch_overlap.plain_launches``): graphs captured each way, their replays
     taken in turn.  A call's time in a graph of 50 includes what its launch overlaps of the call
     before it, as it would behind an engine's kernels."""
-    from ..backends import launch_overlap
+    from ..backends.cuda import launch as launch_overlap
 
     if not launch_overlap.supported(cupy.cuda.Device().id):
         return [f"launch overlap: off on this device (before sm_90, no cuLaunchKernelEx, or {launch_overlap.LAUNCH_OVERLAP_ENV}=0)"]

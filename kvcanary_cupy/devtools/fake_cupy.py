@@ -245,7 +245,7 @@ class FakeDevice:
         monkeypatch.setattr(jit, "_functions", {})
         monkeypatch.setattr(self.cupy.cuda.driver, "funcSetAttribute", set_attribute)
         monkeypatch.setattr(self.cupy.cuda.driver, "funcGetAttribute", get_attribute)
-        monkeypatch.setattr(cupy_backend, "_sm_count", lambda device_id: FakeDevice.SM_COUNT)
+        monkeypatch.setattr(cupy_backend.cuda_device, "sm_count", lambda device_id: FakeDevice.SM_COUNT)
         monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block: 4)
         monkeypatch.setattr(cupy_backend, "plan_scan_max_rows", lambda device_id: FakeDevice.PLAN_SCAN_MAX_ROWS)
         overlap = cupy_backend.launch_overlap

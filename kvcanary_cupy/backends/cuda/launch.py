@@ -22,7 +22,7 @@ import ctypes
 import functools
 import os
 
-from ..interop import import_cupy
+from . import device
 
 LAUNCH_OVERLAP_ENV = "KVCANARY_LAUNCH_OVERLAP"
 MIN_COMPUTE_CAPABILITY = 90  # griddepcontrol (PTX ISA 7.8) and the launch attribute: sm_90 and later
@@ -72,9 +72,7 @@ def supported(device_id: int) -> bool:
     with cuLaunchKernelEx) and are not turned off by KVCANARY_LAUNCH_OVERLAP=0."""
     if os.environ.get(LAUNCH_OVERLAP_ENV, "1").strip() == "0":
         return False
-    cuda = import_cupy().cuda
-    capability = int(cuda.Device(device_id).compute_capability)
-    return (capability >= MIN_COMPUTE_CAPABILITY and cuda.runtime.driverGetVersion() >= MIN_DRIVER_VERSION
+    return (device.compute_capability(device_id) >= MIN_COMPUTE_CAPABILITY and device.driver_version() >= MIN_DRIVER_VERSION
             and driver_launch() is not None)
 
 
