@@ -222,3 +222,12 @@ def test_a_canary_smaller_than_the_pool_warns_once_and_check_counts_the_unverifi
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert make_session(ab, ToyEngine()).check() == 0  # a covering canary: nothing unverified, no warning
+
+
+def test_an_overflowed_free_plan_says_how_many_entries_it_needed(ab):
+    rp, prefix, extend = [1, 2, 3], [5, 0, 9], [1, 4, 1]  # 14 verify entries
+    rtt = ab.asarray(np.arange(64, dtype=np.int32).reshape(4, 16))
+    args = [ab.asarray(np.asarray(x, np.int64)) for x in (rp, prefix, extend)]
+    for cap, enable in ((13, 0), (14, 1)):
+        vp, wp = kc.plan(*args, rtt, verify_capacity=cap)
+        assert (int(ab.to_numpy(vp.enable)[0]), wp.verify_entries_needed()) == (enable, 14)
