@@ -30,7 +30,7 @@ from .errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, 
 from .interop import allocate, backend_view, import_cupy, placement_of, stream_is_capturing
 from .launchers import VerifyLauncher, WriteLauncher, launch_stream_getter
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
-from .plans import ViolationLog, allocate_canary_buffer, check_count, check_num_sources
+from .plans import INT32_MAX, ViolationLog, allocate_canary_buffer, check_count, check_num_sources
 from .reporting import Violation, ViolationReport, reason_name, tag_name
 from .validation import check_int
 
@@ -52,6 +52,9 @@ STAGED_RECORDS = 8
 #: The violations an error message lists (the rest are in its ``report``).
 MESSAGE_MAX_LINES = 20
 POLICIES = ("raise", "log", "ignore")
+#: The launch groups that each own a share of ``ring_capacity`` rows of the session's ring (and a
+#: ticket counter), so that one group's flood cannot starve another's rows.
+RING_GROUPS = ("head", "tail", "sweep")
 
 _TAGS = {  # (head, tail, sweep) launch tags of a FULL and of an SWA session
     False: (CanaryLaunchTag.HEAD_K_FULL, CanaryLaunchTag.TAIL_K_FULL, CanaryLaunchTag.SWEEP_K_FULL),
@@ -186,7 +189,9 @@ class CanarySession:
     and written before the forward) and a TAIL buffer (after it, with real-KV fingerprints of
     ``real_kv_sources``).  ``like`` picks NumPy (None), CuPy or torch and the device of every
     buffer.  ``verify_capacity`` bounds a step's verify entries (default ``VERIFY_HEADROOM *
-    num_slots``); ``max_batch_size`` bounds its requests.  ``on_violation`` is ``"raise"``
+    num_slots``); ``max_batch_size`` bounds its requests.  ``ring_capacity`` is the ring rows a
+    step keeps per launch group (HEAD, TAIL, sweep: :data:`RING_GROUPS`), each group its own share
+    of ``log.ring``.  ``on_violation`` is ``"raise"``
     (:class:`CanaryViolationError` from ``end_step``/``check``), ``"log"`` (a WARNING per distinct
     violation to the ``"kvcanary_cupy"`` logger), ``"ignore"`` (only recorded) or a callable that
     receives the :class:`ViolationReport` of the new violations.  ``swa_window_size > 0`` makes it
@@ -212,7 +217,7 @@ class CanarySession:
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
         self.max_batch_size = check_count(max_batch_size, "max_batch_size")
-        ring_capacity = check_count(ring_capacity, "ring_capacity")
+        ring_capacity = check_count(ring_capacity, "ring_capacity", maximum=INT32_MAX // len(RING_GROUPS))
         if ring_capacity == 0:
             fail(ValueError, "ring_capacity must be positive, got 0")
         if not (callable(on_violation) or (isinstance(on_violation, str) and on_violation in POLICIES)):
@@ -250,8 +255,8 @@ class CanarySession:
         self.planner = CanaryPlanner(capacities, like=like, **self._planner_options)
         self.head_canary = allocate_canary_buffer(num_slots, like=like)
         self.tail_canary = allocate_canary_buffer(num_slots, like=like)
-        self.log = ViolationLog.allocate(ring_capacity, like=like)
-        self._layout = StageLayout(self.log.num_kinds, ring_capacity, attribution_capacity=ring_capacity)
+        self.log, self._group_logs = _group_logs(ring_capacity, like)
+        self._layout = StageLayout(self.log.num_kinds, self.log.capacity, attribution_capacity=ring_capacity)
         self._marks = allocate((num_slots,), np.int64, like=like, fill=0)
         self._placement = placement = placement_of(self.log.ring, "like")
         self._backend = get_backend(placement.backend)
@@ -264,17 +269,18 @@ class CanarySession:
         self._sweep_planner = self._sweep_stager = self._sweep_zeros = self._sweep_verify = None
 
         vp, wp = self.planner.verify_plan, self.planner.write_plan
-        common = dict(log=self.log, check_expected_token=self.check_expected_tokens)
+        head_log, tail_log = self._group_logs["head"], self._group_logs["tail"]
+        token = dict(check_expected_token=self.check_expected_tokens)
         self._kv = dict(real_kv_sources=self.real_kv_sources, real_kv_hash_mode=self.real_kv_hash_mode)
-        self._head_verify = VerifyLauncher(self.head_canary, vp, kernel_kind=self.head_tag, **common)
-        self._tail_verify = VerifyLauncher(self.tail_canary, vp, kernel_kind=self.tail_tag, **common, **self._kv)
-        self._tail_write = WriteLauncher(self.tail_canary, wp, log=self.log, kernel_kind=self.tail_tag, **self._kv)
+        self._head_verify = VerifyLauncher(self.head_canary, vp, log=head_log, kernel_kind=self.head_tag, **token)
+        self._tail_verify = VerifyLauncher(self.tail_canary, vp, log=tail_log, kernel_kind=self.tail_tag, **token, **self._kv)
+        self._tail_write = WriteLauncher(self.tail_canary, wp, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
         self._head_write_stream = None
         if overlap_head_write and placement.backend == "cupy":
             cupy = import_cupy()
             with cupy.cuda.Device(placement.device):
                 self._head_write_stream = cupy.cuda.Stream(non_blocking=True)
-        self._head_write = WriteLauncher(self.head_canary, wp, log=self.log, kernel_kind=self.head_tag,
+        self._head_write = WriteLauncher(self.head_canary, wp, log=head_log, kernel_kind=self.head_tag,
                                          stream=self._head_write_stream)
         self._head_write_unjoined = False
 
@@ -515,7 +521,7 @@ class CanarySession:
             planner = self._sweep_planner = grown
             self._sweep_zeros = allocate((capacity,), np.int64, like=self._like, fill=0)
             self._sweep_stager = self._stager(planner)
-            self._sweep_verify = VerifyLauncher(self.tail_canary, planner.verify_plan, log=self.log,
+            self._sweep_verify = VerifyLauncher(self.tail_canary, planner.verify_plan, log=self._group_logs["sweep"],
                                                 kernel_kind=self.sweep_tag, **self._kv)
         return planner
 
@@ -700,6 +706,18 @@ class CanarySession:
                 policy(report)
             finally:
                 self._in_policy = False
+
+
+def _group_logs(ring_capacity: int, like):
+    """The session's log (its ring one share of ``ring_capacity`` rows per launch group, its
+    ``write_index`` one ticket counter per share) and each group's view of it: its share and
+    counter, the counters shared (each launch counts under its own kernel kind)."""
+    log = ViolationLog.allocate(len(RING_GROUPS) * ring_capacity, like=like)
+    log = replace(log, write_index=allocate((len(RING_GROUPS),), np.int32, like=like, fill=0))
+    views = {name: replace(log, ring=log.ring[g * ring_capacity : (g + 1) * ring_capacity],
+                           write_index=log.write_index[g : g + 1])
+             for g, name in enumerate(RING_GROUPS)}
+    return log, views
 
 
 def _attribute(v: Violation, entries) -> Violation:

@@ -387,7 +387,7 @@ def test_step_calls_reject_bad_order_and_arguments_before_writing(ab):
 # -- the staging kernels against the NumPy reference ------------------------------------------------
 
 
-def _stage_case(ab, *, attribution_capacity, seed=0):
+def _stage_case(ab, *, attribution_capacity, seed=0, write_index=None):
     """A log with verify and write rows, a plan whose entries read some of their slots, and a staging."""
     from kvcanary_cupy.backends import LogViews, StageArgs, StageLayout, get_backend
     from kvcanary_cupy.interop import backend_view, placement_of
@@ -399,7 +399,7 @@ def _stage_case(ab, *, attribution_capacity, seed=0):
     ring[:n] = rng.integers(-5, 1000, (n, 8))
     ring[:n, 1] = rng.integers(-3, num_slots + 3, n)  # some slots out of range (never marked)
     ring[:n, 7] = rng.choice([1, 2, 3, 4, 32, 8, 16, 24], n)  # write rows (8, 16, 24) are not attributed
-    log = dict(ring=ring, write_index=np.array([n + 7], np.int32), violation_counters=rng.integers(0, 99, kinds),
+    log = dict(ring=ring, write_index=np.array([n + 7] if write_index is None else write_index, np.int32), violation_counters=rng.integers(0, 99, kinds),
                slot_run_counters=rng.integers(0, 99, kinds), kernel_run_counters=rng.integers(0, 99, kinds),
                out_of_range_counters=rng.integers(0, 99, kinds))
     bs, active = 9, 420

@@ -231,3 +231,69 @@ def test_an_overflowed_free_plan_says_how_many_entries_it_needed(ab):
     for cap, enable in ((13, 0), (14, 1)):
         vp, wp = kc.plan(*args, rtt, verify_capacity=cap)
         assert (int(ab.to_numpy(vp.enable)[0]), wp.verify_entries_needed()) == (enable, 14)
+
+
+# -- item 2: one launch group's flood cannot hide another's rows -----------------------------------
+
+
+def _head_flood(ab):
+    """A flood of HEAD chain failures every step (more than the 8 rows of a share) and one TAIL
+    record's real-KV fingerprint wrong, which the TAIL verify (in the same steps) and a sweep see."""
+    engine = ToyEngine()
+    session = make_session(ab, engine, ring_capacity=8, on_violation="ignore")
+    run_step(session, ab, engine.step([1, 2]), engine.rtt)  # both rows prefill 6 tokens
+    bad = int(engine.rtt[1, 5])
+
+    def tail_fault():
+        session.tail_canary[bad, 3] = 12345
+
+    for _ in range(3):
+        session.head_canary[:, 3] += 1  # every HEAD record changes: its successor's chain check fails
+        run_step(session, ab, engine.step([1, 2]), engine.rtt, before_post=tail_fault)
+        session.sweep(ab.asarray(np.array([1], np.int64)), ab.asarray(engine.lens[[1]]), ab.asarray(engine.rtt))
+    session.check()
+    return session, bad
+
+
+def test_a_head_flood_does_not_hide_tail_or_sweep_violations(ab):
+    session, bad = _head_flood(ab)
+    s, violations = session.stats, session.report().violations
+    assert s["violations_by_tag"]["HEAD_K_FULL"] > 3 * 8 and s["dropped_rows"] > 0  # HEAD overflowed its share
+    assert {(v.kernel_kind, v.slot_idx, v.position, v.fail_reason_bits) for v in violations if v.kernel_kind != HEAD} == {
+        (TAIL, bad, 5, REAL_KV), (SWEEP, bad, 5, REAL_KV)}
+    assert s["violations_by_tag"]["TAIL_K_FULL"] == s["violations_by_tag"]["SWEEP_K_FULL"] == 3
+    want, _ = _head_flood(NUMPY)
+    assert session.report().to_json() == want.report().to_json() and s == want.stats
+
+
+def test_staging_of_a_split_ring_matches_the_numpy_reference(ab):
+    """A ring of 64 rows in 4 shares of 16 with their own ticket counters (one past its share): the
+    record holds each share's rows in share order, every counter is reset."""
+    from test_session import _current_stream, _stage_case
+
+    tickets = [20, 0, 5, 16]
+    got, layout, stage = _stage_case(ab, attribution_capacity=1000, write_index=tickets)
+    want, _, want_stage = _stage_case(NUMPY, attribution_capacity=1000, write_index=tickets)
+    ring = want["ring"].copy()
+    stage(3, _current_stream(ab))
+    want_stage(3, None)
+    g, w = ab.to_numpy(got["staging"]), want["staging"]
+    rows = np.concatenate([ring[0:16], ring[32:37], ring[48:64]])
+    assert int(w[0]) == len(rows) == 37
+    np.testing.assert_array_equal(w[layout.ring : layout.ring + rows.size], rows.reshape(-1))
+    a = layout.attribution
+    np.testing.assert_array_equal(g[:a], w[:a])
+    np.testing.assert_array_equal(ab.to_numpy(got["marks"]), want["marks"])
+    assert ab.to_numpy(got["write_index"]).tolist() == want["write_index"].tolist() == [0, 0, 0, 0]
+    kept = int(w[2])
+    assert kept > 5 and int(g[2]) == kept
+    records = lambda s: sorted(map(tuple, s[a : a + 6 * kept].reshape(kept, 6).tolist()))  # GPU threads: any order
+    assert records(g) == records(w)
+
+
+def test_staging_refuses_rings_that_do_not_share_the_ring_evenly(ab):
+    from test_session import _stage_case
+
+    for tickets in ([1, 2, 3], [0] * 9):  # 64 rows in 3 shares; 9 shares (at most 8)
+        with pytest.raises(ValueError, match="equal share of the ring"):
+            _stage_case(ab, attribution_capacity=8, write_index=tickets)
