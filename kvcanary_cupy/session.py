@@ -332,7 +332,7 @@ class CanarySession:
             dtype = x.dtype
             if dtype is not _INT64 and str(dtype) not in ("int64", "torch.int64"):  # str() of a NumPy dtype costs ~1.5 us
                 fail(TypeError, f"{name} must have dtype int64, got {dtype}")
-        self._join_head_write()  # a pre_forward without post_forward: its write still reads the plan
+        self._join_head_write()  # a post_forward that raised may have left the HEAD write unjoined
         self.planner.plan(req_pool_indices, prefix_lens, extend_seq_lens, table,
                           req_to_verify_expected_tokens=expected_tokens,
                           req_to_verify_expected_tokens_valid_lens=expected_tokens_valid_lens)
@@ -442,8 +442,8 @@ class CanarySession:
         ``dropped_rows`` (never read: the ring filled within one step), ``rows_read``, ``sweeps``,
         ``health_failures``, ``out_of_range_skipped``, ``evicted_violations`` (distinct keys evicted
         from the full table, oldest first), ``untracked_rows`` (the rows of the evicted keys: the
-        report's repeats plus these are ``rows_read``), ``unattributed_entries`` (verify entries of violating
-        slots past the attribution capacity), ``staging_waits`` (stagings that waited for the oldest
+        report's repeats plus these are ``rows_read``), ``unattributed_entries`` (verify entries of
+        violating slots past the attribution capacity), ``staging_waits`` (stagings that waited for the oldest
         staged record: the host was ``STAGED_RECORDS`` stagings ahead of the device).  Safe to
         read from another thread.
         """
@@ -484,8 +484,8 @@ class CanarySession:
                                    "end_step()/check(); return from it and call end_step() for the next step")
 
     def _out_of_range_skipped(self) -> int:
-        oor = self._plan_out_of_range
-        return int(sum(self._latest[self._layout.counters + 3 * self.log.num_kinds : self._layout.ring])) + oor["step"] + oor["sweep"]
+        kernels = self._latest[self._layout.counters + 3 * self.log.num_kinds : self._layout.ring]  # out-of-range counters
+        return int(sum(kernels)) + self._plan_out_of_range["step"] + self._plan_out_of_range["sweep"]
 
     def _join_head_write(self) -> None:
         """The step's stream waits for the HEAD write queued on the side stream (when one is)."""
@@ -650,8 +650,8 @@ class CanarySession:
             self._coverage_warned = True
             _warn(f"kv-canary: {self._out_of_range_skipped()} plan inputs or kernel items were out of range of the "
                   f"canary (slots past num_slots={self.num_slots}: a canary smaller than the pool, or rows past the table) "
-                  "and were never verified; counted in "
-                  "session.stats['out_of_range_skipped'] and returned by check()", CanaryCoverageWarning)
+                  "and were never verified; counted in session.stats['out_of_range_skipped'] and returned by check()",
+                  CanaryCoverageWarning)
         if not self._eviction_warned and self._stats["evicted_violations"]:
             self._eviction_warned = True
             _warn(f"kv-canary: the session's distinct violations reached MAX_DISTINCT_VIOLATIONS={MAX_DISTINCT_VIOLATIONS}; "

@@ -399,7 +399,8 @@ def _stage_case(ab, *, attribution_capacity, seed=0, write_index=None):
     ring[:n] = rng.integers(-5, 1000, (n, 8))
     ring[:n, 1] = rng.integers(-3, num_slots + 3, n)  # some slots out of range (never marked)
     ring[:n, 7] = rng.choice([1, 2, 3, 4, 32, 8, 16, 24], n)  # write rows (8, 16, 24) are not attributed
-    log = dict(ring=ring, write_index=np.array([n + 7] if write_index is None else write_index, np.int32), violation_counters=rng.integers(0, 99, kinds),
+    write_index = np.array([n + 7] if write_index is None else write_index, np.int32)
+    log = dict(ring=ring, write_index=write_index, violation_counters=rng.integers(0, 99, kinds),
                slot_run_counters=rng.integers(0, 99, kinds), kernel_run_counters=rng.integers(0, 99, kinds),
                out_of_range_counters=rng.integers(0, 99, kinds))
     bs, active = 9, 420
