@@ -5,6 +5,9 @@
 // write_index, all in one block so the reset follows every read.  session_attribute then lists the
 // verify entries of the step's plan that read a marked slot, so the host can name the batch rows
 // of a violation after the plan has been overwritten.  With no violation it exits at once.
+// The ring may be split into num_rings equal shares, each with its own ticket counter
+// (write_index[g]), so one launch group's flood cannot starve another's rows; the record holds
+// the rows of share 0, then of share 1, and so on.
 // The record layout is StageLayout in kvcanary_cupy/backends/__init__.py; the NumPy reference
 // is session_stage in kvcanary_cupy/backends/numpy_backend.py.
 #include "canary_common.cuh"
@@ -20,11 +23,12 @@ constexpr int kStageVerifyNumValid = 4;
 constexpr int kStageBatchSize = 5;
 constexpr int kStagePlanOutOfRange = 6;
 constexpr int kAttributionFields = 6;  // slot, batch row, entry, expected position, prev slot, expected token
+constexpr int kMaxStageRings = 8;  // MAX_STAGE_RINGS in kvcanary_cupy/backends/__init__.py
 
 // Mirrored by a NumPy structured dtype (SESSION_STAGE) in kvcanary_cupy/backends/cupy_backend.py.
 struct SessionStage {
-  i64* ring;
-  int* write_index;
+  i64* ring;  // [ring_capacity, 8]: num_rings shares of ring_capacity / num_rings rows
+  int* write_index;  // [num_rings]
   const i64* violation_counters;
   const i64* slot_run_counters;
   const i64* kernel_run_counters;
@@ -46,8 +50,9 @@ struct SessionStage {
   i64 write_req_capacity;
   i64 attribution_capacity;
   i64 num_kinds;
+  i64 num_rings;  // in [1, kMaxStageRings], dividing ring_capacity (checked on the host)
 };
-static_assert(sizeof(SessionStage) == 184, "mirrored in cupy_backend.py");
+static_assert(sizeof(SessionStage) == 192, "mirrored in cupy_backend.py");
 
 __device__ __forceinline__ i64 clamp_count(i64 v, i64 hi) { return v < 0 ? 0 : (v > hi ? hi : v); }
 
@@ -55,9 +60,17 @@ __device__ __forceinline__ i64 clamp_count(i64 v, i64 hi) { return v < 0 ? 0 : (
 __global__ void session_stage(SessionStage s, i64 stamp) {
   wait_for_prior_grids();
   __shared__ i64 rows;
+  __shared__ i64 counts[kMaxStageRings], starts[kMaxStageRings];  // rows of share g, their first row in the record
   const int tid = threadIdx.x;
+  const i64 share = s.ring_capacity / s.num_rings;
   if (tid == 0) {
-    rows = clamp_count(*s.write_index, s.ring_capacity);
+    i64 total = 0;
+    for (i64 g = 0; g < s.num_rings; ++g) {
+      counts[g] = clamp_count(s.write_index[g], share);
+      starts[g] = total;
+      total += counts[g];
+    }
+    rows = total;
     s.staging[kStageRows] = rows;
     s.staging[kStageStamp] = stamp;
     s.staging[kStageMatches] = 0;
@@ -68,7 +81,6 @@ __global__ void session_stage(SessionStage s, i64 stamp) {
     s.staging[7] = 0;
   }
   __syncthreads();
-  const i64 n = rows;
   i64* counters = s.staging + kStageHeaderFields;
   for (i64 k = tid; k < s.num_kinds; k += blockDim.x) {
     counters[k] = s.violation_counters[k];
@@ -77,15 +89,21 @@ __global__ void session_stage(SessionStage s, i64 stamp) {
     counters[3 * s.num_kinds + k] = s.out_of_range_counters[k];
   }
   i64* ring_out = counters + 4 * s.num_kinds;
-  for (i64 i = tid; i < n * kViolationFields; i += blockDim.x) ring_out[i] = s.ring[i];
-  for (i64 r = tid; r < n; r += blockDim.x) {
-    const i64* row = s.ring + r * kViolationFields;
-    const i64 slot = row[1];
-    if ((row[7] & (kWriteTokenMismatch | kWritePositionMismatch)) == 0 && slot > 0 && slot < s.num_slots)
-      s.marks[slot] = stamp;
+  for (i64 g = 0; g < s.num_rings; ++g) {
+    const i64 n = counts[g];
+    const i64* ring = s.ring + g * share * kViolationFields;
+    i64* out = ring_out + starts[g] * kViolationFields;
+    for (i64 i = tid; i < n * kViolationFields; i += blockDim.x) out[i] = ring[i];
+    for (i64 r = tid; r < n; r += blockDim.x) {
+      const i64* row = ring + r * kViolationFields;
+      const i64 slot = row[1];
+      if ((row[7] & (kWriteTokenMismatch | kWritePositionMismatch)) == 0 && slot > 0 && slot < s.num_slots)
+        s.marks[slot] = stamp;
+    }
   }
   __syncthreads();
-  if (tid == 0) *s.write_index = 0;
+  if (tid == 0)
+    for (i64 g = 0; g < s.num_rings; ++g) s.write_index[g] = 0;
 }
 
 // The batch row owning verify entry e: the number of r in [1, bs] with verify_offsets[r] <= e,

@@ -32,7 +32,7 @@ from .constants import (
     FailReason,
     RealKvHashMode,
 )
-from .errors import CanaryHealthError, CanaryViolationError
+from .errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError
 from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
 from .interop import join_stream
 from .jit import warmup
@@ -66,9 +66,11 @@ __all__ = [
     "CanaryCapacities",
     "CanaryHealthError",
     "CanaryCapacityWarning",
+    "CanaryCoverageWarning",
     "CanaryLaunchTag",
     "CanaryPlanner",
     "CanarySession",
+    "CanaryUsageError",
     "CanaryViolationError",
     "FailReason",
     "PagedKvIndices",

@@ -138,6 +138,17 @@ class ScatterArgs(NamedTuple):
 STAGE_HEADER = ("rows", "stamp", "matches", "enable", "verify_num_valid", "batch_size", "plan_out_of_range")
 STAGE_HEADER_FIELDS = 8  # the header above, padded
 ATTRIBUTION = ("slot", "batch_row", "entry", "expected_position", "prev_slot", "expected_token")
+MAX_STAGE_RINGS = 8  # kMaxStageRings in kernels/session.cu
+
+
+def stage_rings(log) -> tuple:
+    """``(rings, rows per ring)`` of a staged log: ``write_index`` holds one ticket counter per ring,
+    and the ring their equal shares, share g at rows ``[g * rows, (g + 1) * rows)``."""
+    rings, capacity = int(log.write_index.shape[0]), int(log.ring.shape[0])
+    if not 1 <= rings <= MAX_STAGE_RINGS or capacity % rings:
+        raise ValueError(f"kv-canary: a staged log needs 1..{MAX_STAGE_RINGS} write indices, each owning an equal "
+                         f"share of the ring; got {rings} for {capacity} rows")
+    return rings, capacity // rings
 
 
 class StageLayout(NamedTuple):

@@ -77,3 +77,14 @@ class CanaryViolationError(RuntimeError):
 
 class CanaryHealthError(RuntimeError):
     """The canary did not run: no canary kernel of a launch tag ran between two ``end_step`` calls."""
+
+
+class CanaryUsageError(RuntimeError):
+    """A session's methods were called out of order (the message names the expected order), or
+    ``end_step``/``check``/``sweep`` from inside the session's own ``on_violation`` callback."""
+
+
+class CanaryCoverageWarning(UserWarning):
+    """Something the canary was asked to check was not checked: plan inputs or kernel items out of
+    range of the canary (a canary smaller than the pool it guards), or violation keys evicted from a
+    session's full distinct table.  Warned once per session; the counts are in ``stats``."""

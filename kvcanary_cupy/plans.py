@@ -20,7 +20,7 @@ from .constants import (
     VIOLATION_FIELDS,
 )
 from .errors import fail, public_api
-from .interop import allocate, placement_of, refuse_during_capture
+from .interop import allocate, placement_of, refuse_during_capture, to_numpy
 from .validation import _is_int, check_count
 
 
@@ -161,6 +161,13 @@ class WritePlan(_PlanRecord):
         record = cls._allocate(write_req_capacity, like)
         record.__dict__["_kvcanary_scan_state"] = allocate((3 * SCAN_STATE_TILES,), np.int64, like=like, fill=0)
         return record
+
+    def verify_entries_needed(self) -> int:
+        """The verify entries the last plan into this record asked for (``verify_offsets[bs]``; a host
+        read, so a sync on a GPU).  More than its VerifyPlan's ``verify_capacity`` means that plan
+        overflowed: ``enable == 0`` and its verify was skipped; size ``verify_capacity`` to this."""
+        bs = int(to_numpy(self.write_num_valid_reqs)[0])
+        return int(to_numpy(self.verify_offsets[bs : bs + 1])[0])
 
 
 @dataclass(frozen=True)

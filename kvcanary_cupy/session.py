@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
+import threading
 import warnings
 from dataclasses import replace
 
@@ -24,20 +26,22 @@ import numpy as np
 from .args import ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_INPUT_FIELDS, LogViews, StageArgs, StageLayout
 from .backends import get_backend
 from .constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
-from .errors import CanaryHealthError, CanaryViolationError, fail, public_api
+from .errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError, fail, public_api
 from .interop import allocate, backend_view, import_cupy, placement_of, stream_is_capturing
 from .launchers import VerifyLauncher, WriteLauncher, launch_stream_getter
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import ViolationLog, allocate_canary_buffer, check_num_sources
 from .reporting import Violation, ViolationReport, reason_name, tag_name
-from .validation import I64, check_count, check_int
+from .validation import I64, INT32_MAX, check_count, check_int
 
 logger = logging.getLogger("kvcanary_cupy")
 
 #: ``verify_capacity`` defaults to this many times ``num_slots`` (``CanaryCapacities.from_engine``'s
 #: headroom: radix sharing lets a batch's summed prefixes exceed the pool).
 VERIFY_HEADROOM = 3
-#: Distinct violations kept per session; rows of further new ones are counted in ``stats``.
+#: Distinct violations a session keeps.  When the table is full, a new key evicts the oldest one
+#: (first seen longest ago): every new violation still reaches the policy and ``report()``; the
+#: evicted keys and their rows are counted in ``stats`` (``evicted_violations``, ``untracked_rows``).
 MAX_DISTINCT_VIOLATIONS = 65536
 #: Under ``on_violation="log"``, this many new violations at once add a summary line.
 LOG_SUMMARY_AT = 5
@@ -48,6 +52,9 @@ STAGED_RECORDS = 8
 #: The violations an error message lists (the rest are in its ``report``).
 MESSAGE_MAX_LINES = 20
 POLICIES = ("raise", "log", "ignore")
+#: The launch groups that each own a share of ``ring_capacity`` rows of the session's ring (and a
+#: ticket counter), so that one group's flood cannot starve another's rows.
+RING_GROUPS = ("head", "tail", "sweep")
 
 _TAGS = {  # (head, tail, sweep) launch tags of a FULL and of an SWA session
     False: (CanaryLaunchTag.HEAD_K_FULL, CanaryLaunchTag.TAIL_K_FULL, CanaryLaunchTag.SWEEP_K_FULL),
@@ -56,6 +63,15 @@ _TAGS = {  # (head, tail, sweep) launch tags of a FULL and of an SWA session
 _ATTRIBUTION = {name: i for i, name in enumerate(ATTRIBUTION)}
 _ROWS, _MATCHES, _ENABLE, _NUM_VALID, _PLAN_OUT_OF_RANGE = (
     STAGE_HEADER.index(k) for k in ("rows", "matches", "enable", "verify_num_valid", "plan_out_of_range"))
+_STEP_ORDER = "pre_forward(), post_forward(), end_step() per step"
+
+
+def _warn(message: str, category) -> None:
+    """Warn at the first frame outside this module (the engine's call of a session method)."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: the frame that called _warn
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class _Record:
@@ -172,7 +188,9 @@ class CanarySession:
     and written before the forward) and a TAIL buffer (after it, with real-KV fingerprints of
     ``real_kv_sources``).  ``like`` picks NumPy (None), CuPy or torch and the device of every
     buffer.  ``verify_capacity`` bounds a step's verify entries (default ``VERIFY_HEADROOM *
-    num_slots``); ``max_batch_size`` bounds its requests.  ``on_violation`` is ``"raise"``
+    num_slots``); ``max_batch_size`` bounds its requests.  ``ring_capacity`` is the ring rows a
+    step keeps per launch group (HEAD, TAIL, sweep: :data:`RING_GROUPS`), each group its own share
+    of ``log.ring``.  ``on_violation`` is ``"raise"``
     (:class:`CanaryViolationError` from ``end_step``/``check``), ``"log"`` (a WARNING per distinct
     violation to the ``"kvcanary_cupy"`` logger), ``"ignore"`` (only recorded) or a callable that
     receives the :class:`ViolationReport` of the new violations.  ``swa_window_size > 0`` makes it
@@ -198,7 +216,7 @@ class CanarySession:
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
         self.max_batch_size = check_count(max_batch_size, "max_batch_size")
-        ring_capacity = check_count(ring_capacity, "ring_capacity")
+        ring_capacity = check_count(ring_capacity, "ring_capacity", maximum=INT32_MAX // len(RING_GROUPS))
         if ring_capacity == 0:
             fail(ValueError, "ring_capacity must be positive, got 0")
         if not (callable(on_violation) or (isinstance(on_violation, str) and on_violation in POLICIES)):
@@ -236,8 +254,8 @@ class CanarySession:
         self.planner = CanaryPlanner(capacities, like=like, **self._planner_options)
         self.head_canary = allocate_canary_buffer(num_slots, like=like)
         self.tail_canary = allocate_canary_buffer(num_slots, like=like)
-        self.log = ViolationLog.allocate(ring_capacity, like=like)
-        self._layout = StageLayout(self.log.num_kinds, ring_capacity, attribution_capacity=ring_capacity)
+        self.log, self._group_logs = _group_logs(ring_capacity, like)
+        self._layout = StageLayout(self.log.num_kinds, self.log.capacity, attribution_capacity=ring_capacity)
         self._marks = allocate((num_slots,), np.int64, like=like, fill=0)
         self._placement = placement = placement_of(self.log.ring, "like")
         self._backend = get_backend(placement.backend)
@@ -250,17 +268,18 @@ class CanarySession:
         self._sweep_planner = self._sweep_stager = self._sweep_zeros = self._sweep_verify = None
 
         vp, wp = self.planner.verify_plan, self.planner.write_plan
-        common = dict(log=self.log, check_expected_token=self.check_expected_tokens)
+        head_log, tail_log = self._group_logs["head"], self._group_logs["tail"]
+        token = dict(check_expected_token=self.check_expected_tokens)
         self._kv = dict(real_kv_sources=self.real_kv_sources, real_kv_hash_mode=self.real_kv_hash_mode)
-        self._head_verify = VerifyLauncher(self.head_canary, vp, kernel_kind=self.head_tag, **common)
-        self._tail_verify = VerifyLauncher(self.tail_canary, vp, kernel_kind=self.tail_tag, **common, **self._kv)
-        self._tail_write = WriteLauncher(self.tail_canary, wp, log=self.log, kernel_kind=self.tail_tag, **self._kv)
+        self._head_verify = VerifyLauncher(self.head_canary, vp, log=head_log, kernel_kind=self.head_tag, **token)
+        self._tail_verify = VerifyLauncher(self.tail_canary, vp, log=tail_log, kernel_kind=self.tail_tag, **token, **self._kv)
+        self._tail_write = WriteLauncher(self.tail_canary, wp, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
         self._head_write_stream = None
         if overlap_head_write and placement.backend == "cupy":
             cupy = import_cupy()
             with cupy.cuda.Device(placement.device):
                 self._head_write_stream = cupy.cuda.Stream(non_blocking=True)
-        self._head_write = WriteLauncher(self.head_canary, wp, log=self.log, kernel_kind=self.head_tag,
+        self._head_write = WriteLauncher(self.head_canary, wp, log=head_log, kernel_kind=self.head_tag,
                                          stream=self._head_write_stream)
         self._head_write_unjoined = False
 
@@ -268,16 +287,20 @@ class CanarySession:
         self._step_inputs = None  # (input_ids, positions, out_cache_loc) between pre_ and post_forward
         self._step_open = False
         self._distinct = {}  # key -> [Violation, repeats, last step]
-        self._new, self._problems = [], []  # handled since the policy was last applied: new keys, health messages
+        self._new, self._problems = {}, []  # handled since the policy was last applied: new keys (in order), health messages
+        self._undelivered = {}  # key -> entry of new keys evicted before the policy saw them
         self._latest = [0] * self._layout.ring  # the latest handled record's header and four counter arrays
         runs = self._layout.counters + 2 * self.log.num_kinds  # where the kernel-run counters start
         self._runs_at = (runs + self.head_tag, runs + self.tail_tag)
         self._runs_at_last_step = (0, 0)  # kernel runs of the HEAD and TAIL tags at the last step handled
         self._rows_by_reason = {reason_name(m): 0 for m in FailReason}
         self._plan_out_of_range = {"step": 0, "sweep": 0}  # the plans' cumulative counts, as last handled
-        self._capacity_warned = False
+        self._capacity_warned = self._coverage_warned = self._eviction_warned = False
+        self._in_policy = False  # inside the on_violation callback
+        self._lock = threading.Lock()  # held while handled results change, so another thread can read them
         self._stats = dict(steps=0, verified_entries=0, verify_skipped_steps=0, verify_skipped_sweeps=0, sweeps=0,
-                           rows_read=0, health_failures=0, untracked_rows=0, unattributed_entries=0, staging_waits=0)
+                           rows_read=0, health_failures=0, untracked_rows=0, evicted_violations=0,
+                           unattributed_entries=0, staging_waits=0)
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -294,6 +317,9 @@ class CanarySession:
         :meth:`post_forward` joins it: ``input_ids``, ``positions`` and ``out_cache_loc`` must stay
         alive and unchanged until then (the TAIL write reads them there too).
         """
+        if self._step_inputs is not None:
+            fail(CanaryUsageError, f"pre_forward() twice without post_forward() or end_step() in between; call {_STEP_ORDER} "
+                                   "(a repeated HEAD write without its TAIL write would read as KV corruption)")
         bs = _length(prefix_lens, "prefix_lens")  # req_pool_indices is None with a PagedKvIndices table
         if bs > self.max_batch_size:
             fail(ValueError, f"bs={bs} (len(prefix_lens)) exceeds the session's max_batch_size={self.max_batch_size}")
@@ -305,7 +331,7 @@ class CanarySession:
             dtype = x.dtype
             if dtype is not I64 and str(dtype) not in ("int64", "torch.int64"):  # str() of a NumPy dtype costs ~1.5 us
                 fail(TypeError, f"{name} must have dtype int64, got {dtype}")
-        self._join_head_write()  # a pre_forward without post_forward: its write still reads the plan
+        self._join_head_write()  # a post_forward that raised may have left the HEAD write unjoined
         self.planner.plan(req_pool_indices, prefix_lens, extend_seq_lens, table,
                           req_to_verify_expected_tokens=expected_tokens,
                           req_to_verify_expected_tokens_valid_lens=expected_tokens_valid_lens)
@@ -322,7 +348,7 @@ class CanarySession:
         Capture-safe like :meth:`pre_forward`.
         """
         if self._step_inputs is None:
-            fail(RuntimeError, "post_forward() needs a pre_forward() of the same step before it")
+            fail(CanaryUsageError, f"post_forward() needs a pre_forward() of the same step before it; call {_STEP_ORDER}")
         self._tail_verify()
         self._tail_write(*self._step_inputs)
         self._join_head_write()
@@ -334,15 +360,21 @@ class CanarySession:
         Never blocks, unless the host has run ``STAGED_RECORDS`` stagings ahead of the device:
         then it waits for the oldest one's copy (counted in ``stats["staging_waits"]``).  Raises
         :class:`CanaryViolationError` / :class:`CanaryHealthError` under ``on_violation="raise"``
-        when a handled step brought new violations / ran no canary kernel.
+        when a handled step brought new violations / ran no canary kernel, and
+        :class:`CanaryUsageError` when called from inside the ``on_violation`` callback.
+
+        An exception (an interrupt) before the step is staged leaves it open: call ``end_step``
+        again.  One while earlier records are handled leaves them pending for the next call; the
+        step itself is ended.  Either way no row or count is lost.
         """
+        self._refuse_in_policy("end_step")
         stream = self._launch_stream("end_step")
         self._join_head_write()  # post_forward was not called: the staging reads the log the write fills
-        self._step_open = False
         stats = self._stats
         first = self._stamp + 1  # the stamp of this step's staging: it and later ones stay pending
         self._stage("step", stats["steps"], self._step_stager, stream)
         stats["steps"] += 1
+        self._step_open, self._step_inputs = False, None
         if self.sweep_every and stats["steps"] % self.sweep_every == 0:
             source = self.sweep_source()
             if source is not None:
@@ -350,12 +382,18 @@ class CanarySession:
         self._drain(first)
         self._apply_policy()
 
-    def check(self):
-        """Block until every staged step and sweep is handled, then apply the policy."""
+    def check(self) -> int:
+        """Block until every staged step and sweep is handled, then apply the policy.
+
+        Returns how many plan inputs and kernel items were skipped as out of range of the canary so
+        far, never verified (``stats["out_of_range_skipped"]``; 0 when the canary covers the pool).
+        """
+        self._refuse_in_policy("check")
         self._launch_stream("check")
         self._transport.synchronize()
         self._drain(None)
         self._apply_policy()
+        return self._out_of_range_skipped()
 
     @public_api
     def sweep(self, req_pool_indices, seq_lens, table):
@@ -366,9 +404,10 @@ class CanarySession:
         ``pre_forward``; staged like a step and handled by the next ``end_step``/``check``.  A
         violation's ``batch_rows`` are indices into these sequences.
         """
+        self._refuse_in_policy("sweep")
         stream = self._launch_stream("sweep")
         if self._step_open:
-            fail(RuntimeError, "sweep() between pre_forward() and end_step() would mix the sweep's violations with the "
+            fail(CanaryUsageError, "sweep() between pre_forward() and end_step() would mix the sweep's violations with the "
                                "step's; call it after end_step()")
         n = _length(seq_lens, "seq_lens")  # req_pool_indices is None with a PagedKvIndices table
         planner = self._sweep_planner_for(n)
@@ -386,8 +425,10 @@ class CanarySession:
     # -- results -----------------------------------------------------------------------------------
 
     def report(self) -> ViolationReport:
-        """Every distinct violation handled so far, in first-seen order, with the session's totals."""
-        return self._report(self._distinct)
+        """Every distinct violation handled so far (the newest ``MAX_DISTINCT_VIOLATIONS``), in
+        first-seen order, with the session's totals.  Safe to call from another thread."""
+        with self._lock:
+            return self._report(self._distinct.values())
 
     @property
     def stats(self) -> dict:
@@ -398,24 +439,26 @@ class CanarySession:
         ``distinct_violations``, ``violations_by_reason`` (rows read), ``violations_by_tag``
         (exact), ``verify_skipped_steps`` / ``verify_skipped_sweeps`` (capacity overflow),
         ``dropped_rows`` (never read: the ring filled within one step), ``rows_read``, ``sweeps``,
-        ``health_failures``, ``out_of_range_skipped``, ``untracked_rows`` (rows of new violations
-        past ``MAX_DISTINCT_VIOLATIONS``), ``unattributed_entries`` (verify entries of violating
-        slots past the attribution capacity), ``staging_waits`` (stagings that waited for the oldest
-        staged record: the host was ``STAGED_RECORDS`` stagings ahead of the device).
+        ``health_failures``, ``out_of_range_skipped``, ``evicted_violations`` (distinct keys evicted
+        from the full table, oldest first), ``untracked_rows`` (the rows of the evicted keys: the
+        report's repeats plus these are ``rows_read``), ``unattributed_entries`` (verify entries of
+        violating slots past the attribution capacity), ``staging_waits`` (stagings that waited for the oldest
+        staged record: the host was ``STAGED_RECORDS`` stagings ahead of the device).  Safe to
+        read from another thread.
         """
-        s = dict(self._stats)
-        counters = self._counter_arrays()
-        total = int(counters[0].sum())
-        oor = self._plan_out_of_range
-        s.update(
-            pending_steps=sum(r.kind == "step" for r in self._pending),
-            violations=total,
-            distinct_violations=len(self._distinct),
-            violations_by_reason={k: n for k, n in self._rows_by_reason.items() if n},
-            violations_by_tag={tag_name(k): int(n) for k, n in enumerate(counters[0]) if n},
-            dropped_rows=total - s["rows_read"],
-            out_of_range_skipped=int(counters[3].sum()) + oor["step"] + oor["sweep"],
-        )
+        with self._lock:
+            s = dict(self._stats)
+            counters = self._counter_arrays()
+            total = int(counters[0].sum())
+            s.update(
+                pending_steps=sum(r.kind == "step" for r in self._pending),
+                violations=total,
+                distinct_violations=len(self._distinct),
+                violations_by_reason={k: n for k, n in self._rows_by_reason.items() if n},
+                violations_by_tag={tag_name(k): int(n) for k, n in enumerate(counters[0]) if n},
+                dropped_rows=total - s["rows_read"],
+                out_of_range_skipped=self._out_of_range_skipped(),
+            )
         return s
 
     def __repr__(self) -> str:
@@ -433,6 +476,15 @@ class CanarySession:
             fail(RuntimeError, f"{what}() must run outside CUDA graph capture (it stages copies and reads host "
                                "memory); capture only pre_forward() and post_forward()")
         return stream
+
+    def _refuse_in_policy(self, what: str) -> None:
+        if self._in_policy:
+            fail(CanaryUsageError, f"{what}() from inside the on_violation callback: the callback runs within "
+                                   "end_step()/check(); return from it and call end_step() for the next step")
+
+    def _out_of_range_skipped(self) -> int:
+        kernels = self._latest[self._layout.counters + 3 * self.log.num_kinds : self._layout.ring]  # out-of-range counters
+        return int(sum(kernels)) + self._plan_out_of_range["step"] + self._plan_out_of_range["sweep"]
 
     def _join_head_write(self) -> None:
         """The step's stream waits for the HEAD write queued on the side stream (when one is)."""
@@ -468,20 +520,23 @@ class CanarySession:
             planner = self._sweep_planner = grown
             self._sweep_zeros = allocate((capacity,), np.int64, like=self._like, fill=0)
             self._sweep_stager = self._stager(planner)
-            self._sweep_verify = VerifyLauncher(self.tail_canary, planner.verify_plan, log=self.log,
+            self._sweep_verify = VerifyLauncher(self.tail_canary, planner.verify_plan, log=self._group_logs["sweep"],
                                                 kernel_kind=self.sweep_tag, **self._kv)
         return planner
 
     def _stage(self, kind: str, step: int, stager, stream) -> None:
+        """Stage into a free record; it joins the pending ones only once its staging was queued, so
+        an exception (an interrupt) on the way leaves it free and the log to the next staging."""
         if not self._free:  # every record is in flight: the host ran STAGED_RECORDS stagings ahead of the device
             self._stats["staging_waits"] += 1
             self._transport.wait(self._pending[0])
             self._handle_oldest()  # its results reach the policy with this end_step's (or the next one's)
-        record = self._free.pop()
-        self._stamp += 1
+        record = self._free[-1]
+        self._stamp += 1  # a stamp is never reused, even by a staging that failed
         record.kind, record.step, record.stamp = kind, step, self._stamp
         self._transport.stage(stager, record, self._stamp, stream)
-        self._pending.append(record)
+        with self._lock:
+            self._pending.append(self._free.pop())
 
     def _drain(self, before) -> None:
         """Handle, oldest first, the staged records stamped before ``before`` (None: all) whose copy has landed."""
@@ -490,65 +545,56 @@ class CanarySession:
             self._handle_oldest()
 
     def _handle_oldest(self) -> None:
-        """Handle the oldest staged record (its copy has landed) and free it."""
-        record = self._pending.popleft()
-        try:
-            self._process(record)
-        finally:
-            self._free.append(record)
+        """Handle the oldest staged record (its copy has landed) and free it.  Decoding changes
+        nothing; an exception there leaves the record pending, handled whole by the next call."""
+        record = self._pending[0]
+        decoded = self._decode(record)
+        with self._lock:
+            self._commit(record, *decoded)
+            self._free.append(self._pending.popleft())
+        self._warn_after(record.kind)
 
-    def _process(self, record: _Record) -> None:
+    def _decode(self, record: _Record):
+        """What handling ``record`` adds: ``(head, stats increments, health problem or None, rows
+        per reason, key -> [new Violation or None, rows])``."""
         head = record.head.tolist()  # the header and the exact int64 counters, in one read
-        self._latest = head
-        kind = record.kind
-        self._plan_out_of_range[kind] = head[_PLAN_OUT_OF_RANGE]
+        kind, add, problem = record.kind, collections.Counter(), None
         if head[_ENABLE] == 0:
-            self._stats[f"verify_skipped_{kind}s"] += 1
-            self._warn_capacity(kind)
+            add[f"verify_skipped_{kind}s"] += 1
         else:
-            self._stats["verified_entries"] += max(head[_NUM_VALID], 0)
+            add["verified_entries"] += max(head[_NUM_VALID], 0)
         if kind == "step":
             runs, before = (head[self._runs_at[0]], head[self._runs_at[1]]), self._runs_at_last_step
-            self._runs_at_last_step = runs
             if runs[0] <= before[0] or runs[1] <= before[1]:
                 stalled = [tag.name for tag, now, was in zip((self.head_tag, self.tail_tag), runs, before) if now <= was]
-                self._stats["health_failures"] += 1
-                self._problems.append(f"kv-canary: no canary kernel ran for launch tags {stalled} in step {record.step} "
-                                      "(between two end_step calls); is pre_forward()/post_forward() part of the graph you replay?")
+                add["health_failures"] += 1
+                problem = (f"kv-canary: no canary kernel ran for launch tags {stalled} in step {record.step} "
+                           "(between two end_step calls); is pre_forward()/post_forward() part of the graph you replay?")
+        by_reason, keys = {}, {}
         if head[_ROWS]:
-            self._collect(record, head[_ROWS], head[_MATCHES])
+            by_reason, keys = self._decode_rows(record, head[_ROWS], head[_MATCHES], add)
+        return head, add, problem, by_reason, keys
 
-    def _warn_capacity(self, kind: str) -> None:
-        if self._capacity_warned:
-            return
-        self._capacity_warned = True
-        warnings.warn(
-            f"kv-canary: a {kind}'s verify plan overflowed verify_capacity={self.planner.capacities.verify_capacity}, so "
-            "its verify was skipped; further skips are counted in session.stats['verify_skipped_steps'/'_sweeps']. "
-            "Raise verify_capacity.", CanaryCapacityWarning, stacklevel=5)  # the caller of end_step or check
-
-    def _collect(self, record: _Record, n: int, matches: int) -> None:
-        """Decode the ring rows of one record into distinct violations (attributed when new)."""
+    def _decode_rows(self, record: _Record, n: int, matches: int, add):
+        """Decode the ring rows of one record by key (new keys attributed)."""
         layout, host = self._layout, record.host
         rows = host[layout.ring : layout.ring + 8 * n].reshape(n, 8)
         rows = rows[np.lexsort((rows[:, 7], rows[:, 2], rows[:, 1], rows[:, 0]))]  # a fixed order on every backend
-        self._stats["rows_read"] += n
-        for m in FailReason:
-            self._rows_by_reason[reason_name(m)] += int(np.count_nonzero(rows[:, 7] & m.value))
+        add["rows_read"] += n
+        by_reason = {reason_name(m): int(np.count_nonzero(rows[:, 7] & m.value)) for m in FailReason}
         kept = min(matches, layout.attribution_capacity)
-        self._stats["unattributed_entries"] += matches - kept
+        add["unattributed_entries"] += matches - kept
         width = len(ATTRIBUTION)
         attribution = host[layout.attribution : layout.attribution + width * kept].reshape(kept, width)
-        by_slot = None
+        by_slot, keys, distinct = None, {}, self._distinct
         for row in rows.tolist():
             key = (row[0], row[1], row[2], row[7])
-            seen = self._distinct.get(key)
+            seen = keys.get(key)
             if seen is not None:
                 seen[1] += 1
-                seen[2] = record.step
                 continue
-            if len(self._distinct) >= MAX_DISTINCT_VIOLATIONS:
-                self._stats["untracked_rows"] += 1
+            if key in distinct:
+                keys[key] = [None, 1]
                 continue
             v = Violation.from_row(row)
             if not v.is_write:
@@ -557,16 +603,68 @@ class CanarySession:
                     for entry in attribution[np.argsort(attribution[:, _ATTRIBUTION["entry"]], kind="stable")].tolist():
                         by_slot[entry[_ATTRIBUTION["slot"]]].append(entry)
                 v = _attribute(v, by_slot.get(v.slot_idx, ()))
-            self._distinct[key] = [replace(v, first_step=record.step), 1, record.step]
-            self._new.append(key)
+            keys[key] = [replace(v, first_step=record.step), 1]
+        return by_reason, keys
+
+    def _commit(self, record: _Record, head, add, problem, by_reason, keys) -> None:
+        """Apply one decoded record (under the lock): plain assignments and dict updates only."""
+        stats, distinct, step = self._stats, self._distinct, record.step
+        self._latest = head
+        self._plan_out_of_range[record.kind] = head[_PLAN_OUT_OF_RANGE]
+        if record.kind == "step":
+            self._runs_at_last_step = (head[self._runs_at[0]], head[self._runs_at[1]])
+        for k, n in add.items():
+            stats[k] += n
+        if problem is not None:
+            self._problems.append(problem)
+        for k, n in by_reason.items():
+            self._rows_by_reason[k] += n
+        new = []
+        for key, (v, n) in keys.items():  # known keys first: an eviction below may take one of them
+            if v is None:
+                seen = distinct[key]
+                seen[1] += n
+                seen[2] = step
+            else:
+                new.append((key, v, n))
+        for key, v, n in new:
+            if len(distinct) >= MAX_DISTINCT_VIOLATIONS:
+                oldest = next(iter(distinct))
+                entry = distinct.pop(oldest)
+                if oldest in self._new:  # the policy still gets it
+                    self._undelivered[oldest] = entry
+                stats["untracked_rows"] += entry[1]
+                stats["evicted_violations"] += 1
+            distinct[key] = [v, n, step]
+            self._new[key] = None
+
+    def _warn_after(self, kind: str) -> None:
+        """The session's one-time warnings, once the record that calls for them is handled."""
+        if not self._capacity_warned and self._stats[f"verify_skipped_{kind}s"]:
+            self._capacity_warned = True
+            _warn(f"kv-canary: a {kind}'s verify plan overflowed verify_capacity={self.planner.capacities.verify_capacity}, "
+                  "so its verify was skipped; further skips are counted in session.stats['verify_skipped_steps'/'_sweeps']. "
+                  "Raise verify_capacity.", CanaryCapacityWarning)
+        if not self._coverage_warned and self._out_of_range_skipped():
+            self._coverage_warned = True
+            _warn(f"kv-canary: {self._out_of_range_skipped()} plan inputs or kernel items were out of range of the "
+                  f"canary (slots past num_slots={self.num_slots}: a canary smaller than the pool, or rows past the table) "
+                  "and were never verified; counted in session.stats['out_of_range_skipped'] and returned by check()",
+                  CanaryCoverageWarning)
+        if not self._eviction_warned and self._stats["evicted_violations"]:
+            self._eviction_warned = True
+            _warn(f"kv-canary: the session's distinct violations reached MAX_DISTINCT_VIOLATIONS={MAX_DISTINCT_VIOLATIONS}; "
+                  "each new one now evicts the oldest (counted in session.stats['evicted_violations'] and "
+                  "['untracked_rows']) and still reaches the policy", CanaryCoverageWarning)
 
     def _counter_arrays(self) -> np.ndarray:
         """The latest handled record's violation, slot-run, kernel-run and out-of-range counters."""
         return np.array(self._latest[STAGE_HEADER_FIELDS:], np.int64).reshape(4, self.log.num_kinds)
 
-    def _report(self, keys) -> ViolationReport:
+    def _report(self, entries) -> ViolationReport:
+        """A report of ``entries`` (``[Violation, repeats, last step]`` of the distinct table)."""
         c = self._counter_arrays()
-        violations = tuple(replace(v, repeats=n, last_step=last) for v, n, last in (self._distinct[k] for k in keys))
+        violations = tuple(replace(v, repeats=n, last_step=last) for v, n, last in entries)
         return ViolationReport(violations=violations, total_violations=int(c[0].sum()), ring_capacity=self.log.capacity,
                                violation_counters=c[0], slot_run_counters=c[1], kernel_run_counters=c[2],
                                out_of_range_counters=c[3],
@@ -576,8 +674,9 @@ class CanarySession:
         new, problems = self._new, self._problems
         if not new and not problems:
             return
-        self._new, self._problems = [], []
-        report = self._report(new) if new else None
+        undelivered, self._undelivered = self._undelivered, {}
+        self._new, self._problems = {}, []
+        report = self._report([self._distinct.get(k) or undelivered[k] for k in new]) if new else None
         policy = self.on_violation
         if policy == "raise":
             if report is not None:
@@ -601,7 +700,23 @@ class CanarySession:
             if len(new) >= LOG_SUMMARY_AT:
                 logger.warning(report.summary())
         elif callable(policy):
-            policy(report)
+            self._in_policy = True
+            try:
+                policy(report)
+            finally:
+                self._in_policy = False
+
+
+def _group_logs(ring_capacity: int, like):
+    """The session's log (its ring one share of ``ring_capacity`` rows per launch group, its
+    ``write_index`` one ticket counter per share) and each group's view of it: its share and
+    counter, the counters shared (each launch counts under its own kernel kind)."""
+    log = ViolationLog.allocate(len(RING_GROUPS) * ring_capacity, like=like)
+    log = replace(log, write_index=allocate((len(RING_GROUPS),), np.int32, like=like, fill=0))
+    views = {name: replace(log, ring=log.ring[g * ring_capacity : (g + 1) * ring_capacity],
+                           write_index=log.write_index[g : g + 1])
+             for g, name in enumerate(RING_GROUPS)}
+    return log, views
 
 
 def _attribute(v: Violation, entries) -> Violation:

@@ -155,21 +155,26 @@ def test_many_new_violations_log_a_summary_and_past_the_cap_are_counted(monkeypa
     def flood():
         session.tail_canary[:, 3] = 1
 
-    for step in range(3):
-        arrays = engine.step([1, 2])
-        arrays["rp"][2], arrays["prefix"][2] = 1, arrays["prefix"][0]  # row 1's prefix is read twice
-        run_step(session, NUMPY, arrays, engine.rtt, before_post=flood if step == 1 else None)
-    session.check()
+    with pytest.warns(kc.CanaryCoverageWarning, match="MAX_DISTINCT_VIOLATIONS=6"):
+        for step in range(3):
+            arrays = engine.step([1, 2])
+            arrays["rp"][2], arrays["prefix"][2] = 1, arrays["prefix"][0]  # row 1's prefix is read twice
+            run_step(session, NUMPY, arrays, engine.rtt, before_post=flood if step == 1 else None)
+        session.check()
     s = session.stats
     # Steps 1 and 2: 6 + 6 + 6 prefix entries fail (row 1 twice, row 2; the records stay flooded). The ring
-    # keeps the first 8 rows (row 1's six, two of row 2's): 6 tracked keys and 2 past the cap, each step.
+    # keeps the first 8 rows, 8 keys, each step. Step 1: the 7th and 8th key evict the 1st and 2nd (each read
+    # once), all 8 reach the policy. Step 2: the 6 kept keys repeat; the 1st and 2nd are new again and evict
+    # the 3rd and 4th (read twice each).
     assert (s["violations"], s["rows_read"], s["dropped_rows"]) == (36, 16, 20)
-    assert (s["distinct_violations"], s["untracked_rows"]) == (6, 4)
+    assert (s["distinct_violations"], s["evicted_violations"], s["untracked_rows"]) == (6, 4, 1 + 1 + 2 + 2)
+    assert sum(v.repeats for v in session.report().violations) == 16 - 6
     # the 8 marked slots are read by 6 * 2 + 2 = 14 entries; 8 are kept
     assert s["unattributed_entries"] == 2 * (14 - 8)
     logged = [r.getMessage() for r in caplog.records]
-    assert len(logged) == 7  # 6 new violations, then the summary, once
-    assert logged[-1].startswith("kv_canary summary: 6 violations listed, 18 counted, 8 read, 10 dropped; ")
+    assert len(logged) == 8 + 1 + 2  # 8 new violations and the summary, then the 2 evicted ones seen again
+    assert logged[8].startswith("kv_canary summary: 8 violations listed, 18 counted, 8 read, 10 dropped; ")
+    assert logged[9:] == logged[:2]
 
 
 def test_one_step_late(ab):
@@ -285,7 +290,8 @@ def test_sweep_plan_grows_and_keeps_counting_out_of_range_inputs(ab):
     session.sweep(a([1, 99]), a([6, 3]), ab.asarray(engine.rtt))  # pool row 99 does not exist: skipped, counted
     many = [1, 2] * 40
     session.sweep(a(many), a(engine.lens[many]), ab.asarray(engine.rtt))  # 80 sequences: the plan grows
-    session.check()
+    with pytest.warns(kc.CanaryCoverageWarning, match="1 plan inputs or kernel items were out of range"):
+        assert session.check() == 1
     assert session._sweep_planner.capacities.write_req_capacity == 128
     s = session.stats
     assert (s["sweeps"], s["out_of_range_skipped"], s["violations"], s["verified_entries"]) == (2, 1, 0, 6 + 80 * 6)
@@ -381,7 +387,7 @@ def test_step_calls_reject_bad_order_and_arguments_before_writing(ab):
 # -- the staging kernels against the NumPy reference ------------------------------------------------
 
 
-def _stage_case(ab, *, attribution_capacity, seed=0):
+def _stage_case(ab, *, attribution_capacity, seed=0, write_index=None):
     """A log with verify and write rows, a plan whose entries read some of their slots, and a staging."""
     from kvcanary_cupy.args import LogViews, StageArgs, StageLayout
     from kvcanary_cupy.backends import get_backend
@@ -394,7 +400,8 @@ def _stage_case(ab, *, attribution_capacity, seed=0):
     ring[:n] = rng.integers(-5, 1000, (n, 8))
     ring[:n, 1] = rng.integers(-3, num_slots + 3, n)  # some slots out of range (never marked)
     ring[:n, 7] = rng.choice([1, 2, 3, 4, 32, 8, 16, 24], n)  # write rows (8, 16, 24) are not attributed
-    log = dict(ring=ring, write_index=np.array([n + 7], np.int32), violation_counters=rng.integers(0, 99, kinds),
+    write_index = np.array([n + 7] if write_index is None else write_index, np.int32)
+    log = dict(ring=ring, write_index=write_index, violation_counters=rng.integers(0, 99, kinds),
                slot_run_counters=rng.integers(0, 99, kinds), kernel_run_counters=rng.integers(0, 99, kinds),
                out_of_range_counters=rng.integers(0, 99, kinds))
     bs, active = 9, 420

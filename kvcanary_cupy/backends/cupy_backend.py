@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..args import (VERIFY_ENTRY_FIELDS, VERIFY_INPUT_FIELDS, LogViews, MoveArgs, PlanArgs, PlanVerifyArgs, ScatterArgs, StageArgs,
-                    TableView, VerifyArgs, WriteArgs)
+                    TableView, VerifyArgs, WriteArgs, stage_rings)
 from ..constants import MAX_CANARY_BUFFERS, REAL_KV_PARTIAL_BYTES, RealKvHashMode
 from .. import jit
 from ..interop import import_cupy
@@ -77,7 +77,7 @@ SESSION_STAGE = np.dtype(
                          "verify_num_valid", "enable", "plan_out_of_range", "verify_offsets", "write_num_valid_reqs",
                          "marks", "staging")]
     + [(k, "i8") for k in ("num_slots", "ring_capacity", "verify_capacity", "write_req_capacity",
-                           "attribution_capacity", "num_kinds")],
+                           "attribution_capacity", "num_kinds", "num_rings")],
     align=True,
 )
 
@@ -584,6 +584,7 @@ class BoundStage:
         s["num_slots"], s["ring_capacity"] = a.marks.shape[0], a.log.ring.shape[0]
         s["verify_capacity"], s["write_req_capacity"] = a.verify_slot_indices.shape[0], a.verify_offsets.shape[0] - 1
         s["attribution_capacity"], s["num_kinds"] = a.layout.attribution_capacity, a.layout.num_kinds
+        s["num_rings"] = stage_rings(a.log)[0]
         device = a.staging.device.id
         with import_cupy().cuda.Device(device):
             self._stage_fn = get_function("session", kernel_name("session_stage")).kernel

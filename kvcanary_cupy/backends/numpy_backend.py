@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..args import (STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_ENTRY_FIELDS, CanaryTarget, LogViews, MoveArgs, PlanArgs,
-                    PlanVerifyArgs, ScatterArgs, SourceView, StageArgs, TableView, VerifyArgs, WriteArgs)
+                    PlanVerifyArgs, ScatterArgs, SourceView, StageArgs, TableView, VerifyArgs, WriteArgs, stage_rings)
 from ..constants import (
     FailReason,
     RealKvHashMode,
@@ -495,26 +495,28 @@ _WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH.value | FailReason.WRITE_POSITION_
 def session_stage(a: StageArgs, stamp: int) -> None:
     """Snapshot the log into ``a.staging``, reset ``write_index`` and attribute verify rows.
 
-    The record (layout ``a.layout``) gets the header, the four counter arrays and the ring rows
-    ``[0, min(write_index, capacity))``; every slot named by a verify row gets ``marks[slot] =
+    The record (layout ``a.layout``) gets the header, the four counter arrays and, share after
+    share (:func:`stage_rings`), the ring rows ``[0, min(write_index[g], share))`` of each share g
+    of the ring; every slot named by a verify row gets ``marks[slot] =
     stamp``; then the plan's active verify entries that read a marked slot are listed (the first
     ``attribution_capacity`` of them; ``matches`` counts them all) with their batch row.
     """
     layout, log, out = a.layout, a.log, a.staging
-    kinds, ring_capacity = layout.num_kinds, log.ring.shape[0]
-    n = min(max(int(log.write_index[0]), 0), ring_capacity)
+    kinds, (rings, share) = layout.num_kinds, stage_rings(log)
+    counts = [min(max(int(log.write_index[g]), 0), share) for g in range(rings)]
+    n = sum(counts)
     header = dict(rows=n, stamp=stamp, matches=0, enable=int(a.enable[0]), verify_num_valid=int(a.verify_num_valid[0]),
                   batch_size=int(a.write_num_valid_reqs[0]), plan_out_of_range=int(a.plan_out_of_range_count[0]))
     out[:STAGE_HEADER_FIELDS] = [header[k] for k in STAGE_HEADER] + [0] * (STAGE_HEADER_FIELDS - len(STAGE_HEADER))
     for i, counters in enumerate((log.violation_counters, log.slot_run_counters, log.kernel_run_counters,
                                   log.out_of_range_counters)):
         out[layout.counters + i * kinds : layout.counters + (i + 1) * kinds] = counters
-    rows = log.ring[:n]
+    rows = np.concatenate([log.ring[g * share : g * share + c] for g, c in enumerate(counts)])
     out[layout.ring : layout.ring + n * VIOLATION_FIELDS] = rows.reshape(-1)
     num_slots = a.marks.shape[0]
     slots = rows[:, 1]
     a.marks[slots[((rows[:, 7] & _WRITE_BITS) == 0) & (slots > 0) & (slots < num_slots)]] = stamp
-    log.write_index[0] = 0
+    log.write_index[:] = 0
     if n == 0 or header["enable"] == 0:
         return
 
@@ -536,6 +538,7 @@ def session_stage(a: StageArgs, stamp: int) -> None:
 def prepare_stage(a: StageArgs):
     """``stage(stamp, stream=None, staging=None)``: :func:`session_stage` on fixed arguments, into
     the record ``staging`` (an int64 array of ``a.layout.size``; None: ``a.staging``); ``stream`` unused."""
+    stage_rings(a.log)  # refused when bound, as the CUDA stager is
     return lambda stamp, stream=None, staging=None: session_stage(a if staging is None else a._replace(staging=staging), stamp)
 
 

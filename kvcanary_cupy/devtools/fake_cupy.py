@@ -295,7 +295,8 @@ def _session_stage_on_host(args) -> None:
     layout = StageLayout(kinds, ring, int(s["attribution_capacity"]))
     i64 = lambda name, n: host_view(int(s[name]), np.int64, n)  # noqa: E731
     i32 = lambda name: host_view(int(s[name]), np.int32, 1)  # noqa: E731
-    log = LogViews(ring=i64("ring", ring * VIOLATION_FIELDS).reshape(ring, VIOLATION_FIELDS), write_index=i32("write_index"),
+    write_index = host_view(int(s["write_index"]), np.int32, int(s["num_rings"]))
+    log = LogViews(ring=i64("ring", ring * VIOLATION_FIELDS).reshape(ring, VIOLATION_FIELDS), write_index=write_index,
                    **{k: i64(k, kinds) for k in ("violation_counters", "slot_run_counters", "kernel_run_counters",
                                                   "out_of_range_counters")})
     numpy_backend.session_stage(StageArgs(
