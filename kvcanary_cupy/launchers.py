@@ -400,6 +400,32 @@ class _SideStream:
         caller.wait_event(self._joined)
 
 
+def _bound_words(launcher) -> str:
+    """How a launcher's calls run, for its repr."""
+    if launcher._bound is not None:
+        return "bound (common-case calls skip the free function's checks)"
+    if launcher._full:
+        return f"not bound ({FULL_VALIDATION_ENV} is set): every call takes the free function"
+    return "not bound (a buffer cannot be used in place): every call takes the free function"
+
+
+def _launch_words(kernel_kind, options: dict) -> str:
+    """The options a verify or write launcher was built with (already checked), for its repr."""
+    from .reporting import tag_name
+
+    kinds = kernel_kind if isinstance(kernel_kind, (list, tuple)) else (kernel_kind,)
+    tags = ", ".join(f"{tag_name(int(k))} ({int(k)})" for k in kinds)
+    sources = len(tuple(options["real_kv_sources"]))
+    mode = RealKvHashMode(options["real_kv_hash_mode"]).name
+    return f"kernel_kind={tags}, real_kv_sources={sources}, real_kv_hash_mode={mode}"
+
+
+def _buffers_words(canary_buf) -> str:
+    bufs = canary_buf if isinstance(canary_buf, (list, tuple)) else (canary_buf,)
+    shapes = ", ".join("x".join(map(str, tuple(b.shape))) for b in bufs)
+    return f"canary_buf [{shapes}] on {interop.placement_of(bufs[0], 'canary_buf').describe()}"
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -430,6 +456,13 @@ class WriteLauncher:
         Capture-safe; nothing to do without ``stream=``."""
         if self._side is not None:
             self._side.join()
+
+    def __repr__(self) -> str:
+        o = self.options
+        stream = "" if o["stream"] is None else ", on a side stream (join() joins it)"
+        return (f"<WriteLauncher {_buffers_words(self.canary_buf)}, write_req_capacity={self.write_plan.capacity}, "
+                f"{_launch_words(o['kernel_kind'], o)}, chain_position_assert={o['chain_position_assert']}{stream}; "
+                f"{_bound_words(self)}>")
 
     def _bind(self) -> None:
         o = self.options
@@ -511,6 +544,12 @@ class VerifyLauncher:
                             real_kv_hash_mode=real_kv_hash_mode, check_expected_token=check_expected_token)
         self._full = full_validation_forced()
         self._bind()
+
+    def __repr__(self) -> str:
+        o = self.options
+        return (f"<VerifyLauncher {_buffers_words(self.canary_buf)}, verify_capacity={self.verify_plan.capacity}, "
+                f"{_launch_words(o['kernel_kind'], o)}, check_expected_token={o['check_expected_token']}; "
+                f"{_bound_words(self)}>")
 
     def _bind(self) -> None:
         o = self.options
@@ -615,6 +654,14 @@ class PlanLauncher:
                          kv_token_id_vs_position_offset)
         self._full = full_validation_forced()
         self._bind()
+
+    def __repr__(self) -> str:
+        vcap, wcap, window, lut, offset = self.settings
+        where = interop.placement_of(self.verify_plan.verify_slot_indices, "verify_plan").describe()
+        lut_words = "none" if lut is None else "x".join(map(str, tuple(lut.shape)))
+        return (f"<PlanLauncher verify_capacity={vcap}, write_req_capacity={wcap} on {where}, "
+                f"swa_window_size={window}, full_to_swa_index_mapping={lut_words}, "
+                f"kv_token_id_vs_position_offset={offset}; {_bound_words(self)}>")
 
     def _bind(self) -> None:
         """Bind, or leave nothing bound when the free function must decide (e.g. a LUT on another device)."""

@@ -108,6 +108,13 @@ class CanaryPlanner:
             full_to_swa_index_mapping=full_to_swa_index_mapping,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
 
+    def __repr__(self) -> str:
+        c = self.capacities
+        window = f", swa_window_size={self.swa_window_size}" if self.swa_window_size else ""
+        bound = "bound" if self._launcher._bound is not None else "not bound (every plan takes kc.plan)"
+        return (f"<CanaryPlanner verify_capacity={c.verify_capacity}, write_req_capacity={c.write_req_capacity} "
+                f"on {self._placement.describe()}{window}; plan launcher {bound}>")
+
     @property
     def swa_window_size(self) -> int:
         return self._swa[0]

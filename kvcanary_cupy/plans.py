@@ -20,7 +20,7 @@ from .constants import (
     VIOLATION_FIELDS,
 )
 from .errors import fail, public_api
-from .interop import allocate, placement_of, refuse_during_capture
+from .interop import allocate, is_capturing, placement_of, refuse_during_capture, to_numpy
 from .validation import check_int
 
 INT32_MAX = 2**31 - 1
@@ -93,7 +93,7 @@ def _plan_record(spec: tuple, capacity_field: str, capacity_name: str):
     def wrap(cls):
         cls.__annotations__ = {f.name: Any for f in spec}
         cls.FIELDS, cls.CAPACITY_FIELD, cls.CAPACITY_NAME = spec, capacity_field, capacity_name
-        return dataclass(frozen=True)(cls)
+        return dataclass(frozen=True, repr=False)(cls)  # _PlanRecord.__repr__: no uninitialised entries
 
     return wrap
 
@@ -106,6 +106,23 @@ class _PlanRecord(_ArrayRecord):
     @property
     def capacity(self) -> int:
         return int(getattr(self, self.CAPACITY_FIELD).shape[0])
+
+    def __repr__(self) -> str:
+        """Capacity, framework and the one-element counters; never the entries (those past the
+        valid count are unspecified, uninitialised memory in a fresh plan)."""
+        try:
+            where = placement_of(getattr(self, self.CAPACITY_FIELD), self.CAPACITY_NAME)
+            head = f"<{type(self).__name__} {self.CAPACITY_NAME}={self.capacity} on {where.describe()}"
+        except (TypeError, ValueError, AttributeError, IndexError):
+            return f"<{type(self).__name__} (not a record of arrays)>"
+        if is_capturing(where):  # reading a counter would synchronise the capturing stream
+            return head + ": counters not read (the stream is capturing a CUDA graph)>"
+        counters = [f.name for f in self.FIELDS if f.per_request is None]
+        values = {name: int(to_numpy(getattr(self, name)).reshape(-1)[0]) for name in counters}
+        text = ", ".join(f"{k}={v}" for k, v in values.items())
+        if not values.get("verify_num_valid", values.get("write_num_valid_reqs", 1)):
+            text += " (nothing planned: no valid entries)"
+        return f"{head}: {text}>"
 
     @classmethod
     def _allocate(cls, capacity: int, like):
@@ -198,6 +215,13 @@ class ViolationLog(_ArrayRecord):
     @property
     def capacity(self) -> int:
         return int(self.ring.shape[0])
+
+    def __repr__(self) -> str:
+        try:
+            where = placement_of(self.ring, "ring").describe()
+            return f"<ViolationLog ring_capacity={self.capacity} num_kinds={self.num_kinds} on {where}>"
+        except (TypeError, ValueError, AttributeError, IndexError):
+            return "<ViolationLog (not a record of arrays)>"
 
     @property
     def num_kinds(self) -> int:

@@ -265,7 +265,13 @@ class ViolationReport:
         return pandas.DataFrame(self.to_dicts(), columns=["launch_tag", "reasons", *_FIELDS])
 
     def _repr_html_(self) -> str:
-        """A table for Jupyter: every value HTML-escaped; a dash where a value does not apply."""
+        """What Jupyter shows: :meth:`to_html`."""
+        return self.to_html()
+
+    def to_html(self) -> str:
+        """The report as an HTML fragment: the :meth:`summary` line, then a table of at most
+        ``HTML_MAX_ROWS`` violations (every value HTML-escaped; a dash where a value does not
+        apply), or "No violations."."""
         head = ("tag", "reasons", "slot", "position", "expected position", "stored token", "expected token",
                 "stored chain hash", "expected chain hash", "batch rows", "predecessor slot", "repeats", "first step")
         hex_or_none = lambda h: None if h is None else f"{h:#018x}"

@@ -199,9 +199,7 @@ class CanarySession:
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
         self.max_batch_size = check_count(max_batch_size, "max_batch_size")
-        ring_capacity = check_count(ring_capacity, "ring_capacity")
-        if ring_capacity == 0:
-            fail(ValueError, "ring_capacity must be positive, got 0")
+        ring_capacity = check_count(ring_capacity, "ring_capacity", positive=True)
         if not (callable(on_violation) or (isinstance(on_violation, str) and on_violation in POLICIES)):
             fail(ValueError, f"on_violation must be one of {POLICIES} or a callable taking a ViolationReport, got {on_violation!r}")
         window = check_int(swa_window_size, "swa_window_size", minimum=0)
@@ -421,7 +419,12 @@ class CanarySession:
 
     def __repr__(self) -> str:
         s = self.stats
+        c = self.planner.capacities
+        policy = self.on_violation if isinstance(self.on_violation, str) else "callable"
+        window = f", swa_window_size={self.planner.swa_window_size}" if self.planner.swa_window_size else ""
         return (f"CanarySession(num_slots={self.num_slots}, on={self._placement.describe()}, "
+                f"max_batch_size={self.max_batch_size}, verify_capacity={c.verify_capacity}, "
+                f"ring_capacity={self.log.capacity}, on_violation={policy!r}{window}, "
                 f"steps={s['steps']}, violations={s['violations']}, distinct={s['distinct_violations']})")
 
     # -- internals ---------------------------------------------------------------------------------
