@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,10 +36,13 @@ from . import interop, ops
 from .backends import PlanArgs, TableView, get_backend
 from .constants import RealKvHashMode
 from .errors import public_api, trimmed_argument_error
-from .interop import array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream
+from .interop import Array, array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream
 from .plans import check_count, is_clean, mark_clean, scan_state
 from .tables import MAX_TABLE_TOKENS, BlockTable, PagedKvIndices, ReqToToken, TableKind
 from .validation import check_int
+
+if TYPE_CHECKING:
+    from .plans import VerifyPlan, ViolationLog, WritePlan
 
 FULL_VALIDATION_ENV = "KVCANARY_FULL_VALIDATION"
 
@@ -436,12 +441,39 @@ class WriteLauncher:
     expected_input_positions=None)`` writes exactly what ``kc.write(canary_buf, write_plan,
     input_ids, ..., **options)`` writes, for the options given here: several canary buffers in one
     launch, and ``stream=`` (the write on a side stream; :meth:`join` or
-    :func:`kvcanary_cupy.join_stream` joins it).
+    :func:`kvcanary_cupy.join_stream` joins it).  A call whose per-step arrays are contiguous
+    int64 arrays of the buffers' framework and device checks only those arrays; any other call
+    takes :func:`kvcanary_cupy.write` (the same bytes, the same errors).  Capture-safe.
+
+    Parameters
+    ----------
+    canary_buf, write_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode
+        As for :func:`kvcanary_cupy.write`, checked once here; ``write_plan`` is usually a
+        :class:`CanaryPlanner`'s ``write_plan``, refilled in place every step.
+    chain_position_assert, stream
+        As for :func:`kvcanary_cupy.write`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, as :func:`kvcanary_cupy.write` raises it.
+
+    Examples
+    --------
+    >>> planner = kc.CanaryPlanner(kc.CanaryCapacities(verify_capacity=32, write_req_capacity=4))
+    >>> canary, log = kc.allocate_canary_buffer(64), kc.ViolationLog.allocate(16)
+    >>> write = kc.WriteLauncher(canary, planner.write_plan, log=log, kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL)
+    >>> _ = planner.plan(np.array([1]), np.array([0]), np.array([3]), np.arange(64, dtype=np.int32).reshape(4, 16))
+    >>> write(np.array([5, 6, 7]), np.arange(3), np.array([16, 17, 18]))
+    >>> canary[18, :2].tolist()
+    [7, 2]
     """
 
     @public_api
-    def __init__(self, canary_buf, write_plan, *, log, kernel_kind=0, real_kv_sources=(),
-                 real_kv_hash_mode=RealKvHashMode.NONE, chain_position_assert=True, stream=None):
+    def __init__(self, canary_buf: Array | Sequence[Array], write_plan: WritePlan, *, log: ViolationLog,
+                 kernel_kind: int | Sequence[int] = 0, real_kv_sources: Sequence[Any] = (),
+                 real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE, chain_position_assert: bool = True,
+                 stream: Any = None):
         self.canary_buf, self.write_plan = canary_buf, write_plan
         self.options = dict(log=log, kernel_kind=kernel_kind, real_kv_sources=real_kv_sources,
                             real_kv_hash_mode=real_kv_hash_mode, chain_position_assert=chain_position_assert,
@@ -494,7 +526,8 @@ class WriteLauncher:
                 b.side = self._side
         self._bound = b
 
-    def __call__(self, input_ids, positions, out_cache_loc, expected_input_tokens=None, expected_input_positions=None):
+    def __call__(self, input_ids: Array, positions: Array, out_cache_loc: Array, expected_input_tokens: Array | None = None,
+                 expected_input_positions: Array | None = None) -> None:
         try:
             b = self._bound
             if b is not None and b.tensors and b.moved():
@@ -534,11 +567,37 @@ class WriteLauncher:
 class VerifyLauncher:
     """:func:`kvcanary_cupy.verify` with every buffer bound once: ``launcher()`` verifies exactly
     what ``kc.verify(canary_buf, verify_plan, **options)`` verifies, for the options given here
-    (several canary buffers in one launch too)."""
+    (several canary buffers in one launch too).  Capture-safe; nothing is checked per call but
+    whether a bound torch tensor moved.
+
+    Parameters
+    ----------
+    canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode
+        As for :func:`kvcanary_cupy.verify`, checked once here; ``verify_plan`` is usually a
+        :class:`CanaryPlanner`'s ``verify_plan``, refilled in place every step.
+    check_expected_token
+        As for :func:`kvcanary_cupy.verify`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, as :func:`kvcanary_cupy.verify` raises it.
+
+    Examples
+    --------
+    >>> planner = kc.CanaryPlanner(kc.CanaryCapacities(verify_capacity=32, write_req_capacity=4))
+    >>> canary, log = kc.allocate_canary_buffer(64), kc.ViolationLog.allocate(16)
+    >>> verify = kc.VerifyLauncher(canary, planner.verify_plan, log=log, kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL)
+    >>> _ = planner.plan(np.array([1]), np.array([2]), np.array([1]), np.arange(64, dtype=np.int32).reshape(4, 16))
+    >>> verify()  # slots 16 and 17 were never written
+    >>> log.read().counts_by_tag()
+    {'HEAD_K_FULL': 2}
+    """
 
     @public_api
-    def __init__(self, canary_buf, verify_plan, *, log, kernel_kind=0, real_kv_sources=(),
-                 real_kv_hash_mode=RealKvHashMode.NONE, check_expected_token=False):
+    def __init__(self, canary_buf: Array | Sequence[Array], verify_plan: VerifyPlan, *, log: ViolationLog,
+                 kernel_kind: int | Sequence[int] = 0, real_kv_sources: Sequence[Any] = (),
+                 real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE, check_expected_token: bool = False):
         self.canary_buf, self.verify_plan = canary_buf, verify_plan
         self.options = dict(log=log, kernel_kind=kernel_kind, real_kv_sources=real_kv_sources,
                             real_kv_hash_mode=real_kv_hash_mode, check_expected_token=check_expected_token)
