@@ -116,3 +116,11 @@ def test_docstring_examples_run(module):
     mod = importlib.import_module(f"kvcanary_cupy.{module}")
     result = doctest.testmod(mod, extraglobs={"np": np, "kc": kc}, optionflags=doctest.ELLIPSIS, report=False)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples of kvcanary_cupy.{module} failed (run doctest -v)"
+
+
+def test_api_reference_lists_every_public_name():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    missing = [name for name in kc.__all__ if f"`{name}" not in page]
+    assert not missing, f"docs/api.md does not mention {missing}"
