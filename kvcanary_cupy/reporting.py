@@ -175,6 +175,22 @@ class Violation:
 
 
 _FIELDS = tuple(f.name for f in fields(Violation))
+_COLUMNS = ("launch_tag", "reasons", *_FIELDS)  # the keys of Violation.to_dict, in order
+
+
+def _html_cell(v: Violation, key: str, value) -> str:
+    """One ``<td>`` of :meth:`ViolationReport.to_html`: ``value`` (``v.to_dict()[key]``) for reading."""
+    title = ""
+    if key == "reasons":
+        value = ", ".join(value) or "none"
+        title = f' title="{html.escape(v.reason_words)}"'
+    elif key == "stored_chain_hash" or (key == "expected_aux" and not v.is_write):
+        value = f"{value:#018x}"
+    elif key == "expected_token" and value == -1 and not v.is_write:
+        value = "not checked"
+    elif key == "batch_rows":
+        value = ", ".join(map(str, value)) or None
+    return f"<td{title}>{'&ndash;' if value is None else html.escape(str(value))}</td>"
 
 
 @dataclass(frozen=True, repr=False)
@@ -336,23 +352,20 @@ class ViolationReport:
 
     def to_html(self) -> str:
         """The report as an HTML fragment: the :meth:`summary` line, then a table of at most
-        ``HTML_MAX_ROWS`` violations (every value HTML-escaped; a dash where a value does not
-        apply), or "No violations."."""
-        head = ("tag", "reasons", "slot", "position", "expected position", "stored token", "expected token",
-                "stored chain hash", "expected chain hash", "batch rows", "predecessor slot", "repeats", "first step")
-        hex_or_none = lambda h: None if h is None else f"{h:#018x}"
+        ``HTML_MAX_ROWS`` violations, or "No violations.".
+
+        The columns are :meth:`to_pandas`'s (the :meth:`Violation.to_dict` keys), the values
+        shown for reading: hashes in hex, ``reasons`` joined (their words as the cell's title),
+        "not checked" for a verify row without an expected token, a dash where a value does not
+        apply; every value HTML-escaped.
+        """
         body = []
         for v in self.violations[:HTML_MAX_ROWS]:
-            cells = (
-                v.launch_tag, v.reason_words, v.slot_idx, v.position, v.expected_position, v.stored_token,
-                "not checked" if v.expected_token == -1 and not v.is_write else v.expected_token,
-                hex_or_none(v.stored_chain_hash), hex_or_none(v.expected_chain_hash),
-                ", ".join(map(str, v.batch_rows)) or None, v.prev_slot_idx, v.repeats, v.first_step,
-            )
-            body.append("<tr>" + "".join(f"<td>{'&ndash;' if c is None else html.escape(str(c))}</td>" for c in cells) + "</tr>")
+            cells = "".join(_html_cell(v, key, value) for key, value in v.to_dict().items())
+            body.append(f"<tr>{cells}</tr>")
         more = len(self.violations) - HTML_MAX_ROWS
         if more > 0:
-            body.append(f'<tr><td colspan="{len(head)}">&hellip; {more} more (see to_pandas())</td></tr>')
-        table = ("<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>"
+            body.append(f'<tr><td colspan="{len(_COLUMNS)}">&hellip; {more} more (see to_pandas())</td></tr>')
+        table = ("<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in _COLUMNS) + "</tr></thead><tbody>"
                  + "".join(body) + "</tbody></table>") if self.violations else "<p>No violations.</p>"
         return f'<div class="kvcanary-report"><p>{html.escape(self.summary())}</p>{table}</div>'
