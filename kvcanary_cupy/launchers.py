@@ -39,7 +39,7 @@ from .errors import public_api, trimmed_argument_error
 from .interop import Array, array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream
 from .plans import check_count, is_clean, mark_clean, scan_state
 from .tables import MAX_TABLE_TOKENS, BlockTable, PagedKvIndices, ReqToToken, TableKind
-from .validation import check_int
+from .validation import bool_keyword, check_int
 
 if TYPE_CHECKING:
     from .plans import VerifyPlan, ViolationLog, WritePlan
@@ -575,8 +575,8 @@ class VerifyLauncher:
     canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode
         As for :func:`kvcanary_cupy.verify`, checked once here; ``verify_plan`` is usually a
         :class:`CanaryPlanner`'s ``verify_plan``, refilled in place every step.
-    check_expected_token
-        As for :func:`kvcanary_cupy.verify`.
+    check_expected_tokens, check_expected_token
+        As for :func:`kvcanary_cupy.verify` (``check_expected_token`` is the older spelling).
 
     Raises
     ------
@@ -597,7 +597,10 @@ class VerifyLauncher:
     @public_api
     def __init__(self, canary_buf: Array | Sequence[Array], verify_plan: VerifyPlan, *, log: ViolationLog,
                  kernel_kind: int | Sequence[int] = 0, real_kv_sources: Sequence[Any] = (),
-                 real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE, check_expected_token: bool = False):
+                 real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE, check_expected_tokens: bool = False,
+                 check_expected_token: bool | None = None):
+        check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
+                                            "check_expected_token")
         self.canary_buf, self.verify_plan = canary_buf, verify_plan
         self.options = dict(log=log, kernel_kind=kernel_kind, real_kv_sources=real_kv_sources,
                             real_kv_hash_mode=real_kv_hash_mode, check_expected_token=check_expected_token)
@@ -607,7 +610,7 @@ class VerifyLauncher:
     def __repr__(self) -> str:
         o = self.options
         return (f"<VerifyLauncher {_buffers_words(self.canary_buf)}, verify_capacity={self.verify_plan.capacity}, "
-                f"{_launch_words(o['kernel_kind'], o)}, check_expected_token={o['check_expected_token']}; "
+                f"{_launch_words(o['kernel_kind'], o)}, check_expected_tokens={o['check_expected_token']}; "
                 f"{_bound_words(self)}>")
 
     def _bind(self) -> None:

@@ -47,6 +47,7 @@ from .plans import (INT32_MAX, RealKvSource, VerifyPlan, ViolationLog, WritePlan
                     mark_clean, scan_state)
 from .tables import ReqToToken, TableKind, as_table, table_view
 from .validation import (
+    bool_keyword,
     check_1d,
     check_2d_rows,
     check_contiguous_output,
@@ -563,7 +564,8 @@ def plan_and_verify(
     kernel_kind: int = 0,
     real_kv_sources: Sequence[RealKvSource] = (),
     real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE,
-    check_expected_token: bool = False,
+    check_expected_tokens: bool = False,
+    check_expected_token: bool | None = None,
     swa_window_size: int = 0,
     full_to_swa_index_mapping: Array | None = None,
     req_to_verify_expected_tokens: Array | None = None,
@@ -597,7 +599,7 @@ def plan_and_verify(
         The engine's own slot table (a bare 2-D int32 array means ``ReqToToken(array)``).
     canary_buf : array
         One canary buffer: int64 ``[num_slots, 4]`` or uint8 ``[num_slots, S]`` (as :func:`verify`).
-    log, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_token
+    log, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_tokens, check_expected_token
         As for :func:`verify` (one buffer: one kind, one tuple of sources).
     verify_capacity : int
         The most verify entries one step may plan, ``>= 0``.  A step with more skips its whole
@@ -650,6 +652,8 @@ def plan_and_verify(
     ...                             log=log, verify_capacity=0)
     >>> kc.write(canary, wp, np.array([5, 6, 7]), np.arange(3), np.array([16, 17, 18]), log=log)
     """
+    check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
+                                        "check_expected_token")
     c = _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, swa_window_size,
                    full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
                    kv_token_id_vs_position_offset, out, "plan_and_verify")
@@ -801,7 +805,8 @@ def verify(
     kernel_kind: int | Sequence[int] = 0,
     real_kv_sources: Sequence[Any] = (),
     real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE,
-    check_expected_token: bool = False,
+    check_expected_tokens: bool = False,
+    check_expected_token: bool | None = None,
     strict: bool = False,
 ) -> None:
     """Verify the canary records of every planned slot; violations go to ``log``'s ring.
@@ -809,7 +814,7 @@ def verify(
     Each of the first ``verify_num_valid`` entries is checked: the stored position against the
     expected one, the stored prev_hash against :func:`mix3` of the predecessor's record (the
     anchor hash for a chain head; skipped when the predecessor is unknown), the real-KV
-    fingerprint (with sources) and, with ``check_expected_token``, the stored token.  Each failing
+    fingerprint (with sources) and, with ``check_expected_tokens``, the stored token.  Each failing
     slot logs one row whose ``fail_reason_bits`` OR the :class:`FailReason` bits.  A plan that
     overflowed (``enable`` = 0) verifies nothing.
 
@@ -834,9 +839,11 @@ def verify(
     real_kv_hash_mode : RealKvHashMode
         ``NONE`` (no fingerprint: 0), ``PARTIAL`` (the first 16 bytes of each slot) or ``ALL``
         (``read_bytes`` bytes of each slot).
-    check_expected_token : bool
+    check_expected_tokens : bool
         Also compare each stored token with the entry's expected token (where it is not -1),
         logging ``VERIFY_TOKEN_MISMATCH``.  Needs ``req_to_verify_expected_tokens`` at plan time.
+    check_expected_token : bool, optional
+        The older spelling of ``check_expected_tokens``, still accepted (pass one of them).
     strict : bool
         False: out-of-range values are skipped and counted (capture-safe, no sync).  True: they
         are first copied to the host (a device sync, not capture-safe) and the first one raises a
@@ -862,6 +869,8 @@ def verify(
     >>> log.read().total_violations
     2
     """
+    check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
+                                        "check_expected_token")
     placement, context, _ = _verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode,
                                           check_expected_token)
     with launch_stream(placement):
