@@ -474,8 +474,9 @@ def plan(
     Parameters
     ----------
     req_pool_indices : int64 array [bs], or None
-        Each batch row's row of ``table`` (pool row 0 is a CUDA-graph padding request: nothing
-        planned).  None with a :class:`PagedKvIndices` table, whose rows are the batch rows.
+        Each batch row's row of ``table`` (in a ``req_to_token``, pool row 0 is a CUDA-graph
+        padding request: nothing planned).  None with a :class:`PagedKvIndices` table, whose rows
+        are the batch rows.
     prefix_lens : int64 array [bs]
         Tokens already cached per request: positions ``[0, prefix_lens[r])`` are read (verified).
     extend_seq_lens : int64 array [bs]
@@ -588,8 +589,9 @@ def plan_and_verify(
     Parameters
     ----------
     req_pool_indices : int64 array [bs], or None
-        Each batch row's row of ``table`` (pool row 0 is a CUDA-graph padding request: nothing
-        planned).  None with a :class:`PagedKvIndices` table, whose rows are the batch rows.
+        Each batch row's row of ``table`` (in a ``req_to_token``, pool row 0 is a CUDA-graph
+        padding request: nothing planned).  None with a :class:`PagedKvIndices` table, whose rows
+        are the batch rows.
     prefix_lens : int64 array [bs]
         Tokens already cached per request: positions ``[0, prefix_lens[r])`` are read (verified).
     extend_seq_lens : int64 array [bs]

@@ -344,7 +344,7 @@ class ViolationReport:
         except ImportError as exc:
             raise ImportError("kv-canary: ViolationReport.to_pandas needs pandas: "
                               "pip install kvcanary-cupy[pandas]") from exc
-        return pandas.DataFrame(self.to_dicts(), columns=["launch_tag", "reasons", *_FIELDS])
+        return pandas.DataFrame(self.to_dicts(), columns=list(_COLUMNS))
 
     def _repr_html_(self) -> str:
         """What Jupyter shows: :meth:`to_html`."""

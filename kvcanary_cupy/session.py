@@ -207,7 +207,7 @@ class CanarySession:
         ``NONE``, ``PARTIAL`` or ``ALL``, for the TAIL buffer.
     check_expected_tokens : bool
         Check stored tokens against the ``expected_tokens`` pool given to :meth:`pre_forward`
-        (the ``check_expected_token`` of :func:`verify`).
+        (``check_expected_tokens`` of :func:`verify`).
     sweep_every : int
         With ``sweep_source``, run :meth:`sweep` from every ``sweep_every``-th ``end_step``
         (0: never).
