@@ -11,6 +11,8 @@ ring (:class:`ViolationLog`); :func:`plan_and_verify` plans and verifies in one 
 NumPy arrays run on the CPU backend; CuPy arrays and CUDA torch tensors run the CUDA kernels;
 both compute the same bytes.  Importing this package needs neither CuPy nor PyTorch.
 :class:`CanarySession` runs all of it inside an engine's step loop and reports what it finds.
+
+``help(kc.<name>)`` documents each public name; docs/api.md lists them all, grouped.
 """
 
 from .constants import (

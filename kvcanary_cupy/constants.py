@@ -53,7 +53,20 @@ DEFAULT_RING_CAPACITY = 1024
 
 
 class FailReason(enum.IntFlag):
-    """Bits of the ``fail_reason_bits`` column of a violation row."""
+    """Bits of the ``fail_reason_bits`` column of a violation row (docs/format.md section 6).
+
+    A verify row ORs every check its slot failed: ``VERIFY_CHAIN_HASH_MISMATCH`` (prev_hash is not
+    :func:`mix3` of the predecessor's record), ``VERIFY_POSITION_MISMATCH`` (the stored position is
+    not the expected one), ``VERIFY_REAL_KV_HASH_MISMATCH`` (the KV bytes changed since the
+    write), ``VERIFY_TOKEN_MISMATCH`` (the stored token is not the expected token).  A write row
+    carries ``WRITE_TOKEN_MISMATCH`` / ``WRITE_POSITION_MISMATCH`` (the input or chain-position
+    asserts of :func:`write`).  Reports name a bit by :meth:`label` (``"verify_chain_hash"``).
+
+    Examples
+    --------
+    >>> FailReason.label(FailReason.VERIFY_CHAIN_HASH_MISMATCH | FailReason.VERIFY_POSITION_MISMATCH)
+    'verify_chain_hash+verify_position'
+    """
 
     VERIFY_CHAIN_HASH_MISMATCH = 1 << 0
     VERIFY_POSITION_MISMATCH = 1 << 1
@@ -64,7 +77,11 @@ class FailReason(enum.IntFlag):
 
     @staticmethod
     def label(bits: int) -> str:
-        """``"verify_chain_hash+verify_position"`` style label; ``"none"`` for 0."""
+        """The names of the set bits of ``bits``, lower case without ``_mismatch``, joined by ``+``.
+
+        ``"verify_chain_hash+verify_position"`` style; ``"none"`` for 0.  These are the
+        ``reasons`` of :meth:`Violation.to_dict` and the keys of ``rows_by_reason``.
+        """
         names = [
             member.name.lower().removesuffix("_mismatch")
             for member in FailReason
@@ -74,7 +91,17 @@ class FailReason(enum.IntFlag):
 
 
 class RealKvHashMode(enum.IntEnum):
-    """How much of each slot's real KV bytes is folded into ``real_kv_hash``."""
+    """How much of each slot's real KV bytes is folded into ``real_kv_hash``.
+
+    ``NONE``: nothing (the field is 0); ``PARTIAL``: the first 16 bytes of each
+    :class:`RealKvSource` strip; ``ALL``: ``read_bytes`` bytes of each strip.  The write and the
+    verify of one buffer must use the same mode.
+
+    Examples
+    --------
+    >>> RealKvHashMode(1)
+    <RealKvHashMode.PARTIAL: 1>
+    """
 
     NONE = 0
     PARTIAL = 1  # the first 16 bytes of each source strip
@@ -82,7 +109,18 @@ class RealKvHashMode(enum.IntEnum):
 
 
 class CanaryLaunchTag(enum.IntEnum):
-    """Launch tags: stamped into violation rows and used as counter index (``kernel_kind``)."""
+    """Launch tags: stamped into violation rows and used as counter index (``kernel_kind``).
+
+    ``HEAD`` launches run before the model's forward, ``TAIL`` after it (with real-KV
+    fingerprints), ``SWEEP`` over cached sequences outside the forward; ``K`` / ``V`` name the
+    buffer (the K or V half), ``FULL`` / ``SWA`` the attention group.  Any int in ``[0,
+    log.num_kinds)`` is accepted as a ``kernel_kind``; reports name kinds past the tags ``KIND_<n>``.
+
+    Examples
+    --------
+    >>> int(CanaryLaunchTag.TAIL_K_FULL), CanaryLaunchTag(8).name
+    (2, 'TAIL_K_SWA')
+    """
 
     HEAD_K_FULL = 0
     HEAD_V_FULL = 1

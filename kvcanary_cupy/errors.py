@@ -10,7 +10,10 @@ points are decorated with :func:`public_api`, which cuts the traceback of the er
 from __future__ import annotations
 
 import functools
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from .reporting import ViolationReport
 
 _MARK = "_kvcanary_argument_error"
 
@@ -68,15 +71,39 @@ def trimmed_argument_error(exc: BaseException):
 
 
 class CanaryViolationError(RuntimeError):
-    """New KV-canary violations under ``on_violation="raise"``; ``report`` lists them."""
+    """New KV-canary violations under ``on_violation="raise"``; ``report`` lists them.
 
-    def __init__(self, message: str, report):
+    Raised by :meth:`CanarySession.end_step` and :meth:`CanarySession.check` when the steps they
+    handled found violations not seen before; the message lists the first of them.
+
+    Parameters
+    ----------
+    message : str
+        The one-line summary and the first violations, one per line.
+    report : ViolationReport
+        The new violations (with their repeats and batch rows) and the session's totals.
+
+    Examples
+    --------
+    >>> try:                                        # doctest: +SKIP
+    ...     session.end_step()
+    ... except kc.CanaryViolationError as exc:
+    ...     exc.report.to_pandas()
+    """
+
+    def __init__(self, message: str, report: "ViolationReport"):
         super().__init__(message)
         self.report = report
 
 
 class CanaryHealthError(RuntimeError):
-    """The canary did not run: no canary kernel of a launch tag ran between two ``end_step`` calls."""
+    """The canary did not run: no canary kernel of a launch tag ran between two ``end_step`` calls.
+
+    Raised by :meth:`CanarySession.end_step` / :meth:`CanarySession.check` under
+    ``on_violation="raise"`` (counted in ``stats["health_failures"]`` under the other policies):
+    a step whose HEAD or TAIL kernels never ran, e.g. a CUDA graph replayed without the canary's
+    launches in it, would otherwise pass silently.
+    """
 
 
 class CanaryUsageError(RuntimeError):

@@ -7,6 +7,8 @@ same bit pattern: use :func:`to_signed` / :func:`to_unsigned` to move between th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from .constants import (
@@ -22,12 +24,44 @@ _MASK64 = (1 << 64) - 1
 
 
 def to_unsigned(value: int) -> int:
-    """Reinterpret an int64 (or any int) as its uint64 bit pattern."""
+    """Reinterpret an int64 (or any int) as its uint64 bit pattern.
+
+    Parameters
+    ----------
+    value : int
+        Any integer (a Python int or a NumPy integer scalar); only its low 64 bits count.
+
+    Returns
+    -------
+    int
+        The unsigned int in ``[0, 2**64)`` with those bits.
+
+    Examples
+    --------
+    >>> to_unsigned(-1)
+    18446744073709551615
+    """
     return int(value) & _MASK64
 
 
 def to_signed(value: int) -> int:
-    """Reinterpret a uint64 bit pattern as the int64 a canary buffer stores."""
+    """Reinterpret a uint64 bit pattern as the int64 a canary buffer stores.
+
+    Parameters
+    ----------
+    value : int
+        Any integer; only its low 64 bits count.
+
+    Returns
+    -------
+    int
+        The int in ``[-2**63, 2**63)`` with those bits (what ``canary_buf[s, 2]`` holds for a hash).
+
+    Examples
+    --------
+    >>> to_signed(2**64 - 1)
+    -1
+    """
     value = int(value) & _MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
 
@@ -73,18 +107,56 @@ def mix3_array(a, b, c) -> np.ndarray:
     return splitmix64_array(h ^ _as_u64(c))
 
 
-def splitmix64(x):
+def splitmix64(x: int | np.ndarray) -> int | np.ndarray:
     """SplitMix64 finaliser (no golden-ratio increment): ``splitmix64(0) == 0``.
 
-    Takes a Python int (returns an unsigned int) or a NumPy array (returns ``uint64``).
+    Parameters
+    ----------
+    x : int or numpy.ndarray
+        A Python int (any sign, read modulo 2**64) or a NumPy integer array (int64 is read as
+        its uint64 bit pattern).
+
+    Returns
+    -------
+    int or numpy.ndarray
+        An unsigned int in ``[0, 2**64)`` for an int; a new ``uint64`` array of ``x``'s shape
+        for an array.
+
+    Examples
+    --------
+    >>> hex(splitmix64(1))
+    '0x5692161d100b05e5'
+    >>> splitmix64(np.array([0, 1], np.int64)).dtype
+    dtype('uint64')
     """
     if isinstance(x, (int, np.integer)):
         return _splitmix64_int(int(x))
     return splitmix64_array(x)
 
 
-def mix3(a, b, c):
-    """``splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)``: the chain step ``mix3(prev, token, pos)``."""
+def mix3(a: int | np.ndarray, b: int | np.ndarray, c: int | np.ndarray) -> int | np.ndarray:
+    """``splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)``: the chain step ``mix3(prev, token, pos)``.
+
+    A record's ``prev_hash`` is ``mix3`` of the record before it: ``a`` its prev_hash, ``b`` its
+    token, ``c`` its position (docs/format.md section 2).
+
+    Parameters
+    ----------
+    a, b, c : int or numpy.ndarray
+        Python ints (read modulo 2**64), or NumPy integer arrays that broadcast together.
+
+    Returns
+    -------
+    int or numpy.ndarray
+        An unsigned int when ``a``, ``b`` and ``c`` are all ints, else a ``uint64`` array.
+
+    Examples
+    --------
+    The prev_hash of the record after a chain head holding token 42 at position 0:
+
+    >>> hex(mix3(ANCHOR_HASH, 42, 0))
+    '0x1b798564098041c9'
+    """
     if all(isinstance(v, (int, np.integer)) for v in (a, b, c)):
         h = _splitmix64_int(int(a))
         h = _splitmix64_int(h ^ (int(b) & _MASK64))
@@ -96,11 +168,32 @@ def mix3(a, b, c):
 ANCHOR_HASH = _splitmix64_int(CANARY_CHAIN_ANCHOR)
 
 
-def real_kv_fold(strips) -> int:
-    """Real-KV fingerprint (docs/format.md §3) of one slot, from one ``bytes`` strip per source.
+def real_kv_fold(strips: Iterable[bytes]) -> int:
+    """Real-KV fingerprint (docs/format.md section 3) of one slot, from one byte strip per source.
 
     Each strip is read as little-endian uint64 words folded with ``acc = splitmix64(acc ^ w)``;
     the per-source hashes are folded the same way in source order.  No source gives 0.
+
+    Parameters
+    ----------
+    strips : iterable of bytes-like
+        The bytes a :class:`RealKvSource` reads for the slot, one strip per source, in source
+        order (16 bytes each under ``RealKvHashMode.PARTIAL``, ``read_bytes`` under ``ALL``).
+
+    Returns
+    -------
+    int
+        The unsigned 64-bit ``real_kv_hash`` (stored as :func:`to_signed` of it).
+
+    Raises
+    ------
+    ValueError
+        A strip whose length is not a multiple of 8.
+
+    Examples
+    --------
+    >>> hex(real_kv_fold([bytes([1, 2, 4, 8, 16, 32, 64, 128, 0x81, 0x82, 0x84, 0x88, 0x90, 0xA0, 0xC0, 0xFF])]))
+    '0x6041580849e6407d'
     """
     acc = 0
     for strip in strips:

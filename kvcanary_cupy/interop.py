@@ -12,10 +12,14 @@ import contextlib
 import functools
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .errors import fail
+
+#: What a type hint names for an array argument: a NumPy or CuPy array or a PyTorch tensor.
+Array = Any
 
 GPU_EXTRAS_HINT = (
     "install CuPy with `pip install kvcanary-cupy[cu12]` (CUDA 12 driver) or "
@@ -310,12 +314,29 @@ def side_stream(stream, placement: Placement):
         yield
 
 
-def join_stream(stream) -> None:
+def join_stream(stream: Any) -> None:
     """Make the caller's current stream wait for all work queued so far on ``stream``.
 
-    ``stream`` is the side stream given to :func:`kvcanary_cupy.write`; the current stream is
-    torch's for a torch stream and CuPy's for a CuPy stream.  Records one event: capture-safe
-    (it joins a capture that write(..., stream=...) forked onto the side stream).
+    Records one event on ``stream`` and makes the current stream wait for it; nothing waits on
+    the host.  Capture-safe: inside a CUDA graph capture it joins the branch that
+    ``write(..., stream=...)`` forked onto the side stream (join before the capture ends).
+
+    Parameters
+    ----------
+    stream : cupy.cuda.Stream or torch.cuda.Stream
+        The side stream given to :func:`kvcanary_cupy.write` (or :class:`WriteLauncher`).  The
+        current stream is torch's for a torch stream and CuPy's for a CuPy stream.
+
+    Raises
+    ------
+    TypeError
+        ``stream`` is neither a CuPy nor a torch CUDA stream.
+
+    Examples
+    --------
+    >>> side = cupy.cuda.Stream(non_blocking=True)                    # doctest: +SKIP
+    >>> kc.write(canary, wp, ids, pos, loc, log=log, stream=side)     # doctest: +SKIP
+    >>> kc.join_stream(side)  # before anything reads canary or log  # doctest: +SKIP
     """
     if _is_torch_stream(stream):
         sys.modules["torch"].cuda.current_stream(stream.device).wait_stream(stream)

@@ -185,11 +185,26 @@ def _compile(family: str):
     )
 
 
-def warmup(device=None) -> None:
+def warmup(device: int | None = None) -> None:
     """Compile and load every kernel variant on ``device`` (default: the current one).
 
     Call it before capturing a CUDA graph so no compilation (and no kernel's shared-memory
-    opt-in) happens inside the capture.
+    opt-in) happens inside the capture.  CuPy caches the compiled kernels on disk, so a later
+    process loads them instead of compiling.
+
+    Parameters
+    ----------
+    device : int, optional
+        The CUDA device ordinal; None takes CuPy's current device.
+
+    Raises
+    ------
+    ImportError
+        CuPy is not installed (the message names the extra to install).
+
+    Examples
+    --------
+    >>> kc.warmup()  # once per process and device, before the first capture  # doctest: +SKIP
     """
     cupy = import_cupy()
     with cupy.cuda.Device(device):

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,10 +37,13 @@ from .args import PlanArgs, TableView
 from .backends import get_backend
 from .constants import RealKvHashMode
 from .errors import public_api, trimmed_argument_error
-from .interop import array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream
+from .interop import Array, array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream
 from .plans import is_clean, mark_clean, scan_state
 from .tables import MAX_TABLE_TOKENS, BlockTable, PagedKvIndices, ReqToToken, TableKind
-from .validation import I32, I64, check_count, check_int
+from .validation import I32, I64, bool_keyword, check_count, check_int
+
+if TYPE_CHECKING:
+    from .plans import VerifyPlan, ViolationLog, WritePlan
 
 FULL_VALIDATION_ENV = "KVCANARY_FULL_VALIDATION"
 
@@ -400,6 +405,32 @@ class _SideStream:
         caller.wait_event(self._joined)
 
 
+def _bound_words(launcher) -> str:
+    """How a launcher's calls run, for its repr."""
+    if launcher._bound is not None:
+        return "bound (common-case calls skip the free function's checks)"
+    if launcher._full:
+        return f"not bound ({FULL_VALIDATION_ENV} is set): every call takes the free function"
+    return "not bound (a buffer cannot be used in place): every call takes the free function"
+
+
+def _launch_words(kernel_kind, options: dict) -> str:
+    """The options a verify or write launcher was built with (already checked), for its repr."""
+    from .reporting import tag_name
+
+    kinds = kernel_kind if isinstance(kernel_kind, (list, tuple)) else (kernel_kind,)
+    tags = ", ".join(f"{tag_name(int(k))} ({int(k)})" for k in kinds)
+    sources = len(tuple(options["real_kv_sources"]))
+    mode = RealKvHashMode(options["real_kv_hash_mode"]).name
+    return f"kernel_kind={tags}, real_kv_sources={sources}, real_kv_hash_mode={mode}"
+
+
+def _buffers_words(canary_buf) -> str:
+    bufs = canary_buf if isinstance(canary_buf, (list, tuple)) else (canary_buf,)
+    shapes = ", ".join("x".join(map(str, tuple(b.shape))) for b in bufs)
+    return f"canary_buf [{shapes}] on {interop.placement_of(bufs[0], 'canary_buf').describe()}"
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -410,12 +441,39 @@ class WriteLauncher:
     expected_input_positions=None)`` writes exactly what ``kc.write(canary_buf, write_plan,
     input_ids, ..., **options)`` writes, for the options given here: several canary buffers in one
     launch, and ``stream=`` (the write on a side stream; :meth:`join` or
-    :func:`kvcanary_cupy.join_stream` joins it).
+    :func:`kvcanary_cupy.join_stream` joins it).  A call whose per-step arrays are contiguous
+    int64 arrays of the buffers' framework and device checks only those arrays; any other call
+    takes :func:`kvcanary_cupy.write` (the same bytes, the same errors).  Capture-safe.
+
+    Parameters
+    ----------
+    canary_buf, write_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode
+        As for :func:`kvcanary_cupy.write`, checked once here; ``write_plan`` is usually a
+        :class:`CanaryPlanner`'s ``write_plan``, refilled in place every step.
+    chain_position_assert, stream
+        As for :func:`kvcanary_cupy.write`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, as :func:`kvcanary_cupy.write` raises it.
+
+    Examples
+    --------
+    >>> planner = kc.CanaryPlanner(kc.CanaryCapacities(verify_capacity=32, write_req_capacity=4))
+    >>> canary, log = kc.allocate_canary_buffer(64), kc.ViolationLog.allocate(16)
+    >>> write = kc.WriteLauncher(canary, planner.write_plan, log=log, kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL)
+    >>> _ = planner.plan(np.array([1]), np.array([0]), np.array([3]), np.arange(64, dtype=np.int32).reshape(4, 16))
+    >>> write(np.array([5, 6, 7]), np.arange(3), np.array([16, 17, 18]))
+    >>> canary[18, :2].tolist()
+    [7, 2]
     """
 
     @public_api
-    def __init__(self, canary_buf, write_plan, *, log, kernel_kind=0, real_kv_sources=(),
-                 real_kv_hash_mode=RealKvHashMode.NONE, chain_position_assert=True, stream=None):
+    def __init__(self, canary_buf: Array | Sequence[Array], write_plan: WritePlan, *, log: ViolationLog,
+                 kernel_kind: int | Sequence[int] = 0, real_kv_sources: Sequence[Any] = (),
+                 real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE, chain_position_assert: bool = True,
+                 stream: Any = None):
         self.canary_buf, self.write_plan = canary_buf, write_plan
         self.options = dict(log=log, kernel_kind=kernel_kind, real_kv_sources=real_kv_sources,
                             real_kv_hash_mode=real_kv_hash_mode, chain_position_assert=chain_position_assert,
@@ -430,6 +488,13 @@ class WriteLauncher:
         Capture-safe; nothing to do without ``stream=``."""
         if self._side is not None:
             self._side.join()
+
+    def __repr__(self) -> str:
+        o = self.options
+        stream = "" if o["stream"] is None else ", on a side stream (join() joins it)"
+        return (f"<WriteLauncher {_buffers_words(self.canary_buf)}, write_req_capacity={self.write_plan.capacity}, "
+                f"{_launch_words(o['kernel_kind'], o)}, chain_position_assert={o['chain_position_assert']}{stream}; "
+                f"{_bound_words(self)}>")
 
     def _bind(self) -> None:
         o = self.options
@@ -461,7 +526,8 @@ class WriteLauncher:
                 b.side = self._side
         self._bound = b
 
-    def __call__(self, input_ids, positions, out_cache_loc, expected_input_tokens=None, expected_input_positions=None):
+    def __call__(self, input_ids: Array, positions: Array, out_cache_loc: Array, expected_input_tokens: Array | None = None,
+                 expected_input_positions: Array | None = None) -> None:
         try:
             b = self._bound
             if b is not None and b.tensors and b.moved():
@@ -501,16 +567,51 @@ class WriteLauncher:
 class VerifyLauncher:
     """:func:`kvcanary_cupy.verify` with every buffer bound once: ``launcher()`` verifies exactly
     what ``kc.verify(canary_buf, verify_plan, **options)`` verifies, for the options given here
-    (several canary buffers in one launch too)."""
+    (several canary buffers in one launch too).  Capture-safe; nothing is checked per call but
+    whether a bound torch tensor moved.
+
+    Parameters
+    ----------
+    canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode
+        As for :func:`kvcanary_cupy.verify`, checked once here; ``verify_plan`` is usually a
+        :class:`CanaryPlanner`'s ``verify_plan``, refilled in place every step.
+    check_expected_tokens, check_expected_token
+        As for :func:`kvcanary_cupy.verify` (``check_expected_token`` is the older spelling).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, as :func:`kvcanary_cupy.verify` raises it.
+
+    Examples
+    --------
+    >>> planner = kc.CanaryPlanner(kc.CanaryCapacities(verify_capacity=32, write_req_capacity=4))
+    >>> canary, log = kc.allocate_canary_buffer(64), kc.ViolationLog.allocate(16)
+    >>> verify = kc.VerifyLauncher(canary, planner.verify_plan, log=log, kernel_kind=kc.CanaryLaunchTag.HEAD_K_FULL)
+    >>> _ = planner.plan(np.array([1]), np.array([2]), np.array([1]), np.arange(64, dtype=np.int32).reshape(4, 16))
+    >>> verify()  # slots 16 and 17 were never written
+    >>> log.read().counts_by_tag()
+    {'HEAD_K_FULL': 2}
+    """
 
     @public_api
-    def __init__(self, canary_buf, verify_plan, *, log, kernel_kind=0, real_kv_sources=(),
-                 real_kv_hash_mode=RealKvHashMode.NONE, check_expected_token=False):
+    def __init__(self, canary_buf: Array | Sequence[Array], verify_plan: VerifyPlan, *, log: ViolationLog,
+                 kernel_kind: int | Sequence[int] = 0, real_kv_sources: Sequence[Any] = (),
+                 real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE, check_expected_tokens: bool = False,
+                 check_expected_token: bool | None = None):
+        check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
+                                            "check_expected_token")
         self.canary_buf, self.verify_plan = canary_buf, verify_plan
         self.options = dict(log=log, kernel_kind=kernel_kind, real_kv_sources=real_kv_sources,
                             real_kv_hash_mode=real_kv_hash_mode, check_expected_token=check_expected_token)
         self._full = full_validation_forced()
         self._bind()
+
+    def __repr__(self) -> str:
+        o = self.options
+        return (f"<VerifyLauncher {_buffers_words(self.canary_buf)}, verify_capacity={self.verify_plan.capacity}, "
+                f"{_launch_words(o['kernel_kind'], o)}, check_expected_tokens={o['check_expected_token']}; "
+                f"{_bound_words(self)}>")
 
     def _bind(self) -> None:
         o = self.options
@@ -615,6 +716,14 @@ class PlanLauncher:
                          kv_token_id_vs_position_offset)
         self._full = full_validation_forced()
         self._bind()
+
+    def __repr__(self) -> str:
+        vcap, wcap, window, lut, offset = self.settings
+        where = interop.placement_of(self.verify_plan.verify_slot_indices, "verify_plan").describe()
+        lut_words = "none" if lut is None else "x".join(map(str, tuple(lut.shape)))
+        return (f"<PlanLauncher verify_capacity={vcap}, write_req_capacity={wcap} on {where}, "
+                f"swa_window_size={window}, full_to_swa_index_mapping={lut_words}, "
+                f"kv_token_id_vs_position_offset={offset}; {_bound_words(self)}>")
 
     def _bind(self) -> None:
         """Bind, or leave nothing bound when the free function must decide (e.g. a LUT on another device)."""

@@ -8,7 +8,8 @@ call changes nothing.  ``strict=True`` adds host-side checks of the values (a de
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from .backends import get_backend
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES, MAX_CANARY_BUFFERS, RealKvHashMode
 from .errors import fail, public_api
 from .interop import (
+    Array,
     array_module,
     backend_view,
     byte_rows_view,
@@ -48,6 +50,7 @@ from .validation import (
     I32,
     I64,
     INT32_MAX,
+    bool_keyword,
     check_1d,
     check_2d_rows,
     check_contiguous_output,
@@ -447,28 +450,95 @@ def _plan_args(c: _PlanCall, write_req_capacity, out, placement, xp, entry_capac
 
 @public_api
 def plan(
-    req_pool_indices,
-    prefix_lens,
-    extend_seq_lens,
-    table,
+    req_pool_indices: Array | None,
+    prefix_lens: Array,
+    extend_seq_lens: Array,
+    table: Any,
     *,
-    verify_capacity,
-    write_req_capacity=None,
-    swa_window_size=0,
-    full_to_swa_index_mapping=None,
-    req_to_verify_expected_tokens=None,
-    req_to_verify_expected_tokens_valid_lens=None,
-    kv_token_id_vs_position_offset=0,
-    out=None,
-    strict=False,
-):
+    verify_capacity: int,
+    write_req_capacity: int | None = None,
+    swa_window_size: int = 0,
+    full_to_swa_index_mapping: Array | None = None,
+    req_to_verify_expected_tokens: Array | None = None,
+    req_to_verify_expected_tokens_valid_lens: Array | None = None,
+    kv_token_id_vs_position_offset: int = 0,
+    out: tuple[VerifyPlan, WritePlan] | None = None,
+    strict: bool = False,
+) -> tuple[VerifyPlan, WritePlan]:
     """Plan one step: the verify entries of every slot the step reads and the write metadata.
 
-    ``table`` is a :class:`ReqToToken`, :class:`BlockTable` or :class:`PagedKvIndices` (a bare
-    2-D int32 array means ``ReqToToken(array)``); with a ``PagedKvIndices`` table
-    ``req_pool_indices`` is None.  Returns ``(VerifyPlan, WritePlan)`` in the caller's framework
-    and device (``out`` when given).  See the README for the array conventions and the
-    out-of-range rules.
+    Request r reads positions ``[0, prefix_lens[r])`` (a sliding window's last
+    ``swa_window_size`` of them): each becomes one verify entry (its slot, expected position,
+    predecessor slot and expected token).  It writes ``extend_seq_lens[r]`` new tokens, chained
+    from its seed (the slot of its last prefix token, or -1 = the chain anchor).  Out-of-range
+    values (a pool row past the table, a prefix past the row, ...) are skipped and counted in the
+    VerifyPlan's ``out_of_range_count``; nothing is read out of bounds.
+
+    Parameters
+    ----------
+    req_pool_indices : int64 array [bs], or None
+        Each batch row's row of ``table`` (in a ``req_to_token``, pool row 0 is a CUDA-graph
+        padding request: nothing planned).  None with a :class:`PagedKvIndices` table, whose rows
+        are the batch rows.
+    prefix_lens : int64 array [bs]
+        Tokens already cached per request: positions ``[0, prefix_lens[r])`` are read (verified).
+    extend_seq_lens : int64 array [bs]
+        New tokens per request this step: the write of request r covers the flat tokens
+        ``[write_offsets[r], write_offsets[r+1])``, chained from its last prefix slot.
+    table : ReqToToken, BlockTable, PagedKvIndices or int32 array [R, L]
+        The engine's own slot table (a bare 2-D int32 array means ``ReqToToken(array)``).
+    verify_capacity : int
+        The most verify entries one step may plan, ``>= 0``.  A step with more skips its whole
+        verify (``enable`` = 0), never part of it; :meth:`CanaryPlanner.verify_overflowed` says
+        so.  ``CanaryCapacities.from_engine`` sizes it at 3 x the KV pool (radix sharing lets a
+        batch's summed prefixes exceed the pool).
+    write_req_capacity : int, optional
+        The most requests one step may hold (the batch limit), ``>= 0``.  None: the batch size
+        (``out=None``) or ``out[1]``'s capacity.
+    swa_window_size : int
+        0 for a full-attention group; ``> 0`` for a sliding-window group, which reads only
+        positions ``[max(prefix - window, 0), prefix)`` and records SWA launch tags.
+    full_to_swa_index_mapping : int64 array [lut_len >= 1], optional
+        The full -> SWA slot LUT applied to the table's slots; required when
+        ``swa_window_size > 0`` with a :class:`ReqToToken` table.  Values past the end clamp to
+        the last entry (counted as out of range).
+    req_to_verify_expected_tokens : int32 array [>= R, C], optional
+        The expected-token pool: the token each pool row (each batch row with a
+        :class:`PagedKvIndices`) must hold at each position (see :func:`scatter_req_token_ids`).
+        Planned into ``verify_expected_tokens``; -1 where there is no truth.
+    req_to_verify_expected_tokens_valid_lens : int64 array [bs], optional
+        How many positions of each batch row's pool row are valid; given if and only if the
+        pool is.
+    kv_token_id_vs_position_offset : int
+        Position ``p``'s expected token is the pool's column ``p + offset``.
+    out : (VerifyPlan, WritePlan), optional
+        Plans to fill in place (capacities ``verify_capacity`` and ``write_req_capacity``), as a
+        :class:`CanaryPlanner` holds; required inside a CUDA graph capture.  None allocates new
+        ones in the framework and on the device of ``table``.
+    strict : bool
+        False: out-of-range values are skipped and counted (capture-safe, no sync).  True: they
+        are first copied to the host (a device sync, not capture-safe) and the first one raises a
+        ValueError naming the array, the row and the value.
+
+    Returns
+    -------
+    (VerifyPlan, WritePlan)
+        ``out`` when given.  The VerifyPlan's first ``verify_num_valid`` entries are valid (the
+        rest unspecified); the WritePlan holds -1 / 0 past the batch.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument (dtype, shape, device, alignment, capacity, a missing pair), before
+        anything is written; the message names the argument, what was expected and what came.
+        ``bs > write_req_capacity`` is one of them.
+
+    Examples
+    --------
+    >>> req_to_token = np.arange(64, dtype=np.int32).reshape(4, 16)  # pool row r: slots 16r ... 16r+15
+    >>> vp, wp = kc.plan(np.array([2]), np.array([7]), np.array([1]), req_to_token, verify_capacity=32)
+    >>> int(vp.verify_num_valid[0]), vp.verify_slot_indices[:3].tolist(), wp.write_seed_slot_indices.tolist()
+    (7, [32, 33, 34], [38])
     """
     c = _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, swa_window_size,
                    full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
@@ -486,27 +556,28 @@ def plan(
 
 @public_api
 def plan_and_verify(
-    req_pool_indices,
-    prefix_lens,
-    extend_seq_lens,
-    table,
-    canary_buf,
+    req_pool_indices: Array | None,
+    prefix_lens: Array,
+    extend_seq_lens: Array,
+    table: Any,
+    canary_buf: Array,
     *,
-    log,
-    verify_capacity,
-    write_req_capacity=None,
-    kernel_kind=0,
-    real_kv_sources=(),
-    real_kv_hash_mode=RealKvHashMode.NONE,
-    check_expected_token=False,
-    swa_window_size=0,
-    full_to_swa_index_mapping=None,
-    req_to_verify_expected_tokens=None,
-    req_to_verify_expected_tokens_valid_lens=None,
-    kv_token_id_vs_position_offset=0,
-    out=None,
-    strict=False,
-):
+    log: ViolationLog,
+    verify_capacity: int,
+    write_req_capacity: int | None = None,
+    kernel_kind: int = 0,
+    real_kv_sources: Sequence[RealKvSource] = (),
+    real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE,
+    check_expected_tokens: bool = False,
+    check_expected_token: bool | None = None,
+    swa_window_size: int = 0,
+    full_to_swa_index_mapping: Array | None = None,
+    req_to_verify_expected_tokens: Array | None = None,
+    req_to_verify_expected_tokens_valid_lens: Array | None = None,
+    kv_token_id_vs_position_offset: int = 0,
+    out: tuple[VerifyPlan, WritePlan] | None = None,
+    strict: bool = False,
+) -> tuple[VerifyPlan, WritePlan]:
     """Plan one step and verify the slots it reads, in one launch: the fused decode step.
 
     Equals ``vp, wp = plan(...); verify(canary_buf, vp, ...)`` with the same arguments in every
@@ -518,9 +589,76 @@ def plan_and_verify(
     of more than 4,096 requests (two plan launches) takes plan + verify through
     out[0]'s arrays, which must then hold ``verify_capacity`` entries.  One canary buffer.
 
-    Returns ``(VerifyPlan, WritePlan)`` (``out`` when given); then :func:`write` with the WritePlan
-    completes the step (stream order puts it after the verify's reads).
+    Parameters
+    ----------
+    req_pool_indices : int64 array [bs], or None
+        Each batch row's row of ``table`` (in a ``req_to_token``, pool row 0 is a CUDA-graph
+        padding request: nothing planned).  None with a :class:`PagedKvIndices` table, whose rows
+        are the batch rows.
+    prefix_lens : int64 array [bs]
+        Tokens already cached per request: positions ``[0, prefix_lens[r])`` are read (verified).
+    extend_seq_lens : int64 array [bs]
+        New tokens per request this step: the write of request r covers the flat tokens
+        ``[write_offsets[r], write_offsets[r+1])``, chained from its last prefix slot.
+    table : ReqToToken, BlockTable, PagedKvIndices or int32 array [R, L]
+        The engine's own slot table (a bare 2-D int32 array means ``ReqToToken(array)``).
+    canary_buf : array
+        One canary buffer: int64 ``[num_slots, 4]`` or uint8 ``[num_slots, S]`` (as :func:`verify`).
+    log, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_tokens, check_expected_token
+        As for :func:`verify` (one buffer: one kind, one tuple of sources).
+    verify_capacity : int
+        The most verify entries one step may plan, ``>= 0``.  A step with more skips its whole
+        verify (``enable`` = 0), never part of it; :meth:`CanaryPlanner.verify_overflowed` says
+        so.  ``CanaryCapacities.from_engine`` sizes it at 3 x the KV pool (radix sharing lets a
+        batch's summed prefixes exceed the pool).
+    write_req_capacity : int, optional
+        The most requests one step may hold (the batch limit), ``>= 0``.  None: the batch size
+        (``out=None``) or ``out[1]``'s capacity.
+    swa_window_size : int
+        0 for a full-attention group; ``> 0`` for a sliding-window group, which reads only
+        positions ``[max(prefix - window, 0), prefix)`` and records SWA launch tags.
+    full_to_swa_index_mapping : int64 array [lut_len >= 1], optional
+        The full -> SWA slot LUT applied to the table's slots; required when
+        ``swa_window_size > 0`` with a :class:`ReqToToken` table.  Values past the end clamp to
+        the last entry (counted as out of range).
+    req_to_verify_expected_tokens : int32 array [>= R, C], optional
+        The expected-token pool: the token each pool row (each batch row with a
+        :class:`PagedKvIndices`) must hold at each position (see :func:`scatter_req_token_ids`).
+        Planned into ``verify_expected_tokens``; -1 where there is no truth.
+    req_to_verify_expected_tokens_valid_lens : int64 array [bs], optional
+        How many positions of each batch row's pool row are valid; given if and only if the
+        pool is.
+    kv_token_id_vs_position_offset : int
+        Position ``p``'s expected token is the pool's column ``p + offset``.
+    out : (VerifyPlan, WritePlan), optional
+        As for :func:`plan`; out[0] may have capacity 0 (its entries are not stored).
+    strict : bool
+        False: out-of-range values are skipped and counted (capture-safe, no sync).  True: they
+        are first copied to the host (a device sync, not capture-safe) and the first one raises a
+        ValueError naming the array, the row and the value.
+
+    Returns
+    -------
+    (VerifyPlan, WritePlan)
+        ``out`` when given; then :func:`write` with the WritePlan completes the step (stream
+        order puts it after the verify's reads).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument (dtype, shape, device, alignment, capacity, a missing pair), before
+        anything is written; the message names the argument, what was expected and what came.
+
+    Examples
+    --------
+    >>> canary, log = kc.allocate_canary_buffer(64), kc.ViolationLog.allocate(16)
+    >>> req_to_token = np.arange(64, dtype=np.int32).reshape(4, 16)
+    >>> vp, wp = kc.plan_and_verify(np.array([1]), np.array([0]), np.array([3]), req_to_token, canary,
+    ...                             log=log, verify_capacity=0)
+    >>> kc.write(canary, wp, np.array([5, 6, 7]), np.arange(3), np.array([16, 17, 18]), log=log)
     """
+    check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
+                                        "check_expected_token")
     c = _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, swa_window_size,
                    full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
                    kv_token_id_vs_position_offset, out, "plan_and_verify")
@@ -552,35 +690,86 @@ def plan_and_verify(
 
 @public_api
 def write(
-    canary_buf,
-    write_plan,
-    input_ids,
-    positions,
-    out_cache_loc,
+    canary_buf: Array | Sequence[Array],
+    write_plan: WritePlan,
+    input_ids: Array,
+    positions: Array,
+    out_cache_loc: Array,
     *,
-    log,
-    kernel_kind=0,
-    real_kv_sources=(),
-    real_kv_hash_mode=RealKvHashMode.NONE,
-    expected_input_tokens=None,
-    expected_input_positions=None,
-    chain_position_assert=True,
-    strict=False,
-    stream=None,
-):
+    log: ViolationLog,
+    kernel_kind: int | Sequence[int] = 0,
+    real_kv_sources: Sequence[Any] = (),
+    real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE,
+    expected_input_tokens: Array | None = None,
+    expected_input_positions: Array | None = None,
+    chain_position_assert: bool = True,
+    strict: bool = False,
+    stream: Any = None,
+) -> None:
     """Write fresh canary records for the step's new tokens, chained along each request.
 
-    ``canary_buf`` may be a sequence of up to ``MAX_CANARY_BUFFERS`` buffers with equal num_slots
-    written with the same plan and tokens (e.g. the K and V halves): ``kernel_kind`` is then a
-    sequence of as many kinds and ``real_kv_sources`` empty or a sequence of as many source
-    tuples.  One launch computes every buffer's chain; each buffer gets the bytes, rows and
-    counters a call of its own would give it.
+    Slot ``out_cache_loc[i]`` gets ``(input_ids[i], positions[i], running_hash, real_kv_hash)``
+    and the running hash of its request advances by :func:`mix3`.  A negative (or out-of-range)
+    slot is skipped without advancing the chain.  Several buffers (``canary_buf`` a sequence) are
+    written by one launch; each gets the bytes, rows and counters a call of its own would give it.
 
-    ``stream`` (a CuPy or torch CUDA stream) runs the write there, after everything queued so far
-    on the caller's current stream, so a long prefill chain overlaps what the caller queues next;
-    call :func:`join_stream` before anything reads the canary buffers or the log, and keep the
-    arguments alive and unchanged until then.  Capture-safe (the join must come before the
-    capture ends).
+    Parameters
+    ----------
+    canary_buf : array or sequence of arrays
+        The canary buffer: int64 ``[num_slots, 4]`` (:func:`allocate_canary_buffer`), or uint8
+        ``[num_slots, S]`` with ``S >= 32`` and ``S % 8 == 0``; contiguous, 8-byte aligned.  Slot
+        0 is the padding slot.  A sequence of up to ``MAX_CANARY_BUFFERS`` buffers of equal
+        ``num_slots`` (the K and V halves, say) shares one launch; they must not overlap.
+    write_plan : WritePlan
+        The step's write metadata, from :func:`plan` (or a :class:`CanaryPlanner`).
+    input_ids, positions, out_cache_loc : int64 arrays [T]
+        The step's new tokens, their positions and their KV slots, flat over the batch (request r
+        owns ``[write_offsets[r], write_offsets[r+1])``; T may include padded tokens).
+    log : ViolationLog
+        Where violations go (its ring) and what is counted (its counters, per ``kernel_kind``).
+    kernel_kind : int or CanaryLaunchTag, or a sequence of them
+        The launch tag recorded in each violation row and counter index, ``0 <= kind <
+        log.num_kinds``; one per buffer when ``canary_buf`` is a sequence.
+    real_kv_sources : sequence of RealKvSource, or a sequence of such sequences
+        Up to ``MAX_REAL_KV_SOURCES`` views of the live KV pools whose bytes are fingerprinted
+        into ``real_kv_hash`` (one tuple per buffer when ``canary_buf`` is a sequence, or empty).
+    real_kv_hash_mode : RealKvHashMode
+        ``NONE`` (no fingerprint: 0), ``PARTIAL`` (the first 16 bytes of each slot) or ``ALL``
+        (``read_bytes`` bytes of each slot).
+    expected_input_tokens, expected_input_positions : int64 arrays [T], optional
+        A second copy of the tokens and positions (given together): a written token or position
+        that differs logs a ``WRITE_TOKEN_MISMATCH`` / ``WRITE_POSITION_MISMATCH`` row.
+    chain_position_assert : bool
+        Log a ``WRITE_POSITION_MISMATCH`` row where a seeded request's positions do not rise by 1.
+    strict : bool
+        False: out-of-range values are skipped and counted (capture-safe, no sync).  True: they
+        are first copied to the host (a device sync, not capture-safe) and the first one raises a
+        ValueError naming the array, the row and the value.
+    stream : cupy.cuda.Stream or torch.cuda.Stream, optional
+        Run the write there, after everything queued so far on the caller's current stream, so
+        a long prefill chain overlaps what the caller queues next; call :func:`join_stream`
+        before anything reads the canary buffers or the log, and keep the arguments alive and
+        unchanged until then.  Capture-safe (join before the capture ends).  GPU only.
+
+    Returns
+    -------
+    None
+        The buffers and ``log`` are written in place.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument (dtype, shape, device, alignment, capacity, a missing pair), before
+        anything is written; the message names the argument, what was expected and what came.
+
+    Examples
+    --------
+    >>> canary, log = kc.allocate_canary_buffer(64), kc.ViolationLog.allocate(16)
+    >>> req_to_token = np.arange(64, dtype=np.int32).reshape(4, 16)
+    >>> vp, wp = kc.plan(np.array([1]), np.array([0]), np.array([3]), req_to_token, verify_capacity=0)
+    >>> kc.write(canary, wp, np.array([5, 6, 7]), np.arange(3), np.array([16, 17, 18]), log=log)
+    >>> canary[17, :2].tolist()  # (token, position)
+    [6, 1]
     """
     if (expected_input_tokens is None) != (expected_input_positions is None):
         fail(ValueError, "expected_input_tokens and expected_input_positions enable the write-input assert together; pass both or neither")
@@ -614,21 +803,79 @@ def write(
 
 @public_api
 def verify(
-    canary_buf,
-    verify_plan,
+    canary_buf: Array | Sequence[Array],
+    verify_plan: VerifyPlan,
     *,
-    log,
-    kernel_kind=0,
-    real_kv_sources=(),
-    real_kv_hash_mode=RealKvHashMode.NONE,
-    check_expected_token=False,
-    strict=False,
-):
+    log: ViolationLog,
+    kernel_kind: int | Sequence[int] = 0,
+    real_kv_sources: Sequence[Any] = (),
+    real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE,
+    check_expected_tokens: bool = False,
+    check_expected_token: bool | None = None,
+    strict: bool = False,
+) -> None:
     """Verify the canary records of every planned slot; violations go to ``log``'s ring.
 
-    ``canary_buf`` may be a sequence of up to ``MAX_CANARY_BUFFERS`` buffers verified with the same
-    plan, as for :func:`write`: the entries are read once for all of them.
+    Each of the first ``verify_num_valid`` entries is checked: the stored position against the
+    expected one, the stored prev_hash against :func:`mix3` of the predecessor's record (the
+    anchor hash for a chain head; skipped when the predecessor is unknown), the real-KV
+    fingerprint (with sources) and, with ``check_expected_tokens``, the stored token.  Each failing
+    slot logs one row whose ``fail_reason_bits`` OR the :class:`FailReason` bits.  A plan that
+    overflowed (``enable`` = 0) verifies nothing.
+
+    Parameters
+    ----------
+    canary_buf : array or sequence of arrays
+        The canary buffer: int64 ``[num_slots, 4]`` (:func:`allocate_canary_buffer`), or uint8
+        ``[num_slots, S]`` with ``S >= 32`` and ``S % 8 == 0``; contiguous, 8-byte aligned.  Slot
+        0 is the padding slot.  A sequence of up to ``MAX_CANARY_BUFFERS`` buffers of equal
+        ``num_slots`` (the K and V halves, say) shares one launch; they must not overlap.
+        The entries are read once for all of them.
+    verify_plan : VerifyPlan
+        The step's verify entries, from :func:`plan` (or a :class:`CanaryPlanner`).
+    log : ViolationLog
+        Where violations go (its ring) and what is counted (its counters, per ``kernel_kind``).
+    kernel_kind : int or CanaryLaunchTag, or a sequence of them
+        The launch tag recorded in each violation row and counter index, ``0 <= kind <
+        log.num_kinds``; one per buffer when ``canary_buf`` is a sequence.
+    real_kv_sources : sequence of RealKvSource, or a sequence of such sequences
+        Up to ``MAX_REAL_KV_SOURCES`` views of the live KV pools whose bytes are fingerprinted
+        into ``real_kv_hash`` (one tuple per buffer when ``canary_buf`` is a sequence, or empty).
+    real_kv_hash_mode : RealKvHashMode
+        ``NONE`` (no fingerprint: 0), ``PARTIAL`` (the first 16 bytes of each slot) or ``ALL``
+        (``read_bytes`` bytes of each slot).
+    check_expected_tokens : bool
+        Also compare each stored token with the entry's expected token (where it is not -1),
+        logging ``VERIFY_TOKEN_MISMATCH``.  Needs ``req_to_verify_expected_tokens`` at plan time.
+    check_expected_token : bool, optional
+        The older spelling of ``check_expected_tokens``, still accepted (pass one of them).
+    strict : bool
+        False: out-of-range values are skipped and counted (capture-safe, no sync).  True: they
+        are first copied to the host (a device sync, not capture-safe) and the first one raises a
+        ValueError naming the array, the row and the value.
+
+    Returns
+    -------
+    None
+        ``log`` is written in place; read it with :meth:`ViolationLog.read`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument (dtype, shape, device, alignment, capacity, a missing pair), before
+        anything is written; the message names the argument, what was expected and what came.
+
+    Examples
+    --------
+    >>> canary, log = kc.allocate_canary_buffer(64), kc.ViolationLog.allocate(16)
+    >>> req_to_token = np.arange(64, dtype=np.int32).reshape(4, 16)
+    >>> vp, wp = kc.plan(np.array([1]), np.array([2]), np.array([0]), req_to_token, verify_capacity=8)
+    >>> kc.verify(canary, vp, log=log)  # slots 16 and 17 were never written: two violations
+    >>> log.read().total_violations
+    2
     """
+    check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
+                                        "check_expected_token")
     placement, context, _ = _verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode,
                                           check_expected_token)
     with launch_stream(placement):
@@ -639,22 +886,53 @@ def verify(
 
 
 @public_api
-def move_pages(canary_buf, src_pages, dst_pages, *, page_size=1, workspace=None, out_of_range_count=None, strict=False):
+def move_pages(canary_buf: Array, src_pages: Array, dst_pages: Array, *, page_size: int = 1,
+               workspace: Array | None = None, out_of_range_count: Array | None = None, strict: bool = False) -> Array:
     """Move the canary rows of KV pages with the pages (compaction, defragmentation, cell moves).
 
     Page ``p`` is canary rows ``[p * page_size, (p + 1) * page_size)``.  The result equals
     ``rows = canary[src_slots].copy(); canary[src_slots] = 0; canary[dst_slots] = rows`` over whole
     pages, so a table that still points at a page's old place fails verify, and permutations
-    (sources and destinations overlapping) move correctly.  A pair with a page id outside
-    ``[0, num_slots // page_size)`` is skipped; each such id is counted in ``out_of_range_count``
-    ([1] int64) when given.  Repeated destination pages are a caller bug: which source lands there
-    then depends on GPU thread timing (the NumPy backend takes the last).
+    (sources and destinations overlapping) move correctly.  Repeated destination pages are a
+    caller bug: which source lands there then depends on GPU thread timing (the NumPy backend
+    takes the last).
 
-    The GPU stages the moved rows in ``workspace`` (int64, contiguous, at least
-    ``len(src_pages) * page_size`` rows of the canary's width): pass one allocated once
-    (``kc.allocate_canary_buffer(max_pages * page_size, like=canary_buf)`` fits the int64
-    layout) to stay capture-safe; without it each call allocates one, which is refused inside a
-    CUDA graph capture.  Returns ``canary_buf``.
+    Parameters
+    ----------
+    canary_buf : array
+        One canary buffer (int64 ``[num_slots, 4]`` or uint8 ``[num_slots, S]``), moved in place.
+    src_pages, dst_pages : int32 or int64 arrays [n] (one dtype)
+        Pair i moves page ``src_pages[i]`` to page ``dst_pages[i]``.  A pair with a page id
+        outside ``[0, num_slots // page_size)`` is skipped.
+    page_size : int
+        Canary rows per page, ``>= 1``.
+    workspace : int64 array, optional
+        The GPU's staging area for the moved rows: contiguous, at least ``n * page_size`` rows of
+        the canary's width (``kc.allocate_canary_buffer(max_pages * page_size, like=canary_buf)``
+        fits).  Pass one allocated once to stay capture-safe; without it each GPU call allocates
+        one, which is refused inside a CUDA graph capture.  Unused on the CPU.
+    out_of_range_count : int64 array [1], optional
+        Adds the number of skipped out-of-range page ids.
+    strict : bool
+        Raise a ValueError on the first out-of-range page id instead (a device sync).
+
+    Returns
+    -------
+    array
+        ``canary_buf``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, before anything is moved; the message names it.
+
+    Examples
+    --------
+    >>> canary = kc.allocate_canary_buffer(8)
+    >>> canary[2:4] = 7
+    >>> _ = kc.move_pages(canary, np.array([1]), np.array([3]), page_size=2)
+    >>> canary[:, 0].tolist()
+    [0, 0, 0, 0, 0, 0, 7, 7]
     """
     size = check_int(page_size, "page_size", minimum=1)
     named = {
@@ -696,13 +974,47 @@ def move_pages(canary_buf, src_pages, dst_pages, *, page_size=1, workspace=None,
 
 
 @public_api
-def scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out, *, out_of_range_count=None, strict=False):
+def scatter_req_token_ids(flat_in: Array, offsets: Array, req_pool_indices: Array, pool_out: Array, *,
+                          out_of_range_count: Array | None = None, strict: bool = False) -> Array:
     """Fill the expected-token pool: ``pool_out[rp, :n] = flat_in[start:start+n]`` per request.
 
-    ``n = min(offsets[r+1] - offsets[r], pool_out.shape[1])``; rows not addressed are untouched.
-    Batch rows sharing a pool row: for each column, the largest batch row writing it wins.
-    Out-of-range values are skipped and counted in ``out_of_range_count`` ([1] int64) when given.
-    Returns ``pool_out``.
+    For batch row r, ``rp = req_pool_indices[r]``, ``start = offsets[r]`` and ``n =
+    min(offsets[r+1] - offsets[r], pool_out.shape[1])``; rows not addressed are untouched.  Batch
+    rows sharing a pool row: for each column, the largest batch row writing it wins.  The pool is
+    what :func:`plan` takes as ``req_to_verify_expected_tokens``.
+
+    Parameters
+    ----------
+    flat_in : int64 array [N]
+        Every request's tokens, concatenated.
+    offsets : int64 array [bs + 1]
+        Request r's tokens are ``flat_in[offsets[r]:offsets[r+1]]``.
+    req_pool_indices : int64 array [bs]
+        The pool row each request fills.
+    pool_out : int32 array [R, C]
+        The pool, rows contiguous; written in place.
+    out_of_range_count : int64 array [1], optional
+        Adds the number of skipped out-of-range values (a pool row outside ``[0, R)``, a negative
+        length, a source range outside ``flat_in``).
+    strict : bool
+        Raise a ValueError on the first out-of-range value instead (a device sync).
+
+    Returns
+    -------
+    array
+        ``pool_out``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad dtype or shape (``offsets`` not ``bs + 1`` long, ...), before anything is written.
+
+    Examples
+    --------
+    >>> pool = np.zeros((3, 4), np.int32)
+    >>> _ = kc.scatter_req_token_ids(np.array([5, 6, 7]), np.array([0, 2, 3]), np.array([2, 1]), pool)
+    >>> pool.tolist()
+    [[0, 0, 0, 0], [7, 0, 0, 0], [5, 6, 0, 0]]
     """
     named = {
         "flat_in": flat_in,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .errors import fail, public_api, trimmed_argument_error
-from .interop import import_cupy, is_torch_tensor, placement_of, refuse_during_capture, to_numpy
+from .interop import Array, import_cupy, is_torch_tensor, placement_of, refuse_during_capture, to_numpy
 from .launchers import PlanLauncher
 from .ops import plan as plan_step
 from .plans import VerifyPlan, WritePlan
@@ -18,12 +19,36 @@ from .validation import INT32_MAX, check_int
 
 
 class CanaryCapacityWarning(UserWarning):
-    """A capacity was clamped (a negative or too large value) or the verify plan overflowed."""
+    """A capacity was clamped (a negative or too large value) or the verify plan overflowed.
+
+    Warned once by :class:`CanaryPlanner` when its :class:`CanaryCapacities` carry clamp
+    ``notes``, and once per planner by :meth:`CanaryPlanner.verify_overflowed` on the first step
+    whose verify was skipped.  Turn it into an error with
+    ``warnings.simplefilter("error", kc.CanaryCapacityWarning)``.
+    """
 
 
 @dataclass(frozen=True)
 class CanaryCapacities:
-    """Capacities of the per-step buffers; always >= 0 (never a -1 sentinel)."""
+    """Capacities of the per-step buffers; always >= 0 (never a -1 sentinel).
+
+    Parameters
+    ----------
+    verify_capacity : int
+        The most verify entries (slots read) one step may plan.  A step with more skips its
+        whole verify, counted and warned (:meth:`CanaryPlanner.verify_overflowed`): size it for
+        the summed prefix lengths of the largest batch (:meth:`from_engine` takes 3 x the KV pool).
+    write_req_capacity : int
+        The most requests one step may hold (the batch limit).  A larger batch is refused with a
+        ValueError.
+    notes : tuple of str
+        What :meth:`from_engine` clamped, in words (empty when nothing was).
+
+    Examples
+    --------
+    >>> kc.CanaryCapacities(verify_capacity=3000, write_req_capacity=64)
+    CanaryCapacities(verify_capacity=3000, write_req_capacity=64, notes=())
+    """
 
     verify_capacity: int
     write_req_capacity: int
@@ -47,6 +72,34 @@ class CanaryCapacities:
         ``write_req_capacity = max(max_running_requests, req_to_token_pool_size, cuda_graph_max_bs)``.
         Any of these may be computed by the engine as a difference (``pool_size - num_running``)
         and come out negative: it is clamped to 0 and the clamp is reported in ``notes``.
+
+        Parameters
+        ----------
+        kv_pool_size : int
+            KV slots in the pool (the canary's ``num_slots``).
+        max_running_requests : int
+            The engine's batch limit.
+        req_to_token_pool_size, cuda_graph_max_bs : int
+            Other bounds of a batch's size (0 when the engine has none).
+        verify_headroom : int
+            Verify entries per pool slot.
+
+        Returns
+        -------
+        CanaryCapacities
+
+        Raises
+        ------
+        TypeError
+            A number that is not an int (bools included).
+
+        Examples
+        --------
+        >>> caps = kc.CanaryCapacities.from_engine(kv_pool_size=1000, max_running_requests=64)
+        >>> caps.verify_capacity, caps.write_req_capacity
+        (3000, 64)
+        >>> kc.CanaryCapacities.from_engine(kv_pool_size=10 - 20, max_running_requests=4).notes
+        ('kv_pool_size=-10 is negative; clamped to 0',)
         """
         notes = []
 
@@ -77,19 +130,47 @@ class CanaryCapacities:
 class CanaryPlanner:
     """Holds one (VerifyPlan, WritePlan) pair at fixed addresses and refills it every step.
 
-    ``like`` picks the framework and device of the buffers (NumPy when None).  Inputs of another
-    framework on the same device are used in place; inputs on another device are copied there
-    (a convenience for notebooks: not capture-safe).  A shrinking batch leaves nothing stale:
-    seeds past the batch are -1 and offsets past it are 0.
+    Inputs of another framework on the buffers' device are used in place; inputs on another
+    device are copied there (a convenience for notebooks: not capture-safe).  A shrinking batch
+    leaves nothing stale: seeds past the batch are -1 and offsets past it are 0.
 
     The buffers, capacities and SWA settings are bound once (:mod:`kvcanary_cupy.launchers`): a
     plan whose inputs are contiguous arrays of the buffers' framework and device costs only their
     checks and its launches.  The settings are read-only for that reason.
+
+    Parameters
+    ----------
+    capacities : CanaryCapacities
+        ``verify_capacity`` (entries per step) and ``write_req_capacity`` (requests per step).
+        Clamp notes in it warn a :class:`CanaryCapacityWarning`.
+    like : array, optional
+        The framework and device of the buffers; None: NumPy.
+    swa_window_size, full_to_swa_index_mapping, kv_token_id_vs_position_offset
+        As for :func:`plan`, fixed for the planner's life.
+
+    Attributes
+    ----------
+    verify_plan : VerifyPlan
+    write_plan : WritePlan
+        The buffers every :meth:`plan` fills; bind launchers to them.
+
+    Raises
+    ------
+    TypeError
+        ``capacities`` is not a :class:`CanaryCapacities`.
+
+    Examples
+    --------
+    >>> planner = kc.CanaryPlanner(kc.CanaryCapacities(verify_capacity=32, write_req_capacity=4))
+    >>> req_to_token = np.arange(64, dtype=np.int32).reshape(4, 16)
+    >>> vp, wp = planner.plan(np.array([2]), np.array([7]), np.array([1]), req_to_token)
+    >>> vp is planner.verify_plan, int(vp.verify_num_valid[0])
+    (True, 7)
     """
 
     @public_api
-    def __init__(self, capacities: CanaryCapacities, *, like=None, swa_window_size: int = 0,
-                 full_to_swa_index_mapping=None, kv_token_id_vs_position_offset: int = 0):
+    def __init__(self, capacities: CanaryCapacities, *, like: Array | None = None, swa_window_size: int = 0,
+                 full_to_swa_index_mapping: Array | None = None, kv_token_id_vs_position_offset: int = 0):
         if not isinstance(capacities, CanaryCapacities):
             fail(TypeError, f"capacities must be a CanaryCapacities, got {type(capacities).__name__}; use CanaryCapacities.from_engine(...)")
         self.capacities = capacities
@@ -108,6 +189,13 @@ class CanaryPlanner:
             full_to_swa_index_mapping=full_to_swa_index_mapping,
             kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
 
+    def __repr__(self) -> str:
+        c = self.capacities
+        window = f", swa_window_size={self.swa_window_size}" if self.swa_window_size else ""
+        bound = "bound" if self._launcher._bound is not None else "not bound (every plan takes kc.plan)"
+        return (f"<CanaryPlanner verify_capacity={c.verify_capacity}, write_req_capacity={c.write_req_capacity} "
+                f"on {self._placement.describe()}{window}; plan launcher {bound}>")
+
     @property
     def swa_window_size(self) -> int:
         return self._swa[0]
@@ -122,9 +210,28 @@ class CanaryPlanner:
 
     @classmethod
     @public_api
-    def from_engine(cls, *, like=None, swa_window_size=0, full_to_swa_index_mapping=None,
-                    kv_token_id_vs_position_offset=0, **engine_numbers) -> "CanaryPlanner":
-        """``CanaryPlanner(CanaryCapacities.from_engine(**engine_numbers), ...)``."""
+    def from_engine(cls, *, like: Array | None = None, swa_window_size: int = 0,
+                    full_to_swa_index_mapping: Array | None = None, kv_token_id_vs_position_offset: int = 0,
+                    **engine_numbers: int) -> "CanaryPlanner":
+        """``CanaryPlanner(CanaryCapacities.from_engine(**engine_numbers), ...)``.
+
+        Parameters
+        ----------
+        like, swa_window_size, full_to_swa_index_mapping, kv_token_id_vs_position_offset
+            As for :class:`CanaryPlanner`.
+        **engine_numbers : int
+            The keywords of :meth:`CanaryCapacities.from_engine` (``kv_pool_size``,
+            ``max_running_requests``, ...).
+
+        Returns
+        -------
+        CanaryPlanner
+
+        Examples
+        --------
+        >>> kc.CanaryPlanner.from_engine(kv_pool_size=1000, max_running_requests=64)
+        <CanaryPlanner verify_capacity=3000, write_req_capacity=64 on numpy; plan launcher bound>
+        """
         return cls(CanaryCapacities.from_engine(**engine_numbers), like=like, swa_window_size=swa_window_size,
                    full_to_swa_index_mapping=full_to_swa_index_mapping,
                    kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
@@ -149,13 +256,37 @@ class CanaryPlanner:
                 return sys.modules["torch"].from_numpy(np.ascontiguousarray(host)).to(self._like.device)
             return cupy.asarray(host)
 
-    def plan(self, req_pool_indices, prefix_lens, extend_seq_lens, table, *,
-             req_to_verify_expected_tokens=None, req_to_verify_expected_tokens_valid_lens=None,
-             strict=False):
-        """Plan one step into the held buffers; returns ``(verify_plan, write_plan)``.
+    def plan(self, req_pool_indices: Array | None, prefix_lens: Array, extend_seq_lens: Array, table: Any, *,
+             req_to_verify_expected_tokens: Array | None = None,
+             req_to_verify_expected_tokens_valid_lens: Array | None = None,
+             strict: bool = False) -> tuple[VerifyPlan, WritePlan]:
+        """Plan one step into the held buffers: :func:`kvcanary_cupy.plan` with ``out=`` them.
 
-        ``table`` is any table :func:`kvcanary_cupy.plan` takes (``req_pool_indices`` is None with
-        a :class:`~kvcanary_cupy.PagedKvIndices`)."""
+        Capture-safe when the inputs are on the buffers' device.
+
+        Parameters
+        ----------
+        req_pool_indices, prefix_lens, extend_seq_lens, table
+            As for :func:`kvcanary_cupy.plan` (``req_pool_indices`` is None with a
+            :class:`~kvcanary_cupy.PagedKvIndices`); ``len(prefix_lens)`` at most
+            ``write_req_capacity``.
+        req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens, strict
+            As for :func:`kvcanary_cupy.plan`.
+
+        Returns
+        -------
+        (VerifyPlan, WritePlan)
+            ``(self.verify_plan, self.write_plan)``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad argument, as :func:`kvcanary_cupy.plan` raises it.
+
+        Examples
+        --------
+        See :class:`CanaryPlanner`.
+        """
         try:
             if not strict and self._launcher(req_pool_indices, prefix_lens, extend_seq_lens, table,
                                              req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens):
@@ -184,7 +315,19 @@ class CanaryPlanner:
     def verify_overflowed(self) -> bool:
         """Whether the last plan overflowed ``verify_capacity`` (its verify is then skipped).
 
-        Reads one int from the device (a host sync); warns once per planner on the first overflow.
+        Reads one int from the device (a host sync); warns a :class:`CanaryCapacityWarning` once
+        per planner on the first overflow.
+
+        Returns
+        -------
+        bool
+
+        Examples
+        --------
+        >>> planner = kc.CanaryPlanner(kc.CanaryCapacities(verify_capacity=4, write_req_capacity=1))
+        >>> _ = planner.plan(np.array([2]), np.array([7]), np.array([1]), np.arange(64, dtype=np.int32).reshape(4, 16))
+        >>> planner.verify_overflowed()  # 7 entries: its verify was skipped (and a warning says so)
+        True
         """
         overflowed = int(to_numpy(self.verify_plan.enable)[0]) == 0
         if overflowed and not self._overflow_reported:

@@ -8,7 +8,7 @@ of ``like`` (NumPy when ``like`` is None), so a whole canary step can be capture
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -20,8 +20,11 @@ from .constants import (
     VIOLATION_FIELDS,
 )
 from .errors import fail, public_api
-from .interop import allocate, placement_of, refuse_during_capture, to_numpy
+from .interop import Array, allocate, is_capturing, placement_of, refuse_during_capture, to_numpy
 from .validation import _is_int, check_count
+
+if TYPE_CHECKING:
+    from .reporting import ViolationReport
 
 
 def _refuse_allocation_during_capture(like, owner: str) -> None:
@@ -81,7 +84,7 @@ def _plan_record(spec: tuple, capacity_field: str, capacity_name: str):
     def wrap(cls):
         cls.__annotations__ = {f.name: Any for f in spec}
         cls.FIELDS, cls.CAPACITY_FIELD, cls.CAPACITY_NAME = spec, capacity_field, capacity_name
-        return dataclass(frozen=True)(cls)
+        return dataclass(frozen=True, repr=False)(cls)  # _PlanRecord.__repr__: no uninitialised entries
 
     return wrap
 
@@ -94,6 +97,23 @@ class _PlanRecord(_ArrayRecord):
     @property
     def capacity(self) -> int:
         return int(getattr(self, self.CAPACITY_FIELD).shape[0])
+
+    def __repr__(self) -> str:
+        """Capacity, framework and the one-element counters; never the entries (those past the
+        valid count are unspecified, uninitialised memory in a fresh plan)."""
+        try:
+            where = placement_of(getattr(self, self.CAPACITY_FIELD), self.CAPACITY_NAME)
+            head = f"<{type(self).__name__} {self.CAPACITY_NAME}={self.capacity} on {where.describe()}"
+        except (TypeError, ValueError, AttributeError, IndexError):
+            return f"<{type(self).__name__} (not a record of arrays)>"
+        if is_capturing(where):  # reading a counter would synchronise the capturing stream
+            return head + ": counters not read (the stream is capturing a CUDA graph)>"
+        counters = [f.name for f in self.FIELDS if f.per_request is None]
+        values = {name: int(to_numpy(getattr(self, name)).reshape(-1)[0]) for name in counters}
+        text = ", ".join(f"{k}={v}" for k, v in values.items())
+        if not values.get("verify_num_valid", values.get("write_num_valid_reqs", 1)):
+            text += " (nothing planned: no valid entries)"
+        return f"{head}: {text}>"
 
     @classmethod
     def _allocate(cls, capacity: int, like):
@@ -129,35 +149,117 @@ def scan_state(record):
 
 @_plan_record(VERIFY_PLAN_FIELDS, "verify_slot_indices", "verify_capacity")
 class VerifyPlan(_PlanRecord):
-    """A flat list of self-contained verify entries (docs/format.md §4).
+    """A flat list of self-contained verify entries (docs/format.md section 4).
 
-    ``verify_prev_slot_indices``: -1 = chain head (anchor), 0 = predecessor unknown (chain check
-    skipped), else the slot whose record hashes to this entry's prev_hash.  Entries past
-    ``verify_num_valid`` are unspecified; ``enable == 0`` (overflow) skips the whole verify.
-    ``out_of_range_count`` counts the out-of-range plan inputs that were skipped or clamped
-    (README, "Out-of-range values"); it only ever grows.  Fields: :data:`VERIFY_PLAN_FIELDS`.
+    :func:`plan` fills it; :func:`verify` reads it.  Build one with :meth:`allocate` (or take a
+    :class:`CanaryPlanner`'s); the constructor takes an engine's own arrays as they are.
+
+    Attributes
+    ----------
+    verify_slot_indices : int64 array [verify_capacity]
+        The slot each entry verifies.
+    verify_expected_tokens : int64 array [verify_capacity]
+        The token the slot must hold; -1 = no token check.
+    verify_expected_positions : int64 array [verify_capacity]
+        The position the slot must hold.
+    verify_prev_slot_indices : int64 array [verify_capacity]
+        -1 = chain head (the anchor), 0 = predecessor unknown (chain check skipped), else the
+        slot whose record hashes to this entry's prev_hash.
+    verify_num_valid : int32 array [1]
+        How many entries the last plan wrote; entries past it are unspecified.
+    enable : int32 array [1]
+        0 when the last plan overflowed ``verify_capacity``: the whole verify is skipped.
+    out_of_range_count : int64 array [1]
+        Out-of-range plan inputs skipped or clamped; it only ever grows.
+
+    The fields and their order are :data:`VERIFY_PLAN_FIELDS`.  ``capacity`` is
+    ``verify_capacity``.
     """
 
     @classmethod
     @public_api
-    def allocate(cls, verify_capacity: int, *, like=None) -> "VerifyPlan":
+    def allocate(cls, verify_capacity: int, *, like: Array | None = None) -> "VerifyPlan":
+        """A new plan of ``verify_capacity`` entries, at fixed addresses.
+
+        Parameters
+        ----------
+        verify_capacity : int
+            Entries it holds, ``>= 0`` (0 for :func:`plan_and_verify`, which stores none).
+        like : array, optional
+            Allocate in this array's framework and on its device; None: NumPy.
+
+        Returns
+        -------
+        VerifyPlan
+            ``verify_num_valid`` = 0, ``enable`` = 1, ``out_of_range_count`` = 0; the entry
+            arrays are left uninitialised.
+
+        Raises
+        ------
+        ValueError
+            A negative capacity, or ``like`` on a stream capturing a CUDA graph.
+
+        Examples
+        --------
+        >>> kc.VerifyPlan.allocate(8)
+        <VerifyPlan verify_capacity=8 on numpy: verify_num_valid=0, enable=1, out_of_range_count=0 (nothing planned: no valid entries)>
+        """
         return cls._allocate(verify_capacity, like)
 
 
 @_plan_record(WRITE_PLAN_FIELDS, "write_seed_slot_indices", "write_req_capacity")
 class WritePlan(_PlanRecord):
-    """Per-request metadata of a write (docs/format.md §4) plus the per-request verify offsets.
+    """Per-request metadata of a write (docs/format.md section 4) plus the per-request verify offsets.
 
-    Request r writes flat tokens ``[write_offsets[r], write_offsets[r+1])`` of
-    ``input_ids/positions/out_cache_loc`` and owns verify entries
-    ``[verify_offsets[r], verify_offsets[r+1])``.  After a plan of ``bs`` requests,
+    :func:`plan` fills it; :func:`write` reads it.  After a plan of ``bs`` requests,
     ``write_seed_slot_indices[r] == -1`` and ``write_offsets[r+1] == verify_offsets[r+1] == 0``
-    for every ``r >= bs``.  Fields: :data:`WRITE_PLAN_FIELDS`.
+    for every ``r >= bs`` (nothing stale).
+
+    Attributes
+    ----------
+    write_offsets : int64 array [write_req_capacity + 1]
+        Request r writes flat tokens ``[write_offsets[r], write_offsets[r+1])`` of
+        ``input_ids`` / ``positions`` / ``out_cache_loc``.
+    write_seed_slot_indices : int64 array [write_req_capacity]
+        The slot its chain continues from (its last prefix token); -1 = the chain anchor.
+    write_num_valid_reqs : int32 array [1]
+        The batch size of the last plan.
+    verify_offsets : int64 array [write_req_capacity + 1]
+        Request r owns verify entries ``[verify_offsets[r], verify_offsets[r+1])``.
+
+    The fields and their order are :data:`WRITE_PLAN_FIELDS`.  ``capacity`` is
+    ``write_req_capacity``.  A plan clears only the rows its previous batch used: if you write
+    into a WritePlan yourself, keep -1 / 0 past its ``write_num_valid_reqs``.
     """
 
     @classmethod
     @public_api
-    def allocate(cls, write_req_capacity: int, *, like=None) -> "WritePlan":
+    def allocate(cls, write_req_capacity: int, *, like: Array | None = None) -> "WritePlan":
+        """A new write plan for batches of up to ``write_req_capacity`` requests.
+
+        Parameters
+        ----------
+        write_req_capacity : int
+            The batch limit, ``>= 0``.
+        like : array, optional
+            Allocate in this array's framework and on its device; None: NumPy.
+
+        Returns
+        -------
+        WritePlan
+            Offsets 0, seeds -1, ``write_num_valid_reqs`` = 0 (and a zeroed scan state the GPU
+            plan of a large batch uses).
+
+        Raises
+        ------
+        ValueError
+            A negative capacity, or ``like`` on a stream capturing a CUDA graph.
+
+        Examples
+        --------
+        >>> kc.WritePlan.allocate(4)
+        <WritePlan write_req_capacity=4 on numpy: write_num_valid_reqs=0 (nothing planned: no valid entries)>
+        """
         record = cls._allocate(write_req_capacity, like)
         record.__dict__["_kvcanary_scan_state"] = allocate((3 * SCAN_STATE_TILES,), np.int64, like=like, fill=0)
         return record
@@ -172,15 +274,27 @@ class WritePlan(_PlanRecord):
 
 @dataclass(frozen=True)
 class ViolationLog(_ArrayRecord):
-    """The device-side violation ring and the per-launch-kind counters (docs/format.md §5).
+    """The device-side violation ring and the per-launch-kind counters (docs/format.md section 5).
 
-    ``ring`` is fill-once: row k holds the violation that drew ticket k.  Tickets are drawn from
-    ``write_index`` only while the ring has room, so ``write_index`` ends at
-    ``min(violations since the last reset, capacity)`` and never wraps or goes negative.
-    ``violation_counters[kernel_kind]`` counts every violation exactly (64-bit), the dropped ones
-    included.  Each launch adds 1 to ``kernel_run_counters[kernel_kind]``, the entries it scanned
-    or wrote to ``slot_run_counters[kernel_kind]`` and the out-of-range items it skipped to
-    ``out_of_range_counters[kernel_kind]``.
+    Build one with :meth:`allocate`; :func:`write` and :func:`verify` append to it and
+    :meth:`read` decodes it on the host.
+
+    Attributes
+    ----------
+    ring : int64 array [ring_capacity, 8]
+        Fill-once: row k holds the violation that drew ticket k (the columns are
+        :class:`Violation`'s first eight fields).
+    write_index : int32 array [1]
+        Tickets drawn, only while the ring has room: it ends at ``min(violations since the last
+        reset, capacity)`` and never wraps or goes negative.
+    violation_counters : int64 array [num_kinds]
+        Every violation per ``kernel_kind``, exactly, the ones the full ring dropped included.
+    slot_run_counters : int64 array [num_kinds]
+        Entries each launch scanned or tokens it wrote.
+    kernel_run_counters : int64 array [num_kinds]
+        +1 per launch.
+    out_of_range_counters : int64 array [num_kinds]
+        Out-of-range items each launch skipped.
     """
 
     ring: Any  # [capacity, 8] int64
@@ -194,13 +308,46 @@ class ViolationLog(_ArrayRecord):
     def capacity(self) -> int:
         return int(self.ring.shape[0])
 
+    def __repr__(self) -> str:
+        try:
+            where = placement_of(self.ring, "ring").describe()
+            return f"<ViolationLog ring_capacity={self.capacity} num_kinds={self.num_kinds} on {where}>"
+        except (TypeError, ValueError, AttributeError, IndexError):
+            return "<ViolationLog (not a record of arrays)>"
+
     @property
     def num_kinds(self) -> int:
         return int(self.kernel_run_counters.shape[0])
 
     @classmethod
     @public_api
-    def allocate(cls, ring_capacity: int = DEFAULT_RING_CAPACITY, num_kinds: int = NUM_LAUNCH_TAGS, *, like=None) -> "ViolationLog":
+    def allocate(cls, ring_capacity: int = DEFAULT_RING_CAPACITY, num_kinds: int = NUM_LAUNCH_TAGS, *,
+                 like: Array | None = None) -> "ViolationLog":
+        """A zeroed log.
+
+        Parameters
+        ----------
+        ring_capacity : int
+            Ring rows, ``>= 1``: the violations kept between resets (later ones are counted only).
+        num_kinds : int
+            Counter entries, ``>= 1``: one per launch kind (``NUM_LAUNCH_TAGS`` = 12 tags).
+        like : array, optional
+            Allocate in this array's framework and on its device; None: NumPy.
+
+        Returns
+        -------
+        ViolationLog
+
+        Raises
+        ------
+        ValueError
+            ``ring_capacity`` or ``num_kinds`` below 1, or ``like`` on a capturing stream.
+
+        Examples
+        --------
+        >>> kc.ViolationLog.allocate(16)
+        <ViolationLog ring_capacity=16 num_kinds=12 on numpy>
+        """
         ring_capacity = check_count(ring_capacity, "ViolationLog ring_capacity", positive=True)
         num_kinds = check_count(num_kinds, "ViolationLog num_kinds", positive=True)
         _refuse_allocation_during_capture(like, "ViolationLog.allocate")
@@ -214,12 +361,26 @@ class ViolationLog(_ArrayRecord):
         )
 
     def reset(self) -> None:
-        """Zero the ring, the write index and every counter (in place, addresses unchanged)."""
+        """Zero the ring, the write index and every counter (in place, addresses unchanged).
+
+        Runs on the arrays' framework and device (queued on the current stream for device arrays).
+        """
         for arr in self.arrays().values():
             arr[...] = 0
 
-    def read(self):
-        """Copy the log to the host and decode it (a host sync): see :class:`ViolationReport`."""
+    def read(self) -> "ViolationReport":
+        """Copy the log to the host and decode it (a host sync; not capture-safe).
+
+        Returns
+        -------
+        ViolationReport
+            One :class:`Violation` per ring row taken, in ring order, and the exact counters.
+
+        Examples
+        --------
+        >>> kc.ViolationLog.allocate(16).read().total_violations
+        0
+        """
         from .reporting import ViolationReport
 
         return ViolationReport.from_log(self)
@@ -230,8 +391,35 @@ class RealKvSource:
     """A view of one live KV pool whose bytes are fingerprinted into ``real_kv_hash``.
 
     For canary slot ``s`` the bytes ``[(s % page_size) * num_bytes_per_token, ... + read_bytes)``
-    of row ``s // page_size`` of ``tensor`` (viewed as bytes, one row per dim-0 index) are read.
-    ``tensor`` is kept as given, never copied; any dtype works (bfloat16 and fp8 pools too).
+    of row ``s // page_size`` of ``tensor`` (viewed as bytes, one row per dim-0 index) are read
+    (16 of them under ``RealKvHashMode.PARTIAL``) and folded as :func:`real_kv_fold` does.
+
+    Parameters
+    ----------
+    tensor : array, at least 2-D
+        The KV pool, kept as given, never copied; any dtype (bfloat16 and fp8 pools too).  Its
+        row stride must be a multiple of 16 bytes and a row must hold ``page_size *
+        num_bytes_per_token`` bytes; its rows must cover every canary slot (``rows * page_size
+        >= num_slots``, checked at call time).
+    page_size : int
+        Slots per row, ``>= 1``.
+    num_bytes_per_token : int
+        Bytes of one slot within a row, a positive multiple of 16.
+    read_bytes : int
+        Bytes read per slot under ``ALL``: a positive multiple of 16, at most
+        ``num_bytes_per_token``.
+
+    Raises
+    ------
+    ValueError
+        Any of the rules above broken; the message names the field.
+
+    Examples
+    --------
+    >>> k_pool = np.zeros((64, 8, 128), np.float16)  # [slots, heads, head_dim]: 2048 bytes a slot
+    >>> src = kc.RealKvSource(k_pool, page_size=1, num_bytes_per_token=2048, read_bytes=256)
+    >>> src.num_rows
+    64
     """
 
     tensor: Any
@@ -284,8 +472,33 @@ def _strides(t) -> tuple:
 
 
 @public_api
-def allocate_canary_buffer(num_slots: int, *, like=None):
-    """A zeroed canonical canary buffer ``int64 [num_slots, 4]`` (slot 0 is the padding slot)."""
+def allocate_canary_buffer(num_slots: int, *, like: Array | None = None) -> Array:
+    """A zeroed canonical canary buffer ``int64 [num_slots, 4]`` (slot 0 is the padding slot).
+
+    Row ``s`` is the record ``(token, position, prev_hash, real_kv_hash)`` of KV slot ``s``.
+
+    Parameters
+    ----------
+    num_slots : int
+        Rows, ``>= 0``: the KV pool's slot count (slot 0 included).
+    like : array, optional
+        Allocate in this array's framework and on its device; None: NumPy.
+
+    Returns
+    -------
+    array
+        int64 ``[num_slots, 4]``, zeroed, contiguous.
+
+    Raises
+    ------
+    ValueError
+        A negative ``num_slots``, or ``like`` on a stream capturing a CUDA graph.
+
+    Examples
+    --------
+    >>> kc.allocate_canary_buffer(4).shape
+    (4, 4)
+    """
     num_slots = check_count(num_slots, "num_slots", maximum=2**62)
     _refuse_allocation_during_capture(like, "allocate_canary_buffer")
     return allocate((num_slots, CANARY_FIELDS_PER_SLOT), np.int64, like=like, fill=0)

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .constants import CanaryLaunchTag, FailReason
 from .hashing import to_unsigned
 from .interop import to_numpy
+
+if TYPE_CHECKING:
+    from .plans import ViolationLog
 
 _WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH | FailReason.WRITE_POSITION_MISMATCH
 
@@ -55,14 +60,43 @@ def reason_name(member: FailReason) -> str:
 
 @dataclass(frozen=True)
 class Violation:
-    """One decoded ring row (docs/format.md §5); hashes are unsigned.
+    """One decoded ring row (docs/format.md section 5); hashes are unsigned.
 
-    The first eight fields are the row.  The others are filled by a :class:`CanarySession`:
-    ``expected_position`` (verify rows: the position the step's plan expected; write rows: the
-    expected position the row carries in ``expected_aux``), ``prev_slot_idx`` (chain failures:
-    the predecessor slot the chain was checked against; -1 = chain head), ``batch_rows`` (the
-    batch rows whose verify entries read the slot in the step it was first seen), ``repeats``
-    (ring rows with this violation's key) and the session steps it was first and last seen in.
+    The first eight fields are the row; the others are filled by a :class:`CanarySession`.
+
+    Parameters
+    ----------
+    kernel_kind : int
+        The launch tag of the launch that logged it (``launch_tag`` names it).
+    slot_idx : int
+        The slot verified or written.
+    position : int
+        Verify rows: the *stored* position; write rows: the position written.
+    stored_token, expected_token : int
+        The token in the record (or written) and the one expected (-1: verify rows whose token
+        check is off or has no truth).
+    stored_chain_hash : int
+        The stored prev_hash (write rows: the running hash being written).
+    expected_aux : int
+        Verify rows: the expected chain hash; write rows: the expected position.
+    fail_reason_bits : int
+        The OR of :class:`FailReason` bits (``reasons`` names them).
+    expected_position : int, optional
+        Verify rows: the position the step's plan expected; write rows: ``expected_aux``.
+    prev_slot_idx : int, optional
+        Chain failures: the predecessor slot the chain was checked against; -1 = chain head.
+    batch_rows : tuple of int
+        The batch rows whose verify entries read the slot in the step it was first seen.
+    repeats : int
+        Ring rows with this violation's ``key``.
+    first_step, last_step : int, optional
+        The session steps it was first and last seen in.
+
+    Examples
+    --------
+    >>> v = Violation.from_row([2, 17, 4, 9, -1, 5, 6, 1])
+    >>> v.launch_tag, v.reasons, v.expected_chain_hash
+    ('TAIL_K_FULL', 'verify_chain_hash', 6)
     """
 
     kernel_kind: int
@@ -86,7 +120,8 @@ class Violation:
         object.__setattr__(self, "batch_rows", tuple(int(r) for r in self.batch_rows))
 
     @classmethod
-    def from_row(cls, row) -> "Violation":
+    def from_row(cls, row: Sequence[int]) -> "Violation":
+        """Decode one ring row: ``row`` is its 8 int64 values (hashes become unsigned)."""
         v = [int(x) for x in row]
         is_write = bool(v[7] & _WRITE_BITS)  # write rows carry a position in expected_aux
         return cls(v[0], v[1], v[2], v[3], v[4], to_unsigned(v[5]), v[6] if is_write else to_unsigned(v[6]), v[7])
@@ -117,6 +152,7 @@ class Violation:
         return None if self.is_write else self.expected_aux
 
     def format(self) -> str:
+        """One log line, as SGLang's kv-canary prints a violation."""
         aux = f"expected_position={self.expected_aux}" if self.is_write else f"expected_chain_hash={self.expected_aux:#018x}"
         return (
             f"kv_canary violation: launch_tag={self.launch_tag} fail_reason={self.reasons} "
@@ -134,16 +170,58 @@ class Violation:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Violation":
-        """Inverse of :meth:`to_dict` (derived keys are ignored)."""
+        """Inverse of :meth:`to_dict`: ``d`` holds the fields by name (derived keys are ignored)."""
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 _FIELDS = tuple(f.name for f in fields(Violation))
+_COLUMNS = ("launch_tag", "reasons", *_FIELDS)  # the keys of Violation.to_dict, in order
+
+
+def _html_cell(v: Violation, key: str, value) -> str:
+    """One ``<td>`` of :meth:`ViolationReport.to_html`: ``value`` (``v.to_dict()[key]``) for reading."""
+    title = ""
+    if key == "reasons":
+        value = ", ".join(value) or "none"
+        title = f' title="{html.escape(v.reason_words)}"'
+    elif key == "stored_chain_hash" or (key == "expected_aux" and not v.is_write):
+        value = f"{value:#018x}"
+    elif key == "expected_token" and value == -1 and not v.is_write:
+        value = "not checked"
+    elif key == "batch_rows":
+        value = ", ".join(map(str, value)) or None
+    return f"<td{title}>{'&ndash;' if value is None else html.escape(str(value))}</td>"
 
 
 @dataclass(frozen=True, repr=False)
 class ViolationReport:
-    """A host snapshot of a :class:`~kvcanary_cupy.ViolationLog` or of a session's violations."""
+    """A host snapshot of a :class:`~kvcanary_cupy.ViolationLog` or of a session's violations.
+
+    From :meth:`ViolationLog.read` (one entry per ring row) or :meth:`CanarySession.report` (one
+    entry per distinct violation).  ``str()`` prints one line per violation and a total;
+    ``repr()`` the :meth:`summary`; Jupyter shows :meth:`to_html`.
+
+    Parameters
+    ----------
+    violations : tuple of Violation
+        Ring order for a log, first-seen order for a session.
+    total_violations : int
+        Every violation counted, the ones the full ring dropped included.
+    ring_capacity : int
+        The log's ring rows.
+    violation_counters, slot_run_counters, kernel_run_counters, out_of_range_counters : int64 arrays [num_kinds]
+        The log's exact counters per launch kind (see :class:`ViolationLog`).
+    rows_read : int, optional
+        Ring rows decoded (a log: ``len(violations)``; a session: over all its steps).
+    steps : int, optional
+        A session's steps so far.
+
+    Examples
+    --------
+    >>> report = kc.ViolationLog.allocate(16).read()
+    >>> report.total_violations, report.dropped, report.to_dicts()
+    (0, 0, [])
+    """
 
     violations: tuple  # of Violation: ring order for a log, first-seen order for a session
     total_violations: int  # sum of violation_counters: every violation, the dropped ones included
@@ -160,7 +238,8 @@ class ViolationReport:
             object.__setattr__(self, "rows_read", len(self.violations))
 
     @classmethod
-    def from_log(cls, log) -> "ViolationReport":
+    def from_log(cls, log: "ViolationLog") -> "ViolationReport":
+        """:meth:`ViolationLog.read`: copy ``log`` to the host (a sync) and decode its ring rows."""
         ring = to_numpy(log.ring)
         kept = min(max(int(to_numpy(log.write_index)[0]), 0), ring.shape[0])
         counters = to_numpy(log.violation_counters).copy()
@@ -180,6 +259,7 @@ class ViolationReport:
         return max(self.total_violations - self.rows_read, 0)
 
     def format(self) -> str:
+        """Every violation's :meth:`Violation.format` line, then a totals line."""
         lines = [v.format() for v in self.violations]
         lines.append(
             f"total_violations={self.total_violations} shown={len(self.violations)} dropped={self.dropped} "
@@ -218,8 +298,10 @@ class ViolationReport:
         """One :meth:`Violation.to_dict` per violation."""
         return [v.to_dict() for v in self.violations]
 
-    def to_json(self, *, lines: bool = False, indent=None) -> str:
+    def to_json(self, *, lines: bool = False, indent: int | None = None) -> str:
         """The report as one JSON document, or (``lines=True``) one JSON object per violation per line.
+
+        ``indent`` is :func:`json.dumps`'s (the document form only).
 
         Document keys: ``schema`` (``"kvcanary-cupy/violation-report/1"``), ``total_violations``,
         ``rows_read``, ``dropped``, ``ring_capacity``, ``steps``, the four counter lists (indexed by
@@ -245,7 +327,7 @@ class ViolationReport:
 
     @classmethod
     def from_json(cls, text: str) -> "ViolationReport":
-        """Inverse of :meth:`to_json` (the document form)."""
+        """Inverse of :meth:`to_json`: ``text`` is the document form (ValueError for another schema)."""
         doc = json.loads(text)
         if doc.get("schema") != REPORT_SCHEMA:
             raise ValueError(f"kv-canary: not a {REPORT_SCHEMA} document (schema={doc.get('schema')!r})")
@@ -262,25 +344,28 @@ class ViolationReport:
         except ImportError as exc:
             raise ImportError("kv-canary: ViolationReport.to_pandas needs pandas: "
                               "pip install kvcanary-cupy[pandas]") from exc
-        return pandas.DataFrame(self.to_dicts(), columns=["launch_tag", "reasons", *_FIELDS])
+        return pandas.DataFrame(self.to_dicts(), columns=list(_COLUMNS))
 
     def _repr_html_(self) -> str:
-        """A table for Jupyter: every value HTML-escaped; a dash where a value does not apply."""
-        head = ("tag", "reasons", "slot", "position", "expected position", "stored token", "expected token",
-                "stored chain hash", "expected chain hash", "batch rows", "predecessor slot", "repeats", "first step")
-        hex_or_none = lambda h: None if h is None else f"{h:#018x}"
+        """What Jupyter shows: :meth:`to_html`."""
+        return self.to_html()
+
+    def to_html(self) -> str:
+        """The report as an HTML fragment: the :meth:`summary` line, then a table of at most
+        ``HTML_MAX_ROWS`` violations, or "No violations.".
+
+        The columns are :meth:`to_pandas`'s (the :meth:`Violation.to_dict` keys), the values
+        shown for reading: hashes in hex, ``reasons`` joined (their words as the cell's title),
+        "not checked" for a verify row without an expected token, a dash where a value does not
+        apply; every value HTML-escaped.
+        """
         body = []
         for v in self.violations[:HTML_MAX_ROWS]:
-            cells = (
-                v.launch_tag, v.reason_words, v.slot_idx, v.position, v.expected_position, v.stored_token,
-                "not checked" if v.expected_token == -1 and not v.is_write else v.expected_token,
-                hex_or_none(v.stored_chain_hash), hex_or_none(v.expected_chain_hash),
-                ", ".join(map(str, v.batch_rows)) or None, v.prev_slot_idx, v.repeats, v.first_step,
-            )
-            body.append("<tr>" + "".join(f"<td>{'&ndash;' if c is None else html.escape(str(c))}</td>" for c in cells) + "</tr>")
+            cells = "".join(_html_cell(v, key, value) for key, value in v.to_dict().items())
+            body.append(f"<tr>{cells}</tr>")
         more = len(self.violations) - HTML_MAX_ROWS
         if more > 0:
-            body.append(f'<tr><td colspan="{len(head)}">&hellip; {more} more (see to_pandas())</td></tr>')
-        table = ("<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead><tbody>"
+            body.append(f'<tr><td colspan="{len(_COLUMNS)}">&hellip; {more} more (see to_pandas())</td></tr>')
+        table = ("<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in _COLUMNS) + "</tr></thead><tbody>"
                  + "".join(body) + "</tbody></table>") if self.violations else "<p>No violations.</p>"
         return f'<div class="kvcanary-report"><p>{html.escape(self.summary())}</p>{table}</div>'

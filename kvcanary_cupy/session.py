@@ -20,6 +20,7 @@ import sys
 import threading
 import warnings
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from .args import ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_INPUT_F
 from .backends import get_backend
 from .constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
 from .errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError, fail, public_api
-from .interop import allocate, backend_view, import_cupy, placement_of, stream_is_capturing
+from .interop import Array, allocate, backend_view, import_cupy, placement_of, stream_is_capturing
 from .launchers import VerifyLauncher, WriteLauncher, launch_stream_getter
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import ViolationLog, allocate_canary_buffer, check_num_sources
@@ -185,21 +186,75 @@ class CanarySession:
     """The canary of one KV pool group inside an engine's step loop.
 
     ``num_slots`` canary slots (slot 0 is the padding slot) in a HEAD buffer (chain-only, checked
-    and written before the forward) and a TAIL buffer (after it, with real-KV fingerprints of
-    ``real_kv_sources``).  ``like`` picks NumPy (None), CuPy or torch and the device of every
-    buffer.  ``verify_capacity`` bounds a step's verify entries (default ``VERIFY_HEADROOM *
-    num_slots``); ``max_batch_size`` bounds its requests.  ``ring_capacity`` is the ring rows a
-    step keeps per launch group (HEAD, TAIL, sweep: :data:`RING_GROUPS`), each group its own share
-    of ``log.ring``.  ``on_violation`` is ``"raise"``
-    (:class:`CanaryViolationError` from ``end_step``/``check``), ``"log"`` (a WARNING per distinct
-    violation to the ``"kvcanary_cupy"`` logger), ``"ignore"`` (only recorded) or a callable that
-    receives the :class:`ViolationReport` of the new violations.  ``swa_window_size > 0`` makes it
-    a sliding-window group (SWA launch tags, the LUT translates slots).  ``sweep_every=N`` with
-    ``sweep_source`` (a callable returning ``(req_pool_indices, seq_lens, table)`` or None) runs
-    :meth:`sweep` from every N-th ``end_step``.  ``overlap_head_write`` (GPU sessions) runs the HEAD
-    write on a side stream of the session, overlapping the forward pass; ``post_forward`` joins it,
-    so both must be captured in the same CUDA graph (pass False to capture them apart).
+    and written before the forward) and a TAIL buffer (after it, with real-KV fingerprints).  Per
+    step: :meth:`pre_forward`, the model's forward, :meth:`post_forward` (both capture-safe), then
+    :meth:`end_step` outside any CUDA graph, which hands the violations of earlier steps to the
+    ``on_violation`` policy without blocking.  :meth:`report` and :attr:`stats` say what was found.
 
+    Parameters
+    ----------
+    num_slots : int
+        Canary slots, ``>= 1``: the KV pool's slot count.
+    max_batch_size : int
+        The most requests one step may hold (``write_req_capacity`` of its plans).
+    verify_capacity : int, optional
+        The most verify entries (slots read) one step may plan; a step with more skips its
+        verify, counted in ``stats["verify_skipped_steps"]`` and warned.  Default
+        ``VERIFY_HEADROOM * num_slots``.
+    like : array, optional
+        NumPy (None), CuPy or torch, and the device of every buffer.
+    ring_capacity : int
+        Violation rows a step keeps per launch group (HEAD, TAIL, sweep: :data:`RING_GROUPS`),
+        ``>= 1``; each group has its own share of ``log.ring``, so one group's flood cannot
+        crowd out another's rows.  More in one step are counted (``stats["dropped_rows"]``),
+        never lost from the totals.
+    on_violation : {"raise", "log", "ignore"} or callable
+        ``"raise"``: :class:`CanaryViolationError` from ``end_step`` / ``check``; ``"log"``: a
+        WARNING per distinct violation to the ``"kvcanary_cupy"`` logger; ``"ignore"``: only
+        recorded; a callable receives the :class:`ViolationReport` of the new violations.
+    swa_window_size : int
+        ``> 0`` makes it a sliding-window group (SWA launch tags; the LUT translates slots).
+    full_to_swa_index_mapping : int64 array, optional
+        The full -> SWA slot LUT, required with ``swa_window_size > 0``.
+    kv_token_id_vs_position_offset : int
+        As for :func:`plan`.
+    real_kv_sources : sequence of RealKvSource
+        The KV pools the TAIL buffer fingerprints (up to ``MAX_REAL_KV_SOURCES``).
+    real_kv_hash_mode : RealKvHashMode
+        ``NONE``, ``PARTIAL`` or ``ALL``, for the TAIL buffer.
+    check_expected_tokens : bool
+        Check stored tokens against the ``expected_tokens`` pool given to :meth:`pre_forward`
+        (``check_expected_tokens`` of :func:`verify`).
+    sweep_every : int
+        With ``sweep_source``, run :meth:`sweep` from every ``sweep_every``-th ``end_step``
+        (0: never).
+    sweep_source : callable, optional
+        Returns ``(req_pool_indices, seq_lens, table)`` of the cached sequences to sweep, or None.
+    overlap_head_write : bool
+        GPU sessions: run the HEAD write on a side stream of the session, overlapping the forward
+        pass; ``post_forward`` joins it, so both must be captured in the same CUDA graph (pass
+        False to capture them apart).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument; the message names it.
+
+    Examples
+    --------
+    >>> session = kc.CanarySession(64, max_batch_size=4, on_violation="ignore")
+    >>> req_to_token = np.arange(64, dtype=np.int32).reshape(4, 16)
+    >>> session.pre_forward(np.array([1]), np.array([0]), np.array([3]), req_to_token,
+    ...                     np.array([5, 6, 7]), np.arange(3), np.array([16, 17, 18]))
+    >>> session.post_forward()
+    >>> session.end_step()
+    >>> session.check()  # slots never verified: the canary covers the pool
+    0
+    >>> session.stats["steps"], session.stats["violations"]
+    (1, 0)
+
+    Notes
+    -----
     Every launch goes through launchers bound once here (:mod:`kvcanary_cupy.launchers`): the
     planner's plan, the HEAD verify and write, the TAIL verify and write, and (bound with the sweep's
     plan buffers) the sweep's verify; ``end_step``'s staging kernels through parameters packed
@@ -216,9 +271,7 @@ class CanarySession:
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
         self.max_batch_size = check_count(max_batch_size, "max_batch_size")
-        ring_capacity = check_count(ring_capacity, "ring_capacity", maximum=INT32_MAX // len(RING_GROUPS))
-        if ring_capacity == 0:
-            fail(ValueError, "ring_capacity must be positive, got 0")
+        ring_capacity = check_count(ring_capacity, "ring_capacity", positive=True, maximum=INT32_MAX // len(RING_GROUPS))
         if not (callable(on_violation) or (isinstance(on_violation, str) and on_violation in POLICIES)):
             fail(ValueError, f"on_violation must be one of {POLICIES} or a callable taking a ViolationReport, got {on_violation!r}")
         window = check_int(swa_window_size, "swa_window_size", minimum=0)
@@ -305,17 +358,32 @@ class CanarySession:
     # -- the step ----------------------------------------------------------------------------------
 
     @public_api
-    def pre_forward(self, req_pool_indices, prefix_lens, extend_seq_lens, table, input_ids, positions, out_cache_loc,
-                    *, expected_tokens=None, expected_tokens_valid_lens=None):
+    def pre_forward(self, req_pool_indices: Array | None, prefix_lens: Array, extend_seq_lens: Array, table: Any,
+                    input_ids: Array, positions: Array, out_cache_loc: Array, *,
+                    expected_tokens: Array | None = None, expected_tokens_valid_lens: Array | None = None) -> None:
         """Before the model reads the KV cache: plan the step, verify the HEAD buffer, write it.
 
         Capture-safe: allocates nothing, reads nothing back, never synchronises.  Pass the
-        per-step arrays contiguous (they are used in place); ``table`` is anything ``plan``
-        accepts.  ``expected_tokens``/``expected_tokens_valid_lens`` are the expected-token pool
-        and its valid lengths (checked when ``check_expected_tokens``).  With
-        ``overlap_head_write`` the HEAD write runs on the session's side stream until
-        :meth:`post_forward` joins it: ``input_ids``, ``positions`` and ``out_cache_loc`` must stay
-        alive and unchanged until then (the TAIL write reads them there too).
+        per-step arrays contiguous (they are used in place).  With ``overlap_head_write`` the
+        HEAD write runs on the session's side stream until :meth:`post_forward` joins it:
+        ``input_ids``, ``positions`` and ``out_cache_loc`` must stay alive and unchanged until
+        then (the TAIL write reads them there too).
+
+        Parameters
+        ----------
+        req_pool_indices, prefix_lens, extend_seq_lens, table
+            As for :func:`plan`; ``len(prefix_lens)`` at most ``max_batch_size``.
+        input_ids, positions, out_cache_loc : int64 arrays [T]
+            As for :func:`write`.
+        expected_tokens, expected_tokens_valid_lens : optional
+            The expected-token pool and its valid lengths (``req_to_verify_expected_tokens`` and
+            ``req_to_verify_expected_tokens_valid_lens`` of :func:`plan`), checked when the
+            session was built with ``check_expected_tokens``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad argument (a batch past ``max_batch_size``, lengths that differ, ...).
         """
         if self._step_inputs is not None:
             fail(CanaryUsageError, f"pre_forward() twice without post_forward() or end_step() in between; call {_STEP_ORDER} "
@@ -341,7 +409,7 @@ class CanarySession:
         self._step_inputs = (input_ids, positions, out_cache_loc)
         self._step_open = True
 
-    def post_forward(self):
+    def post_forward(self) -> None:
         """After the forward: verify the TAIL buffer (real KV included) and write it, on this step's plan,
         then make the step's stream wait for the HEAD write when it ran on the side stream.
 
@@ -354,7 +422,7 @@ class CanarySession:
         self._join_head_write()
         self._step_inputs = None
 
-    def end_step(self):
+    def end_step(self) -> None:
         """Outside CUDA graphs, once per step: stage this step's log and handle earlier steps.
 
         Never blocks, unless the host has run ``STAGED_RECORDS`` stagings ahead of the device:
@@ -385,8 +453,10 @@ class CanarySession:
     def check(self) -> int:
         """Block until every staged step and sweep is handled, then apply the policy.
 
-        Returns how many plan inputs and kernel items were skipped as out of range of the canary so
-        far, never verified (``stats["out_of_range_skipped"]``; 0 when the canary covers the pool).
+        A host sync (not capture-safe): call it at shutdown, in tests, or whenever the latest
+        steps must be judged now.  Raises as :meth:`end_step` does.  Returns how many plan inputs
+        and kernel items were skipped as out of range of the canary so far, never verified
+        (``stats["out_of_range_skipped"]``; 0 when the canary covers the pool).
         """
         self._refuse_in_policy("check")
         self._launch_stream("check")
@@ -396,13 +466,14 @@ class CanarySession:
         return self._out_of_range_skipped()
 
     @public_api
-    def sweep(self, req_pool_indices, seq_lens, table):
+    def sweep(self, req_pool_indices: Array | None, seq_lens: Array, table: Any) -> None:
         """Verify (TAIL buffer, real KV, no token check) every slot of the given cached sequences.
 
-        Sequence i covers positions ``[0, seq_lens[i])`` of table row ``req_pool_indices[i]`` (the
-        window's end only, for SWA).  Outside graphs, between ``end_step`` and the next
-        ``pre_forward``; staged like a step and handled by the next ``end_step``/``check``.  A
-        violation's ``batch_rows`` are indices into these sequences.
+        ``seq_lens`` (int64 ``[n]``, ``n <= max_batch_size``): sequence i covers positions ``[0,
+        seq_lens[i])`` of table row ``req_pool_indices[i]`` (the window's end only, for SWA); ``table`` is anything :func:`plan` takes
+        (``req_pool_indices`` None with a :class:`PagedKvIndices`).  Outside graphs, between
+        ``end_step`` and the next ``pre_forward``; staged like a step and handled by the next
+        ``end_step``/``check``.  A violation's ``batch_rows`` are indices into these sequences.
         """
         self._refuse_in_policy("sweep")
         stream = self._launch_stream("sweep")
@@ -426,7 +497,10 @@ class CanarySession:
 
     def report(self) -> ViolationReport:
         """Every distinct violation handled so far (the newest ``MAX_DISTINCT_VIOLATIONS``), in
-        first-seen order, with the session's totals.  Safe to call from another thread."""
+        first-seen order, with the session's totals.  Safe to call from another thread.
+
+        Steps staged but not handled yet are not in it: :meth:`check` first to include them.
+        """
         with self._lock:
             return self._report(self._distinct.values())
 
@@ -463,7 +537,12 @@ class CanarySession:
 
     def __repr__(self) -> str:
         s = self.stats
+        c = self.planner.capacities
+        policy = self.on_violation if isinstance(self.on_violation, str) else "callable"
+        window = f", swa_window_size={self.planner.swa_window_size}" if self.planner.swa_window_size else ""
         return (f"CanarySession(num_slots={self.num_slots}, on={self._placement.describe()}, "
+                f"max_batch_size={self.max_batch_size}, verify_capacity={c.verify_capacity}, "
+                f"ring_capacity={self.log.capacity // len(RING_GROUPS)}, on_violation={policy!r}{window}, "
                 f"steps={s['steps']}, violations={s['violations']}, distinct={s['distinct_violations']})")
 
     # -- internals ---------------------------------------------------------------------------------

@@ -60,10 +60,34 @@ class _Table:
 class ReqToToken(_Table):
     """SGLang's ``req_to_token`` (int32 ``[R, L]``, rows contiguous, row 0 = padding row).
 
-    With ``virtual_to_physical`` (int64 ``[num_virtual_pages + 1]``) its values are virtual token
-    ids, mapped through pages of ``page_size`` tokens; an unbound page (-1) addresses the padding
-    slot 0.  Pass the map as it is *now*: after a compaction moves pages, move their canary rows
-    with :func:`kvcanary_cupy.move_pages`.
+    ``req_to_token[rp, p]`` is the KV slot of position ``p`` of the request in pool row ``rp``;
+    :func:`plan` indexes it with ``req_pool_indices``.  A bare int32 array passed as a table means
+    ``ReqToToken(array)``.
+
+    Parameters
+    ----------
+    req_to_token : int32 array [R, L]
+        Rows contiguous (any row stride); pool row 0 marks a CUDA-graph padding request and slot
+        0 is the padding slot.
+    virtual_to_physical : int64 array [num_virtual_pages + 1], optional
+        When given, ``req_to_token`` holds virtual token ids, mapped through pages of
+        ``page_size`` tokens; an unbound page (-1) addresses the padding slot 0.  Pass the map as
+        it is *now*: after a compaction moves pages, move their canary rows with
+        :func:`kvcanary_cupy.move_pages`.
+    page_size : int
+        Tokens per virtual page, ``>= 1``; only with ``virtual_to_physical``.
+
+    Raises
+    ------
+    ValueError
+        A ``page_size`` below 1, or other than 1 without ``virtual_to_physical``.
+
+    Examples
+    --------
+    >>> table = kc.ReqToToken(np.arange(64, dtype=np.int32).reshape(4, 16))
+    >>> vp, _ = kc.plan(np.array([2]), np.array([3]), np.array([1]), table, verify_capacity=8)
+    >>> vp.verify_slot_indices[:3].tolist()
+    [32, 33, 34]
     """
 
     ARRAYS = ("req_to_token", "virtual_to_physical")
@@ -87,8 +111,31 @@ class ReqToToken(_Table):
 class BlockTable(_Table):
     """vLLM's block table (int32 or int64 ``[R, W]``, rows contiguous): every row is real.
 
-    An entry equal to ``null_block`` (vLLM's null block 0, what sliding-window groups point
-    out-of-window blocks at) addresses the padding slot 0.
+    Position ``p`` of the request in row ``r`` is slot ``block_table[r, p // block_size] *
+    block_size + p % block_size``.
+
+    Parameters
+    ----------
+    block_table : int32 or int64 array [R, W]
+        Block ids per request row, rows contiguous; :func:`plan` indexes it with
+        ``req_pool_indices`` (no padding row: every row is real).
+    block_size : int
+        Tokens per block, ``1 <= block_size < 2**31``.
+    null_block : int
+        An entry equal to it (vLLM's null block 0, what sliding-window groups point
+        out-of-window blocks at) addresses the padding slot 0.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A ``block_size`` out of range or a ``null_block`` that is not an int64.
+
+    Examples
+    --------
+    >>> table = kc.BlockTable(np.array([[3, 1]], np.int32), block_size=4)
+    >>> vp, _ = kc.plan(np.array([0]), np.array([6]), np.array([1]), table, verify_capacity=8)
+    >>> vp.verify_slot_indices[:6].tolist()
+    [12, 13, 14, 15, 4, 5]
     """
 
     ARRAYS = ("block_table",)
@@ -108,8 +155,32 @@ class BlockTable(_Table):
 
 @dataclass(frozen=True)
 class PagedKvIndices(_Table):
-    """FlashInfer's CSR page table: ``kv_indptr`` ``[bs + 1]`` and ``kv_indices``
-    ``[kv_indptr[-1]]`` (int32 or int64).  Rows are batch rows: plan with ``req_pool_indices=None``."""
+    """FlashInfer's CSR page table.  Rows are batch rows: plan with ``req_pool_indices=None``.
+
+    Batch row r owns pages ``kv_indices[kv_indptr[r]:kv_indptr[r+1]]``; its position ``p`` is
+    slot ``page * page_size + p % page_size`` of its page ``p // page_size``.
+
+    Parameters
+    ----------
+    kv_indptr : int32 or int64 array [bs + 1]
+        Each batch row's range in ``kv_indices``.
+    kv_indices : int32 or int64 array [nnz]
+        Page ids.
+    page_size : int
+        Tokens per page, ``1 <= page_size < 2**31``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A ``page_size`` out of range.
+
+    Examples
+    --------
+    >>> table = kc.PagedKvIndices(np.array([0, 2]), np.array([3, 1]), page_size=4)
+    >>> vp, _ = kc.plan(None, np.array([6]), np.array([1]), table, verify_capacity=8)
+    >>> vp.verify_slot_indices[:6].tolist()
+    [12, 13, 14, 15, 4, 5]
+    """
 
     ARRAYS = ("kv_indptr", "kv_indices")
     kv_indptr: Any

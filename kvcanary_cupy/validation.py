@@ -99,3 +99,18 @@ def check_count(value, name: str, *, positive: bool = False, maximum: int = INT3
     if value > maximum:
         fail(ValueError, f"{name} must be at most {maximum}, got {value}")
     return value
+
+
+def bool_keyword(value, name: str, alias_value=None, alias: str | None = None) -> bool:
+    """The bool keyword ``name``, or the one given under its older spelling ``alias`` (kept working).
+
+    Each is checked under the name the caller used; both given with different values is an error."""
+    if not isinstance(value, (bool, np.bool_)):
+        fail(TypeError, f"{name} must be a bool, got {type(value).__name__}")
+    if alias_value is None:
+        return bool(value)
+    if not isinstance(alias_value, (bool, np.bool_)):
+        fail(TypeError, f"{alias} must be a bool, got {type(alias_value).__name__}")
+    if value and not alias_value:
+        fail(ValueError, f"{name}={value} and its alias {alias}={alias_value} disagree; pass {name} only")
+    return bool(alias_value)

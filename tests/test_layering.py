@@ -3,7 +3,8 @@
 Every import counts, a function's lazy one too (a lazy import still makes the two modules depend on
 each other; it only hides the circle from the interpreter).  ``from pkg import name`` counts as an
 import of ``pkg.name`` when that is a module, else of ``pkg``; a package's ``__init__`` being run
-first is not counted, so a package may dispatch to its own submodules.
+first is not counted, so a package may dispatch to its own submodules.  Imports under
+``if TYPE_CHECKING:`` are not counted: they never run, they only name types for annotations.
 """
 
 from __future__ import annotations
@@ -29,11 +30,21 @@ def _modules() -> dict[str, pathlib.Path]:
     return found
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                 for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names if alias.name in modules)
         elif isinstance(node, ast.ImportFrom):

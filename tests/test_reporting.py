@@ -191,36 +191,40 @@ def test_json_and_pandas_edges(monkeypatch):
 
 
 def test_html_table_cell_by_cell(monkeypatch):
-    """The exact table: headers, every cell (a dash where a value does not apply), the overflow row."""
+    """The exact table: headers (to_pandas's columns), every cell (a dash where a value does not apply),
+    the reasons' words as their cell's title, the overflow row."""
     import re
 
     report = _hand_report()
-    page = report._repr_html_()
-    assert page.startswith(f'<div class="kvcanary-report"><p>{report.summary()}</p><table><thead><tr><th>tag</th>')
+    page = report.to_html()
+    columns = ["launch_tag", "reasons"] + [f.name for f in dataclasses.fields(Violation)]
+    assert page.startswith(f'<div class="kvcanary-report"><p>{report.summary()}</p><table><thead><tr><th>launch_tag</th>')
     assert page.endswith("</tr></tbody></table></div>")
-    assert re.findall(r"<th>(.*?)</th>", page) == [
-        "tag", "reasons", "slot", "position", "expected position", "stored token", "expected token",
-        "stored chain hash", "expected chain hash", "batch rows", "predecessor slot", "repeats", "first step"]
-    assert re.fullmatch(r'<div class="kvcanary-report"><p>[^<]*</p><table><thead><tr>(<th>[^<]*</th>){13}</tr></thead>'
-                        r'<tbody>(<tr>(<td>[^<]*</td>){13}</tr>){2}</tbody></table></div>', page)
-    rows = [re.findall(r"<td>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", page)[1:]]
+    assert re.findall(r"<th>(.*?)</th>", page) == columns == list(report.to_dicts()[0])
+    assert re.fullmatch(r'<div class="kvcanary-report"><p>[^<]*</p><table><thead><tr>(<th>[^<]*</th>){16}</tr></thead>'
+                        r'<tbody>(<tr>(<td( title="[^"<]*")?>[^<]*</td>){16}</tr>){2}</tbody></table></div>', page)
+    rows = [re.findall(r"<td(?: title=\"[^\"]*\")?>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", page)[1:]]
     assert rows == [
-        ["TAIL_K_FULL", "chain hash mismatch, position mismatch", "17", "4", "2", "204", "not checked",
-         "0xfedcba9876543210", "0x0123456789abcdef", "3, 0", "34", "5", "4"],
-        ["HEAD_K_FULL", "written token is not the expected input, written position is not the expected one", "9", "7", "6", "11", "12",
-         "0x0000000000000005", "&ndash;", "&ndash;", "&ndash;", "1", "1"],
+        ["TAIL_K_FULL", "verify_chain_hash, verify_position", "2", "17", "4", "204", "not checked",
+         "0xfedcba9876543210", "0x0123456789abcdef", "3", "2", "34", "3, 0", "5", "4", "8"],
+        ["HEAD_K_FULL", "write_token, write_position", "0", "9", "7", "11", "12",
+         "0x0000000000000005", "6", "24", "6", "&ndash;", "&ndash;", "1", "1", "1"],
     ]
+    assert re.findall(r'<td title="([^"]*)">', page) == [
+        "chain hash mismatch, position mismatch",
+        "written token is not the expected input, written position is not the expected one"]
     checked = ViolationReport((Violation(0, 1, 0, 5, 5, 1, 2, 32), Violation(0, 2, 0, 5, -1, 1, 2, 8)), 2, 4,
                               *(np.zeros(12, np.int64),) * 4)
-    assert [re.findall(r"<td>(.*?)</td>", r)[6] for r in re.findall(r"<tr>(.*?)</tr>", checked._repr_html_())[1:]] == [
+    assert [re.findall(r"<td(?: title=\"[^\"]*\")?>(.*?)</td>", r)[6] for r in re.findall(r"<tr>(.*?)</tr>", checked.to_html())[1:]] == [
         "5", "-1"]  # "not checked" only for a verify row without an expected token
     monkeypatch.setattr(reporting, "HTML_MAX_ROWS", 1)
-    page = report._repr_html_()
-    assert page.count("<tr>") == 3 and '<tr><td colspan="13">&hellip; 1 more (see to_pandas())</td></tr>' in page
+    page = report.to_html()
+    assert page.count("<tr>") == 3 and '<tr><td colspan="16">&hellip; 1 more (see to_pandas())</td></tr>' in page
     monkeypatch.setattr(reporting, "HTML_MAX_ROWS", 2)
-    assert "more (see to_pandas())" not in report._repr_html_()
+    assert "more (see to_pandas())" not in report.to_html()
     empty = ViolationReport((), 0, 4, *(np.zeros(12, np.int64),) * 4)
-    assert empty._repr_html_() == f'<div class="kvcanary-report"><p>{empty.summary()}</p><p>No violations.</p></div>'
+    assert empty.to_html() == f'<div class="kvcanary-report"><p>{empty.summary()}</p><p>No violations.</p></div>'
+    assert report._repr_html_() == report.to_html()
 
 
 def test_report_of_a_negative_write_index(ab):
