@@ -115,3 +115,15 @@ class CanaryCoverageWarning(UserWarning):
     """Something the canary was asked to check was not checked: plan inputs or kernel items out of
     range of the canary (a canary smaller than the pool it guards), or violation keys evicted from a
     session's full distinct table.  Warned once per session; the counts are in ``stats``."""
+
+
+class CanaryCapacityWarning(UserWarning):
+    """A capacity was clamped (a negative or too large value) or the verify plan overflowed.
+
+    Warned once by :class:`CanaryPlanner` when its :class:`CanaryCapacities` carry clamp
+    ``notes``, and once per planner by :meth:`CanaryPlanner.verify_overflowed` on the first step
+    whose verify was skipped; by a free :func:`plan` whose verify entries overflowed its
+    ``verify_capacity`` (once per output record: on NumPy at the call, on a GPU at the next free
+    plan into the same ``out``, read from a copy made without a sync).  Turn it into an error with
+    ``warnings.simplefilter("error", kc.CanaryCapacityWarning)``.
+    """

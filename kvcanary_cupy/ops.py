@@ -8,6 +8,7 @@ call changes nothing.  ``strict=True`` adds host-side checks of the values (a de
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -29,7 +30,7 @@ from .args import (
 )
 from .backends import get_backend
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES, MAX_CANARY_BUFFERS, RealKvHashMode
-from .errors import fail, public_api
+from .errors import CanaryCapacityWarning, fail, public_api
 from .interop import (
     Array,
     array_module,
@@ -38,6 +39,8 @@ from .interop import (
     check_aligned,
     common_placement,
     data_ptr,
+    import_cupy,
+    is_capturing,
     is_torch_tensor,
     launch_stream,
     refuse_during_capture,
@@ -551,7 +554,41 @@ def plan(
             strict_checks.check_plan(args)
         get_backend(placement.backend).plan(args)
         mark_clean(wp)
+        _note_overflow(vp, args.out.enable, placement, c.verify_capacity)
     return vp, wp
+
+
+def _note_overflow(vp: VerifyPlan, enable, placement, verify_capacity: int) -> None:
+    """Warn once per VerifyPlan record when a free plan into it overflowed ``verify_capacity``.
+
+    Host memory is read at once.  A GPU plan never syncs: each eager call queues a copy of
+    ``enable`` into pinned memory behind an event, and the next free plan into the same record
+    reads it if the event has completed.  Nothing is allocated or queued while capturing."""
+    state = vp.__dict__
+    if state.get("_kvcanary_overflow_warned"):
+        return
+    if placement.backend == "numpy":
+        overflowed = int(np.asarray(enable)[0]) == 0
+    else:
+        overflowed = False
+        pending = state.get("_kvcanary_overflow_copy")
+        if pending is not None and pending[1].done:
+            overflowed = int(pending[0][0]) == 0
+        if not overflowed and not is_capturing(placement):
+            cupy = import_cupy()
+            if pending is None:
+                import cupyx
+
+                pending = (cupyx.empty_pinned((1,), dtype=np.int32), cupy.cuda.Event(disable_timing=True))
+                state["_kvcanary_overflow_copy"] = pending
+            stream = cupy.cuda.get_current_stream()
+            enable.get(stream=stream, out=pending[0], blocking=False)
+            pending[1].record(stream)
+    if overflowed:
+        state["_kvcanary_overflow_warned"] = True
+        warnings.warn(f"kv-canary: a free plan overflowed verify_capacity={verify_capacity}: its verify is skipped "
+                      "(enable == 0); WritePlan.verify_entries_needed() says how many entries it asked for",
+                      CanaryCapacityWarning, stacklevel=4)  # the caller of plan, past public_api's wrapper
 
 
 @public_api

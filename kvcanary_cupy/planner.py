@@ -9,23 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from .errors import fail, public_api, trimmed_argument_error
+from .errors import CanaryCapacityWarning, fail, public_api, trimmed_argument_error
 from .interop import Array, import_cupy, is_torch_tensor, placement_of, refuse_during_capture, to_numpy
 from .launchers import PlanLauncher
 from .ops import plan as plan_step
 from .plans import VerifyPlan, WritePlan
 from .tables import as_table
 from .validation import INT32_MAX, check_int
-
-
-class CanaryCapacityWarning(UserWarning):
-    """A capacity was clamped (a negative or too large value) or the verify plan overflowed.
-
-    Warned once by :class:`CanaryPlanner` when its :class:`CanaryCapacities` carry clamp
-    ``notes``, and once per planner by :meth:`CanaryPlanner.verify_overflowed` on the first step
-    whose verify was skipped.  Turn it into an error with
-    ``warnings.simplefilter("error", kc.CanaryCapacityWarning)``.
-    """
 
 
 @dataclass(frozen=True)

@@ -233,6 +233,26 @@ def test_an_overflowed_free_plan_says_how_many_entries_it_needed(ab):
         assert (int(ab.to_numpy(vp.enable)[0]), wp.verify_entries_needed()) == (enable, 14)
 
 
+def test_an_overflowed_free_plan_warns_once_per_record(ab):
+    """Host memory warns at the call; a GPU plan never syncs, so the next free plan into the same
+    record reads the copy the first one queued.  A plan that fits never warns."""
+    rtt = ab.asarray(np.arange(64, dtype=np.int32).reshape(4, 16))
+    args = [ab.asarray(np.asarray(x, np.int64)) for x in ([1, 2, 3], [5, 0, 9], [1, 4, 1])]  # 14 entries
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fits = kc.plan(*args, rtt, verify_capacity=14)
+        kc.plan(*args, rtt, verify_capacity=14, out=fits)
+        out = kc.plan(*args, rtt, verify_capacity=13)
+        ab.synchronize()
+        for _ in range(3):
+            kc.plan(*args, rtt, verify_capacity=13, out=out)
+            ab.synchronize()
+    overflow = [w for w in caught if issubclass(w.category, kc.CanaryCapacityWarning)]
+    assert len(overflow) == 1, [str(w.message) for w in caught]
+    assert "verify_capacity=13" in str(overflow[0].message) and overflow[0].filename == __file__
+    assert out[1].verify_entries_needed() == 14
+
+
 # -- item 2: one launch group's flood cannot hide another's rows -----------------------------------
 
 
