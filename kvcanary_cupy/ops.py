@@ -672,7 +672,8 @@ def move_pages(canary_buf, src_pages, dst_pages, *, page_size=1, workspace=None,
         check_1d(v["dst_pages"], "dst_pages", v["src_pages"].dtype, v["src_pages"].shape[0], length_name="len(src_pages)")
         for key in ("src_pages", "dst_pages"):
             v[key] = contiguous_input(v[key], key, xp)
-        need = v["src_pages"].shape[0] * size * canary.shape[1]
+        # Nothing is staged when the canary holds no whole page (every pair is then skipped).
+        need = v["src_pages"].shape[0] * size * canary.shape[1] if canary.shape[0] >= size else 0
         if workspace is not None:
             check_dtype(v["workspace"], "workspace", I64)
             check_contiguous_output(v["workspace"], "workspace")

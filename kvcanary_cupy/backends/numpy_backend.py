@@ -556,6 +556,8 @@ def move(a: MoveArgs) -> None:
         a.out_of_range_count[0] += int(np.count_nonzero(~src_ok) + np.count_nonzero(~dst_ok))
     src, dst = src[src_ok & dst_ok], dst[src_ok & dst_ok]
     num_pages = a.canary.shape[0] // a.page_size
+    if num_pages == 0:  # a canary smaller than one page: every id was out of range
+        return
     pages = a.canary[: num_pages * a.page_size].reshape(num_pages, -1)  # a view: the canary is contiguous
     rows = pages[src]  # a copy
     pages[src] = 0
