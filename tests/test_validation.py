@@ -1079,3 +1079,39 @@ def test_read_only_numpy_outputs_are_refused_before_anything_is_written():
     vp.verify_num_valid[0] = 0
     kc.verify(canary, vp, log=log)  # verify only reads the canary: a read-only one is fine
     assert int(log.kernel_run_counters.sum()) == 1
+
+
+def _read_only(a):
+    a.flags.writeable = False
+    return a
+
+
+def test_read_only_numpy_outputs_of_every_op_are_refused_by_name_before_anything_is_counted():
+    """Only NumPy arrays carry a read-only flag (CuPy has none; torch tensors cannot be read-only)."""
+    import kvcanary_cupy as kc
+
+    i64 = lambda *v: np.array(v, np.int64)
+    count = np.zeros(1, np.int64)
+    pool = np.zeros((4, 4), np.int32)
+    with pytest.raises(ValueError, match="^kv-canary: pool_out is a read-only array"):
+        kc.scatter_req_token_ids(i64(1, 2), i64(0, 2), i64(9), _read_only(pool.copy()), out_of_range_count=count)
+    with pytest.raises(ValueError, match="^kv-canary: out_of_range_count is a read-only array"):
+        kc.scatter_req_token_ids(i64(1, 2), i64(0, 2), i64(9), pool, out_of_range_count=_read_only(count.copy()))
+    assert int(count[0]) == 0 and not pool.any()
+    canary = kc.allocate_canary_buffer(4)
+    canary[:] = 7
+    with pytest.raises(ValueError, match="^kv-canary: out_of_range_count is a read-only array"):
+        kc.move_pages(canary, i64(9, 1), i64(1, 2), out_of_range_count=_read_only(np.zeros(1, np.int64)))
+    with pytest.raises(ValueError, match="^kv-canary: workspace is a read-only array"):
+        kc.move_pages(canary, i64(1), i64(2), out_of_range_count=count, workspace=_read_only(np.zeros(4, np.int64)))
+    assert int(count[0]) == 0 and (canary == 7).all()
+    vp, wp = kc.VerifyPlan.allocate(4), kc.WritePlan.allocate(1)
+    frozen = kc.VerifyPlan(**{k: _read_only(v) if k == "out_of_range_count" else v for k, v in vp.arrays().items()})
+    with pytest.raises(ValueError, match=r"^kv-canary: out\[0\]\.out_of_range_count is a read-only array"):
+        kc.plan(i64(-1), i64(0), i64(1), np.zeros((2, 4), np.int32), verify_capacity=4, out=(frozen, wp))
+    assert int(wp.write_num_valid_reqs[0]) == 0
+    log = kc.ViolationLog.allocate(4)
+    log = kc.ViolationLog(**{k: _read_only(v) if k == "ring" else v for k, v in log.arrays().items()})
+    with pytest.raises(ValueError, match=r"^kv-canary: log\.ring is a read-only array"):
+        kc.verify(canary, vp, log=log)
+    assert int(log.kernel_run_counters.sum()) == 0
