@@ -35,7 +35,6 @@ from .interop import (
     byte_rows_view,
     check_aligned,
     common_placement,
-    data_ptr,
     is_torch_tensor,
     launch_stream,
     refuse_during_capture,
@@ -48,6 +47,7 @@ from .validation import (
     check_1d,
     check_2d_rows,
     check_contiguous_output,
+    check_disjoint,
     check_dtype,
     check_int,
     check_integer_dtype,
@@ -120,6 +120,10 @@ def _log_views(log: ViolationLog) -> LogViews:
         fail(ValueError, f"log.ring must be int64 [capacity, 8], got {ring.dtype} {tuple(ring.shape)}")
     if ring.shape[0] > INT32_MAX:
         fail(ValueError, f"log.ring capacity must be at most {INT32_MAX}, got {ring.shape[0]}")
+    views, seen = tuple(v.values()), log.__dict__.get("_kvcanary_disjoint", ())
+    if len(seen) != len(views) or any(a is not b for a, b in zip(seen, views)):  # else the same views: checked
+        check_disjoint({f"log.{k}": a for k, a in v.items()}, "each array of a ViolationLog needs its own memory")
+        log.__dict__["_kvcanary_disjoint"] = views
     return LogViews(**v)
 
 
@@ -218,10 +222,8 @@ def _targets(buffers: list, mode: int, *, written: bool) -> tuple:
                              "the canary buffers of one call share its plan and need the same num_slots")
         targets.append(CanaryTarget(canary, b.kind, _source_views(b, mode, canary.shape[0])))
     if written:
-        spans = sorted((data_ptr(t.canary), data_ptr(t.canary) + t.canary.nbytes, b.name) for t, b in zip(targets, buffers))
-        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
-            if start < end:
-                fail(ValueError, f"{first} and {second} overlap in memory; each canary buffer written by one call needs its own memory")
+        check_disjoint({b.name: t.canary for t, b in zip(targets, buffers)},
+                       "each canary buffer written by one call needs its own memory")
     return tuple(targets)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import fail
-from .interop import refuse_view_copy_during_capture
+from .interop import data_ptr, refuse_view_copy_during_capture
 
 _CONVERT_HINT = {
     "int64": "convert with .astype(int64) (NumPy/CuPy) or .long() (torch)",
@@ -78,3 +78,11 @@ def check_int(value, name: str, *, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         fail(ValueError, f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_disjoint(views: dict, why: str) -> None:
+    """No two of ``views`` (name -> NumPy/CuPy view) share memory; ``why`` ends the message."""
+    spans = sorted((data_ptr(v), data_ptr(v) + v.nbytes, name) for name, v in views.items() if v is not None and v.size)
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            fail(ValueError, f"{first} and {second} overlap in memory; {why}")

@@ -1115,3 +1115,21 @@ def test_read_only_numpy_outputs_of_every_op_are_refused_by_name_before_anything
     with pytest.raises(ValueError, match=r"^kv-canary: log\.ring is a read-only array"):
         kc.verify(canary, vp, log=log)
     assert int(log.kernel_run_counters.sum()) == 0
+
+
+@pytest.mark.parametrize("shared", [("violation_counters", "slot_run_counters"), ("kernel_run_counters", "out_of_range_counters"),
+                                    ("violation_counters", "ring")])
+def test_a_violation_log_whose_arrays_share_memory_is_refused(ab, shared):
+    import kvcanary_cupy as kc
+
+    log = kc.ViolationLog.allocate(4, like=ab.like)
+    arrays = log.arrays()
+    first, second = shared
+    arrays[first] = arrays[second].reshape(-1)[: arrays[first].shape[0]] if second == "ring" else arrays[second]
+    aliased = kc.ViolationLog(**arrays)
+    vp = kc.VerifyPlan.allocate(1, like=ab.like)
+    with pytest.raises(ValueError, match=rf"log\.({first}|{second}) and log\.({first}|{second}) overlap in memory"):
+        kc.verify(kc.allocate_canary_buffer(4, like=ab.like), vp, log=aliased)
+    assert not ab.to_numpy(log.kernel_run_counters).any()
+    kc.verify(kc.allocate_canary_buffer(4, like=ab.like), vp, log=log)
+    assert ab.to_numpy(log.kernel_run_counters).tolist()[:1] == [1]
