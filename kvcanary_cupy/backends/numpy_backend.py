@@ -94,6 +94,12 @@ def table_slots(t: TableView, base: np.ndarray, pos: np.ndarray):
     return page_slot(t.entries[base + page].astype(_I64), t.page_size, offset), 0
 
 
+def extend_limit(bs: int) -> int:
+    """The most new tokens a request of a batch of ``bs`` plans: ``bs`` of them sum to at most
+    2**63 - 1, so no write offset leaves int64 (extend_fits in plan.cu)."""
+    return int(_I64_MAX) // max(bs, 1)
+
+
 def plan_row_checks(a: PlanArgs):
     """Per-request quantities of a plan and the number of out-of-range values per request.
 
@@ -104,7 +110,8 @@ def plan_row_checks(a: PlanArgs):
     prefix = np.asarray(a.prefix_lens, _I64)
     extend = np.asarray(a.extend_seq_lens, _I64)
     prefix_ok = (prefix >= 0) & (prefix <= rows.length)
-    errors = (~rows.ok).astype(_I64) + ~prefix_ok + (extend < 0)
+    extend_ok = (extend >= 0) & (extend <= extend_limit(prefix.shape[0]))
+    errors = (~rows.ok).astype(_I64) + ~prefix_ok + ~extend_ok
     if a.expected_token_pool is not None:
         lens = np.asarray(a.expected_token_valid_lens, _I64)
         errors += (lens < 0) | (lens > a.expected_token_pool.shape[1])
@@ -114,7 +121,7 @@ def plan_row_checks(a: PlanArgs):
     verify_start = np.maximum(prefix - window, 0) if window > 0 else np.zeros_like(prefix)
     verify_end = np.clip(prefix, 0, rows.length)
     verify_len = np.where(rows.active & rows.ok, np.maximum(verify_end - verify_start, 0), 0)
-    write_len = np.where(rows.active, np.maximum(extend, 0), 0)
+    write_len = np.where(rows.active & extend_ok, extend, 0)
     seed_ok = rows.active & rows.ok & prefix_ok & (prefix > 0) & (write_len > 0)
     return rows, verify_start, verify_len, write_len, seed_ok, errors
 
