@@ -52,6 +52,7 @@ from .validation import (
     check_int,
     check_integer_dtype,
     contiguous_input,
+    require,
 )
 
 I64, I32 = np.int64, np.int32
@@ -63,7 +64,10 @@ def _check_type(obj, name: str, cls) -> None:
 
 
 def _record_arrays(prefix: str, record) -> dict:
-    return {f"{prefix}.{k}": v for k, v in record.arrays().items()}
+    named = {f"{prefix}.{k}": v for k, v in record.arrays().items()}
+    for name, arr in named.items():
+        require(arr, name)
+    return named
 
 
 def _record_views(prefix: str, record, *, writable: bool) -> dict:
@@ -181,11 +185,14 @@ def _buffers(canary_buf, kernel_kind, real_kv_sources, log) -> list:
     MAX_CANARY_BUFFERS buffers with a sequence of as many kinds and (unless empty) of as many
     per-buffer source tuples."""
     if not isinstance(canary_buf, (list, tuple)):
+        require(canary_buf, "canary_buf")
         return [_Buffer("canary_buf", "real_kv_sources", canary_buf, _kernel_kind(kernel_kind, log, "kernel_kind"),
                         check_num_sources(real_kv_sources))]
     n = len(canary_buf)
     if not 1 <= n <= MAX_CANARY_BUFFERS:
         fail(ValueError, f"canary_buf must be one buffer or a sequence of 1 to {MAX_CANARY_BUFFERS} buffers, got {n}")
+    for i, b in enumerate(canary_buf):
+        require(b, f"canary_buf[{i}]")
     if not isinstance(kernel_kind, (list, tuple)) or len(kernel_kind) != n:
         fail(ValueError, f"kernel_kind must be a sequence of {n} launch kinds (one per buffer of canary_buf), got {kernel_kind!r}")
     sources = tuple(real_kv_sources)
@@ -341,6 +348,8 @@ def _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_cap
                full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
                kv_token_id_vs_position_offset, out, op: str) -> _PlanCall:
     """The checks of plan (and plan_and_verify, named ``op`` in messages) that need no view."""
+    require(prefix_lens, "prefix_lens")
+    require(extend_seq_lens, "extend_seq_lens")
     table = as_table(table)
     batch_rows = table.kind == TableKind.PAGED_KV  # the table's rows are the batch rows
     if batch_rows and req_pool_indices is not None:
@@ -581,6 +590,8 @@ def write(
     arguments alive and unchanged until then.  Capture-safe (the join must come before the
     capture ends).
     """
+    for key, arr in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
+        require(arr, key)
     if (expected_input_tokens is None) != (expected_input_positions is None):
         fail(ValueError, "expected_input_tokens and expected_input_positions enable the write-input assert together; pass both or neither")
     tokens = {
@@ -628,6 +639,7 @@ def verify(
     ``canary_buf`` may be a sequence of up to ``MAX_CANARY_BUFFERS`` buffers verified with the same
     plan, as for :func:`write`: the entries are read once for all of them.
     """
+    _check_type(verify_plan, "verify_plan", VerifyPlan)  # None would mean plan_and_verify's call below
     placement, context, _ = _verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode,
                                           check_expected_token)
     with launch_stream(placement):
@@ -656,6 +668,8 @@ def move_pages(canary_buf, src_pages, dst_pages, *, page_size=1, workspace=None,
     CUDA graph capture.  Returns ``canary_buf``.
     """
     size = check_int(page_size, "page_size", minimum=1)
+    for key, arr in (("canary_buf", canary_buf), ("src_pages", src_pages), ("dst_pages", dst_pages)):
+        require(arr, key)
     named = {
         "canary_buf": canary_buf,
         "src_pages": src_pages,
@@ -704,6 +718,8 @@ def scatter_req_token_ids(flat_in, offsets, req_pool_indices, pool_out, *, out_o
     Out-of-range values are skipped and counted in ``out_of_range_count`` ([1] int64) when given.
     Returns ``pool_out``.
     """
+    for key, arr in (("flat_in", flat_in), ("offsets", offsets), ("req_pool_indices", req_pool_indices), ("pool_out", pool_out)):
+        require(arr, key)
     named = {
         "flat_in": flat_in,
         "offsets": offsets,

@@ -21,7 +21,7 @@ from .constants import (
 )
 from .errors import fail, public_api
 from .interop import allocate, placement_of, refuse_during_capture
-from .validation import check_int
+from .validation import check_int, require
 
 INT32_MAX = 2**31 - 1
 
@@ -250,6 +250,7 @@ class RealKvSource:
 
     @public_api
     def __post_init__(self):
+        require(self.tensor, "RealKvSource.tensor")
         p, n, r = self.page_size, self.num_bytes_per_token, self.read_bytes
         if not _is_int(p) or p < 1:
             fail(ValueError, f"RealKvSource.page_size must be >= 1, got {p}")

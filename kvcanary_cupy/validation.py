@@ -18,6 +18,12 @@ _CONVERT_HINT = {
 }
 
 
+def require(x, name: str) -> None:
+    """A required array argument: None gets a TypeError naming it (not an AttributeError from inside)."""
+    if x is None:
+        fail(TypeError, f"{name} is required: pass a NumPy array, a CuPy array or a PyTorch tensor, got None")
+
+
 def check_dtype(x, name: str, dtype) -> None:
     dtype = np.dtype(dtype)
     if x.dtype != dtype:

@@ -1133,3 +1133,52 @@ def test_a_violation_log_whose_arrays_share_memory_is_refused(ab, shared):
     assert not ab.to_numpy(log.kernel_run_counters).any()
     kc.verify(kc.allocate_canary_buffer(4, like=ab.like), vp, log=log)
     assert ab.to_numpy(log.kernel_run_counters).tolist()[:1] == [1]
+
+
+def _none_cases(ab):
+    import kvcanary_cupy as kc
+
+    a = lambda *v: ab.asarray(np.array(v, np.int64))
+    rtt = ab.asarray(np.zeros((4, 8), np.int32))
+    buf = lambda: kc.allocate_canary_buffer(8, like=ab.like)
+    log = kc.ViolationLog.allocate(8, like=ab.like)
+    vp, wp = kc.VerifyPlan.allocate(8, like=ab.like), kc.WritePlan.allocate(1, like=ab.like)
+    pool = ab.asarray(np.zeros((4, 4), np.int32))
+    return {
+        "prefix_lens": lambda: kc.plan(a(1), None, a(1), rtt, verify_capacity=8),
+        "extend_seq_lens": lambda: kc.plan(a(1), a(1), None, rtt, verify_capacity=8),
+        "ReqToToken.req_to_token": lambda: kc.plan(a(1), a(1), a(1), kc.ReqToToken(None), verify_capacity=8),
+        "BlockTable.block_table": lambda: kc.plan(a(1), a(1), a(1), kc.BlockTable(None, 4), verify_capacity=8),
+        "PagedKvIndices.kv_indices": lambda: kc.PagedKvIndices(a(0, 1), None, 4),
+        "out[1].write_offsets": lambda: kc.plan(a(1), a(1), a(1), rtt, verify_capacity=8,
+                                                out=(vp, kc.WritePlan(**{**wp.arrays(), "write_offsets": None}))),
+        "input_ids": lambda: kc.write(buf(), wp, None, a(0), a(1), log=log),
+        "positions": lambda: kc.write(buf(), wp, a(0), None, a(1), log=log),
+        "out_cache_loc": lambda: kc.write(buf(), wp, a(0), a(0), None, log=log),
+        "canary_buf[1]": lambda: kc.write([buf(), None], wp, a(0), a(0), a(1), log=log, kernel_kind=[0, 1]),
+        "canary_buf": lambda: kc.verify(None, vp, log=log),
+        "verify_plan": lambda: kc.verify(buf(), None, log=log),
+        "log.ring": lambda: kc.verify(buf(), vp, log=kc.ViolationLog(**{**log.arrays(), "ring": None})),
+        "RealKvSource.tensor": lambda: kc.RealKvSource(None, 1, 16, 16),
+        "src_pages": lambda: kc.move_pages(buf(), None, a(1)),
+        "dst_pages": lambda: kc.move_pages(buf(), a(1), None),
+        "flat_in": lambda: kc.scatter_req_token_ids(None, a(0, 1), a(1), pool),
+        "offsets": lambda: kc.scatter_req_token_ids(a(1), None, a(1), pool),
+        "req_pool_indices": lambda: kc.scatter_req_token_ids(a(1), a(0, 1), None, pool),
+        "pool_out": lambda: kc.scatter_req_token_ids(a(1), a(0, 1), a(1), None),
+        "plan_and_verify canary_buf": lambda: kc.plan_and_verify(a(1), a(1), a(1), rtt, None, log=log, verify_capacity=8),
+    }, log
+
+
+NONE_CASES = tuple(_none_cases(get_backend_or_skip("numpy"))[0])
+
+
+@pytest.mark.parametrize("name", NONE_CASES)
+def test_none_for_a_required_array_is_a_type_error_naming_it(ab, name):
+    """Issue 28 #10: None raised AttributeError or KeyError from inside the library."""
+    cases, log = _none_cases(ab)
+    arg = re.escape(name.removeprefix("plan_and_verify "))
+    with pytest.raises(TypeError, match=(rf"^kv-canary: {arg} must be a VerifyPlan, got NoneType" if arg == "verify_plan"
+                                         else rf"^kv-canary: {arg} is required: pass a NumPy array, a CuPy array or a PyTorch tensor, got None$")):
+        cases[name]()
+    assert not ab.to_numpy(log.kernel_run_counters).any()
