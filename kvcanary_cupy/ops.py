@@ -53,6 +53,7 @@ from .validation import (
     check_integer_dtype,
     contiguous_input,
     require,
+    check_int64,
 )
 
 I64, I32 = np.int64, np.int32
@@ -150,6 +151,8 @@ def _canary_view(canary_buf, name: str, *, written: bool):
             fail(ValueError, f"{name} slot stride must hold at least 4 int64 fields, got {view.shape[1]}")
     else:
         fail(TypeError, f"{name} must be int64 [num_slots, 4] or uint8 [num_slots, >=32], got dtype {view.dtype}")
+    if view.shape[1] > INT32_MAX:
+        fail(ValueError, f"{name} slot stride must be at most {INT32_MAX} int64 fields (the kernels take it as int32), got {view.shape[1]}")
     check_aligned(view, name, 8, "its slots are read as int64 fields")
     if view.shape[0] < 1:
         fail(ValueError, f"{name} must have at least 1 slot (slot 0 is the padding slot), got 0")
@@ -358,7 +361,7 @@ def _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_cap
     if not batch_rows and req_pool_indices is None:
         fail(ValueError, f"req_pool_indices is required with a {type(table).__name__} table (only a PagedKvIndices "
                          "table, whose rows are the batch rows, takes None)")
-    window = check_int(swa_window_size, "swa_window_size", minimum=0)
+    window = check_int64(swa_window_size, "swa_window_size", minimum=0)
     lut = full_to_swa_index_mapping
     if window > 0 and lut is None and isinstance(table, ReqToToken):
         fail(ValueError, f"{op} requires full_to_swa_index_mapping when swa_window_size > 0; pass the full->SWA slot LUT (int64)")
@@ -367,7 +370,7 @@ def _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_cap
         fail(ValueError, f"{op} requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set")
     if pool is None and lens is not None:
         fail(ValueError, "req_to_verify_expected_tokens_valid_lens was given without req_to_verify_expected_tokens; pass both or neither")
-    offset = check_int(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
+    offset = check_int64(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
     vcap = check_count(verify_capacity, "verify_capacity")
     named = {
         "req_pool_indices": req_pool_indices,

@@ -77,13 +77,24 @@ def contiguous_input(x, name: str, xp):
     return xp.ascontiguousarray(x)
 
 
-def check_int(value, name: str, *, minimum: int | None = None) -> int:
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_int(value, name: str, *, minimum: int | None = None, maximum: int | None = None, why: str = "") -> int:
+    """An int (bools refused) in ``[minimum, maximum]``; ``why`` explains the maximum."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         fail(TypeError, f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = int(value)
     if minimum is not None and value < minimum:
         fail(ValueError, f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        fail(ValueError, f"{name} must be at most {maximum}{why}, got {value}")
     return value
+
+
+def check_int64(value, name: str, *, minimum: int = INT64_MIN) -> int:
+    """An int the kernels' parameters hold as int64."""
+    return check_int(value, name, minimum=minimum, maximum=INT64_MAX, why=" (the kernels take it as int64)")
 
 
 def check_disjoint(views: dict, why: str) -> None:

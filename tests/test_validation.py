@@ -1182,3 +1182,35 @@ def test_none_for_a_required_array_is_a_type_error_naming_it(ab, name):
                                          else rf"^kv-canary: {arg} is required: pass a NumPy array, a CuPy array or a PyTorch tensor, got None$")):
         cases[name]()
     assert not ab.to_numpy(log.kernel_run_counters).any()
+
+
+def test_host_integers_the_kernels_narrow_are_refused_by_name():
+    """Issue 28 #12: RealKvSource took any page_size, but the CUDA parameters hold it as int32."""
+    wide = np.lib.stride_tricks.as_strided(np.zeros(16, np.uint8), (2, 2**36), (16, 0))  # rows wide enough, no memory
+    for kw, name in ((dict(page_size=2**31, num_bytes_per_token=16), "page_size"),
+                     (dict(page_size=1, num_bytes_per_token=2**32), "num_bytes_per_token")):
+        with pytest.raises(ValueError, match=rf"^kv-canary: RealKvSource\.{name} must be at most 2147483647 \(the kernels take it as int32\)"):
+            RealKvSource(wide, read_bytes=16, **kw)
+    RealKvSource(wide, 2**31 - 1, 16, 16)
+    import kvcanary_cupy as kc
+
+    slot = np.lib.stride_tricks.as_strided(np.zeros(4, np.int64), (1, 2**31), (8, 8))  # never read: refused first
+    with pytest.raises(ValueError, match=r"^kv-canary: canary_buf slot stride must be at most 2147483647 int64 fields"):
+        kc.verify(slot, kc.VerifyPlan.allocate(1), log=kc.ViolationLog.allocate(4))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kv_token_id_vs_position_offset=2**63), "kv_token_id_vs_position_offset must be at most 9223372036854775807"),
+    (dict(kv_token_id_vs_position_offset=-(2**63) - 1), "kv_token_id_vs_position_offset must be >= -9223372036854775808"),
+    (dict(swa_window_size=2**64), "swa_window_size must be at most 9223372036854775807"),
+])
+def test_plan_refuses_ints_past_int64_by_name(ab, kw, match):
+    import kvcanary_cupy as kc
+
+    a = lambda *v: ab.asarray(np.array(v, np.int64))
+    lut = ab.asarray(np.arange(16, dtype=np.int64))
+    with pytest.raises(ValueError, match="^kv-canary: " + re.escape(match)):
+        kc.plan(a(1), a(1), a(1), ab.asarray(np.zeros((4, 8), np.int32)), verify_capacity=8, full_to_swa_index_mapping=lut, **kw)
+    with pytest.raises(ValueError, match="^kv-canary: " + re.escape(match)):
+        kc.CanaryPlanner.from_engine(kv_pool_size=16, max_running_requests=2, like=ab.like, full_to_swa_index_mapping=lut,
+                                     **kw).plan(a(1), a(1), a(1), ab.asarray(np.zeros((4, 8), np.int32)))
