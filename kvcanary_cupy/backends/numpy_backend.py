@@ -216,6 +216,21 @@ def plan(a: PlanArgs, verify_capacity: int | None = None) -> None:
 # real-KV fingerprint and the violation ring
 
 
+# The most KV bytes real_kv_hashes gathers at once (their gather indices take 8x as much), so ALL
+# mode over a large batch hashes in bounded memory.
+HASH_CHUNK_BYTES = 1 << 20
+
+
+def _strip_hashes(src: SourceView, nbytes: int, slots: np.ndarray) -> np.ndarray:
+    row = slots // src.page_size
+    col = (slots % src.page_size) * src.num_bytes_per_token
+    words = np.ascontiguousarray(src.data[row[:, None], col[:, None] + np.arange(nbytes)]).view("<u8")
+    h = np.zeros(slots.shape[0], np.uint64)
+    for w in range(words.shape[1]):
+        h = splitmix64_array(h ^ words[:, w])
+    return h
+
+
 def real_kv_hashes(sources: tuple, mode: int, slots: np.ndarray) -> np.ndarray:
     """``real_kv_hash`` (uint64) of each slot in ``slots`` (all within every source's rows)."""
     acc = np.zeros(slots.shape[0], np.uint64)
@@ -224,13 +239,8 @@ def real_kv_hashes(sources: tuple, mode: int, slots: np.ndarray) -> np.ndarray:
     for src in sources:
         src: SourceView
         nbytes = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else src.read_bytes
-        row = slots // src.page_size
-        col = (slots % src.page_size) * src.num_bytes_per_token
-        strip = src.data[row[:, None], col[:, None] + np.arange(nbytes)]
-        words = np.ascontiguousarray(strip).view("<u8")
-        h = np.zeros(slots.shape[0], np.uint64)
-        for w in range(words.shape[1]):
-            h = splitmix64_array(h ^ words[:, w])
+        step = max(1, HASH_CHUNK_BYTES // nbytes)
+        h = np.concatenate([_strip_hashes(src, nbytes, slots[lo : lo + step]) for lo in range(0, slots.shape[0], step)])
         acc = splitmix64_array(acc ^ h)
     return acc
 
