@@ -50,10 +50,10 @@ from .validation import (
     check_disjoint,
     check_dtype,
     check_int,
+    check_int64,
     check_integer_dtype,
     contiguous_input,
     require,
-    check_int64,
 )
 
 I64, I32 = np.int64, np.int32
