@@ -304,6 +304,13 @@ __device__ __forceinline__ i64 stale_rows_end(const PlanOutputs& out, i64 previo
   return previous;
 }
 
+// Whether a request of a batch of bs may write `extend` (>= 0) new tokens: extend * bs <= 2**63 - 1,
+// so no running sum of the batch's write lengths leaves int64 (extend_limit in the NumPy backend).
+__device__ __forceinline__ bool extend_fits(i64 extend, i64 bs) {
+  const unsigned long long e = static_cast<unsigned long long>(extend), b = static_cast<unsigned long long>(bs);
+  return __umul64hi(e, b) == 0 && e * b <= static_cast<unsigned long long>(kI64Max);
+}
+
 // Whether row r (r < bs) plans anything: a req_to_token row 0 marks a padding request.
 template <int kTable>
 __device__ __forceinline__ bool row_active(i64 rp) { return kTable > kTableVirtualPages || rp != 0; }
@@ -317,7 +324,7 @@ __device__ __forceinline__ void row_lengths(const PlanInputs& in, const TableRow
   if (!row_active<kTable>(rp)) return;
   const i64 start = window_start(prefix, in.window), end = clamp64(prefix, 0, row.len);
   v = row.ok && end > start ? end - start : 0;
-  w = extend > 0 ? extend : 0;
+  w = extend > 0 && extend_fits(extend, in.bs) ? extend : 0;
 }
 
 // ... of row r, its table row looked up only for an active row.
@@ -536,8 +543,9 @@ struct RowOutput {
     errors = 0;
     if (!have || !row_active<kTable>(rp)) return;
     const bool prefix_ok = prefix >= 0 && prefix <= table.len;
-    errors = !table.ok + !prefix_ok + (extend < 0);
-    if (table.ok && prefix_ok && prefix > 0 && extend > 0) seed_raw = table_slot<kTable>(in, table, prefix - 1, errors);
+    const bool extend_ok = extend >= 0 && extend_fits(extend, in.bs);
+    errors = !table.ok + !prefix_ok + !extend_ok;
+    if (table.ok && prefix_ok && prefix > 0 && extend_ok && extend > 0) seed_raw = table_slot<kTable>(in, table, prefix - 1, errors);
   }
 
   __device__ __forceinline__ i64 finish(const PlanInputs& in, const PlanOutputs& out, const i64* voff, const i64* woff,

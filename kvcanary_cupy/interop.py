@@ -120,7 +120,8 @@ def backend_view(x, name: str, *, writable: bool = False):
 
     Negative strides are refused for written arrays (a view cannot be written back) and copied
     for read-only ones, because DLPack exports of them are broken (cupy#10172, pytorch#188023).
-    Every array must start aligned to its item size: the kernels read whole items.
+    Every array must start aligned to its item size: the kernels read whole items.  A written
+    NumPy array must be writeable (CuPy arrays carry no read-only flag, so any is accepted).
     """
     if x is None:
         return None
@@ -143,6 +144,8 @@ def backend_view(x, name: str, *, writable: bool = False):
         check_aligned(view, name)
         return view
     check_aligned(x, name)
+    if writable and isinstance(x, np.ndarray) and not x.flags.writeable:
+        fail(ValueError, f"{name} is a read-only array: kv-canary writes into it in place; pass a writable array")
     if any(s < 0 for s in x.strides):
         if writable:
             fail(ValueError, f"{name} has negative strides; kv-canary writes into it, pass a contiguous array")

@@ -40,7 +40,7 @@ from .errors import public_api, trimmed_argument_error
 from .interop import Array, array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream
 from .plans import is_clean, mark_clean, scan_state
 from .tables import MAX_TABLE_TOKENS, BlockTable, PagedKvIndices, ReqToToken, TableKind
-from .validation import I32, I64, bool_keyword, check_count, check_int
+from .validation import I32, I64, bool_keyword, check_count, check_int, check_int64
 
 if TYPE_CHECKING:
     from .plans import VerifyPlan, ViolationLog, WritePlan
@@ -732,8 +732,8 @@ class PlanLauncher:
         if self._full or not _viewed_in_place([lut]):
             return
         try:
-            window = check_int(window, "swa_window_size", minimum=0)
-            offset = check_int(offset, "kv_token_id_vs_position_offset")
+            window = check_int64(window, "swa_window_size", minimum=0)
+            offset = check_int64(offset, "kv_token_id_vs_position_offset")
             vcap, wcap = check_count(vcap, "verify_capacity"), check_count(wcap, "write_req_capacity")
             named = {**ops._record_arrays("out[0]", self.verify_plan), **ops._record_arrays("out[1]", self.write_plan),
                      "full_to_swa_index_mapping": lut}

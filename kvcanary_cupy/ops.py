@@ -38,9 +38,6 @@ from .interop import (
     byte_rows_view,
     check_aligned,
     common_placement,
-    data_ptr,
-    import_cupy,
-    is_capturing,
     is_torch_tensor,
     launch_stream,
     refuse_during_capture,
@@ -58,10 +55,13 @@ from .validation import (
     check_2d_rows,
     check_contiguous_output,
     check_count,
+    check_disjoint,
     check_dtype,
     check_int,
+    check_int64,
     check_integer_dtype,
     contiguous_input,
+    require,
 )
 
 
@@ -72,7 +72,10 @@ def _check_type(obj, name: str, cls) -> None:
 
 
 def _record_arrays(prefix: str, record) -> dict:
-    return {f"{prefix}.{k}": v for k, v in record.arrays().items()}
+    named = {f"{prefix}.{k}": v for k, v in record.arrays().items()}
+    for name, arr in named.items():
+        require(arr, name)
+    return named
 
 
 def _record_views(prefix: str, record, *, writable: bool) -> dict:
@@ -129,6 +132,10 @@ def _log_views(log: ViolationLog) -> LogViews:
         fail(ValueError, f"log.ring must be int64 [capacity, 8], got {ring.dtype} {tuple(ring.shape)}")
     if ring.shape[0] > INT32_MAX:
         fail(ValueError, f"log.ring capacity must be at most {INT32_MAX}, got {ring.shape[0]}")
+    views, seen = tuple(v.values()), log.__dict__.get("_kvcanary_disjoint", ())
+    if len(seen) != len(views) or any(a is not b for a, b in zip(seen, views)):  # else the same views: checked
+        check_disjoint({f"log.{k}": a for k, a in v.items()}, "each array of a ViolationLog needs its own memory")
+        log.__dict__["_kvcanary_disjoint"] = views
     return LogViews(**v)
 
 
@@ -151,6 +158,8 @@ def _canary_view(canary_buf, name: str, *, written: bool):
             fail(ValueError, f"{name} slot stride must hold at least 4 int64 fields, got {view.shape[1]}")
     else:
         fail(TypeError, f"{name} must be int64 [num_slots, 4] or uint8 [num_slots, >=32], got dtype {view.dtype}")
+    if view.shape[1] > INT32_MAX:
+        fail(ValueError, f"{name} slot stride must be at most {INT32_MAX} int64 fields (the kernels take it as int32), got {view.shape[1]}")
     check_aligned(view, name, 8, "its slots are read as int64 fields")
     if view.shape[0] < 1:
         fail(ValueError, f"{name} must have at least 1 slot (slot 0 is the padding slot), got 0")
@@ -186,11 +195,14 @@ def _buffers(canary_buf, kernel_kind, real_kv_sources, log) -> list:
     MAX_CANARY_BUFFERS buffers with a sequence of as many kinds and (unless empty) of as many
     per-buffer source tuples."""
     if not isinstance(canary_buf, (list, tuple)):
+        require(canary_buf, "canary_buf")
         return [_Buffer("canary_buf", "real_kv_sources", canary_buf, _kernel_kind(kernel_kind, log, "kernel_kind"),
                         check_num_sources(real_kv_sources))]
     n = len(canary_buf)
     if not 1 <= n <= MAX_CANARY_BUFFERS:
         fail(ValueError, f"canary_buf must be one buffer or a sequence of 1 to {MAX_CANARY_BUFFERS} buffers, got {n}")
+    for i, b in enumerate(canary_buf):
+        require(b, f"canary_buf[{i}]")
     if not isinstance(kernel_kind, (list, tuple)) or len(kernel_kind) != n:
         fail(ValueError, f"kernel_kind must be a sequence of {n} launch kinds (one per buffer of canary_buf), got {kernel_kind!r}")
     sources = tuple(real_kv_sources)
@@ -227,10 +239,8 @@ def _targets(buffers: list, mode: int, *, written: bool) -> tuple:
                              "the canary buffers of one call share its plan and need the same num_slots")
         targets.append(CanaryTarget(canary, b.kind, _source_views(b, mode, canary.shape[0])))
     if written:
-        spans = sorted((data_ptr(t.canary), data_ptr(t.canary) + t.canary.nbytes, b.name) for t, b in zip(targets, buffers))
-        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
-            if start < end:
-                fail(ValueError, f"{first} and {second} overlap in memory; each canary buffer written by one call needs its own memory")
+        check_disjoint({b.name: t.canary for t, b in zip(targets, buffers)},
+                       "each canary buffer written by one call needs its own memory")
     return tuple(targets)
 
 
@@ -348,6 +358,8 @@ def _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_cap
                full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
                kv_token_id_vs_position_offset, out, op: str) -> _PlanCall:
     """The checks of plan (and plan_and_verify, named ``op`` in messages) that need no view."""
+    require(prefix_lens, "prefix_lens")
+    require(extend_seq_lens, "extend_seq_lens")
     table = as_table(table)
     batch_rows = table.kind == TableKind.PAGED_KV  # the table's rows are the batch rows
     if batch_rows and req_pool_indices is not None:
@@ -356,7 +368,7 @@ def _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_cap
     if not batch_rows and req_pool_indices is None:
         fail(ValueError, f"req_pool_indices is required with a {type(table).__name__} table (only a PagedKvIndices "
                          "table, whose rows are the batch rows, takes None)")
-    window = check_int(swa_window_size, "swa_window_size", minimum=0)
+    window = check_int64(swa_window_size, "swa_window_size", minimum=0)
     lut = full_to_swa_index_mapping
     if window > 0 and lut is None and isinstance(table, ReqToToken):
         fail(ValueError, f"{op} requires full_to_swa_index_mapping when swa_window_size > 0; pass the full->SWA slot LUT (int64)")
@@ -365,7 +377,7 @@ def _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_cap
         fail(ValueError, f"{op} requires req_to_verify_expected_tokens_valid_lens when req_to_verify_expected_tokens is set")
     if pool is None and lens is not None:
         fail(ValueError, "req_to_verify_expected_tokens_valid_lens was given without req_to_verify_expected_tokens; pass both or neither")
-    offset = check_int(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
+    offset = check_int64(kv_token_id_vs_position_offset, "kv_token_id_vs_position_offset")
     vcap = check_count(verify_capacity, "verify_capacity")
     named = {
         "req_pool_indices": req_pool_indices,
@@ -561,34 +573,14 @@ def plan(
 def _note_overflow(vp: VerifyPlan, enable, placement, verify_capacity: int) -> None:
     """Warn once per VerifyPlan record when a free plan into it overflowed ``verify_capacity``.
 
-    Host memory is read at once.  A GPU plan never syncs: each eager call queues a copy of
-    ``enable`` into pinned memory behind an event, and the next free plan into the same record
-    reads it if the event has completed.  Nothing is allocated or queued while capturing."""
-    state = vp.__dict__
-    if state.get("_kvcanary_overflow_warned"):
+    Only on host memory, where ``enable`` is already here: a GPU plan never reads back (a sync),
+    so there ``WritePlan.verify_entries_needed()`` or ``CanaryPlanner.verify_overflowed()`` tell."""
+    if placement.backend != "numpy" or vp.__dict__.get("_kvcanary_overflow_warned") or int(enable[0]) != 0:
         return
-    if placement.backend == "numpy":
-        overflowed = int(np.asarray(enable)[0]) == 0
-    else:
-        overflowed = False
-        pending = state.get("_kvcanary_overflow_copy")
-        if pending is not None and pending[1].done:
-            overflowed = int(pending[0][0]) == 0
-        if not overflowed and not is_capturing(placement):
-            cupy = import_cupy()
-            if pending is None:
-                import cupyx
-
-                pending = (cupyx.empty_pinned((1,), dtype=np.int32), cupy.cuda.Event(disable_timing=True))
-                state["_kvcanary_overflow_copy"] = pending
-            stream = cupy.cuda.get_current_stream()
-            enable.get(stream=stream, out=pending[0], blocking=False)
-            pending[1].record(stream)
-    if overflowed:
-        state["_kvcanary_overflow_warned"] = True
-        warnings.warn(f"kv-canary: a free plan overflowed verify_capacity={verify_capacity}: its verify is skipped "
-                      "(enable == 0); WritePlan.verify_entries_needed() says how many entries it asked for",
-                      CanaryCapacityWarning, stacklevel=4)  # the caller of plan, past public_api's wrapper
+    vp.__dict__["_kvcanary_overflow_warned"] = True
+    warnings.warn(f"kv-canary: a free plan overflowed verify_capacity={verify_capacity}: its verify is skipped "
+                  "(enable == 0); WritePlan.verify_entries_needed() says how many entries it asked for",
+                  CanaryCapacityWarning, stacklevel=4)  # the caller of plan, past public_api's wrapper
 
 
 @public_api
@@ -808,6 +800,8 @@ def write(
     >>> canary[17, :2].tolist()  # (token, position)
     [6, 1]
     """
+    for key, arr in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
+        require(arr, key)
     if (expected_input_tokens is None) != (expected_input_positions is None):
         fail(ValueError, "expected_input_tokens and expected_input_positions enable the write-input assert together; pass both or neither")
     tokens = {
@@ -911,6 +905,7 @@ def verify(
     >>> log.read().total_violations
     2
     """
+    _check_type(verify_plan, "verify_plan", VerifyPlan)  # None would mean plan_and_verify's call below
     check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
                                         "check_expected_token")
     placement, context, _ = _verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode,
@@ -972,6 +967,8 @@ def move_pages(canary_buf: Array, src_pages: Array, dst_pages: Array, *, page_si
     [0, 0, 0, 0, 0, 0, 7, 7]
     """
     size = check_int(page_size, "page_size", minimum=1)
+    for key, arr in (("canary_buf", canary_buf), ("src_pages", src_pages), ("dst_pages", dst_pages)):
+        require(arr, key)
     named = {
         "canary_buf": canary_buf,
         "src_pages": src_pages,
@@ -990,7 +987,8 @@ def move_pages(canary_buf: Array, src_pages: Array, dst_pages: Array, *, page_si
         check_1d(v["dst_pages"], "dst_pages", v["src_pages"].dtype, v["src_pages"].shape[0], length_name="len(src_pages)")
         for key in ("src_pages", "dst_pages"):
             v[key] = contiguous_input(v[key], key, xp)
-        need = v["src_pages"].shape[0] * size * canary.shape[1]
+        # Nothing is staged when the canary holds no whole page (every pair is then skipped).
+        need = v["src_pages"].shape[0] * size * canary.shape[1] if canary.shape[0] >= size else 0
         if workspace is not None:
             check_dtype(v["workspace"], "workspace", I64)
             check_contiguous_output(v["workspace"], "workspace")
@@ -1053,6 +1051,8 @@ def scatter_req_token_ids(flat_in: Array, offsets: Array, req_pool_indices: Arra
     >>> pool.tolist()
     [[0, 0, 0, 0], [7, 0, 0, 0], [5, 6, 0, 0]]
     """
+    for key, arr in (("flat_in", flat_in), ("offsets", offsets), ("req_pool_indices", req_pool_indices), ("pool_out", pool_out)):
+        require(arr, key)
     named = {
         "flat_in": flat_in,
         "offsets": offsets,

@@ -21,7 +21,7 @@ from .constants import (
 )
 from .errors import fail, public_api
 from .interop import Array, allocate, is_capturing, placement_of, refuse_during_capture, to_numpy
-from .validation import _is_int, check_count
+from .validation import INT32_MAX, _is_int, check_count, check_int, require
 
 if TYPE_CHECKING:
     from .reporting import ViolationReport
@@ -429,11 +429,15 @@ class RealKvSource:
 
     @public_api
     def __post_init__(self):
+        require(self.tensor, "RealKvSource.tensor")
         p, n, r = self.page_size, self.num_bytes_per_token, self.read_bytes
         if not _is_int(p) or p < 1:
             fail(ValueError, f"RealKvSource.page_size must be >= 1, got {p}")
         if not _is_int(n) or n <= 0 or n % 16:
             fail(ValueError, f"RealKvSource.num_bytes_per_token must be a positive multiple of 16, got {n}")
+        for name, value in (("page_size", p), ("num_bytes_per_token", n)):
+            if value > INT32_MAX:
+                fail(ValueError, f"RealKvSource.{name} must be at most {INT32_MAX} (the kernels take it as int32), got {value}")
         if not _is_int(r) or r <= 0 or r % 16 or r > n:
             fail(ValueError, f"RealKvSource.read_bytes must be a positive multiple of 16 in (0, num_bytes_per_token={n}], got {r}")
         shape = tuple(self.tensor.shape)

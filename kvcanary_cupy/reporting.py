@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .constants import CanaryLaunchTag, FailReason
+from .errors import fail
 from .hashing import to_unsigned
 from .interop import to_numpy
+from .validation import INT32_MAX
 
 if TYPE_CHECKING:
     from .plans import ViolationLog
@@ -193,6 +195,59 @@ def _html_cell(v: Violation, key: str, value) -> str:
     return f"<td{title}>{'&ndash;' if value is None else html.escape(str(value))}</td>"
 
 
+_COUNTERS = ("violation_counters", "slot_run_counters", "kernel_run_counters", "out_of_range_counters")
+
+# to_pandas's dtype per column, whatever the values (so pd.concat of reports keeps them exact):
+# hashes unsigned 64-bit, optional ints nullable; expected_aux holds signed positions (write rows)
+# and unsigned hashes (verify rows), which no fixed-width dtype holds both of, so Python ints.
+PANDAS_DTYPES = {
+    "launch_tag": object, "reasons": object, "kernel_kind": "int64", "slot_idx": "int64", "position": "int64",
+    "stored_token": "int64", "expected_token": "int64", "stored_chain_hash": "uint64", "expected_aux": object,
+    "fail_reason_bits": "int64", "expected_position": "Int64", "prev_slot_idx": "Int64", "batch_rows": object,
+    "repeats": "int64", "first_step": "Int64", "last_step": "Int64",
+}
+
+_I64_RANGE, _U64_RANGE = (-(2**63), 2**63 - 1), (0, 2**64 - 1)
+_KNOWN_BITS = sum(m.value for m in FailReason)
+# from_json's range per record key (None: optional); expected_aux: either a position or a hash.
+_RECORD_RANGES = {
+    "kernel_kind": (0, INT32_MAX), "slot_idx": _I64_RANGE, "position": _I64_RANGE, "stored_token": _I64_RANGE,
+    "expected_token": _I64_RANGE, "stored_chain_hash": _U64_RANGE, "expected_aux": (-(2**63), 2**64 - 1),
+    "fail_reason_bits": (0, _KNOWN_BITS), "expected_position": _I64_RANGE, "prev_slot_idx": _I64_RANGE,
+    "repeats": (1, _I64_RANGE[1]), "first_step": (0, _I64_RANGE[1]), "last_step": (0, _I64_RANGE[1]),
+}
+_OPTIONAL = frozenset(("expected_position", "prev_slot_idx", "first_step", "last_step"))
+
+
+def _json_int(value, name: str, lo: int, hi: int, *, optional: bool = False):
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        fail(TypeError, f"report JSON {name} must be an int{' or null' if optional else ''}, got {type(value).__name__} {value!r}")
+    if not lo <= value <= hi:
+        fail(ValueError, f"report JSON {name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _json_record(d, where: str) -> Violation:
+    if not isinstance(d, dict):
+        fail(TypeError, f"report JSON {where} must be an object, got {type(d).__name__}")
+    missing = [k for k in _FIELDS[:8] if k not in d]
+    if missing:
+        fail(ValueError, f"report JSON {where} lacks {', '.join(missing)}")
+    for key, (lo, hi) in _RECORD_RANGES.items():
+        if key in d:
+            _json_int(d[key], f"{where}.{key}", lo, hi, optional=key in _OPTIONAL)
+    if d["fail_reason_bits"] & ~_KNOWN_BITS:
+        fail(ValueError, f"report JSON {where}.fail_reason_bits has bits no FailReason names: {d['fail_reason_bits']:#x}")
+    rows = d.get("batch_rows", [])
+    if not isinstance(rows, list):
+        fail(TypeError, f"report JSON {where}.batch_rows must be a list of int, got {type(rows).__name__}")
+    for i, r in enumerate(rows):
+        _json_int(r, f"{where}.batch_rows[{i}]", 0, _I64_RANGE[1])
+    return Violation.from_dict(d)
+
+
 @dataclass(frozen=True, repr=False)
 class ViolationReport:
     """A host snapshot of a :class:`~kvcanary_cupy.ViolationLog` or of a session's violations.
@@ -236,6 +291,15 @@ class ViolationReport:
     def __post_init__(self):
         if self.rows_read is None:
             object.__setattr__(self, "rows_read", len(self.violations))
+
+    def __eq__(self, other) -> bool:
+        """Equal fields, the counter arrays compared value by value."""
+        if not isinstance(other, ViolationReport):
+            return NotImplemented
+        return all(np.array_equal(getattr(self, k), getattr(other, k)) if k in _COUNTERS else getattr(self, k) == getattr(other, k)
+                   for k in (f.name for f in fields(self)))
+
+    __hash__ = None  # the counters are arrays
 
     @classmethod
     def from_log(cls, log: "ViolationLog") -> "ViolationReport":
@@ -327,24 +391,43 @@ class ViolationReport:
 
     @classmethod
     def from_json(cls, text: str) -> "ViolationReport":
-        """Inverse of :meth:`to_json`: ``text`` is the document form (ValueError for another schema)."""
+        """Inverse of :meth:`to_json`: ``text`` is the document form (ValueError for another schema);
+        every key's type and range is checked (a TypeError or ValueError naming the key)."""
         doc = json.loads(text)
-        if doc.get("schema") != REPORT_SCHEMA:
-            raise ValueError(f"kv-canary: not a {REPORT_SCHEMA} document (schema={doc.get('schema')!r})")
-        counters = {k: np.asarray(doc[k], np.int64) for k in
-                    ("violation_counters", "slot_run_counters", "kernel_run_counters", "out_of_range_counters")}
-        return cls(violations=tuple(Violation.from_dict(d) for d in doc["violations"]),
-                   total_violations=doc["total_violations"], ring_capacity=doc["ring_capacity"],
-                   rows_read=doc["rows_read"], steps=doc["steps"], **counters)
+        if not isinstance(doc, dict) or doc.get("schema") != REPORT_SCHEMA:
+            schema = doc.get("schema") if isinstance(doc, dict) else None
+            raise ValueError(f"kv-canary: not a {REPORT_SCHEMA} document (schema={schema!r})")
+        missing = [k for k in ("total_violations", "ring_capacity", "rows_read", "steps", *_COUNTERS, "violations") if k not in doc]
+        if missing:
+            fail(ValueError, f"report JSON lacks {', '.join(missing)}")
+        top = _I64_RANGE[1]
+        counters = {}
+        for key in _COUNTERS:
+            values = doc[key]
+            if not isinstance(values, list):
+                fail(TypeError, f"report JSON {key} must be a list of int, got {type(values).__name__}")
+            counters[key] = np.asarray([_json_int(x, f"{key}[{i}]", 0, top) for i, x in enumerate(values)], np.int64)
+            if len(values) != len(doc["violation_counters"]):
+                fail(ValueError, f"report JSON {key} has {len(values)} kinds but violation_counters has {len(doc['violation_counters'])}")
+        if not isinstance(doc["violations"], list):
+            fail(TypeError, f"report JSON violations must be a list of records, got {type(doc['violations']).__name__}")
+        return cls(violations=tuple(_json_record(d, f"violations[{i}]") for i, d in enumerate(doc["violations"])),
+                   total_violations=_json_int(doc["total_violations"], "total_violations", 0, top),
+                   ring_capacity=_json_int(doc["ring_capacity"], "ring_capacity", 1, 2**31 - 1),
+                   rows_read=_json_int(doc["rows_read"], "rows_read", 0, top),
+                   steps=_json_int(doc["steps"], "steps", 0, top, optional=True), **counters)
 
     def to_pandas(self):
-        """A ``pandas.DataFrame``, one row per violation, columns named as :meth:`to_dict`'s keys."""
+        """A ``pandas.DataFrame``, one row per violation, columns named as :meth:`to_dict`'s keys,
+        each of the one dtype :data:`PANDAS_DTYPES` gives it whatever the values."""
         try:
             import pandas
         except ImportError as exc:
             raise ImportError("kv-canary: ViolationReport.to_pandas needs pandas: "
                               "pip install kvcanary-cupy[pandas]") from exc
-        return pandas.DataFrame(self.to_dicts(), columns=list(_COLUMNS))
+        columns = list(_COLUMNS)
+        data = {c: [d[c] for d in self.to_dicts()] for c in columns}
+        return pandas.DataFrame({c: pandas.Series(data[c], dtype=PANDAS_DTYPES[c]) for c in columns}, columns=columns)
 
     def _repr_html_(self) -> str:
         """What Jupyter shows: :meth:`to_html`."""

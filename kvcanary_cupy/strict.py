@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .args import MoveArgs, PlanArgs, ScatterArgs, VerifyArgs, WriteArgs
-from .backends.numpy_backend import move_pair_checks, plan_row_checks, scatter_row_checks, table_slots, write_range_checks
+from .backends.numpy_backend import extend_limit, move_pair_checks, plan_row_checks, scatter_row_checks, table_slots, write_range_checks
 from .errors import fail
 from .interop import refuse_view_copy_during_capture, to_numpy
 from .tables import TableKind
@@ -44,6 +44,10 @@ def _row_error(h: PlanArgs, rows, r: int) -> str:
         return f"prefix_lens[{r}] = {prefix} is outside [0, {length}] ({held})"
     if extend < 0:
         return f"extend_seq_lens[{r}] = {extend} is negative"
+    bs = h.prefix_lens.shape[0]
+    if extend > extend_limit(bs):
+        return (f"extend_seq_lens[{r}] = {extend} exceeds (2**63 - 1) // bs = {extend_limit(bs)}: the write offsets of "
+                f"{bs} such requests would leave int64")
     cols = h.expected_token_pool.shape[1]
     return f"req_to_verify_expected_tokens_valid_lens[{r}] = {int(h.expected_token_valid_lens[r])} is outside [0, {cols}] (the pool rows hold {cols} tokens)"
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from .args import TableView
 from .errors import fail
-from .validation import INT32_MAX, check_1d, check_2d_rows, check_int, check_integer_dtype, contiguous_input
+from .validation import INT32_MAX, check_1d, check_2d_rows, check_int, check_integer_dtype, contiguous_input, require
 
 MAX_TABLE_TOKENS = 2**62  # bound of a row's length in tokens: positions and slots stay far from overflow
 
@@ -97,6 +97,7 @@ class ReqToToken(_Table):
     page_size: int = 1
 
     def __post_init__(self):
+        require(self.req_to_token, "ReqToToken.req_to_token")
         _check_size(self.page_size, "ReqToToken.page_size")
         if self.virtual_to_physical is None and self.page_size != 1:
             fail(ValueError, f"ReqToToken.page_size={self.page_size} applies to virtual_to_physical, which is None; "
@@ -145,6 +146,7 @@ class BlockTable(_Table):
     null_block: int = 0
 
     def __post_init__(self):
+        require(self.block_table, "BlockTable.block_table")
         _check_size(self.block_size, "BlockTable.block_size")
         null = check_int(self.null_block, "BlockTable.null_block")
         if not -(2**63) <= null < 2**63:
@@ -188,6 +190,8 @@ class PagedKvIndices(_Table):
     page_size: int
 
     def __post_init__(self):
+        require(self.kv_indptr, "PagedKvIndices.kv_indptr")
+        require(self.kv_indices, "PagedKvIndices.kv_indices")
         _check_size(self.page_size, "PagedKvIndices.page_size")
 
     kind = TableKind.PAGED_KV

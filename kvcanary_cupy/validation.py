@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import fail
-from .interop import refuse_view_copy_during_capture
+from .interop import data_ptr, refuse_view_copy_during_capture
 
 # The one home of the int32 bounds and the index dtypes (np.dtype objects: ``x.dtype is I64`` holds).
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -20,6 +20,12 @@ _CONVERT_HINT = {
     "int64": "convert with .astype(int64) (NumPy/CuPy) or .long() (torch)",
     "int32": "convert with .astype(int32) (NumPy/CuPy) or .int() (torch)",
 }
+
+
+def require(x, name: str) -> None:
+    """A required array argument: None gets a TypeError naming it (not an AttributeError from inside)."""
+    if x is None:
+        fail(TypeError, f"{name} is required: pass a NumPy array, a CuPy array or a PyTorch tensor, got None")
 
 
 def check_dtype(x, name: str, dtype) -> None:
@@ -59,10 +65,7 @@ def check_2d_rows(x, name: str, dtype) -> None:
 
 
 def check_contiguous_output(x, name: str) -> None:
-    flags = x.flags
-    if isinstance(x, np.ndarray) and not flags.writeable:
-        fail(ValueError, f"{name} is a read-only array: kv-canary writes into it in place; pass a writable array")
-    if not flags.c_contiguous:
+    if not x.flags.c_contiguous:
         fail(ValueError, f"{name} must be contiguous: kv-canary writes into it in place; got strides {tuple(x.strides)} for shape {tuple(x.shape)}")
 
 
@@ -78,16 +81,22 @@ def contiguous_input(x, name: str, xp):
     return xp.ascontiguousarray(x)
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def check_int(value, name: str, *, minimum: int | None = None) -> int:
+def check_int(value, name: str, *, minimum: int | None = None, maximum: int | None = None, why: str = "") -> int:
+    """An int (bools refused) in ``[minimum, maximum]``; ``why`` explains the maximum."""
     if not _is_int(value):
         fail(TypeError, f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = int(value)
     if minimum is not None and value < minimum:
         fail(ValueError, f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        fail(ValueError, f"{name} must be at most {maximum}{why}, got {value}")
     return value
 
 
@@ -114,3 +123,16 @@ def bool_keyword(value, name: str, alias_value=None, alias: str | None = None) -
     if value and not alias_value:
         fail(ValueError, f"{name}={value} and its alias {alias}={alias_value} disagree; pass {name} only")
     return bool(alias_value)
+
+
+def check_int64(value, name: str, *, minimum: int = INT64_MIN) -> int:
+    """An int the kernels' parameters hold as int64."""
+    return check_int(value, name, minimum=minimum, maximum=INT64_MAX, why=" (the kernels take it as int64)")
+
+
+def check_disjoint(views: dict, why: str) -> None:
+    """No two of ``views`` (name -> NumPy/CuPy view) share memory; ``why`` ends the message."""
+    spans = sorted((data_ptr(v), data_ptr(v) + v.nbytes, name) for name, v in views.items() if v is not None and v.size)
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            fail(ValueError, f"{first} and {second} overlap in memory; {why}")

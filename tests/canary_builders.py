@@ -235,14 +235,15 @@ def oracle_plan(rp, prefix, extend, rtt, *, verify_capacity, write_req_capacity=
             continue
         rp_ok = 0 <= rp[r] < rows
         prefix_ok = 0 <= prefix[r] <= row_len
-        errors += (not rp_ok) + (not prefix_ok) + (extend[r] < 0)
+        extend_ok = 0 <= extend[r] <= (2**63 - 1) // len(extend)
+        errors += (not rp_ok) + (not prefix_ok) + (not extend_ok)
         if pool is not None:
             errors += not (0 <= int(valid_lens[r]) <= pool.shape[1])
         ws = max(prefix[r] - window, 0) if window > 0 else 0
         end = min(max(prefix[r], 0), row_len)
         vlens.append(max(end - ws, 0) if rp_ok else 0)
         starts.append(ws)
-        wlens.append(max(extend[r], 0))
+        wlens.append(extend[r] if extend_ok else 0)
         if rp_ok and prefix_ok and prefix[r] > 0 and wlens[-1] > 0:
             seeds.append(tr(rtt[rp[r], prefix[r] - 1]))
         else:

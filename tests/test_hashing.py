@@ -212,3 +212,54 @@ def test_real_kv_hash_mode_and_launch_tags():
         ("HEAD_K_FULL", 0), ("HEAD_V_FULL", 1), ("TAIL_K_FULL", 2), ("TAIL_V_FULL", 3),
         ("SWEEP_K_FULL", 4), ("SWEEP_V_FULL", 5), ("HEAD_K_SWA", 6), ("HEAD_V_SWA", 7),
         ("TAIL_K_SWA", 8), ("TAIL_V_SWA", 9), ("SWEEP_K_SWA", 10), ("SWEEP_V_SWA", 11)]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 64, 200, 1 << 20])
+def test_all_mode_hashes_in_chunks_to_the_same_bytes(ab, monkeypatch, chunk_bytes):
+    """Issue 28 #13: ALL mode gathered every slot's bytes at once (355 MiB over 20,000 entries);
+    it now hashes HASH_CHUNK_BYTES at a time (any chunk, down to one slot, gives the same bytes)."""
+    from canary_builders import HostSource, kv_bytes, real_kv
+    from kvcanary_cupy.backends import numpy_backend
+
+    monkeypatch.setattr(numpy_backend, "HASH_CHUNK_BYTES", chunk_bytes)
+    num_slots, page = 37, 2
+    data = [kv_bytes(-(-num_slots // page), page * 96, seed=s) for s in (1, 2)]
+    sources = (kc.RealKvSource(ab.asarray(data[0]), page, 96, 96), kc.RealKvSource(ab.asarray(data[1]), page, 96, 48))
+    host_sources = [HostSource(d, page, 96, s.read_bytes) for d, s in zip(data, sources)]
+    buf = kc.allocate_canary_buffer(num_slots, like=ab.like)
+    log = kc.ViolationLog.allocate(64, like=ab.like)
+    n = num_slots - 1
+    wp = kc.WritePlan.allocate(1, like=ab.like)
+    wp.write_offsets[1] = n
+    wp.write_num_valid_reqs[0] = 1
+    loc = ab.asarray(np.arange(1, num_slots, dtype=np.int64)[::-1].copy())
+    ids = ab.asarray(np.arange(n, dtype=np.int64))
+    kc.write(buf, wp, ids, ids, loc, log=log, real_kv_sources=sources, real_kv_hash_mode=kc.RealKvHashMode.ALL)
+    got = ab.to_numpy(buf)[1:, 3].view(np.uint64).tolist()
+    assert got == [real_kv(host_sources, 2, s) for s in range(1, num_slots)]
+    vp = kc.VerifyPlan.allocate(n, like=ab.like)
+    vp.verify_slot_indices[:] = ab.asarray(np.arange(1, num_slots, dtype=np.int64))
+    vp.verify_prev_slot_indices[:] = 0
+    vp.verify_expected_positions[:] = ab.asarray(np.arange(n, dtype=np.int64)[::-1].copy())
+    vp.verify_num_valid[0] = n
+    kc.verify(buf, vp, log=log, real_kv_sources=sources, real_kv_hash_mode=kc.RealKvHashMode.ALL)
+    assert int(ab.to_numpy(log.violation_counters)[0]) == 0
+
+
+def test_all_mode_over_a_large_batch_hashes_in_bounded_memory():
+    import tracemalloc
+
+    from kvcanary_cupy.backends import SourceView, numpy_backend
+
+    n, read = 20_000, 2048
+    data = np.random.default_rng(0).integers(0, 256, (n, read), dtype=np.uint8)
+    slots = np.arange(n, dtype=np.int64)
+    tracemalloc.start()
+    try:
+        got = numpy_backend.real_kv_hashes((SourceView(data, 1, read, read),), int(kc.RealKvHashMode.ALL), slots)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20, f"{peak / 2**20:.0f} MiB"
+    want = numpy_backend.real_kv_hashes((SourceView(data[:64], 1, read, read),), int(kc.RealKvHashMode.ALL), slots[:64])
+    assert got[:64].tolist() == want.tolist()

@@ -130,3 +130,17 @@ def test_a_table_left_at_the_old_place_fails_verify(ab):
         log.reset()
         kc.verify(canary, vp, log=log)
         assert int(ab.to_numpy(log.write_index)[0]) == violations
+
+
+@pytest.mark.parametrize("src, dst", [([], []), ([0, 1], [1, 0]), ([0], [2])])
+def test_a_canary_smaller_than_a_page_skips_and_counts_every_pair(ab, src, dst):
+    """No whole page in the canary: every id is out of range, counted, nothing moves (issue 28 #6)."""
+    buf = random_canary(np.random.default_rng(3), 3)
+    canary, count = ab.asarray(buf), ab.asarray(np.full(1, 5, I64))
+    kc.move_pages(canary, a64(ab, src), a64(ab, dst), page_size=4, out_of_range_count=count)
+    np.testing.assert_array_equal(ab.to_numpy(canary), buf)
+    assert int(ab.to_numpy(count)[0]) == 5 + 2 * len(src)
+    workspace = kc.allocate_canary_buffer(1, like=canary)  # nothing is staged, so any workspace fits
+    kc.move_pages(canary, a64(ab, src), a64(ab, dst), page_size=2**40, workspace=workspace, out_of_range_count=count)
+    np.testing.assert_array_equal(ab.to_numpy(canary), buf)
+    assert int(ab.to_numpy(count)[0]) == 5 + 4 * len(src)

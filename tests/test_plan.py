@@ -487,6 +487,7 @@ STRICT_CASES = [  # (change, message, count without strict)
     (dict(prefix=[3, 17]), r"prefix_lens\[1\] = 17 is outside \[0, 16\] \(req_to_token rows hold 16 positions\)$", 1),
     (dict(prefix=[-1, 3]), r"prefix_lens\[0\] = -1", 1),
     (dict(extend=[1, -4]), r"extend_seq_lens\[1\] = -4 is negative", 1),
+    (dict(extend=[2**62, 1]), r"extend_seq_lens\[0\] = 4611686018427387904 exceeds \(2\*\*63 - 1\) // bs = 4611686018427387903", 1),
     (dict(valid_lens=[3, 40]), r"req_to_verify_expected_tokens_valid_lens\[1\] = 40 is outside \[0, 16\]", 1),
     (dict(lut=np.arange(34)), r"req_to_token\[2, 2\] = 34 \(batch row 1\) is outside full_to_swa_index_mapping of length 34", 2),
     # at the bounds, and a row whose first bad value is not its first checked one
@@ -769,3 +770,20 @@ def test_plan_refuses_allocations_and_copies_while_capturing(op):
         dev.current[-1].capturing = False
         run()  # the same call, contiguous and into out, is accepted
         assert dev.launches
+
+
+@pytest.mark.parametrize("extend", [[2**62, 2**62], [2**62 - 1, 2**62], [3074457345618258602, 3074457345618258603, 3],
+                                    [1, 2**63 - 1], [2**63 - 1]])
+def test_huge_extend_seq_lens_are_counted_and_skipped_never_wrapping_the_write_offsets(ab, extend):
+    """Issue 28 #9: running sums of huge extends wrapped to negative write offsets."""
+    bs = len(extend)
+    rp, prefix = list(range(1, bs + 1)), [2] * bs
+    rtt = linear_rtt(bs + 1, 16)
+    _, _, vph, wph = run_plan(ab, rp, prefix, extend, rtt, verify_capacity=64)
+    limit = (2**63 - 1) // bs
+    kept = [e if e <= limit else 0 for e in extend]
+    assert wph["write_offsets"][: bs + 1].tolist() == np.concatenate([[0], np.cumsum(kept)]).tolist()
+    assert (wph["write_offsets"] >= 0).all()
+    assert int(vph["out_of_range_count"][0]) == sum(e > limit for e in extend)
+    want = oracle_plan(rp, prefix, extend, rtt, verify_capacity=64)
+    assert_plan_equals_oracle(vph, wph, want)

@@ -248,3 +248,70 @@ def test_report_keeps_every_stored_row_and_the_per_kind_totals(ab):
     assert report.violation_counters.tolist() == [0, 2, 0, 0, 0, 10] + [0] * 6
     log.reset()
     assert report.violation_counters.tolist() == [0, 2, 0, 0, 0, 10] + [0] * 6  # a copy, not a view
+
+
+def _with(v: Violation, **changes) -> Violation:
+    return dataclasses.replace(v, **changes)
+
+
+def test_to_pandas_dtypes_do_not_depend_on_the_values_and_survive_concat():
+    """Issue 28 #14: small hashes gave int64, big ones uint64 or object, and concat float64."""
+    pandas = pytest.importorskip("pandas")
+    big = dataclasses.replace(_hand_report(), violations=(_with(VERIFY_V, stored_chain_hash=18446744073709539271),))
+    small = dataclasses.replace(_hand_report(), violations=(_with(WRITE_V, stored_chain_hash=5, expected_aux=-3),))
+    empty = dataclasses.replace(_hand_report(), violations=())
+    frames = [r.to_pandas() for r in (big, small, empty)]
+    for frame in frames:
+        assert {c: str(t) for c, t in frame.dtypes.items()} == {c: str(np.dtype(t)) if t is object else t
+                                                                for c, t in reporting.PANDAS_DTYPES.items()}
+    both = pandas.concat(frames, ignore_index=True)
+    assert {c: str(t) for c, t in both.dtypes.items()} == {c: str(t) for c, t in frames[0].dtypes.items()}
+    assert [int(x) for x in both["stored_chain_hash"]] == [18446744073709539271, 5]
+    assert both["expected_aux"].tolist() == [0x0123456789ABCDEF, -3]
+    assert both["first_step"].tolist() == [4, 1] and both["prev_slot_idx"].isna().tolist() == [False, True]
+
+
+def test_equal_reports_compare_equal_and_differ_when_any_field_differs():
+    a, b = _hand_report(), _hand_report()
+    assert a == b and not (a != b)
+    assert ViolationReport.from_json(a.to_json()) == a
+    counters = a.slot_run_counters.copy()
+    counters[3] += 1
+    for changed in (dataclasses.replace(a, slot_run_counters=counters), dataclasses.replace(a, steps=10),
+                    dataclasses.replace(a, violations=a.violations[:1])):
+        assert a != changed and not (a == changed)
+    assert a != "report"
+
+
+@pytest.mark.parametrize("path, value, exc, match", [
+    (("violations", 0, "slot_idx"), "17", TypeError, r"violations\[0\]\.slot_idx must be an int, got str '17'"),
+    (("ring_capacity",), -1, ValueError, r"ring_capacity must be in \[1, 2147483647\], got -1"),
+    (("violations", 1, "fail_reason_bits"), 2**70, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 63\]"),
+    (("violations", 1, "fail_reason_bits"), 64, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 63\], got 64"),
+    (("violations", 0, "stored_chain_hash"), 2**64, ValueError, r"violations\[0\]\.stored_chain_hash must be in \[0, 18446744073709551615\]"),
+    (("violations", 0, "batch_rows"), [1, "x"], TypeError, r"violations\[0\]\.batch_rows\[1\] must be an int"),
+    (("violations", 0, "first_step"), True, TypeError, r"violations\[0\]\.first_step must be an int or null, got bool"),
+    (("violations", 0), 3, TypeError, r"violations\[0\] must be an object, got int"),
+    (("slot_run_counters", 2), -5, ValueError, r"slot_run_counters\[2\] must be in \[0, 9223372036854775807\], got -5"),
+    (("steps",), 1.5, TypeError, "steps must be an int or null, got float 1.5"),
+    (("total_violations",), None, TypeError, "total_violations must be an int, got NoneType"),
+])
+def test_from_json_checks_every_key_by_name(path, value, exc, match):
+    doc = json.loads(_hand_report().to_json())
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(exc, match="^kv-canary: report JSON " + match):
+        ViolationReport.from_json(json.dumps(doc))
+
+
+def test_from_json_refuses_missing_keys_and_ragged_counters():
+    doc = json.loads(_hand_report().to_json())
+    del doc["violations"][0]["position"]
+    with pytest.raises(ValueError, match=r"report JSON violations\[0\] lacks position"):
+        ViolationReport.from_json(json.dumps(doc))
+    doc = json.loads(_hand_report().to_json())
+    doc["kernel_run_counters"] = doc["kernel_run_counters"][:3]
+    with pytest.raises(ValueError, match="kernel_run_counters has 3 kinds but violation_counters has 12"):
+        ViolationReport.from_json(json.dumps(doc))

@@ -1079,3 +1079,138 @@ def test_read_only_numpy_outputs_are_refused_before_anything_is_written():
     vp.verify_num_valid[0] = 0
     kc.verify(canary, vp, log=log)  # verify only reads the canary: a read-only one is fine
     assert int(log.kernel_run_counters.sum()) == 1
+
+
+def _read_only(a):
+    a.flags.writeable = False
+    return a
+
+
+def test_read_only_numpy_outputs_of_every_op_are_refused_by_name_before_anything_is_counted():
+    """Only NumPy arrays carry a read-only flag (CuPy has none; torch tensors cannot be read-only)."""
+    import kvcanary_cupy as kc
+
+    i64 = lambda *v: np.array(v, np.int64)
+    count = np.zeros(1, np.int64)
+    pool = np.zeros((4, 4), np.int32)
+    with pytest.raises(ValueError, match="^kv-canary: pool_out is a read-only array"):
+        kc.scatter_req_token_ids(i64(1, 2), i64(0, 2), i64(9), _read_only(pool.copy()), out_of_range_count=count)
+    with pytest.raises(ValueError, match="^kv-canary: out_of_range_count is a read-only array"):
+        kc.scatter_req_token_ids(i64(1, 2), i64(0, 2), i64(9), pool, out_of_range_count=_read_only(count.copy()))
+    assert int(count[0]) == 0 and not pool.any()
+    canary = kc.allocate_canary_buffer(4)
+    canary[:] = 7
+    with pytest.raises(ValueError, match="^kv-canary: out_of_range_count is a read-only array"):
+        kc.move_pages(canary, i64(9, 1), i64(1, 2), out_of_range_count=_read_only(np.zeros(1, np.int64)))
+    with pytest.raises(ValueError, match="^kv-canary: workspace is a read-only array"):
+        kc.move_pages(canary, i64(1), i64(2), out_of_range_count=count, workspace=_read_only(np.zeros(4, np.int64)))
+    assert int(count[0]) == 0 and (canary == 7).all()
+    vp, wp = kc.VerifyPlan.allocate(4), kc.WritePlan.allocate(1)
+    frozen = kc.VerifyPlan(**{k: _read_only(v) if k == "out_of_range_count" else v for k, v in vp.arrays().items()})
+    with pytest.raises(ValueError, match=r"^kv-canary: out\[0\]\.out_of_range_count is a read-only array"):
+        kc.plan(i64(-1), i64(0), i64(1), np.zeros((2, 4), np.int32), verify_capacity=4, out=(frozen, wp))
+    assert int(wp.write_num_valid_reqs[0]) == 0
+    log = kc.ViolationLog.allocate(4)
+    log = kc.ViolationLog(**{k: _read_only(v) if k == "ring" else v for k, v in log.arrays().items()})
+    with pytest.raises(ValueError, match=r"^kv-canary: log\.ring is a read-only array"):
+        kc.verify(canary, vp, log=log)
+    assert int(log.kernel_run_counters.sum()) == 0
+
+
+@pytest.mark.parametrize("shared", [("violation_counters", "slot_run_counters"), ("kernel_run_counters", "out_of_range_counters"),
+                                    ("violation_counters", "ring")])
+def test_a_violation_log_whose_arrays_share_memory_is_refused(ab, shared):
+    import kvcanary_cupy as kc
+
+    log = kc.ViolationLog.allocate(4, like=ab.like)
+    arrays = log.arrays()
+    first, second = shared
+    arrays[first] = arrays[second].reshape(-1)[: arrays[first].shape[0]] if second == "ring" else arrays[second]
+    aliased = kc.ViolationLog(**arrays)
+    vp = kc.VerifyPlan.allocate(1, like=ab.like)
+    with pytest.raises(ValueError, match=rf"log\.({first}|{second}) and log\.({first}|{second}) overlap in memory"):
+        kc.verify(kc.allocate_canary_buffer(4, like=ab.like), vp, log=aliased)
+    assert not ab.to_numpy(log.kernel_run_counters).any()
+    kc.verify(kc.allocate_canary_buffer(4, like=ab.like), vp, log=log)
+    assert ab.to_numpy(log.kernel_run_counters).tolist()[:1] == [1]
+
+
+def _none_cases(ab):
+    import kvcanary_cupy as kc
+
+    a = lambda *v: ab.asarray(np.array(v, np.int64))
+    rtt = ab.asarray(np.zeros((4, 8), np.int32))
+    buf = lambda: kc.allocate_canary_buffer(8, like=ab.like)
+    log = kc.ViolationLog.allocate(8, like=ab.like)
+    vp, wp = kc.VerifyPlan.allocate(8, like=ab.like), kc.WritePlan.allocate(1, like=ab.like)
+    pool = ab.asarray(np.zeros((4, 4), np.int32))
+    return {
+        "prefix_lens": lambda: kc.plan(a(1), None, a(1), rtt, verify_capacity=8),
+        "extend_seq_lens": lambda: kc.plan(a(1), a(1), None, rtt, verify_capacity=8),
+        "ReqToToken.req_to_token": lambda: kc.plan(a(1), a(1), a(1), kc.ReqToToken(None), verify_capacity=8),
+        "BlockTable.block_table": lambda: kc.plan(a(1), a(1), a(1), kc.BlockTable(None, 4), verify_capacity=8),
+        "PagedKvIndices.kv_indices": lambda: kc.PagedKvIndices(a(0, 1), None, 4),
+        "out[1].write_offsets": lambda: kc.plan(a(1), a(1), a(1), rtt, verify_capacity=8,
+                                                out=(vp, kc.WritePlan(**{**wp.arrays(), "write_offsets": None}))),
+        "input_ids": lambda: kc.write(buf(), wp, None, a(0), a(1), log=log),
+        "positions": lambda: kc.write(buf(), wp, a(0), None, a(1), log=log),
+        "out_cache_loc": lambda: kc.write(buf(), wp, a(0), a(0), None, log=log),
+        "canary_buf[1]": lambda: kc.write([buf(), None], wp, a(0), a(0), a(1), log=log, kernel_kind=[0, 1]),
+        "canary_buf": lambda: kc.verify(None, vp, log=log),
+        "verify_plan": lambda: kc.verify(buf(), None, log=log),
+        "log.ring": lambda: kc.verify(buf(), vp, log=kc.ViolationLog(**{**log.arrays(), "ring": None})),
+        "RealKvSource.tensor": lambda: kc.RealKvSource(None, 1, 16, 16),
+        "src_pages": lambda: kc.move_pages(buf(), None, a(1)),
+        "dst_pages": lambda: kc.move_pages(buf(), a(1), None),
+        "flat_in": lambda: kc.scatter_req_token_ids(None, a(0, 1), a(1), pool),
+        "offsets": lambda: kc.scatter_req_token_ids(a(1), None, a(1), pool),
+        "req_pool_indices": lambda: kc.scatter_req_token_ids(a(1), a(0, 1), None, pool),
+        "pool_out": lambda: kc.scatter_req_token_ids(a(1), a(0, 1), a(1), None),
+        "plan_and_verify canary_buf": lambda: kc.plan_and_verify(a(1), a(1), a(1), rtt, None, log=log, verify_capacity=8),
+    }, log
+
+
+NONE_CASES = tuple(_none_cases(get_backend_or_skip("numpy"))[0])
+
+
+@pytest.mark.parametrize("name", NONE_CASES)
+def test_none_for_a_required_array_is_a_type_error_naming_it(ab, name):
+    """Issue 28 #10: None raised AttributeError or KeyError from inside the library."""
+    cases, log = _none_cases(ab)
+    arg = re.escape(name.removeprefix("plan_and_verify "))
+    with pytest.raises(TypeError, match=(rf"^kv-canary: {arg} must be a VerifyPlan, got NoneType" if arg == "verify_plan"
+                                         else rf"^kv-canary: {arg} is required: pass a NumPy array, a CuPy array or a PyTorch tensor, got None$")):
+        cases[name]()
+    assert not ab.to_numpy(log.kernel_run_counters).any()
+
+
+def test_host_integers_the_kernels_narrow_are_refused_by_name():
+    """Issue 28 #12: RealKvSource took any page_size, but the CUDA parameters hold it as int32."""
+    wide = np.lib.stride_tricks.as_strided(np.zeros(16, np.uint8), (2, 2**36), (16, 0))  # rows wide enough, no memory
+    for kw, name in ((dict(page_size=2**31, num_bytes_per_token=16), "page_size"),
+                     (dict(page_size=1, num_bytes_per_token=2**32), "num_bytes_per_token")):
+        with pytest.raises(ValueError, match=rf"^kv-canary: RealKvSource\.{name} must be at most 2147483647 \(the kernels take it as int32\)"):
+            RealKvSource(wide, read_bytes=16, **kw)
+    RealKvSource(wide, 2**31 - 1, 16, 16)
+    import kvcanary_cupy as kc
+
+    slot = np.lib.stride_tricks.as_strided(np.zeros(4, np.int64), (1, 2**31), (8, 8))  # never read: refused first
+    with pytest.raises(ValueError, match=r"^kv-canary: canary_buf slot stride must be at most 2147483647 int64 fields"):
+        kc.verify(slot, kc.VerifyPlan.allocate(1), log=kc.ViolationLog.allocate(4))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kv_token_id_vs_position_offset=2**63), "kv_token_id_vs_position_offset must be at most 9223372036854775807"),
+    (dict(kv_token_id_vs_position_offset=-(2**63) - 1), "kv_token_id_vs_position_offset must be >= -9223372036854775808"),
+    (dict(swa_window_size=2**64), "swa_window_size must be at most 9223372036854775807"),
+])
+def test_plan_refuses_ints_past_int64_by_name(ab, kw, match):
+    import kvcanary_cupy as kc
+
+    a = lambda *v: ab.asarray(np.array(v, np.int64))
+    lut = ab.asarray(np.arange(16, dtype=np.int64))
+    with pytest.raises(ValueError, match="^kv-canary: " + re.escape(match)):
+        kc.plan(a(1), a(1), a(1), ab.asarray(np.zeros((4, 8), np.int32)), verify_capacity=8, full_to_swa_index_mapping=lut, **kw)
+    with pytest.raises(ValueError, match="^kv-canary: " + re.escape(match)):
+        kc.CanaryPlanner.from_engine(kv_pool_size=16, max_running_requests=2, like=ab.like, full_to_swa_index_mapping=lut,
+                                     **kw).plan(a(1), a(1), a(1), ab.asarray(np.zeros((4, 8), np.int32)))

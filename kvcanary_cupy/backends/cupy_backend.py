@@ -531,11 +531,13 @@ def scatter_config(bs: int) -> tuple[LaunchConfig, int]:
 
 def move(a: MoveArgs) -> None:
     n = a.src_pages.shape[0]
-    page_elems = a.page_size * a.canary.shape[1]
+    num_pages = a.canary.shape[0] // a.page_size
+    # No whole page: every pair is skipped; one element per pair still counts its ids.
+    page_elems = a.page_size * a.canary.shape[1] if num_pages else 1
     if n == 0:
         return
     config = LaunchConfig(min(-(-n * page_elems // THREADS), cuda_device.sm_count(cuda_device.current_id()) * BLOCKS_PER_SM), THREADS)
-    pairs = (np.int64(a.canary.shape[0] // a.page_size), np.int64(page_elems), a.src_pages, a.dst_pages,
+    pairs = (np.int64(num_pages), np.int64(page_elems), a.src_pages, a.dst_pages,
              np.int32(a.src_pages.dtype == np.int64), np.int64(n))
     # Three launches: every moved row is staged before any source is cleared, and every source is
     # cleared before any destination is written (sources and destinations may overlap).

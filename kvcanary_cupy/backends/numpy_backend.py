@@ -94,6 +94,12 @@ def table_slots(t: TableView, base: np.ndarray, pos: np.ndarray):
     return page_slot(t.entries[base + page].astype(I64), t.page_size, offset), 0
 
 
+def extend_limit(bs: int) -> int:
+    """The most new tokens a request of a batch of ``bs`` plans: ``bs`` of them sum to at most
+    2**63 - 1, so no write offset leaves int64 (extend_fits in plan.cu)."""
+    return int(_I64_MAX) // max(bs, 1)
+
+
 def plan_row_checks(a: PlanArgs):
     """Per-request quantities of a plan and the number of out-of-range values per request.
 
@@ -104,7 +110,8 @@ def plan_row_checks(a: PlanArgs):
     prefix = np.asarray(a.prefix_lens, I64)
     extend = np.asarray(a.extend_seq_lens, I64)
     prefix_ok = (prefix >= 0) & (prefix <= rows.length)
-    errors = (~rows.ok).astype(I64) + ~prefix_ok + (extend < 0)
+    extend_ok = (extend >= 0) & (extend <= extend_limit(prefix.shape[0]))
+    errors = (~rows.ok).astype(I64) + ~prefix_ok + ~extend_ok
     if a.expected_token_pool is not None:
         lens = np.asarray(a.expected_token_valid_lens, I64)
         errors += (lens < 0) | (lens > a.expected_token_pool.shape[1])
@@ -114,7 +121,7 @@ def plan_row_checks(a: PlanArgs):
     verify_start = np.maximum(prefix - window, 0) if window > 0 else np.zeros_like(prefix)
     verify_end = np.clip(prefix, 0, rows.length)
     verify_len = np.where(rows.active & rows.ok, np.maximum(verify_end - verify_start, 0), 0)
-    write_len = np.where(rows.active, np.maximum(extend, 0), 0)
+    write_len = np.where(rows.active & extend_ok, extend, 0)
     seed_ok = rows.active & rows.ok & prefix_ok & (prefix > 0) & (write_len > 0)
     return rows, verify_start, verify_len, write_len, seed_ok, errors
 
@@ -209,6 +216,21 @@ def plan(a: PlanArgs, verify_capacity: int | None = None) -> None:
 # real-KV fingerprint and the violation ring
 
 
+# The most KV bytes real_kv_hashes gathers at once (their gather indices take 8x as much), so ALL
+# mode over a large batch hashes in bounded memory.
+HASH_CHUNK_BYTES = 1 << 20
+
+
+def _strip_hashes(src: SourceView, nbytes: int, slots: np.ndarray) -> np.ndarray:
+    row = slots // src.page_size
+    col = (slots % src.page_size) * src.num_bytes_per_token
+    words = np.ascontiguousarray(src.data[row[:, None], col[:, None] + np.arange(nbytes)]).view("<u8")
+    h = np.zeros(slots.shape[0], np.uint64)
+    for w in range(words.shape[1]):
+        h = splitmix64_array(h ^ words[:, w])
+    return h
+
+
 def real_kv_hashes(sources: tuple, mode: int, slots: np.ndarray) -> np.ndarray:
     """``real_kv_hash`` (uint64) of each slot in ``slots`` (all within every source's rows)."""
     acc = np.zeros(slots.shape[0], np.uint64)
@@ -217,13 +239,8 @@ def real_kv_hashes(sources: tuple, mode: int, slots: np.ndarray) -> np.ndarray:
     for src in sources:
         src: SourceView
         nbytes = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else src.read_bytes
-        row = slots // src.page_size
-        col = (slots % src.page_size) * src.num_bytes_per_token
-        strip = src.data[row[:, None], col[:, None] + np.arange(nbytes)]
-        words = np.ascontiguousarray(strip).view("<u8")
-        h = np.zeros(slots.shape[0], np.uint64)
-        for w in range(words.shape[1]):
-            h = splitmix64_array(h ^ words[:, w])
+        step = max(1, HASH_CHUNK_BYTES // nbytes)
+        h = np.concatenate([_strip_hashes(src, nbytes, slots[lo : lo + step]) for lo in range(0, slots.shape[0], step)])
         acc = splitmix64_array(acc ^ h)
     return acc
 
@@ -559,6 +576,8 @@ def move(a: MoveArgs) -> None:
         a.out_of_range_count[0] += int(np.count_nonzero(~src_ok) + np.count_nonzero(~dst_ok))
     src, dst = src[src_ok & dst_ok], dst[src_ok & dst_ok]
     num_pages = a.canary.shape[0] // a.page_size
+    if num_pages == 0:  # a canary smaller than one page: every id was out of range
+        return
     pages = a.canary[: num_pages * a.page_size].reshape(num_pages, -1)  # a view: the canary is contiguous
     rows = pages[src]  # a copy
     pages[src] = 0
