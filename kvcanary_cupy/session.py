@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import sys
 import threading
 import warnings
@@ -27,7 +28,8 @@ import numpy as np
 from .args import ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_INPUT_FIELDS, LogViews, StageArgs, StageLayout
 from .backends import get_backend
 from .constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
-from .errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError, fail, public_api
+from .errors import (CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError, fail, public_api,
+                     trimmed_argument_error)
 from .interop import Array, allocate, backend_view, import_cupy, placement_of, stream_is_capturing
 from .launchers import VerifyLauncher, WriteLauncher, launch_stream_getter
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
@@ -482,7 +484,16 @@ class CanarySession:
                                "step's; call it after end_step()")
         n = _length(seq_lens, "seq_lens")  # req_pool_indices is None with a PagedKvIndices table
         planner = self._sweep_planner_for(n)
-        planner.plan(req_pool_indices, seq_lens, self._sweep_zeros[:n], table)
+        renamed = None
+        try:
+            planner.plan(req_pool_indices, seq_lens, self._sweep_zeros[:n], table)
+        except (TypeError, ValueError) as exc:  # the planner calls seq_lens prefix_lens: name the caller's
+            message = str(exc).removeprefix("kv-canary: ")
+            if trimmed_argument_error(exc) is None or "prefix_lens" not in message:
+                raise
+            renamed = type(exc), re.sub(r"\bprefix_lens\b", "seq_lens", message)
+        if renamed is not None:
+            fail(*renamed)  # outside the except block: no "during handling" chain
         self._sweep_verify()
         self._stats["sweeps"] += 1
         self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)

@@ -320,3 +320,19 @@ def test_staging_refuses_rings_that_do_not_share_the_ring_evenly(ab):
     for tickets in ([1, 2, 3], [0] * 9):  # 64 rows in 3 shares; 9 shares (at most 8)
         with pytest.raises(ValueError, match="equal share of the ring"):
             _stage_case(ab, attribution_capacity=8, write_index=tickets)
+
+
+# -- issue 28 item 11: sweep names the caller's argument ---------------------------------------------
+
+
+def test_sweep_names_seq_lens_in_its_errors(ab):
+    session = kc.CanarySession(64, max_batch_size=4, on_violation="ignore", like=ab.like)
+    rtt = ab.asarray(np.arange(64, dtype=np.int32).reshape(4, 16))
+    rp = ab.asarray(np.array([1], np.int64))
+    with pytest.raises(TypeError, match=r"^kv-canary: seq_lens must have dtype int64, got int32") as info:
+        session.sweep(rp, ab.asarray(np.array([3], np.int32)), rtt)
+    assert "prefix_lens" not in str(info.value) and info.value.__context__ is None
+    with pytest.raises(ValueError, match=r"^kv-canary: seq_lens must be 1-D"):
+        session.sweep(rp, ab.asarray(np.array([[3]], np.int64)), rtt)
+    session.sweep(rp, ab.asarray(np.array([3], np.int64)), rtt)  # a good sweep still runs
+    assert session.stats["sweeps"] == 1
