@@ -21,7 +21,7 @@ import threading
 from typing import NamedTuple
 
 from .constants import MAX_CANARY_BUFFERS
-from .interop import import_cupy
+from .interop import cuda_unavailable_reason, import_cupy
 from .tables import TableKind
 
 NVRTC_OPTIONS = ("--std=c++17",)
@@ -201,9 +201,13 @@ def warmup(device=None) -> None:
     """Compile and load every kernel variant on ``device`` (default: the current one).
 
     Call it before capturing a CUDA graph so no compilation (and no kernel's shared-memory
-    opt-in) happens inside the capture.
+    opt-in) happens inside the capture.  Without a usable GPU it raises RuntimeError with one line
+    saying what is missing.
     """
     cupy = import_cupy()
+    reason = cuda_unavailable_reason()
+    if reason:
+        raise RuntimeError(f"kv-canary warmup: {reason}")
     with cupy.cuda.Device(device):
         for family, spec in FAMILIES.items():
             for name in spec.instantiations():

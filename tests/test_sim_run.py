@@ -289,7 +289,8 @@ def test_without_cupy_the_reason_names_the_extra(monkeypatch):
 
 @pytest.mark.skipif(cuda_unavailable_reason() is None, reason="this machine has a GPU")
 @pytest.mark.parametrize("command", [["-m", "kvcanary_cupy", "sim", "--device", "cuda"], ["-m", "kvcanary_cupy", "bench"],
-                                     [os.path.join(ROOT, "examples", "quickstart.py"), "--gpu"]])
+                                     *([os.path.join(ROOT, "examples", name), "--gpu"] for name in
+                                       ("quickstart.py", "engines_sglang.py", "engines_vllm.py", "engines_flashinfer.py"))])
 def test_on_this_machine_gpu_paths_fail_cleanly(command):
     env = dict(os.environ, PYTHONPATH=PACKAGE_PARENT)
     done = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=120)
@@ -315,6 +316,27 @@ def test_version_and_help_show_the_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "``" not in text and "four" not in text and f"on {len(bench.WORKLOADS)} serving workloads" in text
     assert all(w.name in text for w in bench.WORKLOADS.values()) and "(default: cupy)" in text
+
+
+def test_warmup_without_a_gpu_raises_one_line(monkeypatch):
+    pytest.importorskip("cupy")
+    from kvcanary_cupy import jit
+
+    monkeypatch.setattr(jit, "cuda_unavailable_reason", lambda: "no CUDA GPU found (test)")
+    with pytest.raises(RuntimeError) as info:
+        kvcanary_cupy.warmup()
+    assert str(info.value) == "kv-canary warmup: no CUDA GPU found (test)" and info.value.__cause__ is None
+
+
+@pytest.mark.skipif(cuda_unavailable_reason() is None, reason="this machine has a GPU")
+def test_on_this_machine_warmup_fails_with_one_clear_line():
+    pytest.importorskip("cupy")
+    env = dict(os.environ, PYTHONPATH=PACKAGE_PARENT)
+    done = subprocess.run([sys.executable, "-c", "import kvcanary_cupy as kc; kc.warmup()"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == f"RuntimeError: kv-canary warmup: {cuda_unavailable_reason()}"
+    assert "cupy_backends" not in done.stderr  # raised before CuPy's own error, not chained to it
 
 
 def test_bench_numpy_backend_writes_json(tmp_path, capsys):
