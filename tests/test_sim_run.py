@@ -248,15 +248,19 @@ def test_ctrl_c_writes_what_was_measured_marked_partial_and_exits_130(tmp_path, 
 
 def test_sigint_to_the_process_writes_a_partial_report_and_exits_130(tmp_path):
     import re
+    import select
     import signal
+    import time
 
     env = dict(os.environ, PYTHONPATH=PACKAGE_PARENT)
     proc = subprocess.Popen([sys.executable, "-m", "kvcanary_cupy", "sim", "--steps", "100000", "--plot", "",
                              "--json", "r.json"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     try:
-        seen = b""
+        seen, deadline = b"", time.monotonic() + 120
         while not re.search(rb"\| *[1-9]\d*/200000", seen):  # tqdm: at least one step done
+            ready, _, _ = select.select([proc.stderr], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, "no progress within 120 s: " + seen.decode(errors="replace")
             chunk = os.read(proc.stderr.fileno(), 4096)
             assert chunk, seen.decode(errors="replace")
             seen += chunk
