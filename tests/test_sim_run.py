@@ -155,6 +155,13 @@ def test_an_unusable_output_path_fails_before_the_run(tmp_path, capsys, monkeypa
     assert started == []  # refused before the first step
 
 
+def test_json_and_plot_naming_one_file_are_refused(tmp_path, capsys):
+    target = tmp_path / "out"
+    assert cli.main(["sim", "--steps", "5", "--json", str(target), "--plot", str(target)]) == 2
+    assert capsys.readouterr().err == f"kvcanary sim: --json and --plot name the same file {target}\n"
+    assert not target.exists()
+
+
 def test_a_read_only_folder_fails_before_the_run(tmp_path, capsys, monkeypatch):
     if os.geteuid() == 0:
         pytest.skip("root writes into read-only folders")
