@@ -262,7 +262,9 @@ def test_sigint_to_the_process_writes_a_partial_report_and_exits_130(tmp_path):
     env = dict(os.environ, PYTHONPATH=PACKAGE_PARENT)
     proc = subprocess.Popen([sys.executable, "-m", "kvcanary_cupy", "sim", "--steps", "100000", "--plot", "",
                              "--json", "r.json"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE,
+                            # a run started in the background of a shell inherits SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         seen, deadline = b"", time.monotonic() + 120
         while not re.search(rb"\| *[1-9]\d*/200000", seen):  # tqdm: at least one step done
