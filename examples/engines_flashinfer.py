@@ -18,10 +18,12 @@ overwrites request 0's canary rows and the next verify reports it.
 """
 
 import argparse
+import sys
 
 import numpy as np
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.interop import cuda_unavailable_reason
 
 PAGE_SIZE, NUM_PAGES = 16, 32
 
@@ -29,7 +31,13 @@ PAGE_SIZE, NUM_PAGES = 16, 32
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="use CuPy arrays (the CUDA kernels)")
-    xp = __import__("cupy") if parser.parse_args().gpu else np
+    args = parser.parse_args()
+    if args.gpu:
+        reason = cuda_unavailable_reason()
+        if reason:
+            print(f"engines_flashinfer --gpu: {reason}", file=sys.stderr)
+            return 2
+    xp = __import__("cupy") if args.gpu else np
 
     free_pages = list(np.random.default_rng(1).permutation(np.arange(1, NUM_PAGES)))
     pages = [[], [], []]  # each request's pages, in order
@@ -74,4 +82,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -22,10 +22,12 @@ physical slots, pass the array itself: see examples/quickstart.py.)
 """
 
 import argparse
+import sys
 
 import numpy as np
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.interop import cuda_unavailable_reason
 
 PAGE_SIZE, NUM_PAGES, MAX_LEN = 4, 24, 32
 
@@ -33,7 +35,13 @@ PAGE_SIZE, NUM_PAGES, MAX_LEN = 4, 24, 32
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="use CuPy arrays (the CUDA kernels)")
-    xp = __import__("cupy") if parser.parse_args().gpu else np
+    args = parser.parse_args()
+    if args.gpu:
+        reason = cuda_unavailable_reason()
+        if reason:
+            print(f"engines_sglang --gpu: {reason}", file=sys.stderr)
+            return 2
+    xp = __import__("cupy") if args.gpu else np
 
     req_to_token = np.zeros((4, MAX_LEN), np.int32)  # row 0: the CUDA-graph padding row
     virtual_to_physical = np.full(NUM_PAGES + 1, -1, np.int64)
@@ -91,4 +99,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

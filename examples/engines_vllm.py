@@ -17,10 +17,12 @@ Before the last step a simulated prefix-cache bug points request 0 at a block th
 """
 
 import argparse
+import sys
 
 import numpy as np
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.interop import cuda_unavailable_reason
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS_PER_REQ, MAX_REQS = 16, 32, 8, 4
 
@@ -28,7 +30,13 @@ BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS_PER_REQ, MAX_REQS = 16, 32, 8, 4
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="use CuPy arrays (the CUDA kernels)")
-    xp = __import__("cupy") if parser.parse_args().gpu else np
+    args = parser.parse_args()
+    if args.gpu:
+        reason = cuda_unavailable_reason()
+        if reason:
+            print(f"engines_vllm --gpu: {reason}", file=sys.stderr)
+            return 2
+    xp = __import__("cupy") if args.gpu else np
 
     # vLLM's tensors: the group's block table [max_num_reqs, max_num_blocks_per_req] (int32).
     block_table = np.zeros((MAX_REQS, MAX_BLOCKS_PER_REQ), np.int32)
@@ -76,4 +84,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

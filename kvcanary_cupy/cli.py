@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .interop import cuda_unavailable_reason
@@ -11,6 +12,8 @@ from .interop import cuda_unavailable_reason
 def _fault_list(text: str) -> tuple:
     from .sim import FAULTS
 
+    if text.strip() == "all":
+        return tuple(FAULTS)
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in FAULTS]
     if unknown or not names:
@@ -26,15 +29,17 @@ def _add_sim(sub) -> None:
 
     defaults = SimConfig()
     p = sub.add_parser("sim", help="fault-injection simulator of a paged-KV serving engine with the canary in its loop",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="Run a small continuous-batching engine over paged KV pools with the canary in its "
                                    "loop, inject KV faults one at a time and measure what the canary catches (then a "
-                                   "clean run of as many steps: false positives) and what it costs per step.")
-    p.add_argument("--steps", type=int, default=defaults.steps, help=f"engine steps per run (default {defaults.steps})")
-    p.add_argument("--seed", type=int, default=defaults.seed, help="same seed, same result (default 0)")
-    p.add_argument("--faults", type=_fault_list, default=defaults.faults, metavar="A,B,...",
-                   help="fault classes to inject (default: all; see --list-faults)")
+                                   "clean run of as many steps: false positives) and what it costs per step.  Ctrl-C "
+                                   "stops it and keeps what was measured (marked partial; exit status 130).")
+    p.add_argument("--steps", type=int, default=defaults.steps, help="engine steps per run (the faulty one, then the clean one)")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="same seed, same result (>= 0)")
+    p.add_argument("--faults", type=_fault_list, default="all", metavar="A,B,...",
+                   help="fault classes to inject, or all (see --list-faults)")
     p.add_argument("--rate", type=float, default=defaults.rate,
-                   help=f"probability per step of injecting a fault when none is live (default {defaults.rate})")
+                   help="probability per step of injecting a fault when none is live")
     p.add_argument("--addressing", choices=ADDRESSING_MODES, default=defaults.addressing,
                    help="engine tables handed to the canary: SGLang req_to_token, vLLM block table or FlashInfer CSR")
     p.add_argument("--device", choices=DEVICES, default=defaults.device, help="cpu: NumPy; cuda: CuPy on the GPU")
@@ -46,7 +51,7 @@ def _add_sim(sub) -> None:
 
 def _run_sim(args) -> int:
     from .sim import FAULTS, SimConfig, run
-    from .sim.report import format_table, write_json, write_plot
+    from .sim.report import check_writable, format_table, write_json, write_plot
 
     if args.list_faults:
         for name, cls in FAULTS.items():
@@ -64,35 +69,61 @@ def _run_sim(args) -> int:
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    outputs = [(flag, path) for flag, path in (("--json", args.json), ("--plot", args.plot)) if path]
+    if len(outputs) == 2 and os.path.abspath(args.json) == os.path.abspath(args.plot):
+        print(f"kvcanary sim: --json and --plot name the same file {os.path.abspath(args.json)}", file=sys.stderr)
+        return 2
+    for flag, path in outputs:  # before the run, so that a bad path loses nothing
+        problem = check_writable(path)
+        if problem:
+            print(f"kvcanary sim: {flag} {path}: {problem}", file=sys.stderr)
+            return 2
     try:
         from tqdm import tqdm
     except ImportError:  # a dependency, but an install made with --no-deps may lack it: run without a bar
         tqdm = None
-    if tqdm is None or args.quiet:
-        result = run(config)
-    else:
-        with tqdm(total=2 * config.steps, desc="kvcanary sim (faults, then clean)", unit="step", leave=False) as bar:
-            result = run(config, progress=bar.update)
+    try:
+        if tqdm is None or args.quiet:
+            result = run(config)
+        else:
+            with tqdm(total=2 * config.steps, desc="kvcanary sim (faults, then clean)", unit="step", leave=False) as bar:
+                result = run(config, progress=bar.update)
+    except KeyboardInterrupt:  # before the first step: nothing measured
+        print("kvcanary sim: interrupted before the first step; nothing written", file=sys.stderr)
+        return 130
     if not args.quiet:
         print(format_table(result))
-    if args.json:
-        write_json(result, args.json)
-    if args.plot:
-        note = write_plot(result, args.plot)
-        if note:
-            print(note)
+    written = [write_json(result, args.json)] if args.json else []
+    note = write_plot(result, args.plot) if args.plot else None
+    if args.plot and not note:
+        written.append(os.path.abspath(args.plot))
+    if written and not args.quiet:
+        print("wrote " + ", ".join(written))
+    if note:
+        print(note)
+    if result.partial:
+        print(f"kvcanary sim: interrupted; the results are partial ({result.faulty.steps} faulty and "
+              f"{result.clean.steps} clean steps of {config.steps} each)", file=sys.stderr)
+        return 130
     return 0
 
 
 def main(argv=None) -> int:
+    from . import __version__
     from .devtools import bench
 
     parser = argparse.ArgumentParser(prog="kvcanary", description="KV-cache canary for paged-attention engines: "
                                      "a fault-injection simulator and the kernel benchmarks.")
+    parser.add_argument("--version", action="version", version=f"kvcanary {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{sim,bench}")
     _add_sim(sub)
-    bench.add_arguments(sub.add_parser("bench", help="benchmark plan, verify and write (GPU, or --backend numpy)",
-                                       description=bench.__doc__.splitlines()[0]))
+    bench.add_arguments(sub.add_parser(
+        "bench", help="benchmark plan, verify and write (GPU, or --backend numpy)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=f"Time plan, verify and write on {len(bench.WORKLOADS)} serving workloads "
+                    f"({'; '.join(w.name for w in bench.WORKLOADS.values())}) and print a table of ratios to "
+                    "their floors and baselines.  GPU (--backend cupy): device time per call from CUDA graph "
+                    "replays; CPU (--backend numpy): wall-clock median of the NumPy backend."))
     args = parser.parse_args(argv)
     if args.command == "sim":
         return _run_sim(args)

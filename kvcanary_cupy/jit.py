@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from .backends.cuda import device as cuda_device
 from .constants import MAX_CANARY_BUFFERS
-from .interop import import_cupy
+from .interop import cuda_unavailable_reason, import_cupy
 from .tables import TableKind
 
 NVRTC_OPTIONS = ("--std=c++17",)
@@ -190,7 +190,8 @@ def warmup(device: int | None = None) -> None:
 
     Call it before capturing a CUDA graph so no compilation (and no kernel's shared-memory
     opt-in) happens inside the capture.  CuPy caches the compiled kernels on disk, so a later
-    process loads them instead of compiling.
+    process loads them instead of compiling.  Without a usable GPU it raises RuntimeError with one
+    line saying what is missing.
 
     Parameters
     ----------
@@ -201,12 +202,17 @@ def warmup(device: int | None = None) -> None:
     ------
     ImportError
         CuPy is not installed (the message names the extra to install).
+    RuntimeError
+        No usable CUDA device (one line saying what is missing).
 
     Examples
     --------
     >>> kc.warmup()  # once per process and device, before the first capture  # doctest: +SKIP
     """
     cupy = import_cupy()
+    reason = cuda_unavailable_reason()
+    if reason:
+        raise RuntimeError(f"kv-canary warmup: {reason}")
     with cupy.cuda.Device(device):
         for family, spec in FAMILIES.items():
             for name in spec.instantiations():

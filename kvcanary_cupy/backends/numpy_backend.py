@@ -2,7 +2,7 @@
 
 Plan and verify are vectorised over entries; write is vectorised over requests and walks the
 tokens of all requests in lock-step (the chain hash is serial along a request).
-Out-of-range rules (README "Out-of-range values") are implemented by :func:`plan_row_checks`
+Out-of-range rules (docs/usage.md, "Out-of-range values") are implemented by :func:`plan_row_checks`
 and the masks below; the CUDA kernels apply the same rules.
 """
 

@@ -1,4 +1,4 @@
-"""``kvcanary bench``: plan, verify and write on four serving workloads; prints a table of ratios.
+"""``kvcanary bench``: plan, verify and write on five serving workloads; prints a table of ratios.
 
 GPU (``--backend cupy``, the default): device time per call = one CUDA graph holding K calls,
 replayed R times, median replay / K (METHOD: one replay per event pair measures the host).  The
@@ -736,7 +736,7 @@ def numpy_ops(d):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
-                        help="cupy: this machine's GPU (default); numpy: the CPU backend")
+                        help="cupy: this machine's GPU; numpy: the CPU backend")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
     parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host",
                         help="GPU sections: ops (plan/verify/write), detail (verify/write: grids, floors, several "

@@ -239,6 +239,7 @@ class FakeDevice:
 
         monkeypatch.setattr(self.cupy.cuda.runtime, "memcpyAsync", memcpy_async)
         monkeypatch.setattr(self.cupy.cuda.runtime, "getDevice", lambda: 0)
+        monkeypatch.setattr(self.cupy.cuda.runtime, "getDeviceCount", lambda: 1)  # warmup asks first
         monkeypatch.setattr(self.cupy.cuda.runtime, "driverGetVersion", lambda: self.driver_version)
         monkeypatch.setattr(interop, "is_capturing", lambda placement: False)  # no stream to ask
         monkeypatch.setattr(jit, "_compile", lambda family: RawModule())

@@ -51,6 +51,8 @@ class SimConfig:
             raise ValueError(f"kvcanary sim: device must be cpu or cuda, got {self.device!r}")
         if self.steps < 1:
             raise ValueError(f"kvcanary sim: steps must be >= 1, got {self.steps}")
+        if self.seed < 0:  # NumPy's SeedSequence refuses negative seeds with a traceback
+            raise ValueError(f"kvcanary sim: seed must be >= 0, got {self.seed}")
         if not 0.0 < self.rate <= 1.0:
             raise ValueError(f"kvcanary sim: rate must be in (0, 1], got {self.rate}")
         if self.engine.num_layers < 2:
@@ -97,6 +99,7 @@ class RunStats:
     model_device_us: list = field(default_factory=list)
     engine_counters: dict = field(default_factory=dict)
     session_stats: dict = field(default_factory=dict)
+    interrupted: bool = False  # KeyboardInterrupt: ``steps`` counts the steps that completed
 
 
 @dataclass
@@ -106,12 +109,19 @@ class SimResult:
     faulty: RunStats
     clean: RunStats
 
+    @property
+    def partial(self) -> bool:
+        """True when an interrupt stopped the run: the counts cover only ``steps_run``."""
+        return self.faulty.interrupted or self.clean.interrupted
+
     def to_json(self) -> dict:
-        """The report in the fixed schema: config, faults, clean, cost."""
+        """The report in the fixed schema: partial, steps_run, config, faults, clean, cost."""
         cfg = asdict(self.config)
         cfg["faults"] = list(self.config.faults)
         cfg["engine"] = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg["engine"].items()}
         return {
+            "partial": self.partial,
+            "steps_run": {"faulty": self.faulty.steps, "clean": self.clean.steps},
             "config": cfg,
             "faults": [f.to_json() for f in self.faults],
             "clean": {"steps": self.clean.steps, "false_positives": self.clean.violations},
@@ -169,55 +179,58 @@ def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, Ru
         for p, v in pool_violations[: max(0, 10 - len(stats.unattributed_examples))]:
             stats.unattributed_examples.append(f"step {step} pool {p} live fault {live}: {v.format()}")
 
-    for _ in range(config.steps):
-        step = engine.step_index
-        if episode is None and rotation and engine.fault_rng.random() < config.rate:
-            fault = rotation[turn % len(rotation)]
-            turn += 1
-            candidate = Episode(fault, step)
-            if fault.inject(engine, candidate):
-                episode = engine.hook = candidate
-        t0 = time.thread_time()
-        engine.step()
-        stats.step_us.append((time.thread_time() - t0) * 1e6)
-        timing = engine.timer.take()
-        stats.canary_us.append(timing["canary_host_us"])
-        stats.canary_device_us.append(timing["canary_device_us"])
-        stats.model_device_us.append(timing["model_device_us"])
-        reported = engine.take_violations()
-        seen += len(reported)
-        if progress is not None:
-            progress(1)
-        if episode is None:
-            unattributed(reported)
-            continue
-        result = results[episode.fault.name]
-        if episode.fired_step is None:
-            unattributed(reported)
-            if step - episode.armed_step >= config.arm_timeout:
-                result.dropped_armed += 1
-                engine.repair(episode)
-                episode = None
-            continue
-        radius = {p: engine.blast_radius(p, episode) for p in {p for p, _ in reported}}
-        hits = [v for p, v in reported if v.slot_idx in radius[p]]
-        unattributed([(p, v) for p, v in reported if v.slot_idx not in radius[p]])
-        if hits:
-            result.injected += 1
-            result.detected += 1
-            result.latencies.append(step - episode.fired_step)
-            if result.first_reason is None:
-                bits = 0
-                for v in hits:
-                    bits |= v.fail_reason_bits
-                result.first_reason = FailReason.label(bits)
-        elif step - episode.fired_step >= config.window - 1:
-            result.injected += 1
-        else:
-            continue
-        engine.repair(episode)
-        episode = None
-    stats.steps = config.steps
+    try:
+        for _ in range(config.steps):
+            step = engine.step_index
+            if episode is None and rotation and engine.fault_rng.random() < config.rate:
+                fault = rotation[turn % len(rotation)]
+                turn += 1
+                candidate = Episode(fault, step)
+                if fault.inject(engine, candidate):
+                    episode = engine.hook = candidate
+            t0 = time.thread_time()
+            engine.step()
+            stats.step_us.append((time.thread_time() - t0) * 1e6)
+            timing = engine.timer.take()
+            stats.canary_us.append(timing["canary_host_us"])
+            stats.canary_device_us.append(timing["canary_device_us"])
+            stats.model_device_us.append(timing["model_device_us"])
+            reported = engine.take_violations()
+            seen += len(reported)
+            stats.steps += 1
+            if progress is not None:
+                progress(1)
+            if episode is None:
+                unattributed(reported)
+                continue
+            result = results[episode.fault.name]
+            if episode.fired_step is None:
+                unattributed(reported)
+                if step - episode.armed_step >= config.arm_timeout:
+                    result.dropped_armed += 1
+                    engine.repair(episode)
+                    episode = None
+                continue
+            radius = {p: engine.blast_radius(p, episode) for p in {p for p, _ in reported}}
+            hits = [v for p, v in reported if v.slot_idx in radius[p]]
+            unattributed([(p, v) for p, v in reported if v.slot_idx not in radius[p]])
+            if hits:
+                result.injected += 1
+                result.detected += 1
+                result.latencies.append(step - episode.fired_step)
+                if result.first_reason is None:
+                    bits = 0
+                    for v in hits:
+                        bits |= v.fail_reason_bits
+                    result.first_reason = FailReason.label(bits)
+            elif step - episode.fired_step >= config.window - 1:
+                result.injected += 1
+            else:
+                continue
+            engine.repair(episode)
+            episode = None
+    except KeyboardInterrupt:  # keep what was measured; the caller reports the run as partial
+        stats.interrupted = True
     stats.violations = seen
     stats.engine_counters = dict(engine.counters)
     stats.session_stats = {name: dict(pool.session.stats) for name, pool in engine.pools.items()}
@@ -225,7 +238,8 @@ def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, Ru
 
 
 def run(config: SimConfig, *, progress=None) -> SimResult:
-    """The faulty run, then a clean run of as many steps."""
+    """The faulty run, then a clean run of as many steps; after an interrupt (KeyboardInterrupt),
+    what was measured so far, with ``partial`` set (an interrupted faulty run skips the clean one)."""
     faults, faulty = simulate(config, progress=progress)
-    _, clean = simulate(config, faults=(), progress=progress)
+    _, clean = simulate(config, faults=(), progress=progress) if not faulty.interrupted else ((), RunStats())
     return SimResult(config, faults, faulty, clean)
