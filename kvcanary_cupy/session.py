@@ -175,6 +175,15 @@ class _CudaTransport:
         self._side.synchronize()
 
 
+def _one_of(alias, value, alias_name: str, name: str):
+    """An argument given under either of its two spellings (both: only if they are the same array)."""
+    if alias is None:
+        return value
+    if value is not None and value is not alias:
+        fail(ValueError, f"{alias_name} and {name} are two spellings of one argument; pass one")
+    return alias
+
+
 def _length(x, name: str) -> int:
     shape = getattr(x, "shape", None)
     if shape is None:
@@ -199,6 +208,8 @@ class CanarySession:
         Canary slots, ``>= 1``: the KV pool's slot count.
     max_batch_size : int
         The most requests one step may hold (``write_req_capacity`` of its plans).
+    write_req_capacity : int, optional
+        The same limit under :func:`plan`'s name; give either (both must agree).
     verify_capacity : int, optional
         The most verify entries (slots read) one step may plan; a step with more skips its
         verify, counted in ``stats["verify_skipped_steps"]`` and warned.  Default
@@ -264,14 +275,22 @@ class CanarySession:
     """
 
     @public_api
-    def __init__(self, num_slots, *, max_batch_size, verify_capacity=None, like=None,
+    def __init__(self, num_slots, *, max_batch_size=None, verify_capacity=None, like=None,
                  ring_capacity=DEFAULT_RING_CAPACITY, on_violation="raise", swa_window_size=0,
                  full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
                  real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
-                 sweep_source=None, overlap_head_write=True):
+                 sweep_source=None, overlap_head_write=True, write_req_capacity=None):
         num_slots = check_count(num_slots, "num_slots", maximum=2**62)
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
+        if max_batch_size is None and write_req_capacity is None:
+            fail(TypeError, "CanarySession needs max_batch_size (or its other spelling, write_req_capacity)")
+        if write_req_capacity is not None:
+            write_req_capacity = check_count(write_req_capacity, "write_req_capacity")
+            if max_batch_size is not None and check_count(max_batch_size, "max_batch_size") != write_req_capacity:
+                fail(ValueError, f"max_batch_size={max_batch_size} and write_req_capacity={write_req_capacity} name the "
+                                 "same limit and disagree; pass one")
+            max_batch_size = write_req_capacity
         self.max_batch_size = check_count(max_batch_size, "max_batch_size")
         ring_capacity = check_count(ring_capacity, "ring_capacity", positive=True, maximum=INT32_MAX // len(RING_GROUPS))
         if not (callable(on_violation) or (isinstance(on_violation, str) and on_violation in POLICIES)):
@@ -324,7 +343,7 @@ class CanarySession:
 
         vp, wp = self.planner.verify_plan, self.planner.write_plan
         head_log, tail_log = self._group_logs["head"], self._group_logs["tail"]
-        token = dict(check_expected_token=self.check_expected_tokens)
+        token = dict(check_expected_tokens=self.check_expected_tokens)
         self._kv = dict(real_kv_sources=self.real_kv_sources, real_kv_hash_mode=self.real_kv_hash_mode)
         self._head_verify = VerifyLauncher(self.head_canary, vp, log=head_log, kernel_kind=self.head_tag, **token)
         self._tail_verify = VerifyLauncher(self.tail_canary, vp, log=tail_log, kernel_kind=self.tail_tag, **token, **self._kv)
@@ -362,7 +381,9 @@ class CanarySession:
     @public_api
     def pre_forward(self, req_pool_indices: Array | None, prefix_lens: Array, extend_seq_lens: Array, table: Any,
                     input_ids: Array, positions: Array, out_cache_loc: Array, *,
-                    expected_tokens: Array | None = None, expected_tokens_valid_lens: Array | None = None) -> None:
+                    expected_tokens: Array | None = None, expected_tokens_valid_lens: Array | None = None,
+                    req_to_verify_expected_tokens: Array | None = None,
+                    req_to_verify_expected_tokens_valid_lens: Array | None = None) -> None:
         """Before the model reads the KV cache: plan the step, verify the HEAD buffer, write it.
 
         Capture-safe: allocates nothing, reads nothing back, never synchronises.  Pass the
@@ -378,9 +399,10 @@ class CanarySession:
         input_ids, positions, out_cache_loc : int64 arrays [T]
             As for :func:`write`.
         expected_tokens, expected_tokens_valid_lens : optional
-            The expected-token pool and its valid lengths (``req_to_verify_expected_tokens`` and
-            ``req_to_verify_expected_tokens_valid_lens`` of :func:`plan`), checked when the
-            session was built with ``check_expected_tokens``.
+            The expected-token pool and its valid lengths, checked when the session was built
+            with ``check_expected_tokens``.
+        req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens : optional
+            The same two arrays under :func:`plan`'s names; give either spelling of each.
 
         Raises
         ------
@@ -403,8 +425,11 @@ class CanarySession:
                 fail(TypeError, f"{name} must have dtype int64, got {dtype}")
         self._join_head_write()  # a post_forward that raised may have left the HEAD write unjoined
         self.planner.plan(req_pool_indices, prefix_lens, extend_seq_lens, table,
-                          req_to_verify_expected_tokens=expected_tokens,
-                          req_to_verify_expected_tokens_valid_lens=expected_tokens_valid_lens)
+                          req_to_verify_expected_tokens=_one_of(expected_tokens, req_to_verify_expected_tokens,
+                                                                "expected_tokens", "req_to_verify_expected_tokens"),
+                          req_to_verify_expected_tokens_valid_lens=_one_of(
+                              expected_tokens_valid_lens, req_to_verify_expected_tokens_valid_lens,
+                              "expected_tokens_valid_lens", "req_to_verify_expected_tokens_valid_lens"))
         self._head_verify()
         self._head_write(input_ids, positions, out_cache_loc)
         self._head_write_unjoined = self._head_write_stream is not None

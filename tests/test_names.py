@@ -68,3 +68,44 @@ def test_the_alias_and_the_name_must_agree():
         kc.VerifyLauncher(buf, vp, log=log, check_expected_token=1)
     with pytest.raises(TypeError, match="check_expected_tokens must be a bool, got str"):
         kc.VerifyLauncher(buf, vp, log=log, check_expected_tokens="yes")
+
+
+def _session_expected_token_run(ab, **spelling):
+    """Row 1 prefills tokens 5, 6, 7 at slots 16-18; the next step's expected pool says 9 at
+    position 2, so its verify reports slot 18 under the given spelling of the pool's keywords."""
+    limit = spelling.pop("init", {"max_batch_size": 2})
+    session = kc.CanarySession(64, on_violation="ignore", check_expected_tokens=True, like=ab.like, **limit)
+    rtt = ab.asarray(np.arange(64, dtype=np.int32).reshape(4, 16))
+    a = lambda *x: ab.asarray(np.array(x, np.int64))  # noqa: E731
+    pool = ab.asarray(np.array([[0] * 16, [5, 6, 9, 8] + [0] * 12, [0] * 16, [0] * 16], np.int32))
+    for prefix, ids, pos, loc in ((0, (5, 6, 7), (0, 1, 2), (16, 17, 18)), (3, (8,), (3,), (19,))):
+        keywords = {k: (pool if "valid" not in k else a(prefix)) for k in spelling["names"]}
+        session.pre_forward(a(1), a(prefix), a(len(ids)), rtt, a(*ids), a(*pos), a(*loc), **keywords)
+        session.post_forward()
+        session.end_step()
+    session.check()
+    return [(v.slot_idx, v.stored_token, v.expected_token, v.reasons) for v in session.report().violations]
+
+
+def test_session_takes_the_expected_token_pool_under_both_spellings(ab):
+    new = _session_expected_token_run(ab, names=("req_to_verify_expected_tokens", "req_to_verify_expected_tokens_valid_lens"))
+    old = _session_expected_token_run(ab, names=("expected_tokens", "expected_tokens_valid_lens"))
+    assert new == old == [(18, 7, 9, "verify_token")] * 2  # the HEAD and the TAIL verify
+    by_limit = _session_expected_token_run(ab, names=("expected_tokens", "expected_tokens_valid_lens"),
+                                           init={"write_req_capacity": 2})
+    assert by_limit == old
+
+
+def test_session_refuses_two_spellings_that_disagree(ab):
+    with pytest.raises(ValueError, match="max_batch_size=2 and write_req_capacity=3"):
+        kc.CanarySession(64, max_batch_size=2, write_req_capacity=3, like=ab.like)
+    with pytest.raises(TypeError, match="needs max_batch_size"):
+        kc.CanarySession(64, like=ab.like)
+    session = kc.CanarySession(64, write_req_capacity=2, like=ab.like)
+    assert session.max_batch_size == 2
+    one, two = (ab.asarray(np.zeros((4, 16), np.int32)) for _ in range(2))
+    a = lambda *x: ab.asarray(np.array(x, np.int64))  # noqa: E731
+    rtt = ab.asarray(np.arange(64, dtype=np.int32).reshape(4, 16))
+    with pytest.raises(ValueError, match="expected_tokens and req_to_verify_expected_tokens are two spellings"):
+        session.pre_forward(a(1), a(0), a(1), rtt, a(5), a(0), a(16), expected_tokens=one,
+                            req_to_verify_expected_tokens=two)
