@@ -123,7 +123,8 @@ class CanaryCapacityWarning(UserWarning):
     Warned once by :class:`CanaryPlanner` when its :class:`CanaryCapacities` carry clamp
     ``notes``, and once per planner by :meth:`CanaryPlanner.verify_overflowed` on the first step
     whose verify was skipped; by a free :func:`plan` whose verify entries overflowed its
-    ``verify_capacity``, once per output record, on host memory (a GPU plan never reads back:
+    ``verify_capacity``, once per output record: on host memory at the call, on a GPU at the next
+    free plan into the same record (read from a copy queued without a sync;
     ``WritePlan.verify_entries_needed()`` says how many entries it asked for).  Turn it into an error with
     ``warnings.simplefilter("error", kc.CanaryCapacityWarning)``.
     """

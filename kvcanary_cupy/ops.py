@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import interop
 from . import strict as strict_checks
 from .args import (
     CanaryTarget,
@@ -38,6 +39,7 @@ from .interop import (
     byte_rows_view,
     check_aligned,
     common_placement,
+    import_cupy,
     is_torch_tensor,
     launch_stream,
     refuse_during_capture,
@@ -573,14 +575,32 @@ def plan(
 def _note_overflow(vp: VerifyPlan, enable, placement, verify_capacity: int) -> None:
     """Warn once per VerifyPlan record when a free plan into it overflowed ``verify_capacity``.
 
-    Only on host memory, where ``enable`` is already here: a GPU plan never reads back (a sync),
-    so there ``WritePlan.verify_entries_needed()`` or ``CanaryPlanner.verify_overflowed()`` tell."""
-    if placement.backend != "numpy" or vp.__dict__.get("_kvcanary_overflow_warned") or int(enable[0]) != 0:
+    Host memory is read at once.  A GPU plan never syncs: an eager call queues a copy of ``enable``
+    into pinned memory behind an event, which the next free plan into the same record reads if
+    the event has completed.  Nothing is allocated or queued while capturing."""
+    state = vp.__dict__
+    if state.get("_kvcanary_overflow_warned"):
         return
-    vp.__dict__["_kvcanary_overflow_warned"] = True
-    warnings.warn(f"kv-canary: a free plan overflowed verify_capacity={verify_capacity}: its verify is skipped "
-                  "(enable == 0); WritePlan.verify_entries_needed() says how many entries it asked for",
-                  CanaryCapacityWarning, stacklevel=4)  # the caller of plan, past public_api's wrapper
+    if placement.backend == "numpy":
+        overflowed = int(enable[0]) == 0
+    else:
+        pending = state.get("_kvcanary_overflow_copy")
+        overflowed = pending is not None and pending[1].done and int(pending[0][0]) == 0
+        if not overflowed and not interop.is_capturing(placement):
+            cupy = import_cupy()
+            if pending is None:
+                import cupyx
+
+                pending = (cupyx.empty_pinned((1,), dtype=np.int32), cupy.cuda.Event(disable_timing=True))
+                state["_kvcanary_overflow_copy"] = pending
+            stream, runtime = cupy.cuda.get_current_stream(), cupy.cuda.runtime
+            runtime.memcpyAsync(pending[0].ctypes.data, enable.data.ptr, 4, runtime.memcpyDeviceToHost, stream.ptr)
+            pending[1].record(stream)
+    if overflowed:
+        state["_kvcanary_overflow_warned"] = True
+        warnings.warn(f"kv-canary: a free plan overflowed verify_capacity={verify_capacity}: its verify is skipped "
+                      "(enable == 0); WritePlan.verify_entries_needed() says how many entries it asked for",
+                      CanaryCapacityWarning, stacklevel=4)  # the caller of plan, past public_api's wrapper
 
 
 @public_api
