@@ -584,9 +584,11 @@ def _note_overflow(vp: VerifyPlan, enable, placement, verify_capacity: int) -> N
     if placement.backend == "numpy":
         overflowed = int(enable[0]) == 0
     else:
+        if interop.is_capturing(placement):  # an event query would invalidate the capture
+            return
         pending = state.get("_kvcanary_overflow_copy")
         overflowed = pending is not None and pending[1].done and int(pending[0][0]) == 0
-        if not overflowed and not interop.is_capturing(placement):
+        if not overflowed:
             cupy = import_cupy()
             if pending is None:
                 import cupyx
