@@ -144,11 +144,11 @@ class KvLayout:
         if halves not in (1, 2) or any(len(layer) != halves for layer in buffers):
             fail(ValueError, f"KvLayout.buffers: every layer must hold the same 1 (K only, MLA) or 2 (K, V) halves, "
                              f"got {[len(layer) for layer in buffers]}")
-        for name in ("page_stride", "token_stride", "head_stride"):
-            _multiple_of_8(getattr(self, name), name)
-        strip = _multiple_of_8(self.strip_bytes, "strip_bytes")
+        strip = _multiple_of_8(self.strip_bytes, "strip_bytes")  # the head size: the usual cause of the strides' misfit
         if strip == 0:
             fail(ValueError, "KvLayout strip_bytes must be positive, got 0")
+        for name in ("page_stride", "token_stride", "head_stride"):
+            _multiple_of_8(getattr(self, name), name)
         check_int(self.page_size, "KvLayout page_size", minimum=1, maximum=2**31 - 1)
         check_int(self.num_pages, "KvLayout num_pages", minimum=0, maximum=2**62 // max(self.page_size, 1))
         check_int(self.num_heads, "KvLayout num_heads", minimum=1, maximum=DIGEST_MAX_HEADS)

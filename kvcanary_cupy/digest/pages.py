@@ -121,8 +121,7 @@ def batch_views(batch: DigestBatch, name: str, *, writable: bool):
     rows = backend_view(batch.records, f"{name}.records", writable=writable)
     if rows.dtype != np.int64 or rows.ndim != 2 or rows.shape[1] != DIGEST_RECORD_FIELDS:
         fail(ValueError, f"{name}.records must be int64 [n, 8], got {rows.dtype} {tuple(rows.shape)}")
-    if writable:
-        check_contiguous_output(rows, f"{name}.records")
+    check_contiguous_output(rows, f"{name}.records")  # the kernels index rows as b * 8
     count = backend_view(batch.out_of_range_count, f"{name}.out_of_range_count", writable=writable)
     check_1d(count, f"{name}.out_of_range_count", I64, 1)
     return rows, count
