@@ -60,6 +60,23 @@ def smix(x) -> np.ndarray:
     return splitmix64_array(np.asarray(x, U64))
 
 
+_M1, _M2 = U64(0xBF58476D1CE4E5B9), U64(0x94D049BB133111EB)
+
+
+def _smix_inplace(x: np.ndarray) -> np.ndarray:
+    """splitmix64 of a uint64 array, in place (one temporary): the reference's hot loop."""
+    with np.errstate(over="ignore"):
+        t = x >> U64(30)
+        x ^= t
+        x *= _M1
+        np.right_shift(x, U64(27), out=t)
+        x ^= t
+        x *= _M2
+        np.right_shift(x, U64(31), out=t)
+        x ^= t
+    return x
+
+
 def strip_key(layer, half, head, pos) -> np.ndarray:
     """key(l, c, h, p) for broadcastable uint64 arrays (or ints)."""
     with np.errstate(over="ignore"):
@@ -167,18 +184,20 @@ def digest(a: DigestArgs) -> None:
             pos, slot = pos[ok], slot[ok]
             page, tok = slot // lay.page_size, slot % lay.page_size
             heads = np.arange(lay.num_heads, dtype=np.int64)
+            at = (page * lay.page_stride + tok * lay.token_stride) // 8  # word index of each position's token row
             with np.errstate(over="ignore"):
                 for layer in sampled_layers(key, a.num_layers_total, a.sample_layers):
                     if not lo_layer <= layer < hi_layer:
                         continue
                     w0, nw = window(key, layer, strip_words, a.window_bytes)
                     w = np.arange(w0, w0 + nw, dtype=np.int64)
-                    addr = (page[:, None, None] * lay.page_stride + tok[:, None, None] * lay.token_stride
-                            + heads[None, :, None] * lay.head_stride + w[None, None, :] * 8) // 8
+                    addr = at[:, None] + ((heads * lay.head_stride // 8)[:, None] + w[None, :]).reshape(1, -1)
+                    salt = (w.astype(U64) * U64(DIGEST_WORD_STRIDE))[None, None, :]
                     for half in range(lay.halves):
-                        data = _words(lay._spans[layer - lo_layer][half])[addr]
-                        k = strip_key(layer, half, heads[None, :] + lay.head_offset, pos[:, None])[:, :, None]
-                        kv += int(smix(data ^ (k + w.astype(U64)[None, None, :] * U64(DIGEST_WORD_STRIDE))).sum(dtype=U64))
+                        data = np.take(_words(lay._spans[layer - lo_layer][half]), addr).reshape(-1, lay.num_heads, nw)
+                        terms = strip_key(layer, half, heads + lay.head_offset, pos[:, None])[:, :, None] + salt
+                        terms ^= data
+                        kv += int(_smix_inplace(terms).sum(dtype=U64))
                         words += data.size
                 if a.mode != REC_NONE:
                     rec, seam_skipped = _provenance(a, b, base, rp, start, pos, slot)
