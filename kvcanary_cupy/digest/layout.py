@@ -132,8 +132,8 @@ class KvLayout:
     layer_offset: int = 0
     dtype: str = "uint8"
     name: str = "custom"
-    _spans: tuple = field(default=(), repr=False)  # backend byte views [l][c] starting at each base
-    _placement: Any = field(default=None, repr=False)
+    _spans: tuple = field(default=(), init=False, repr=False)  # backend byte views [l][c] starting at each base
+    _placement: Any = field(default=None, init=False, repr=False)
 
     @public_api
     def __post_init__(self):
