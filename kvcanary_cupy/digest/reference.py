@@ -155,9 +155,14 @@ def _slot_hash(records, slot: int) -> int:
     return int(smix(h ^ U64(pos & (2**64 - 1))))
 
 
-def _words(span) -> np.ndarray:
-    n = span.shape[0] // 8
-    return span[: n * 8].view("<u8")
+def _strips(lay, span, w0: int, nw: int) -> np.ndarray:
+    """The pool's words as ``uint64 [num_pages, page_size, num_heads, nw]`` (words ``[w0, w0 + nw)`` of
+    every strip), a strided view of ``span``: fancy indexing by (page, token) then copies whole
+    windows, never word by word."""
+    words = span[: span.shape[0] // 8 * 8].view("<u8")[w0:]
+    shape = (lay.num_pages, lay.page_size, lay.num_heads, nw)
+    strides = (lay.page_stride, lay.token_stride, lay.head_stride, 8)
+    return np.lib.stride_tricks.as_strided(words, shape, strides, writeable=False)
 
 
 def digest(a: DigestArgs) -> None:
@@ -184,17 +189,14 @@ def digest(a: DigestArgs) -> None:
             pos, slot = pos[ok], slot[ok]
             page, tok = slot // lay.page_size, slot % lay.page_size
             heads = np.arange(lay.num_heads, dtype=np.int64)
-            at = (page * lay.page_stride + tok * lay.token_stride) // 8  # word index of each position's token row
             with np.errstate(over="ignore"):
                 for layer in sampled_layers(key, a.num_layers_total, a.sample_layers):
                     if not lo_layer <= layer < hi_layer:
                         continue
                     w0, nw = window(key, layer, strip_words, a.window_bytes)
-                    w = np.arange(w0, w0 + nw, dtype=np.int64)
-                    addr = at[:, None] + ((heads * lay.head_stride // 8)[:, None] + w[None, :]).reshape(1, -1)
-                    salt = (w.astype(U64) * U64(DIGEST_WORD_STRIDE))[None, None, :]
+                    salt = (np.arange(w0, w0 + nw, dtype=np.uint64) * U64(DIGEST_WORD_STRIDE))[None, None, :]
                     for half in range(lay.halves):
-                        data = np.take(_words(lay._spans[layer - lo_layer][half]), addr).reshape(-1, lay.num_heads, nw)
+                        data = _strips(lay, lay._spans[layer - lo_layer][half], w0, nw)[page, tok]  # [n, H, nw]
                         terms = strip_key(layer, half, heads + lay.head_offset, pos[:, None])[:, :, None] + salt
                         terms ^= data
                         kv += int(_smix_inplace(terms).sum(dtype=U64))
