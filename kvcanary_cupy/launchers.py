@@ -37,8 +37,9 @@ from .args import PlanArgs, TableView
 from .backends import get_backend
 from .constants import RealKvHashMode
 from .errors import public_api, trimmed_argument_error
-from .interop import Array, array_module, backend_view, common_placement, import_cupy, is_torch_tensor, launch_stream
+from .interop import Array, array_module, backend_view, common_placement, import_cupy, is_torch_tensor
 from .plans import is_clean, mark_clean, scan_state
+from .runtime import SideStream, launch_stream, torch_stream_handle
 from .tables import MAX_TABLE_TOKENS, BlockTable, PagedKvIndices, ReqToToken, TableKind
 from .validation import I32, I64, bool_keyword, check_count, check_int, check_int64
 
@@ -211,54 +212,6 @@ class _TorchArrays:
 
 
 # ----------------------------------------------------------------------------------------------
-# Streams: torch's current stream, wrapped for CuPy once per raw handle.
-
-_CUPY_STREAMS: dict = {}
-
-
-class _RawStream:
-    """A raw CUDA stream handle under the CUDA stream protocol (what ``Stream.from_external`` takes)."""
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
-
-
-def _wrapped_torch_stream(handle: int):
-    stream = _CUPY_STREAMS.get(handle)
-    if stream is None:
-        if len(_CUPY_STREAMS) >= 64:  # torch pools its streams; this only bounds a pathological caller
-            _CUPY_STREAMS.clear()
-        stream = _CUPY_STREAMS[handle] = import_cupy().cuda.Stream.from_external(_RawStream(handle))
-    return stream
-
-
-def _torch_stream_handle(device: int):
-    """A function returning the raw handle of torch's current stream on ``device``."""
-    torch = sys.modules["torch"]
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own compiler calls
-    if raw is not None:
-        return lambda: raw(device)
-    current = torch.cuda.current_stream
-    return lambda: current(device).cuda_stream
-
-
-def launch_stream_getter(placement):
-    """A function returning the stream a launch on ``placement`` goes on, as a CuPy stream: CuPy's
-    current stream on its device, or torch's current stream (wrapped once per handle) when the
-    arrays are torch tensors."""
-    if placement.framework == "torch":
-        handle = _torch_stream_handle(placement.device)
-        return lambda: _wrapped_torch_stream(handle())
-    current, device = import_cupy().cuda.get_current_stream, placement.device
-    return lambda: current(device)
-
-
-# ----------------------------------------------------------------------------------------------
 
 
 def _stamp(tensors) -> list:
@@ -291,18 +244,14 @@ class _Binding:
         if self.numpy:
             self.arrays = _TorchArrays(None) if torch else _NumpyArrays()
             return
-        from .backends import cupy_backend
+        from .backends.cuda import ops as cuda_ops
 
-        self.cb = cupy_backend
+        self.cb = cuda_ops
         self.device = placement.device
         self.arrays = _TorchArrays(self.device) if torch else _CupyArrays(self.device)
-        self._stream_handle = _torch_stream_handle(self.device) if torch else None
-        self._get_device = import_cupy().cuda.runtime.getDevice
+        self._torch_stream = torch_stream_handle(self.device) if torch else None
         self._functions = {}
-        self.side = None  # a write's _SideStream (see WriteLauncher)
-        self._overlap = cupy_backend.launch_overlap  # plain_depth read per launch
-        self._overlap_supported = self._overlap.supported(self.device)  # fixed per process and device
-        self._overlapped = {}  # (function, grid, block, shared_mem) -> its OverlappedLaunch
+        self.side = None  # a write's SideStream (see WriteLauncher)
 
     def moved(self) -> bool:
         """Whether a bound torch tensor no longer has the address it was bound with."""
@@ -312,18 +261,18 @@ class _Binding:
         """A compiled kernel on the bound device (compiled on first use; ``kc.warmup()`` does all)."""
         fn = self._functions.get((family, name))
         if fn is None:
-            from .jit import get_function
+            from .backends.cuda.compile import get_function
 
             with import_cupy().cuda.Device(self.device):
                 fn = self._functions[(family, name)] = get_function(family, name).kernel
         return fn
 
     def pack(self, params: np.ndarray) -> None:
-        """Keep a kernel parameter record and its launch arguments."""
+        """Keep a kernel parameter record, its field slots and its launch (:class:`~.backends.cuda.launch.BoundLaunch`:
+        on the bound device, on the caller's stream or behind it on ``side``)."""
         self.params = params
-        self.arguments = self.cb.kernel_arguments(params)
         self.param_slots = self.cb.ParamSlots(params)
-        self._overlapped.clear()  # they point into the record they were packed with
+        self.launch = self.cb.BoundLaunch(params, self.device, self._torch_stream, self.side)
 
     def setter(self, *names: str):
         """A function writing the record's fields ``names`` from a sequence of values in that order."""
@@ -349,60 +298,6 @@ class _Binding:
                 written[0] = False
 
         return set_optional
-
-    def launch(self, fn, grid, block, shared_mem: int = 0) -> None:
-        """Launch on the bound device, on the caller's stream (torch's current one when torch
-        tensors are bound) or behind it on the side stream; overlapping the work before it where
-        the device allows (:mod:`kvcanary_cupy.backends.cuda.launch`)."""
-        overlap = self._overlap_supported and not self._overlap.plain_depth  # launch_overlap.enabled, without its calls
-        if self._get_device() != self.device:
-            with import_cupy().cuda.Device(self.device):
-                self._launch(fn, grid, block, shared_mem, overlap)
-        elif self._stream_handle is None and self.side is None and not overlap:  # nothing to look up
-            fn(grid, block, self.arguments, shared_mem=shared_mem, stream=None)
-        else:
-            self._launch(fn, grid, block, shared_mem, overlap)
-
-    def _launch(self, fn, grid, block, shared_mem: int, overlap: bool) -> None:
-        stream = None if self._stream_handle is None else _wrapped_torch_stream(self._stream_handle())
-        if self.side is not None:
-            self.side.fork(import_cupy().cuda.get_current_stream() if stream is None else stream)
-            stream = self.side.stream
-        if not overlap:
-            fn(grid, block, self.arguments, shared_mem=shared_mem, stream=stream)
-            return
-        key = (fn, grid, block, shared_mem)
-        overlapped = self._overlapped.get(key)
-        if overlapped is None:
-            overlapped = self._overlapped[key] = self._overlap.OverlappedLaunch(
-                fn.ptr, grid[0], block[0], shared_mem, self.cb.record_addresses(self.params))
-        overlapped((import_cupy().cuda.get_current_stream() if stream is None else stream).ptr)
-
-
-class _SideStream:
-    """A write's side stream (what :func:`kvcanary_cupy.write` does with ``stream=``): ``fork``
-    orders it behind everything queued so far on the caller's stream, ``join`` orders the caller's
-    current stream behind it.  One event each, reused by every call: recording an event allocates
-    nothing, so both are capture-safe."""
-
-    def __init__(self, stream, placement):
-        cupy = import_cupy()
-        self.device = placement.device
-        self.stream = interop._cupy_stream(stream, "stream", self.device)
-        with cupy.cuda.Device(self.device):
-            self._forked = cupy.cuda.Event(block=False, disable_timing=True)
-            self._joined = cupy.cuda.Event(block=False, disable_timing=True)
-        self._caller = launch_stream_getter(placement)
-
-    def fork(self, caller) -> None:
-        self._forked.record(caller)
-        self.stream.wait_event(self._forked)
-
-    def join(self) -> None:
-        """The caller's current stream (torch's, when torch tensors are bound) waits for the side stream."""
-        caller = self._caller()
-        self._joined.record(self.stream)
-        caller.wait_event(self._joined)
 
 
 def _bound_words(launcher) -> str:
@@ -503,7 +398,7 @@ class WriteLauncher:
                                                      o["real_kv_sources"], o["real_kv_hash_mode"], flag, {})
         self._bound = None
         if o["stream"] is not None and self._side is None and placement.backend == "cupy":
-            self._side = _SideStream(o["stream"], placement)  # on the CPU the free function refuses stream=
+            self._side = SideStream(o["stream"], placement)  # on the CPU the free function refuses stream=
         with launch_stream(placement):  # on the bound device: grids are sized from its SM count
             args = ops._write_bound_args(self.write_plan, o["log"], flag, context, array_module(placement))
             if self._full or not _viewed_in_place([*self.write_plan.arrays().values(), named["chain_position_assert"]]):
@@ -516,6 +411,7 @@ class WriteLauncher:
             else:
                 cb = b.cb
                 launch = cb.write_launch(args)
+                b.side = self._side
                 b.pack(launch.params)
                 b.set = b.setter("inputs.input_ids", "inputs.positions", "inputs.out_cache_loc", "inputs.num_tokens")
                 b.set_expected = b.optional_setter("inputs.expected_tokens", "inputs.expected_positions")
@@ -523,7 +419,6 @@ class WriteLauncher:
                 real_kv = cb.has_real_kv(args.targets, args.real_kv_hash_mode)
                 b.kernels = {checked: b.function("write", cb.write_kernel(len(args.targets), checked, real_kv))
                              for checked in (False, True)}
-                b.side = self._side
         self._bound = b
 
     def __call__(self, input_ids: Array, positions: Array, out_cache_loc: Array, expected_input_tokens: Array | None = None,
@@ -660,8 +555,8 @@ def _step_table(arrays, table, bs_rows: int):
     """The table of one call, common case only, as ``(kind, entries, kv_indptr, virtual_to_physical,
     rows, pool_rows, row_tokens, shape)``: its kind (tables.TableKind), its arrays as the backend
     takes them, its rows (of entries), the expected-token pool rows a plan may index, the bound of
-    its rows' lengths in tokens (cupy_backend.table_layout) and ``shape``, the arguments of
-    :func:`cupy_backend.table_fields` (what changes only when the table's layout does; page size and
+    its rows' lengths in tokens (configs.table_layout) and ``shape``, the arguments of
+    :func:`configs.table_fields` (what changes only when the table's layout does; page size and
     null block first).  None when it is not the common case.
 
     ``bs_rows`` is the batch size for a table whose rows are the batch rows (PagedKvIndices)."""
@@ -759,7 +654,7 @@ class PlanLauncher:
             b.set_optional = b.optional_setter(*(f"inputs.{k}" for k in (
                 "kv_indptr", "virtual_to_physical", "pool", "pool_stride", "pool_cols", "valid_lens")))
             b.table_shape = b.table_kind = None  # the table_fields last written, and the table's kind
-            b.narrow_row_tokens, b.narrow_layout = -1, None  # cupy_backend.narrow_layout of that shape
+            b.narrow_row_tokens, b.narrow_layout = -1, None  # configs.narrow_layout of that shape
             b.kernels = {}  # (layout, bs, has_pool) -> ((function, grid, block, shared_mem), ...)
         self._bound = b
 

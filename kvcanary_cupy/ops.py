@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import interop
 from . import strict as strict_checks
 from .args import (
     CanaryTarget,
@@ -32,6 +31,7 @@ from .args import (
 from .backends import get_backend
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES, MAX_CANARY_BUFFERS, RealKvHashMode
 from .errors import CanaryCapacityWarning, fail, public_api
+from .runtime import is_capturing, launch_stream, refuse_during_capture, side_stream
 from .interop import (
     Array,
     array_module,
@@ -41,9 +41,6 @@ from .interop import (
     common_placement,
     import_cupy,
     is_torch_tensor,
-    launch_stream,
-    refuse_during_capture,
-    side_stream,
 )
 from .plans import (RealKvSource, VerifyPlan, ViolationLog, WritePlan, check_num_sources, is_clean,
                     mark_clean, scan_state)
@@ -584,7 +581,7 @@ def _note_overflow(vp: VerifyPlan, enable, placement, verify_capacity: int) -> N
     if placement.backend == "numpy":
         overflowed = int(enable[0]) == 0
     else:
-        if interop.is_capturing(placement):  # an event query would invalidate the capture
+        if is_capturing(placement):  # an event query would invalidate the capture
             return
         pending = state.get("_kvcanary_overflow_copy")
         overflowed = pending is not None and pending[1].done and int(pending[0][0]) == 0
