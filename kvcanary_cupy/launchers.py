@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import interop, ops
-from .args import PlanArgs, TableView
+from . import binding, interop, ops
+from .args import PlanArgs, PlanOutputs, TableView
 from .backends import get_backend
 from .constants import RealKvHashMode
 from .errors import public_api, trimmed_argument_error
@@ -394,13 +394,13 @@ class WriteLauncher:
     def _bind(self) -> None:
         o = self.options
         flag = o["chain_position_assert"]
-        placement, context, named = ops._write_setup(self.canary_buf, self.write_plan, o["log"], o["kernel_kind"],
+        placement, context, named = binding.write_setup(self.canary_buf, self.write_plan, o["log"], o["kernel_kind"],
                                                      o["real_kv_sources"], o["real_kv_hash_mode"], flag, {})
         self._bound = None
         if o["stream"] is not None and self._side is None and placement.backend == "cupy":
             self._side = SideStream(o["stream"], placement)  # on the CPU the free function refuses stream=
         with launch_stream(placement):  # on the bound device: grids are sized from its SM count
-            args = ops._write_bound_args(self.write_plan, o["log"], flag, context, array_module(placement))
+            args = binding.write_bound_args(self.write_plan, o["log"], flag, context, array_module(placement))
             if self._full or not _viewed_in_place([*self.write_plan.arrays().values(), named["chain_position_assert"]]):
                 return
             b = _Binding(placement, named)
@@ -510,12 +510,12 @@ class VerifyLauncher:
 
     def _bind(self) -> None:
         o = self.options
-        placement, context, named = ops._verify_setup(self.canary_buf, self.verify_plan, o["log"], o["kernel_kind"],
+        placement, context, named = binding.verify_setup(self.canary_buf, self.verify_plan, o["log"], o["kernel_kind"],
                                                       o["real_kv_sources"], o["real_kv_hash_mode"],
                                                       o["check_expected_token"])
         self._bound = None
         with launch_stream(placement):  # on the bound device: grids are sized from its SM count
-            args = ops._verify_args(self.verify_plan, o["log"], o["check_expected_token"], context, array_module(placement))
+            args = binding.verify_args(self.verify_plan, o["log"], o["check_expected_token"], context, array_module(placement))
             if self._full or not _viewed_in_place(self.verify_plan.arrays().values()):
                 return
             b = _Binding(placement, named)
@@ -630,18 +630,18 @@ class PlanLauncher:
             window = check_int64(window, "swa_window_size", minimum=0)
             offset = check_int64(offset, "kv_token_id_vs_position_offset")
             vcap, wcap = check_count(vcap, "verify_capacity"), check_count(wcap, "write_req_capacity")
-            named = {**ops._record_arrays("out[0]", self.verify_plan), **ops._record_arrays("out[1]", self.write_plan),
+            named = {**binding.record_arrays("out[0]", self.verify_plan), **binding.record_arrays("out[1]", self.write_plan),
                      "full_to_swa_index_mapping": lut}
             placement = common_placement(named)
             xp = array_module(placement)
             with launch_stream(placement):
-                lut_view = None if lut is None else ops._lut_view(backend_view(lut, "full_to_swa_index_mapping"), xp)
-                outs = ops._plan_views("out[0]", self.verify_plan, vcap, writable=True) | ops._plan_views(
+                lut_view = None if lut is None else binding.lut_view(backend_view(lut, "full_to_swa_index_mapping"), xp)
+                outs = binding.plan_views("out[0]", self.verify_plan, vcap, writable=True) | binding.plan_views(
                     "out[1]", self.write_plan, wcap, writable=True)
         except (TypeError, ValueError):
             return
         state = backend_view(scan_state(self.write_plan), "write_plan's scan state", writable=True)
-        args = PlanArgs(None, None, None, None, window, lut_view, None, None, offset, False, ops.PlanOutputs(**outs), state)
+        args = PlanArgs(None, None, None, None, window, lut_view, None, None, offset, False, PlanOutputs(**outs), state)
         b = _Binding(placement, named)
         b.capacities, b.window, b.has_lut = (vcap, wcap), window, lut is not None
         if b.numpy:
