@@ -12,7 +12,7 @@ import numpy as np
 from .errors import CanaryCapacityWarning, fail, public_api, trimmed_argument_error
 from .interop import Array, import_cupy, is_torch_tensor, placement_of, to_numpy
 from .runtime import refuse_during_capture
-from .launchers import PlanLauncher
+from .plan_launcher import PlanLauncher
 from .ops import plan as plan_step
 from .plans import VerifyPlan, WritePlan
 from .tables import as_table

@@ -97,7 +97,7 @@ def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, sm_count, with_sc
     their shares from each other through the WritePlan's scan state, or, for a WritePlan without
     one (an engine's own arrays), each by reading every earlier row."""
     ab = get_backend_or_skip(backend)
-    from kvcanary_cupy import launchers
+    from kvcanary_cupy import plan_launcher
     from kvcanary_cupy.ops import planning
     from kvcanary_cupy.backends.cuda import configs, device as cuda_device
     from kvcanary_cupy.tables import TableKind
@@ -106,7 +106,7 @@ def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, sm_count, with_sc
         launch_policy(plan_scan_state_min_rows=0)  # every batch, not only the largest
     else:
         monkeypatch.setattr(planning, "scan_state", lambda record: None)
-        monkeypatch.setattr(launchers, "scan_state", lambda record: None)
+        monkeypatch.setattr(plan_launcher, "scan_state", lambda record: None)
 
     launch_policy(plan_small_max_rows=-1, plan_fused_max_rows=-1, scan_tile_rows=tile_rows)
     if sm_count:
