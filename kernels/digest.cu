@@ -165,10 +165,11 @@ __device__ __forceinline__ u64 warp_sum(u64 v) {
   return v;
 }
 
-// Grid (x: warps sharing a request, y: requests).  A warp item is (position, candidate layer):
-// candidates are the local layers (every layer sampled) or the spec's rotated layers (those
-// outside this pool's layers add nothing).  The item of candidate 0 also adds the position's
-// provenance terms and counts the position when its slot is out of range.
+// Grid (x: warps sharing a request, y: requests).  For each candidate layer (the local layers when
+// every layer is sampled, else the spec's rotated layers, of which those outside this pool's layers
+// add no KV), the warps stride over the request's positions; lanes stride over (head, word).  The
+// pass of candidate 0 also adds each position's provenance terms and counts the positions whose
+// slot is out of range (once each).
 __global__ void __launch_bounds__(kDigestThreads) digest_accumulate(const __grid_constant__ DigestTable t,
                                                                     const __grid_constant__ DigestPool pool,
                                                                     const __grid_constant__ DigestRequests q) {
@@ -177,47 +178,22 @@ __global__ void __launch_bounds__(kDigestThreads) digest_accumulate(const __grid
   const i64 warps = static_cast<i64>(gridDim.x) * (kDigestThreads / 32);
   const i64 warp = static_cast<i64>(blockIdx.x) * (kDigestThreads / 32) + (threadIdx.x >> 5);
   const u64* pointers = reinterpret_cast<const u64*>(pool.pointers);
-  const i64 L = q.num_layers_total;
-  const bool all_layers = q.sample_layers == 0 || q.sample_layers >= L;
-  const i64 candidates = all_layers ? pool.num_layers : q.sample_layers;
+  const unsigned L = static_cast<unsigned>(q.num_layers_total);
+  const bool all_layers = q.sample_layers == 0 || static_cast<unsigned>(q.sample_layers) >= L;
+  const unsigned candidates = all_layers ? static_cast<unsigned>(pool.num_layers) : static_cast<unsigned>(q.sample_layers);
   for (i64 b = blockIdx.y; b < q.bs; b += gridDim.y) {
     const RowInfo row = row_info(t, q, b);
     const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
     if (!range_ok(row, start, end)) continue;  // uniform across the block: counted by digest_init
     const u64 key = static_cast<u64>(reinterpret_cast<const i64*>(q.sample_keys)[b]);
-    const i64 first = all_layers ? 0 : static_cast<i64>(splitmix64(key ^ kDigestLayerRotation) % static_cast<u64>(L));
+    const unsigned first = all_layers ? 0u : static_cast<unsigned>(splitmix64(key ^ kDigestLayerRotation) % L);
     u64 kv = 0, words = 0, rec = 0;
     i64 skipped = 0;
-    const i64 items = (end - start) * candidates;
-    for (i64 it = warp; it < items; it += warps) {
-      const i64 p = start + it / candidates, ci = it % candidates;
-      const i64 layer = all_layers ? pool.layer_offset + ci : (first + ci * L / q.sample_layers) % L;
-      const i64 slot = table_slot_of(t, row.base, p);
-      if (!slot_ok(pool, q, slot)) {
-        skipped += (ci == 0 && lane == 0);
-        continue;
-      }
-      if (ci == 0 && lane == 0 && q.mode != kRecNone) {
-        i64 token, position = p;
-        if (q.mode == kRecSender) {
-          const i64* r = record_row(q, slot);
-          token = r[0];
-          position = r[1];
-        } else {
-          const i64 idx = p + q.token_offset;
-          i64 limit = q.exp_cols;
-          if (q.valid_lens) {
-            const i64 v = reinterpret_cast<const i64*>(q.valid_lens)[b];
-            limit = v < 0 ? 0 : (v < limit ? v : limit);
-          }
-          const bool known = idx >= 0 && idx < limit && row.pool_row >= 0 && row.pool_row < q.exp_rows;
-          token = known ? load_index(reinterpret_cast<const void*>(q.expected), q.exp_i64, row.pool_row * q.exp_row_stride + idx) : -1;
-        }
-        rec += splitmix64(static_cast<u64>(token) ^ digest_key(kDigestRecLayer, 0, 0, static_cast<u64>(p)));
-        rec += splitmix64(static_cast<u64>(position) ^ digest_key(kDigestRecLayer, 1, 0, static_cast<u64>(p)));
-      }
-      const i64 local = layer - pool.layer_offset;
-      if (local < 0 || local >= pool.num_layers) continue;
+    for (unsigned ci = 0; ci < candidates; ++ci) {
+      const int layer = static_cast<int>(all_layers ? pool.layer_offset + ci : (first + ci * L / q.sample_layers) % L);
+      const int local = layer - pool.layer_offset;
+      const bool in_pool = local >= 0 && local < pool.num_layers;
+      if (!in_pool && ci != 0) continue;
       int w0 = 0, nw = pool.strip_words;
       if (q.window_words > 0 && q.window_words < pool.strip_words) {
         const u64 pick = splitmix64(key ^ (static_cast<u64>(layer + 1) * kDigestWordStride)) %
@@ -225,17 +201,44 @@ __global__ void __launch_bounds__(kDigestThreads) digest_accumulate(const __grid
         w0 = static_cast<int>(pick) * q.window_words;
         nw = q.window_words;
       }
-      const i64 page = slot / pool.page_size, tok = slot % pool.page_size;
-      const i64 at = page * pool.page_stride + tok * pool.token_stride;
-      for (int c = 0; c < pool.halves; ++c) {
-        const unsigned char* base = reinterpret_cast<const unsigned char*>(pointers[local * pool.halves + c]) + at;
-        for (int j = lane; j < pool.num_heads * nw; j += 32) {
-          const int h = j / nw, w = w0 + j % nw;
-          const u64 word = *reinterpret_cast<const u64*>(base + h * pool.head_stride + w * 8);
-          const u64 k = digest_key(static_cast<u64>(layer), static_cast<u64>(c), static_cast<u64>(pool.head_offset + h),
-                                   static_cast<u64>(p));
-          kv += splitmix64(word ^ (k + static_cast<u64>(w) * kDigestWordStride));
-          words += 1;
+      for (i64 p = start + warp; p < end; p += warps) {
+        const i64 slot = table_slot_of(t, row.base, p);
+        if (!slot_ok(pool, q, slot)) {
+          skipped += (ci == 0 && lane == 0);
+          continue;
+        }
+        if (ci == 0 && lane == 0 && q.mode != kRecNone) {
+          i64 token, position = p;
+          if (q.mode == kRecSender) {
+            const i64* r = record_row(q, slot);
+            token = r[0];
+            position = r[1];
+          } else {
+            const i64 idx = p + q.token_offset;
+            i64 limit = q.exp_cols;
+            if (q.valid_lens) {
+              const i64 v = reinterpret_cast<const i64*>(q.valid_lens)[b];
+              limit = v < 0 ? 0 : (v < limit ? v : limit);
+            }
+            const bool known = idx >= 0 && idx < limit && row.pool_row >= 0 && row.pool_row < q.exp_rows;
+            token = known ? load_index(reinterpret_cast<const void*>(q.expected), q.exp_i64, row.pool_row * q.exp_row_stride + idx) : -1;
+          }
+          rec += splitmix64(static_cast<u64>(token) ^ digest_key(kDigestRecLayer, 0, 0, static_cast<u64>(p)));
+          rec += splitmix64(static_cast<u64>(position) ^ digest_key(kDigestRecLayer, 1, 0, static_cast<u64>(p)));
+        }
+        if (!in_pool) continue;
+        const i64 page = slot / pool.page_size, tok = slot - page * pool.page_size;
+        const i64 at = page * pool.page_stride + tok * pool.token_stride;
+        for (int c = 0; c < pool.halves; ++c) {
+          const unsigned char* base = reinterpret_cast<const unsigned char*>(pointers[local * pool.halves + c]) + at;
+          for (int j = lane; j < pool.num_heads * nw; j += 32) {
+            const int h = j / nw, w = w0 + (j - h * nw);
+            const u64 word = *reinterpret_cast<const u64*>(base + h * pool.head_stride + w * 8);
+            const u64 k = digest_key(static_cast<u64>(layer), static_cast<u64>(c), static_cast<u64>(pool.head_offset + h),
+                                     static_cast<u64>(p));
+            kv += splitmix64(word ^ (k + static_cast<u64>(w) * kDigestWordStride));
+            words += 1;
+          }
         }
       }
     }

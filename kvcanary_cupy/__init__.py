@@ -39,8 +39,8 @@ from .digest import (DIGEST_FORMAT_VERSION, DIGEST_NUM_KINDS, DIGEST_RECORD_BYTE
                      verify_digest)
 from .errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError
 from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
-from .interop import join_stream
-from .jit import warmup
+from .runtime import join_stream
+from .backends.cuda.compile import warmup
 from .launchers import VerifyLauncher, WriteLauncher
 from .ops import move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner

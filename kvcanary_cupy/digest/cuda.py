@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..backends.cuda import device as cuda_device
+from ..backends.cuda.compile import get_function
+from ..backends.cuda.params import log_struct
 from ..tables import TableKind
 
 DIGEST_TABLE = np.dtype([("entries", "u8"), ("indptr", "u8"), ("v2p", "u8"), ("rows", "i8"), ("cols", "i8"),
@@ -77,8 +79,6 @@ def _requests_struct(a) -> np.ndarray:
 
 
 def digest(a) -> None:
-    from ..jit import get_function
-
     bs = a.starts.shape[0]
     if bs == 0:
         return
@@ -91,9 +91,6 @@ def digest(a) -> None:
 
 
 def verify(expected, actual, out, log, kind: int) -> None:
-    from ..backends.cupy_backend import _log_struct
-    from ..jit import get_function
-
     n = expected.shape[0]
     get_function("digest", "kvcanary::digest_verify")((max(1, -(-n // THREADS)),), (THREADS,),
-                                                      (expected, actual, np.int64(n), out, _log_struct(log), np.int32(kind)))
+                                                      (expected, actual, np.int64(n), out, log_struct(log), np.int32(kind)))

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import fail, public_api
-from ..interop import Array, backend_view, common_placement, data_ptr, import_cupy, is_torch_tensor
+from ..interop import Array, backend_view, common_placement, data_ptr, is_torch_tensor
+from ..runtime import import_cupy
 from ..validation import check_int
 from .format import DIGEST_MAX_HEADS, DIGEST_MAX_LAYERS
 

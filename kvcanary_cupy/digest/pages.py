@@ -12,8 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from ..binding import canary_view
 from ..errors import fail, public_api
-from ..interop import Array, allocate, array_module, backend_view, common_placement, launch_stream, refuse_during_capture, to_numpy
+from ..interop import Array, allocate, array_module, backend_view, common_placement, to_numpy
+from ..runtime import launch_stream, refuse_during_capture
 from ..tables import TableKind, as_table, table_view
 from ..validation import I32, I64, check_1d, check_2d_rows, check_contiguous_output, check_count, contiguous_input, require
 from . import reference
@@ -242,9 +244,7 @@ def digest_pages(layout: KvLayout, table: Any, req_pool_indices: Array | None, s
         tv = table_view(table, v, bs, xp)
         canary = None
         if records is not None:
-            from ..ops import _canary_view  # the canary buffer's one set of rules
-
-            canary = _canary_view(records, "records", written=False)
+            canary = canary_view(records, "records", written=False)  # the canary buffer's one set of rules
         if receiver:
             check_2d_rows(v["expected_tokens"], "expected_tokens", I32)
         if out is None:

@@ -122,7 +122,7 @@ def _page_slot(xp, ids, page_size, pos):
 def _xp(x):
     if isinstance(x, np.ndarray):
         return np
-    from ..interop import import_cupy
+    from ..runtime import import_cupy
 
     return import_cupy()
 

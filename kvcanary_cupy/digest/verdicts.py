@@ -7,9 +7,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..binding import log_views
 from ..constants import RealKvHashMode
 from ..errors import fail, public_api
-from ..interop import Array, allocate, array_module, backend_view, common_placement, launch_stream, refuse_during_capture, to_numpy
+from ..interop import Array, allocate, array_module, backend_view, common_placement, to_numpy
+from ..runtime import launch_stream, refuse_during_capture
 from ..plans import ViolationLog, WritePlan
 from ..tables import TableKind, as_table, table_view
 from ..validation import I32, I64, check_1d, check_contiguous_output, check_int, require
@@ -91,9 +93,7 @@ def verify_digest(expected: DigestBatch, actual: DigestBatch, *, log: ViolationL
         check_contiguous_output(ov, "out")
         if ov.shape[0] < n:
             fail(ValueError, f"out length must be >= {n} (expected's rows), got {ov.shape[0]}")
-        from ..ops import _log_views  # the log's one set of rules
-
-        lv = _log_views(log)
+        lv = log_views(log)  # the log's one set of rules
         if placement.backend == "numpy":
             reference.verify(e, a, ov, lv, kind)
         else:

@@ -379,7 +379,7 @@ class Engine:
         self.counters = Counter()
         self.digest = None
         if config.transfer_digest != "off":
-            from .transfer import DigestPath
+            from .transfer_path import DigestPath
 
             self.digest = DigestPath(self, config.transfer_digest)
 

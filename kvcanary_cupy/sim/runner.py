@@ -26,7 +26,8 @@ from ..digest import DigestFailReason
 from .engine import Engine, EngineConfig
 from .faults import FAULTS, Episode
 from .tables import ADDRESSING_MODES
-from .transfer import DIGEST_MODES, TRANSFER_FAULTS
+from .transfer import TRANSFER_FAULTS
+from .transfer_path import DIGEST_MODES
 
 KNOWN_FAULTS = {**FAULTS, **TRANSFER_FAULTS}  # the transfer classes run with a transfer digest only
 
