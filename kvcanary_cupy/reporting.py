@@ -215,6 +215,7 @@ class ReplicaMismatch:
 
     @property
     def kind(self) -> str:
+        """``"replicated_kv_mismatch"``: the violation kind, as reports and JSON name it."""
         return REPLICATED_KV_MISMATCH
 
     def format(self) -> str:
@@ -224,6 +225,7 @@ class ReplicaMismatch:
                 f"other_real_kv_hash={self.other_real_kv_hash:#018x} step={self.step}")
 
     def to_dict(self) -> dict:
+        """The JSON-ready record: ``kind``, then every field by name (hashes unsigned)."""
         return {"kind": REPLICATED_KV_MISMATCH, **{f.name: getattr(self, f.name) for f in fields(self)}}
 
 
