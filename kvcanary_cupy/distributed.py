@@ -17,7 +17,7 @@ Why a dedicated group: collectives on one group run in the order they were issue
 canary's all-reduce on the model's group would sit between the model's own collectives (and
 serialise with their point-to-point transfers); a rank that issued one more or one less canary
 collective than its peers would pair it with a model collective and hang or corrupt both.
-docs/guide.md ("Many ranks") explains the rest.
+docs/distributed.md explains the rest.
 """
 
 from __future__ import annotations
@@ -60,6 +60,22 @@ def import_torch_distributed():
     if not dist.is_available():
         raise ImportError("kv-canary: process_group needs torch.distributed, which this torch build lacks")
     return torch, dist
+
+
+def all_reduce_fn(dist, group, tensor):
+    """A function starting the in-place SUM all-reduce of ``tensor`` over ``group`` and returning
+    its work: the group's own method with options made once (a third of ``dist.all_reduce``'s
+    host time, which checks its arguments at every call), or ``dist.all_reduce`` where a torch
+    build lacks it."""
+    method = getattr(group, "allreduce", None)
+    options = getattr(dist, "AllreduceOptions", None)
+    if method is None or options is None:
+        return lambda: dist.all_reduce(tensor, group=group, async_op=True)
+    opts, tensors = options(), [tensor]
+    opts.reduceOp = dist.ReduceOp.SUM
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = True  # as dist.all_reduce(..., async_op=True) sets it
+    return lambda: method(tensors, opts)
 
 
 def device_id(placement) -> str:
@@ -168,8 +184,8 @@ class _HostExchange:
     """gloo: the rows are a CPU tensor, reduced in place on gloo's thread."""
 
     def __init__(self, torch, dist, group, rank: int, rows: int, width: int, column):
-        self._dist, self._group = dist, group
         self.buffer = torch.zeros((rows, width), dtype=torch.int64)
+        self._all_reduce = all_reduce_fn(dist, group, self.buffer)
         self.rows = self.buffer.numpy()
         self._own = self.rows[rank]
         self._column = column  # the TAIL canary's real_kv_hash column (NumPy view), or None
@@ -181,15 +197,16 @@ class _HostExchange:
         own[:h] = host_values
         if slots:
             own[h : h + slots] = self._column[offset : offset + slots]
-        self._work = self._dist.all_reduce(self.buffer, group=self._group, async_op=True)
+        self._work = self._all_reduce()
 
     def ready(self) -> bool:
         return self._work.is_completed()
 
     def finish(self) -> np.ndarray:
+        """The reduced rows (valid until the next start)."""
         self._work.wait()
         self._work = None
-        return self.rows.copy()
+        return self.rows
 
 
 class _DeviceExchange:
@@ -199,9 +216,10 @@ class _DeviceExchange:
     wait for NCCL's), copies the result to pinned memory and records an event."""
 
     def __init__(self, torch, dist, group, rank: int, rows: int, width: int, column, device: int, launch_stream):
-        self._torch, self._dist, self._group, self._rank = torch, dist, group, rank
+        self._torch, self._rank = torch, rank
         self._device = torch.device("cuda", device)
         self.buffer = torch.zeros((rows, width), dtype=torch.int64, device=self._device)
+        self._all_reduce = all_reduce_fn(dist, group, self.buffer)
         self._host_in = None
         self._host_out = torch.zeros((rows, width), dtype=torch.int64, pin_memory=True)
         self.rows = self._host_out.numpy()
@@ -234,7 +252,7 @@ class _DeviceExchange:
             own[:h].copy_(self._host_in, non_blocking=True)
             if slots:
                 own[h : h + slots].copy_(self._column[offset : offset + slots])
-            work = self._dist.all_reduce(self.buffer, group=self._group, async_op=True)
+            work = self._all_reduce()  # NCCL's stream waits for the side stream's copies
             work.wait()
             self._host_out.copy_(self.buffer, non_blocking=True)
             self._done.record(self._side)
@@ -243,8 +261,9 @@ class _DeviceExchange:
         return self._done.query()
 
     def finish(self) -> np.ndarray:
+        """The reduced rows (valid until the next start)."""
         self._done.synchronize()
-        return self.rows.copy()
+        return self.rows
 
 
 class RankReducer:
@@ -296,6 +315,8 @@ class RankReducer:
         self._num_kinds = session.log.num_kinds
         self._window = min(session.num_slots, REPLICATED_WINDOW) if replicated_kv else 0
         self._host_width = len(_VERDICT) + len(TOTALS) + len(_SHAPE) + self._num_kinds + len(_REASONS)
+        self._row = np.zeros(self._host_width, np.int64)
+        self._tag_names = [tag_name(k) for k in range(self._num_kinds)]
         column = None
         if replicated_kv:
             column = self._canary_column(session.tail_canary)
@@ -310,7 +331,7 @@ class RankReducer:
         self._in_flight = None  # the _Contribution of the reduction in flight
         self._offset = 0
         self._seen_mismatches = set()
-        self.per_rank = tuple(self._empty_totals() for _ in range(self.world_size))
+        self._totals_rows = [[0] * self._host_width for _ in range(self.world_size)]  # as last reduced
         self.stats = dict(reductions=0, reduce_waits=0, replicated_slots_compared=0, replica_mismatches=0)
 
     # -- the session's hooks -------------------------------------------------------------------
@@ -342,11 +363,25 @@ class RankReducer:
         return ViolationReport.merge(*reports)
 
     @property
+    def per_rank(self) -> tuple:
+        base, k = len(_VERDICT), self._num_kinds
+        shape_at = base + len(TOTALS)
+        tags_at = shape_at + len(_SHAPE)
+        out = []
+        for row in self._totals_rows:
+            d = dict(zip(TOTALS, row[base:shape_at]))
+            d["violations_by_tag"] = {tag_name(i): n for i, n in enumerate(row[tags_at : tags_at + k]) if n}
+            d["violations_by_reason"] = {name: n for name, n in zip(_REASONS, row[tags_at + k :]) if n}
+            out.append(d)
+        return tuple(out)
+
+    @property
     def totals(self) -> dict:
-        out = {k: sum(r[k] for r in self.per_rank) for k in TOTALS}
+        per_rank = self.per_rank
+        out = {k: sum(r[k] for r in per_rank) for k in TOTALS}
         for key in ("violations_by_tag", "violations_by_reason"):
             out[key] = {}
-            for r in self.per_rank:
+            for r in per_rank:
                 for name, n in r[key].items():
                     out[key][name] = out[key].get(name, 0) + n
         return out
@@ -360,9 +395,6 @@ class RankReducer:
         torch = self._torch
         tensor = canary if isinstance(canary, torch.Tensor) else torch.from_dlpack(canary)
         return tensor[:, CANARY_FIELD_REAL_KV_HASH]
-
-    def _empty_totals(self) -> dict:
-        return dict({k: 0 for k in TOTALS}, violations_by_tag={}, violations_by_reason={})
 
     def _gather_rows(self, values: np.ndarray) -> np.ndarray:
         """Every rank's ``values`` (int64, the same length on every rank), blocking."""
@@ -388,12 +420,10 @@ class RankReducer:
     def _host_values(self, session, new: int, problems: int) -> np.ndarray:
         s = session.stats
         s["handled_steps"] = s["steps"] - s["pending_steps"]
-        by_tag = np.zeros(self._num_kinds, np.int64)
-        counters = session._counter_arrays()[0]
-        by_tag[:] = counters
-        return np.concatenate([
-            np.array([new, problems] + [s[k] for k in TOTALS] + list(self._table_shape), np.int64),
-            by_tag, np.array([s["violations_by_reason"].get(k, 0) for k in _REASONS], np.int64)])
+        by_tag, by_reason = s["violations_by_tag"], s["violations_by_reason"]
+        self._row[:] = ([new, problems] + [s[k] for k in TOTALS] + list(self._table_shape)
+                        + [by_tag.get(t, 0) for t in self._tag_names] + [by_reason.get(k, 0) for k in _REASONS])
+        return self._row
 
     def _reduce(self, session, *, wait: bool) -> None:
         verdict = self._collect()
@@ -427,31 +457,23 @@ class RankReducer:
         return self._decode(rows, contribution)
 
     def _decode(self, rows: np.ndarray, c: _Contribution) -> Verdict:
-        h, k = self._host_width, self._num_kinds
-        base = len(_VERDICT)
-        shape_at = base + len(TOTALS)
-        tags_at = shape_at + len(_SHAPE)
-        reasons_at = tags_at + k
-        per_rank = []
-        for row in rows.tolist():
-            d = dict(zip(TOTALS, row[base:shape_at]))
-            d["violations_by_tag"] = {tag_name(i): n for i, n in enumerate(row[tags_at:reasons_at]) if n}
-            d["violations_by_reason"] = {name: n for name, n in zip(_REASONS, row[reasons_at:h]) if n}
-            per_rank.append(d)
-        self.per_rank = tuple(per_rank)
-        self._check_table_shapes(rows[:, shape_at:tags_at])
+        h = self._host_width
+        shape_at = len(_VERDICT) + len(TOTALS)
+        host = self._totals_rows = rows[:, :h].tolist()  # per_rank decodes them when asked
+        shapes = [tuple(row[shape_at : shape_at + len(_SHAPE)]) for row in host]
+        if shapes.count(shapes[0]) != len(shapes):
+            self._check_table_shapes(shapes)
         mismatches = self._mismatches(rows[:, h : h + c.slots], c) if c.slots else ()
-        return Verdict(c, self.rank, {r: int(n) for r, n in enumerate(rows[:, 0]) if n},
-                       {r: int(n) for r, n in enumerate(rows[:, 1]) if n}, mismatches, self.world_size, self.device)
+        return Verdict(c, self.rank, {r: row[0] for r, row in enumerate(host) if row[0]},
+                       {r: row[1] for r, row in enumerate(host) if row[1]}, mismatches, self.world_size, self.device)
 
-    def _check_table_shapes(self, shapes: np.ndarray) -> None:
-        known = [r for r in range(self.world_size) if shapes[r].any()]  # (0, 0): no 2-D table seen yet
-        odd = [r for r in known if tuple(shapes[r]) != tuple(shapes[known[0]])] if known else []
+    def _check_table_shapes(self, shapes: list) -> None:
+        known = [r for r, shape in enumerate(shapes) if any(shape)]  # (0, 0): no 2-D table seen yet
+        odd = [r for r in known if shapes[r] != shapes[known[0]]] if known else []
         if odd:
             first = known[0]
-            fail(ValueError, f"the ranks of process_group disagree on the table shape: rank {first} has "
-                             f"{tuple(int(x) for x in shapes[first])}, "
-                             + ", ".join(f"rank {r} has {tuple(int(x) for x in shapes[r])}" for r in odd)
+            fail(ValueError, f"the ranks of process_group disagree on the table shape: rank {first} has {shapes[first]}, "
+                             + ", ".join(f"rank {r} has {shapes[r]}" for r in odd)
                              + "; every rank must run the same schedule over tables of one shape")
 
     def _mismatches(self, hashes: np.ndarray, c: _Contribution) -> tuple:

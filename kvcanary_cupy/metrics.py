@@ -6,7 +6,7 @@ step loop.  Every series (each launch tag, each fail reason) is exported from th
 so a dashboard tells "no violation" from "not running"; the heartbeat gauge
 ``kvcanary_last_handled_step`` stops moving when the canary stops.  Labels: ``rank`` (the
 session's rank in its ``process_group``, or the one given), ``tag`` (launch tag), ``reason``
-(fail reason).  docs/guide.md ("Metrics") lists the series.
+(fail reason).  docs/distributed.md ("Metrics") lists the series.
 """
 
 from __future__ import annotations

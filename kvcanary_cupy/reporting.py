@@ -184,7 +184,7 @@ class Violation:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
-#: The kind of violation a replicated-KV comparison finds (docs/guide.md, "Many ranks").
+#: The kind of violation a replicated-KV comparison finds (docs/distributed.md).
 REPLICATED_KV_MISMATCH = "replicated_kv_mismatch"
 
 

@@ -252,8 +252,8 @@ class CanarySession:
         A group *dedicated* to the canary (``dist.new_group(...)``; gloo for NumPy arrays and CPU
         tensors, nccl for CUDA arrays): each rank keeps its own canary, and every
         ``reduce_every`` steps the ranks' totals and verdicts are all-reduced over it without a
-        host sync, so that every rank applies its policy on the same step (docs/guide.md, "Many
-        ranks").  Building the session is then a collective that checks the ranks agree on the
+        host sync, so that every rank applies its policy on the same step (docs/distributed.md).
+        Building the session is then a collective that checks the ranks agree on the
         pool size, the canary size and the capacities.  :attr:`distributed` holds the group's totals.
     reduce_every : int
         With a group: reduce every ``reduce_every``-th ``end_step`` (``>= 1``).

@@ -23,7 +23,8 @@ FAULT_STEP = 4  # the faulty rank's req_to_token[A, 2] := B's slot from here on 
 MISMATCH_STEP = 3  # the odd rank's model writes other KV bytes for one slot of this step
 STEPS = 10
 KV_WORDS = 16  # int64 words of KV per slot (128 bytes)
-SCENARIOS = ("agreement", "clean", "fault", "fault_every_3", "replicated", "table_shape", "default_group")
+SCENARIOS = ("agreement", "clean", "fault", "fault_every_3", "fault_callable", "fault_log", "replicated", "table_shape",
+             "default_group")
 GPU_ARRAYS = ("cupy", "torch_cuda")
 
 
@@ -199,6 +200,34 @@ def scenario_fault(r: Rank, reduce_every=1) -> dict:
 
 def scenario_fault_every_3(r: Rank) -> dict:
     return scenario_fault(r, reduce_every=3)
+
+
+def scenario_fault_callable(r: Rank) -> dict:
+    """A callable policy: called on every rank, on the same step, with the verdict's ranks."""
+    engine = _engine(seed=r.rank)
+    calls = []
+    session = r.session(engine, on_violation=lambda report: calls.append(
+        dict(step=session.stats["steps"] - 1, ranks=list(report.ranks), violations=len(report.violations))))
+    _loop(r, session, engine, fault=True)
+    return dict(calls=calls)
+
+
+def scenario_fault_log(r: Rank) -> dict:
+    """The log policy: the faulty rank logs its violations, every rank one line naming the ranks."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append((record.levelname, record.getMessage()))
+    logger = logging.getLogger("kvcanary_cupy")
+    logger.addHandler(handler)
+    try:
+        engine = _engine(seed=r.rank)
+        session = r.session(engine, on_violation="log")
+        _loop(r, session, engine, fault=True)
+    finally:
+        logger.removeHandler(handler)
+    return dict(records=records)
 
 
 def scenario_replicated(r: Rank) -> dict:

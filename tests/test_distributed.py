@@ -105,6 +105,20 @@ def test_a_fault_on_one_rank_raises_on_every_rank_on_the_same_step(ranks, scenar
     assert gathered["steps"] == STEPS
 
 
+def test_callable_and_log_policies_run_on_every_rank_on_the_same_step(ranks):
+    world_size, got = _scenario(ranks, "fault_callable")
+    odd = world_size - 1
+    for r, g in enumerate(got):
+        assert g["calls"] == [dict(step=FAULT_STEP + 2, ranks=[odd], violations=4 if r == odd else 0)]
+    world_size, got = _scenario(ranks, "fault_log")
+    for r, g in enumerate(got):
+        warnings = [m for level, m in g["records"] if level == "WARNING"]
+        headline = [m for m in warnings if m.startswith("kv-canary: ")]
+        assert len(headline) == 1 and f"new violations on ranks [{odd}] (rank {odd}: 4)" in headline[0]
+        lines = [m for m in warnings if m.startswith("kv_canary violation: ")]
+        assert len(lines) == (4 if r == odd else 0) and all(f" rank={odd} device=" in m for m in lines)
+
+
 def test_a_replicated_kv_mismatch_names_both_ranks_and_the_slot(ranks):
     world_size, got = _scenario(ranks, "replicated")
     odd = world_size - 1
