@@ -45,9 +45,10 @@ from .launchers import VerifyLauncher, WriteLauncher
 from .ops import move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
-from .reporting import Violation, ViolationReport
+from .reporting import ReplicaMismatch, Violation, ViolationReport
 from .session import CanarySession
 from .tables import BlockTable, PagedKvIndices, ReqToToken
+from . import distributed, metrics  # submodules: kc.distributed.REPLICATED_WINDOW, kc.metrics.SessionMetrics
 
 __version__ = "0.1.0"
 
@@ -91,6 +92,7 @@ __all__ = [
     "PagedKvIndices",
     "RealKvHashMode",
     "RealKvSource",
+    "ReplicaMismatch",
     "ReqToToken",
     "VerifyLauncher",
     "VerifyPlan",
