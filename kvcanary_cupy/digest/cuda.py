@@ -9,6 +9,7 @@ import numpy as np
 from ..backends.cuda import device as cuda_device
 from ..backends.cuda.compile import get_function
 from ..backends.cuda.params import log_struct
+from ..interop import data_ptr
 from ..tables import TableKind
 
 DIGEST_TABLE = np.dtype([("entries", "u8"), ("indptr", "u8"), ("v2p", "u8"), ("rows", "i8"), ("cols", "i8"),
@@ -31,10 +32,10 @@ MAX_GRID_Y = 65535
 
 
 def _ptr(x) -> int:
-    return 0 if x is None else int(x.data.ptr)
+    return 0 if x is None else data_ptr(x)
 
 
-def _table_struct(t) -> np.ndarray:
+def table_struct(t) -> np.ndarray:
     s = np.zeros(1, DIGEST_TABLE)
     e = t.entries
     s["entries"], s["kind"], s["entries_i64"] = _ptr(e), int(t.kind), int(e.dtype.itemsize == 8)
@@ -49,9 +50,10 @@ def _table_struct(t) -> np.ndarray:
     return s
 
 
-def _pool_struct(layout) -> np.ndarray:
+def pool_struct(layout, pointers=None) -> np.ndarray:
+    """DigestPool of ``layout``; ``pointers``: the array of base addresses (default the layout's device copy)."""
     s = np.zeros(1, DIGEST_POOL)
-    s["pointers"] = _ptr(layout._device_pointers)
+    s["pointers"] = _ptr(layout._device_pointers if pointers is None else pointers)
     for k in ("page_stride", "token_stride", "head_stride", "num_pages", "page_size", "num_heads", "num_layers", "halves",
               "layer_offset", "head_offset"):
         s[k] = getattr(layout, k)
@@ -59,7 +61,7 @@ def _pool_struct(layout) -> np.ndarray:
     return s
 
 
-def _requests_struct(a) -> np.ndarray:
+def requests_struct(a) -> np.ndarray:
     s = np.zeros(1, DIGEST_REQUESTS)
     for k, v in (("req_pool_indices", a.req_pool_indices), ("starts", a.starts), ("ends", a.ends), ("sample_keys", a.sample_keys),
                  ("records", a.records), ("expected", a.expected_tokens), ("valid_lens", a.valid_lens), ("seam", a.seam),
@@ -82,7 +84,7 @@ def digest(a) -> None:
     bs = a.starts.shape[0]
     if bs == 0:
         return
-    params = (_table_struct(a.table), _pool_struct(a.layout), _requests_struct(a))
+    params = (table_struct(a.table), pool_struct(a.layout), requests_struct(a))
     get_function("digest", "kvcanary::digest_init")((-(-bs // THREADS),), (THREADS,), params)
     sms = cuda_device.sm_count(cuda_device.current_id())
     grid_y = min(bs, MAX_GRID_Y)
