@@ -176,3 +176,18 @@ def test_fuzzed_cases_are_byte_identical_to_numpy(ab):
             got = run(ab, pool, model, spec, starts=starts, ends=ends, keys=keys, table_kind=table_kind)
             want = run(kc_numpy(), pool, model, spec, starts=starts, ends=ends, keys=keys, table_kind=table_kind)
             assert got[0].tobytes() == want[0].tobytes() and got[1] == want[1], (case, table_kind)
+
+
+def test_mla_k_only_pools_digest_to_the_oracle(ab):
+    """An MLA pool (one half, one head of kv_lora_rank + rope values) through from_mla."""
+    rng = np.random.default_rng(40)
+    model = Model.random(rng, [7, 19], halves=1, num_heads=1, head_dim=72)  # 144-byte rows: 576 bf16 would be 1,152
+    pool = filled("sglang", model, rng, page_size=4)
+    for spec in SPECS:
+        rows, skipped = run(ab, pool, model, spec)
+        assert skipped == 0
+        for r, kv in enumerate(model.kv):
+            assert (kc.to_unsigned(rows[r, 5]), int(rows[r, 7])) == kv_sum(
+                kv, 0, kv.shape[2], r * 7919 - 3, total_layers=3, sample_layers=spec.sample_layers, window_bytes=spec.window_bytes)
+    _, layout = layout_of(pool, model, kc_numpy())
+    assert layout.halves == 1 and layout.name == "sglang-mla"
