@@ -210,7 +210,9 @@ def restamp(canary: Array, table: Any, req_pool_indices: Array | None, starts: A
             tok = pool[min(max(rp, 0), pool.shape[0] - 1), xp.where(known, idx, 0)].astype(xp.int64)
             slot = xp.where(known, slot, -1)
             missed += int(xp.count_nonzero(slot < 0))
-            ids.append(tok), positions.append(pos), slots.append(slot)
+            ids.append(tok)
+            positions.append(pos)
+            slots.append(slot)
             if host["seam"] is not None:
                 seeds.append(int(host["seam"][b]))
             else:
