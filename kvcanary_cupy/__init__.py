@@ -35,7 +35,7 @@ from .constants import (
     RealKvHashMode,
 )
 from .digest import (DIGEST_FORMAT_VERSION, DIGEST_NUM_KINDS, DIGEST_RECORD_BYTES, DigestBatch, DigestFailReason,
-                     DigestLaunchTag, DigestRecord, DigestSpec, DigestVerdict, KvLayout, digest_pages, restamp,
+                     DigestLaunchTag, DigestRecord, DigestSpec, DigestVerdict, KvLayout, copy_pages, digest_pages, restamp,
                      verify_digest)
 from .errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError
 from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
@@ -102,6 +102,7 @@ __all__ = [
     "WriteLauncher",
     "WritePlan",
     "allocate_canary_buffer",
+    "copy_pages",
     "digest_pages",
     "join_stream",
     "mix3",
