@@ -1,7 +1,7 @@
 """A digest fuzz subset for compute-sanitizer: random pools of every engine shape, tables with
 out-of-range entries, ranges past the rows, receiver token pools and seams out of range, canary
 buffers smaller than the pool, digested on CuPy and compared with NumPy byte for byte, then
-verify_digest of random records.  CuPy's memory pool is turned off so every array is its own
+verify_digest of random records, then copy_pages with ids past both buffers.  CuPy's memory pool is turned off so every array is its own
 cudaMalloc and memcheck sees any access past it.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_digest.py --cases 12
@@ -78,6 +78,24 @@ def verify_case(seed: int, numpy_ab, cupy_ab) -> None:
     assert rings[0] == rings[1], f"verify seed {seed}"
 
 
+def copy_case(seed: int, numpy_ab, cupy_ab) -> None:
+    """copy_pages with ids past both buffers: CuPy writes NumPy's bytes, nothing out of bounds."""
+    rng = np.random.default_rng(seed)
+    ps = int(rng.integers(1, 5))
+    src = rng.integers(-2**40, 2**40, (int(rng.integers(1, 40)), 4))
+    dst = rng.integers(-2**40, 2**40, (int(rng.integers(1, 40)), 4))
+    n = int(rng.integers(0, 12))
+    s_ids, d_ids = rng.integers(-3, 15, n), rng.permutation(np.arange(-3, 15))[:n]
+    outs = []
+    for ab in (numpy_ab, cupy_ab):
+        count = ab.asarray(np.zeros(1, np.int64))
+        got = kc.copy_pages(ab.asarray(src), ab.asarray(dst), ab.asarray(s_ids), ab.asarray(d_ids), page_size=ps,
+                            out_of_range_count=count)
+        outs.append((ab.to_numpy(got), ab.to_numpy(count)))
+    for want, got in zip(*outs):
+        np.testing.assert_array_equal(got, want, err_msg=f"copy seed {seed}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", type=int, default=12)
@@ -89,6 +107,7 @@ def main():
     for seed in range(args.first, args.first + args.cases):
         skipped += case(seed, numpy_ab, cupy_ab)
         verify_case(seed, numpy_ab, cupy_ab)
+        copy_case(seed, numpy_ab, cupy_ab)
     print(f"digest sanitizer fuzz: {args.cases} cases on CuPy == NumPy, {skipped} out-of-range items skipped and counted")
 
 
