@@ -23,9 +23,7 @@ def _pool():
 
 
 def _digest(ab, layout, pool, model, starts, ends, keys, out):
-    toks = np.zeros(pool.table.shape, np.int32)
-    for r, t in enumerate(model.tokens):
-        toks[pool.rows[r], : len(t)] = t
+    """Receiver-mode digest of ``pool``'s arrays on a backend (``*_on``: placed there once)."""
     return kc.digest_pages(layout, pool.table_on, pool.rows_on, starts, ends, spec=kc.DigestSpec(3), sample_keys=keys,
                            records=pool.canary_on, expected_tokens=pool.tokens_on, out=out)
 
