@@ -191,3 +191,24 @@ def test_mla_k_only_pools_digest_to_the_oracle(ab):
                 kv, 0, kv.shape[2], r * 7919 - 3, total_layers=3, sample_layers=spec.sample_layers, window_bytes=spec.window_bytes)
     _, layout = layout_of(pool, model, kc_numpy())
     assert layout.halves == 1 and layout.name == "sglang-mla"
+
+
+def test_vllm_blocks_first_caches_digest_as_flashinfer_ones(ab):
+    """vLLM's FlashInfer-backend caches ``(nb, 2, bs, H, D)`` (``kv_first=False``), NHD and HND
+    (a stride permutation), digest as the same pool described by from_flashinfer."""
+    rng = np.random.default_rng(17)
+    model = Model.random(rng, [12, 21])
+    for kind, order in (("flashinfer-NHD", (0, 1, 2, 3, 4)), ("flashinfer-HND", (0, 1, 3, 2, 4))):
+        pool = filled(kind, model, rng, page_size=8)
+        tensors, flashinfer = layout_of(pool, model, ab)
+        shard = {} if ab.name.startswith("torch") else {"dtype": "bfloat16"}
+        logical = [t[0].permute(*order) if hasattr(t[0], "permute") else t[0].transpose(order) for t in tensors]
+        vllm = kc.KvLayout.from_vllm(logical, kv_first=False, **shard)
+        assert vllm.name == f"vllm-{kind[-3:]}"
+        table, rows = kc.ReqToToken(ab.asarray(pool.table)), ab.asarray(np.array(pool.rows, np.int64))
+        digests = []
+        for layout in (flashinfer, vllm):
+            out = kc.digest_pages(layout, table, rows, ab.asarray(np.zeros(2, np.int64)), ab.asarray(np.array([12, 21])),
+                                  spec=SPECS[0], sample_keys=ab.asarray(np.array([1, 2])), records=ab.asarray(pool.canary))
+            digests.append(ab.to_numpy(out.records).tobytes())
+        assert digests[0] == digests[1]
