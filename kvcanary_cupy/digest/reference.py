@@ -210,6 +210,8 @@ def digest(a: DigestArgs) -> None:
             pos, slot = at.pos, at.slot
             page, tok = slot // lay.page_size, slot % lay.page_size
             heads = np.arange(lay.num_heads, dtype=np.int64)
+            # the head and position bits of every strip key, shared by all its layers and halves
+            head_pos = ((heads + lay.head_offset).astype(U64) << U64(32))[None, :] | pos.astype(U64)[:, None]
             with np.errstate(over="ignore"):
                 for layer in sampled_layers(key, a.num_layers_total, a.sample_layers):
                     if not lo_layer <= layer < hi_layer:
@@ -218,7 +220,10 @@ def digest(a: DigestArgs) -> None:
                     salt = (np.arange(w0, w0 + nw, dtype=np.uint64) * U64(DIGEST_WORD_STRIDE))[None, None, :]
                     for half in range(lay.halves):
                         data = _strips(lay, lay._spans[layer - lo_layer][half], w0, nw)[page, tok]  # [n, H, nw]
-                        terms = strip_key(layer, half, heads + lay.head_offset, pos[:, None])[:, :, None] + salt
+                        keys = head_pos | U64(layer << 48 | half << 47)
+                        _smix_inplace(keys)
+                        keys ^= U64(DIGEST_SEED)
+                        terms = _smix_inplace(keys)[:, :, None] + salt
                         terms ^= data
                         kv += int(_smix_inplace(terms).sum(dtype=U64))
                         words += data.size
