@@ -212,3 +212,29 @@ def test_vllm_blocks_first_caches_digest_as_flashinfer_ones(ab):
                                   spec=SPECS[0], sample_keys=ab.asarray(np.array([1, 2])), records=ab.asarray(pool.canary))
             digests.append(ab.to_numpy(out.records).tobytes())
         assert digests[0] == digests[1]
+
+
+def test_padded_pages_and_a_head_slice_through_from_strides(ab):
+    """from_strides over a pool with padded pages, describing only heads [2, 4) of its 4 (a tensor-
+    parallel rank's view of a shared buffer): the oracle of those heads, at their global indices."""
+    rng = np.random.default_rng(23)
+    heads, strip, ps, pages, pad = 4, 32, 4, 6, 48  # 48 bytes of padding after every page
+    kv = rng.integers(0, 256, (2, 2, 10, heads, strip), dtype=np.uint8)  # 2 layers, K and V, 10 positions
+    page_bytes = ps * heads * strip + pad
+    buf = [[rng.integers(0, 256, pages * page_bytes, dtype=np.uint8) for _ in range(2)] for _ in range(2)]
+    slots = np.array([5, 6, 7, 8, 13, 14, 1, 2, 3, 21])
+    for l in range(2):
+        for c in range(2):
+            for p, s in enumerate(slots):
+                at = (s // ps) * page_bytes + (s % ps) * heads * strip
+                buf[l][c][at: at + heads * strip] = kv[l, c, p].reshape(-1)
+    tensors = [[ab.asarray(b) for b in layer] for layer in buf]
+    layout = kc.KvLayout.from_strides([[(t, 2 * strip) for t in layer] for layer in tensors], page_stride=page_bytes,
+                                      token_stride=heads * strip, head_stride=strip, strip_bytes=strip, page_size=ps,
+                                      num_pages=pages, num_heads=2, head_offset=2, num_heads_total=4)
+    table = np.zeros((2, 10), np.int32)
+    table[1] = slots
+    out = kc.digest_pages(layout, ab.asarray(table), ab.asarray(np.array([1])), ab.asarray(np.array([0])),
+                          ab.asarray(np.array([10])), spec=kc.DigestSpec.full(2, records=False), sample_keys=ab.asarray(np.array([4])))
+    row = ab.to_numpy(out.records)[0]
+    assert (kc.to_unsigned(row[5]), int(row[7])) == kv_sum(kv[:, :, :, 2:], 0, 10, 4, total_layers=2, head_offset=2)
