@@ -71,6 +71,7 @@ class SourceView(NamedTuple):
     page_size: int
     num_bytes_per_token: int
     read_bytes: int
+    slot_offset: int = 0  # canary slot s reads pool slot s - slot_offset (none below it)
 
 
 class CanaryTarget(NamedTuple):

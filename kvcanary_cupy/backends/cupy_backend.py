@@ -34,7 +34,7 @@ from .cuda import launch as launch_overlap
 # checks each one's size, widths and offsets against its C struct.
 CANARY_BUFFER = np.dtype([("data", "u8"), ("num_slots", "i8"), ("fields", "i4"), ("vec", "i4")], align=True)
 REAL_KV_SOURCES = np.dtype(
-    [("data", "u8", 4), ("row_stride", "i8", 4), ("page_size", "i4", 4), ("num_bytes_per_token", "i4", 4),
+    [("data", "u8", 4), ("row_stride", "i8", 4), ("slot_offset", "i8", 4), ("page_size", "i4", 4), ("num_bytes_per_token", "i4", 4),
      ("nbytes", "i4", 4), ("num_sources", "i4")],
     align=True,
 )
@@ -190,6 +190,7 @@ def _targets_struct(targets: tuple, mode: int) -> np.ndarray:
         for i, view in enumerate(target.sources):
             src["data"][i] = view.data.data.ptr
             src["row_stride"][i] = view.data.strides[0]
+            src["slot_offset"][i] = view.slot_offset
             src["page_size"][i] = view.page_size
             src["num_bytes_per_token"][i] = view.num_bytes_per_token
             src["nbytes"][i] = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else view.read_bytes
