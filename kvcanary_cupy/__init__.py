@@ -40,6 +40,7 @@ from .interop import join_stream
 from .jit import warmup
 from .launchers import VerifyLauncher, WriteLauncher
 from .ops import move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
+from .paging import copy_pages
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
 from .reporting import Violation, ViolationReport
@@ -87,6 +88,7 @@ __all__ = [
     "WriteLauncher",
     "WritePlan",
     "allocate_canary_buffer",
+    "copy_pages",
     "join_stream",
     "mix3",
     "move_pages",

@@ -125,6 +125,16 @@ class MoveArgs(NamedTuple):
     out_of_range_count: Optional[Any]  # [1] int64 or None
 
 
+class CopyArgs(NamedTuple):
+    src_canary: Any  # [Ns, F] int64, C-contiguous
+    dst_canary: Any  # [Nd, F] int64, C-contiguous (may be src_canary itself)
+    src_pages: Any  # [n] int32 or int64, contiguous
+    dst_pages: Any  # [n], same dtype as src_pages
+    page_size: int
+    workspace: Optional[Any]  # int64, contiguous, >= n * page_size * F elements (GPU staging), or None
+    out_of_range_count: Optional[Any]  # [1] int64 or None
+
+
 class ScatterArgs(NamedTuple):
     flat_in: Any  # [N] int64
     offsets: Any  # [bs+1] int64

@@ -91,7 +91,8 @@ FAMILIES = {
     "verify": KernelFamily("verify.cu", (("canary_verify", (BUFFERS, ("kCheckToken", BOOL), ("kHasRealKv", BOOL))),)),
     "scatter": KernelFamily("scatter.cu", (("scatter_req_token_ids", ()),)),
     "session": KernelFamily("session.cu", (("session_stage", ()), ("session_attribute", ()))),
-    "move": KernelFamily("move.cu", tuple((k, ()) for k in ("move_gather", "move_clear", "move_scatter"))),
+    "move": KernelFamily("move.cu", tuple((k, ()) for k in ("move_gather", "move_clear", "move_scatter",
+                                                                  "copy_gather", "copy_scatter"))),
 }
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..args import (STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_ENTRY_FIELDS, CanaryTarget, LogViews, MoveArgs, PlanArgs,
+from ..args import (STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_ENTRY_FIELDS, CanaryTarget, CopyArgs, LogViews, MoveArgs, PlanArgs,
                     PlanVerifyArgs, ScatterArgs, SourceView, StageArgs, TableView, VerifyArgs, WriteArgs, stage_rings)
 from ..constants import (
     FailReason,
@@ -589,3 +589,30 @@ def move(a: MoveArgs) -> None:
     keep = dst.shape[0] - 1 - last
     pages[dst[keep]] = rows[keep]
 
+
+# ----------------------------------------------------------------------------------------------
+# copy_pages
+
+
+def copy_pair_checks(a: CopyArgs):
+    """``(src, dst, src_ok, dst_ok)``: the page ids as int64 and which lie in their buffer's whole pages."""
+    src, dst = np.asarray(a.src_pages, I64), np.asarray(a.dst_pages, I64)
+    src_pages, dst_pages = a.src_canary.shape[0] // a.page_size, a.dst_canary.shape[0] // a.page_size
+    return src, dst, (src >= 0) & (src < src_pages), (dst >= 0) & (dst < dst_pages)
+
+
+def copy(a: CopyArgs) -> None:
+    src, dst, src_ok, dst_ok = copy_pair_checks(a)
+    if a.out_of_range_count is not None:
+        a.out_of_range_count[0] += int(np.count_nonzero(~src_ok) + np.count_nonzero(~dst_ok))
+    keep = src_ok & dst_ok
+    src, dst = src[keep], dst[keep]
+    if src.size == 0:
+        return
+    size = a.page_size
+    src_view = a.src_canary[: (a.src_canary.shape[0] // size) * size].reshape(-1, size * a.src_canary.shape[1])
+    dst_view = a.dst_canary[: (a.dst_canary.shape[0] // size) * size].reshape(-1, size * a.dst_canary.shape[1])
+    rows = src_view[src]  # a copy first: a destination that is also a source gets its rows from before
+    _, last = np.unique(dst[::-1], return_index=True)  # a repeated destination takes its last pair
+    keep = dst.shape[0] - 1 - last
+    dst_view[dst[keep]] = rows[keep]
