@@ -38,7 +38,7 @@ class Layout:
     page_base: int  # canary page of engine block 0
     num_slots: int  # canary slots: every engine index plus slot_offset
     kv: dict = field(default_factory=dict)  # layer -> (K view, V view), one row per engine index
-    parents: dict = field(default_factory=dict)  # 5.23+: block -> (position index, parent block or None), recorded
+    parents: dict = field(default_factory=dict)  # block -> (depth, parent, parent's hash, own hash), as hashed
 
     @property
     def slot_offset(self) -> int:
@@ -68,35 +68,28 @@ class Layout:
         b = self.cache._block_manager._id_to_block.get(block)
         return b is not None and b.is_complete
 
-    def parent(self, block: int):
-        """``(depth, parent block or None)`` of a complete block, or None when unknown."""
-        if self.version >= FLAT_CACHE:
-            return self.parents.get(block)
-        blocks = self.cache._block_manager._id_to_block
-        b = blocks.get(block)
-        if b is None:
+    def parent(self, block: int, hashed: dict):
+        """``(depth, parent block or None)`` of a complete block whose place is known and still holds:
+        its hash and its parent's are the ones recorded when it became complete (an evicted and reused
+        parent leaves the block unreachable from the root, as the engine's own prefix search finds it)."""
+        rec = self.parents.get(block)
+        if rec is None:
             return None
-        depth, p = 0, b.parent_id
-        while p is not None:  # the engine's own parent links
-            depth += 1
-            nxt = blocks.get(p)
-            if nxt is None:
-                return None
-            p = nxt.parent_id
-        return depth, b.parent_id
+        depth, parent, parent_hash, own_hash = rec
+        if hashed.get(block) != own_hash or (parent is not None and hashed.get(parent) != parent_hash):
+            return None
+        return depth, parent
 
     def record_parents(self, request_id: str) -> None:
-        """5.23+: remember each complete block's place in ``request_id``'s table (its ledger keeps no parent)."""
+        """Remember each complete block's place in ``request_id``'s table, with its and its parent's hash."""
         table = self.block_tables().get(request_id, ())
         hashed = self.hashed_blocks()
         for i, block in enumerate(table):
-            if block not in hashed:
+            own = hashed.get(block)
+            if own is None:
                 break
-            self.parents.setdefault(block, (i, table[i - 1] if i else None))
-
-    def forget(self, blocks) -> None:
-        for b in blocks:
-            self.parents.pop(b, None)
+            parent = table[i - 1] if i else None
+            self.parents[block] = (i, parent, hashed.get(parent) if i else None, own)
 
 
 def layout_of(cache, version: tuple[int, int]) -> Layout:
@@ -132,8 +125,8 @@ def wrap(obj, name: str, make: Callable[[Callable], Callable], undo: list) -> No
 
 
 def hook_cache(layout: Layout, on_copy: Callable[[list, list], None], undo: list) -> None:
-    """Call ``on_copy(src_blocks, dst_blocks)`` after each fork copy, and (5.23+) record the parents
-    of newly complete blocks."""
+    """Call ``on_copy(src_blocks, dst_blocks)`` after each fork copy, and record the place (depth,
+    parent, hashes) of newly complete blocks for the prefix-cache sweep."""
     cache = layout.cache
     if layout.version >= FLAT_CACHE:
         def perform_cache_copy(original):
@@ -153,24 +146,7 @@ def hook_cache(layout: Layout, on_copy: Callable[[list, list], None], undo: list
                 layout.record_parents(request_id)
             return hooked
 
-        def evict(original):
-            def hooked():
-                evicted = original()
-                layout.forget(evicted)
-                return evicted
-            return hooked
-
-        def release(original):  # a block freed without being cached loses its hash and its place
-            def hooked(block_id, no_cache=False):
-                freed = original(block_id, no_cache)
-                if freed:
-                    layout.forget((block_id,))
-                return freed
-            return hooked
-
         wrap(allocator, "mark_complete_blocks", mark_complete_blocks, undo)
-        wrap(allocator.ledger, "evict_cached_blocks", evict, undo)
-        wrap(allocator.ledger, "release", release, undo)
     else:
         def copy_cache(original):
             def hooked(list_source_blocks, list_forked_blocks):
@@ -178,4 +154,11 @@ def hook_cache(layout: Layout, on_copy: Callable[[list, list], None], undo: list
                 on_copy(list(list_source_blocks), list(list_forked_blocks))
             return hooked
 
+        def mark(original):
+            def hooked(state, num_complete_blocks):
+                original(state, num_complete_blocks)
+                layout.record_parents(state.request_id)
+            return hooked
+
         wrap(cache, "copy_cache", copy_cache, undo)
+        wrap(cache, "mark_shareable_blocks_as_complete", mark, undo)

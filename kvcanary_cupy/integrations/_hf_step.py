@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import ops
+from ..paging import copy_pages
 from ..plans import RealKvSource
 from ..tables import BlockTable, PagedKvIndices
 from ._hf_layout import Layout, hook_cache, wrap
@@ -226,7 +226,7 @@ class StepCanary:
         src = torch.tensor([layout.canary_page(b) for b in src_blocks], dtype=torch.int64, device=self.device)
         dst = torch.tensor([layout.canary_page(b) for b in dst_blocks], dtype=torch.int64, device=self.device)
         for buf in (self.session.head_canary, self.session.tail_canary):
-            ops.copy_pages(buf, buf, src, dst, page_size=layout.block_size)
+            copy_pages(buf, buf, src, dst, page_size=layout.block_size)
         self.owner.count("fork_copied_blocks", len(src_blocks))
 
     def sweep_sequences(self, budget: int):
@@ -236,7 +236,7 @@ class StepCanary:
         hashed = layout.hashed_blocks()
         known = {}
         for block in hashed:
-            link = layout.parent(block)
+            link = layout.parent(block, hashed)
             if link is not None:
                 known[block] = link
         parents = {p for _, p in known.values() if p is not None}
