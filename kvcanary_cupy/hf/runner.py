@@ -106,7 +106,7 @@ def configs(engine: HfEngineConfig, overrides: dict):
     block = o.pop("block_size", engine.block_size)
     size = {"block_size": block} if transformers.__version__ < "5.23" else {"page_size": block}
     gen = GenerationConfig(max_new_tokens=engine.max_new_tokens, do_sample=o.pop("do_sample", False), eos_token_id=-1,
-                           pad_token_id=0, num_return_sequences=o.pop("num_return_sequences", 1), top_k=0)
+                           pad_token_id=0, num_return_sequences=o.pop("num_return_sequences", 1))
     requests = o.pop("requests", engine.requests)
     cb = ContinuousBatchingConfig(num_blocks=o.pop("num_blocks", engine.num_blocks), max_batch_tokens=engine.max_batch_tokens,
                                   use_cuda_graph=False, seed=0, **size, **o)

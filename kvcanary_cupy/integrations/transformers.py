@@ -91,9 +91,11 @@ class TransformersCanary(EngineCanary):
         self._steps: list[StepCanary] = []
         self._hooked: set = set()
         if isinstance(target, manager_type):
+            options.layers(target.model.config.get_text_config().num_hidden_layers)  # names a bad fingerprint_layers now
             self._hook_manager(target)
         elif hasattr(target, "init_continuous_batching"):
             _refuse_model_modes(target.config)
+            options.layers(target.config.get_text_config().num_hidden_layers)
             wrap(target, "init_continuous_batching", self._wrap_init, self._undo)
             cached = getattr(target, "_cached_continuous_batching_manager", None)
             if isinstance(cached, manager_type):
