@@ -12,7 +12,6 @@ a clean run, is a false positive.  The result has ``kvcanary sim``'s JSON schema
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -198,13 +197,3 @@ def run(config: HfConfig, *, progress=None) -> SimResult:
         (clean if clean.steps or faulty.steps >= config.steps else faulty).interrupted = True
     return SimResult(config, list(results.values()), faulty, clean)
 
-
-def timed(fn, into: list):
-    """``fn``'s wall time in microseconds appended to ``into`` on each call."""
-    def call(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            into.append((time.perf_counter() - t0) * 1e6)
-    return call

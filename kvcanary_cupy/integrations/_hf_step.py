@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..paging import copy_pages
+from ..ops import copy_pages
 from ..plans import RealKvSource
 from ..tables import BlockTable, PagedKvIndices
 from ._hf_layout import Layout, hook_cache, wrap
