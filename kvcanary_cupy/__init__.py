@@ -28,6 +28,7 @@ from .constants import (
     MAX_REAL_KV_SOURCES,
     NUM_LAUNCH_TAGS,
     REQ_POOL_IDX_PADDING,
+    SEED_DEFERRED,
     TOKEN_TO_KV_SLOT_PADDING,
     VIOLATION_FIELDS,
     CanaryLaunchTag,
@@ -43,6 +44,7 @@ from .ops import move_pages, plan, plan_and_verify, scatter_req_token_ids, verif
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
 from .reporting import Violation, ViolationReport
+from .same_step import SameStepReads, resolve_same_step_reads
 from .session import CanarySession
 from .tables import BlockTable, PagedKvIndices, ReqToToken
 
@@ -62,6 +64,7 @@ __all__ = [
     "MAX_REAL_KV_SOURCES",
     "NUM_LAUNCH_TAGS",
     "REQ_POOL_IDX_PADDING",
+    "SEED_DEFERRED",
     "TOKEN_TO_KV_SLOT_PADDING",
     "VIOLATION_FIELDS",
     "BlockTable",
@@ -79,6 +82,7 @@ __all__ = [
     "RealKvHashMode",
     "RealKvSource",
     "ReqToToken",
+    "SameStepReads",
     "VerifyLauncher",
     "VerifyPlan",
     "Violation",
@@ -93,6 +97,7 @@ __all__ = [
     "plan",
     "plan_and_verify",
     "real_kv_fold",
+    "resolve_same_step_reads",
     "scatter_req_token_ids",
     "splitmix64",
     "to_signed",

@@ -92,6 +92,8 @@ FAMILIES = {
     "scatter": KernelFamily("scatter.cu", (("scatter_req_token_ids", ()),)),
     "session": KernelFamily("session.cu", (("session_stage", ()), ("session_attribute", ()))),
     "move": KernelFamily("move.cu", tuple((k, ()) for k in ("move_gather", "move_clear", "move_scatter"))),
+    "same_step": KernelFamily("same_step.cu", tuple(
+        (k, ()) for k in ("same_step_begin", "same_step_mark", "same_step_entries", "same_step_seeds"))),
 }
 
 

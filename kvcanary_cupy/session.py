@@ -21,6 +21,7 @@ import sys
 import threading
 import warnings
 from dataclasses import replace
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from .launchers import VerifyLauncher, WriteLauncher, launch_stream_getter
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import ViolationLog, allocate_canary_buffer, check_num_sources
 from .reporting import Violation, ViolationReport, reason_name, tag_name
+from .same_step import SameStepReads, resolve_same_step_reads
 from .validation import I64, INT32_MAX, check_count, check_int
 
 logger = logging.getLogger("kvcanary_cupy")
@@ -85,12 +87,12 @@ class _Record:
     ("step" or "sweep"), ``step`` (0-based; a sweep: of the last step ended before it) and
     ``stamp`` of the staging."""
 
-    __slots__ = ("host", "head", "target", "staging", "host_ptr", "event", "kind", "step", "stamp")
+    __slots__ = ("host", "head", "target", "staging", "host_ptr", "event", "kind", "step", "stamp", "labels")
 
     def __init__(self, host, layout: StageLayout, target, staging, event=None):
         self.host, self.head, self.target, self.staging, self.event = host, host[: layout.ring], target, staging, event
         self.host_ptr = host.ctypes.data
-        self.kind, self.step, self.stamp = None, -1, 0
+        self.kind, self.step, self.stamp, self.labels = None, -1, 0, None
 
 
 class _HostTransport:
@@ -247,6 +249,12 @@ class CanarySession:
         GPU sessions: run the HEAD write on a side stream of the session, overlapping the forward
         pass; ``post_forward`` joins it, so both must be captured in the same CUDA graph (pass
         False to capture them apart).
+    same_step_reads : bool
+        The engine lets a request read, in the same step, slots another request writes (vLLM's
+        prefix cache matches blocks at scheduling time): each step runs
+        :func:`resolve_same_step_reads`, so such reads are verified as written and a request's
+        chain that continues from such a slot is written after it (``stats["same_step_verified"]``,
+        ``stats["same_step_deeper"]``).
 
     Raises
     ------
@@ -279,7 +287,7 @@ class CanarySession:
                  ring_capacity=DEFAULT_RING_CAPACITY, on_violation="raise", swa_window_size=0,
                  full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
                  real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
-                 sweep_source=None, overlap_head_write=True, write_req_capacity=None):
+                 sweep_source=None, overlap_head_write=True, write_req_capacity=None, same_step_reads=False):
         num_slots = check_count(num_slots, "num_slots", maximum=2**62)
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
@@ -303,7 +311,8 @@ class CanarySession:
             self.real_kv_hash_mode = RealKvHashMode(real_kv_hash_mode)
         except (ValueError, TypeError):
             fail(ValueError, f"real_kv_hash_mode must be a RealKvHashMode (NONE, PARTIAL or ALL), got {real_kv_hash_mode!r}")
-        for name, flag in (("check_expected_tokens", check_expected_tokens), ("overlap_head_write", overlap_head_write)):
+        for name, flag in (("check_expected_tokens", check_expected_tokens), ("overlap_head_write", overlap_head_write),
+                           ("same_step_reads", same_step_reads)):
             if not isinstance(flag, (bool, np.bool_)):
                 fail(TypeError, f"{name} must be a bool, got {type(flag).__name__}")
         self.sweep_every = check_int(sweep_every, "sweep_every", minimum=0)
@@ -355,6 +364,15 @@ class CanarySession:
                 self._head_write_stream = cupy.cuda.Stream(non_blocking=True)
         self._head_write = WriteLauncher(self.head_canary, wp, log=head_log, kernel_kind=self.head_tag,
                                          stream=self._head_write_stream)
+        self.same_step = None
+        if same_step_reads:  # one write launch per wave, each in both buffers
+            self.same_step = SameStepReads.allocate(num_slots, self.max_batch_size, like=like)
+            waves = self.same_step.wave_plans(wp)
+            self._tail_write = _Waves([WriteLauncher(self.tail_canary, w, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
+                                       for w in waves])
+            self._head_write = _Waves([WriteLauncher(self.head_canary, w, log=head_log, kernel_kind=self.head_tag,
+                                                     stream=self._head_write_stream) for w in waves])
+        self._row_labels = None  # the engine's labels of this step's batch rows (pre_forward's row_labels)
         self._head_write_unjoined = False
 
         self._stamp = 0
@@ -383,7 +401,8 @@ class CanarySession:
                     input_ids: Array, positions: Array, out_cache_loc: Array, *,
                     expected_tokens: Array | None = None, expected_tokens_valid_lens: Array | None = None,
                     req_to_verify_expected_tokens: Array | None = None,
-                    req_to_verify_expected_tokens_valid_lens: Array | None = None) -> None:
+                    req_to_verify_expected_tokens_valid_lens: Array | None = None,
+                    row_labels: Sequence | None = None) -> None:
         """Before the model reads the KV cache: plan the step, verify the HEAD buffer, write it.
 
         Capture-safe: allocates nothing, reads nothing back, never synchronises.  Pass the
@@ -403,6 +422,11 @@ class CanarySession:
             with ``check_expected_tokens``.
         req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens : optional
             The same two arrays under :func:`plan`'s names; give either spelling of each.
+        row_labels : sequence, optional
+            The engine's name of each batch row this step (its request id): the violations the
+            step's verify finds carry the labels of the rows that read them (``request_ids``), so
+            reports name requests even when rows move between steps.  Kept by reference until
+            ``end_step``; a host-side sequence (no device work).
 
         Raises
         ------
@@ -415,6 +439,8 @@ class CanarySession:
         bs = _length(prefix_lens, "prefix_lens")  # req_pool_indices is None with a PagedKvIndices table
         if bs > self.max_batch_size:
             fail(ValueError, f"bs={bs} (len(prefix_lens)) exceeds the session's max_batch_size={self.max_batch_size}")
+        if row_labels is not None and len(row_labels) < bs:
+            fail(ValueError, f"row_labels must name every batch row: {bs} rows (len(prefix_lens)), got {len(row_labels)} labels")
         tokens = _length(input_ids, "input_ids")
         for name, x in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
             n = _length(x, name)
@@ -430,6 +456,10 @@ class CanarySession:
                           req_to_verify_expected_tokens_valid_lens=_one_of(
                               expected_tokens_valid_lens, req_to_verify_expected_tokens_valid_lens,
                               "expected_tokens_valid_lens", "req_to_verify_expected_tokens_valid_lens"))
+        if self.same_step is not None:
+            vp, wp = self.planner.verify_plan, self.planner.write_plan
+            resolve_same_step_reads(self.same_step, vp, wp, input_ids, positions, out_cache_loc)
+        self._row_labels = row_labels
         self._head_verify()
         self._head_write(input_ids, positions, out_cache_loc)
         self._head_write_unjoined = self._head_write_stream is not None
@@ -467,7 +497,8 @@ class CanarySession:
         self._join_head_write()  # post_forward was not called: the staging reads the log the write fills
         stats = self._stats
         first = self._stamp + 1  # the stamp of this step's staging: it and later ones stay pending
-        self._stage("step", stats["steps"], self._step_stager, stream)
+        self._stage("step", stats["steps"], self._step_stager, stream, labels=self._row_labels)
+        self._row_labels = None
         stats["steps"] += 1
         self._step_open, self._step_inputs = False, None
         if self.sweep_every and stats["steps"] % self.sweep_every == 0:
@@ -569,6 +600,9 @@ class CanarySession:
                 dropped_rows=total - s["rows_read"],
                 out_of_range_skipped=self._out_of_range_skipped(),
             )
+        if self.same_step is not None:  # a host read of three counters
+            counts = self.same_step.counts()
+            s.update(same_step_verified=counts["verified_as_written"], same_step_deeper=counts["deeper_than_waves"])
         return s
 
     def __repr__(self) -> str:
@@ -639,7 +673,7 @@ class CanarySession:
                                                 kernel_kind=self.sweep_tag, **self._kv)
         return planner
 
-    def _stage(self, kind: str, step: int, stager, stream) -> None:
+    def _stage(self, kind: str, step: int, stager, stream, labels=None) -> None:
         """Stage into a free record; it joins the pending ones only once its staging was queued, so
         an exception (an interrupt) on the way leaves it free and the log to the next staging."""
         if not self._free:  # every record is in flight: the host ran STAGED_RECORDS stagings ahead of the device
@@ -648,7 +682,7 @@ class CanarySession:
             self._handle_oldest()  # its results reach the policy with this end_step's (or the next one's)
         record = self._free[-1]
         self._stamp += 1  # a stamp is never reused, even by a staging that failed
-        record.kind, record.step, record.stamp = kind, step, self._stamp
+        record.kind, record.step, record.stamp, record.labels = kind, step, self._stamp, labels
         self._transport.stage(stager, record, self._stamp, stream)
         with self._lock:
             self._pending.append(self._free.pop())
@@ -717,7 +751,7 @@ class CanarySession:
                     by_slot = collections.defaultdict(list)
                     for entry in attribution[np.argsort(attribution[:, _ATTRIBUTION["entry"]], kind="stable")].tolist():
                         by_slot[entry[_ATTRIBUTION["slot"]]].append(entry)
-                v = _attribute(v, by_slot.get(v.slot_idx, ()))
+                v = _attribute(v, by_slot.get(v.slot_idx, ()), record.labels)
             keys[key] = [replace(v, first_step=record.step), 1]
         return by_reason, keys
 
@@ -822,6 +856,20 @@ class CanarySession:
                 self._in_policy = False
 
 
+class _Waves:
+    """The write launchers of a step's waves, called in order as one."""
+
+    def __init__(self, launchers):
+        self.launchers = launchers
+
+    def __call__(self, *args) -> None:
+        for launcher in self.launchers:
+            launcher(*args)
+
+    def join(self) -> None:
+        self.launchers[-1].join()  # one side stream: the last wave's join covers the others
+
+
 def _group_logs(ring_capacity: int, like):
     """The session's log (its ring one share of ``ring_capacity`` rows per launch group, its
     ``write_index`` one ticket counter per share) and each group's view of it: its share and
@@ -834,9 +882,10 @@ def _group_logs(ring_capacity: int, like):
     return log, views
 
 
-def _attribute(v: Violation, entries) -> Violation:
-    """``v`` with the batch rows, expected position and predecessor of the verify entries that
-    read its slot and could have produced it (same position verdict, same expected token)."""
+def _attribute(v: Violation, entries, labels=None) -> Violation:
+    """``v`` with the batch rows (and their ``labels``, as ``request_ids``), expected position and
+    predecessor of the verify entries that read its slot and could have produced it (same
+    position verdict, same expected token)."""
     position_failed = bool(v.fail_reason_bits & FailReason.VERIFY_POSITION_MISMATCH)
     a = _ATTRIBUTION
     matching = [e for e in entries
@@ -846,6 +895,9 @@ def _attribute(v: Violation, entries) -> Violation:
         return v
     first = matching[0]
     chain_failed = bool(v.fail_reason_bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH)
-    return replace(v, batch_rows=tuple(sorted({e[a["batch_row"]] for e in matching if e[a["batch_row"]] >= 0})),
+    rows = tuple(sorted({e[a["batch_row"]] for e in matching if e[a["batch_row"]] >= 0}))
+    if labels is not None:
+        v = replace(v, request_ids=tuple(dict.fromkeys(str(labels[r]) for r in rows if r < len(labels))))
+    return replace(v, batch_rows=rows,
                    expected_position=first[a["expected_position"]],
                    prev_slot_idx=first[a["prev_slot"]] if chain_failed else None)
