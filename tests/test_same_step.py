@@ -234,3 +234,12 @@ def test_row_labels_must_name_every_row():
     with pytest.raises(ValueError, match="row_labels must name every batch row: 2 rows"):
         session.pre_forward(np.arange(2), np.zeros(2, I64), np.ones(2, I64), kc.BlockTable(np.array([[1], [2]], np.int32), B),
                             np.zeros(2, I64), np.zeros(2, I64), np.array([4, 8], I64), row_labels=["only one"])
+
+
+def test_kernel_constants_match_python():
+    from test_kernels_compile import _cuh_constant
+
+    from kvcanary_cupy import same_step
+
+    assert _cuh_constant("kSeedDeferred", "write.cu") == kc.SEED_DEFERRED == _cuh_constant("kSameStepSeedDeferred", "same_step.cu")
+    assert _cuh_constant("kStampShift", "same_step.cu") == same_step._STAMP_SHIFT
