@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -95,6 +96,7 @@ class VllmCanary(EngineCanary):
     def __init__(self, options: CanaryOptions):
         super().__init__(options)
         self._raised: list[CanaryViolationError] = []
+        self._timing: list | None = None  # a list: the canary's host CPU time (us) of each step is appended
 
     # -- the engine-side canary (the engine core's process) -----------------------------------------
 
@@ -149,10 +151,15 @@ class VllmCanary(EngineCanary):
         forward = runner._model_forward
 
         def model_forward(*args, **kwargs):
+            t0 = time.thread_time()
             stepped = self._pre_forward()
+            t1 = time.thread_time()
             out = forward(*args, **kwargs)
             if stepped:
+                t2 = time.thread_time()
                 self._post_forward()
+                if self._timing is not None:
+                    self._timing.append((t1 - t0 + time.thread_time() - t2) * 1e6)
             return out
 
         runner._model_forward = model_forward
