@@ -261,8 +261,10 @@ class _RemoteCanary(VllmCanary):
     def _call(self, command: str, payload: bytes = b"") -> Any:
         try:
             (result,) = self._rpc("kvcanary_call", args=(command, payload))
-        except NotImplementedError:
-            fail(ValueError, "kv-canary reaches vLLM's separate engine-core process through a worker extension: build "
+        except Exception as exc:  # in-process executors: NotImplementedError; worker processes: a generic Exception
+            if "kvcanary_call" not in str(exc):
+                raise
+            fail(ValueError, "reaching vLLM's separate engine-core process takes a worker extension: build "
                              f"the LLM with worker_extension_cls={WORKER_EXTENSION!r} (or set "
                              "VLLM_ENABLE_V1_MULTIPROCESSING=0 to keep the engine core in this process)")
         return pickle.loads(result)

@@ -28,6 +28,9 @@ MODELS = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers
           "8x512": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
                         num_key_value_heads=4)}
 BLOCK_SIZE = 32  # the CPU attention backend takes multiples of 32
+# The share of the machine's memory vLLM's CPU worker asks for at startup (its 0.92 default fails on
+# a shared machine); the KV pool itself is VLLM_CPU_KVCACHE_SPACE (1 GiB) and 64 blocks of it are used.
+MEMORY_UTILIZATION = 0.3
 
 
 @dataclass(frozen=True)
@@ -88,15 +91,18 @@ def tiny_llama(folder: str, model: str = "tiny", seed: int = 0) -> str:
     return folder
 
 
-def start_engine(folder: str, *, dtype: str = "float32", max_num_seqs: int = 8, num_blocks: int = 64, **kwargs):
-    """``vllm.LLM`` over ``folder``: eager, prefix caching, the engine core in this process."""
+def start_engine(folder: str, *, dtype: str = "float32", max_num_seqs: int = 8, num_blocks: int = 64,
+                 block_size: int = BLOCK_SIZE, **kwargs):
+    """``vllm.LLM`` over ``folder``: eager, prefix caching, the engine core in this process.  (On a
+    CPU with AMX tiles bfloat16 takes vLLM's AMX kernels, whose packed K and V are not fingerprinted.)"""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    return LLM(model=folder, enforce_eager=True, block_size=BLOCK_SIZE, enable_prefix_caching=True, max_num_seqs=max_num_seqs,
-               max_model_len=512, dtype=dtype, skip_tokenizer_init=True, num_gpu_blocks_override=num_blocks, **kwargs)
+    return LLM(model=folder, enforce_eager=True, block_size=block_size, enable_prefix_caching=True, max_num_seqs=max_num_seqs,
+               max_model_len=512, dtype=dtype, skip_tokenizer_init=True, num_gpu_blocks_override=num_blocks,
+               gpu_memory_utilization=MEMORY_UTILIZATION, **kwargs)
 
 
 def workload(seed: int, requests: int):
