@@ -20,7 +20,7 @@ verify and write of the step, settles both, in the library and from the step's o
   than the waves is written in the last wave and counted.
 
 Every backend computes the same bytes: the NumPy code here is the reference and
-``kernels/same_step.cu`` the CUDA one.  Cost: one pass over the step's tokens and one over its
+``kernels/same_step.cu`` (launched by ``backends/cuda/same_step.py``) the CUDA one.  Cost: one pass over the step's tokens and one over its
 verify entries; an owner search over the batch only for the entries and seeds that hit a slot
 written this step.
 """
@@ -33,7 +33,8 @@ import numpy as np
 
 from .constants import SEED_DEFERRED
 from .errors import fail, public_api
-from .interop import Array, allocate, backend_view, common_placement, launch_stream, placement_of, to_numpy
+from .interop import Array, allocate, backend_view, common_placement, to_numpy
+from .runtime import launch_stream
 from .plans import VerifyPlan, WritePlan
 from .validation import I64, check_count
 
@@ -140,8 +141,9 @@ def resolve_same_step_reads(reads: SameStepReads, verify_plan: VerifyPlan, write
         if placement.backend == "numpy":
             _resolve_numpy(v)
         else:
-            from .backends import same_step_cuda
-            same_step_cuda.resolve(v)
+            from .backends.cuda import same_step as cuda_same_step
+
+            cuda_same_step.resolve(v)
 
 
 def _owners(i: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:

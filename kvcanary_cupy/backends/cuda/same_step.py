@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..jit import get_function, kernel_name
+from .compile import get_function, kernel_name
 
 THREADS = 256
 MAX_BLOCKS = 1024  # grid-stride loops cover the rest
