@@ -5,8 +5,7 @@
 // digest_accumulate adds the KV and per-position provenance terms with integer atomics: a sum
 // modulo 2**64 is exact in any order, so the result is the reference's bit for bit.  Every table
 // entry, page id and record slot is range-checked before it is dereferenced; an out-of-range
-// request or position is skipped and counted once.  digest_verify compares two record arrays;
-// digest_copy_pages copies canary rows between buffers with the KV blocks they describe.
+// request or position is skipped and counted once.  digest_verify compares two record arrays.
 #include "canary_common.cuh"
 
 namespace kvcanary {
@@ -293,26 +292,6 @@ __global__ void digest_verify(const i64* __restrict__ expected, const i64* __res
   warp_add(log.violation_counters + kind, hit);
   warp_add(log.slot_run_counters + kind, valid);
   if (b == 0) atomicAdd(log.kernel_run_counters + kind, 1ULL);
-}
-
-// copy_pages: the canary rows of page src_ids[i] of src go to page dst_ids[i] of dst (two buffers of
-// one width; a page is page_elems contiguous int64).  The source is left as it is.  A pair with an id
-// outside its own buffer's whole pages is skipped, each bad id counted once.  Each element is read
-// and written by one thread (reference.copy_pages).
-__global__ void digest_copy_pages(const i64* __restrict__ src, i64 src_pages, i64* __restrict__ dst, i64 dst_pages,
-                                  i64 page_elems, const void* src_ids, const void* dst_ids, int ids_are_int64, i64 num_pairs,
-                                  unsigned long long* out_of_range_count) {
-  wait_for_prior_grids();
-  i64 errors = 0;
-  for (i64 e = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; e < num_pairs * page_elems;
-       e += static_cast<i64>(gridDim.x) * blockDim.x) {
-    const i64 pair = e / page_elems, w = e - pair * page_elems;
-    const i64 s = load_index(src_ids, ids_are_int64, pair), d = load_index(dst_ids, ids_are_int64, pair);
-    const bool s_ok = s >= 0 && s < src_pages, d_ok = d >= 0 && d < dst_pages;
-    if (w == 0) errors += !s_ok + !d_ok;
-    if (s_ok && d_ok) dst[d * page_elems + w] = src[s * page_elems + w];
-  }
-  if (out_of_range_count) warp_add(out_of_range_count, errors);
 }
 
 }  // namespace kvcanary

@@ -28,6 +28,7 @@ from .constants import (
     MAX_REAL_KV_SOURCES,
     NUM_LAUNCH_TAGS,
     REQ_POOL_IDX_PADDING,
+    SEED_DEFERRED,
     TOKEN_TO_KV_SLOT_PADDING,
     VIOLATION_FIELDS,
     CanaryLaunchTag,
@@ -35,17 +36,18 @@ from .constants import (
     RealKvHashMode,
 )
 from .digest import (DIGEST_FORMAT_VERSION, DIGEST_NUM_KINDS, DIGEST_RECORD_BYTES, DigestBatch, DigestFailReason,
-                     DigestLaunchTag, DigestRecord, DigestSpec, DigestVerdict, KvLayout, copy_pages, digest_pages, restamp,
+                     DigestLaunchTag, DigestRecord, DigestSpec, DigestVerdict, KvLayout, digest_pages, restamp,
                      verify_digest)
 from .errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError
 from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
 from .runtime import join_stream
 from .backends.cuda.compile import warmup
 from .launchers import VerifyLauncher, WriteLauncher
-from .ops import move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
+from .ops import copy_pages, move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
 from .reporting import ReplicaMismatch, Violation, ViolationReport
+from .same_step import SameStepReads, resolve_same_step_reads
 from .session import CanarySession
 from .tables import BlockTable, PagedKvIndices, ReqToToken
 from . import distributed, metrics  # submodules: kc.distributed.REPLICATED_WINDOW, kc.metrics.SessionMetrics
@@ -69,6 +71,7 @@ __all__ = [
     "MAX_REAL_KV_SOURCES",
     "NUM_LAUNCH_TAGS",
     "REQ_POOL_IDX_PADDING",
+    "SEED_DEFERRED",
     "TOKEN_TO_KV_SLOT_PADDING",
     "VIOLATION_FIELDS",
     "BlockTable",
@@ -94,6 +97,7 @@ __all__ = [
     "RealKvSource",
     "ReplicaMismatch",
     "ReqToToken",
+    "SameStepReads",
     "VerifyLauncher",
     "VerifyPlan",
     "Violation",
@@ -110,6 +114,7 @@ __all__ = [
     "plan",
     "plan_and_verify",
     "real_kv_fold",
+    "resolve_same_step_reads",
     "restamp",
     "scatter_req_token_ids",
     "splitmix64",

@@ -1,8 +1,8 @@
 """A digest fuzz subset for compute-sanitizer: random pools of every engine shape, tables with
 out-of-range entries, ranges past the rows, receiver token pools and seams out of range, canary
 buffers smaller than the pool, digested on CuPy and compared with NumPy byte for byte, then
-verify_digest of random records, then copy_pages with ids past both buffers.  CuPy's memory pool is turned off so every array is its own
-cudaMalloc and memcheck sees any access past it.
+verify_digest of random records, then kc.copy_pages with ids past both buffers.  CuPy's memory
+pool is turned off so every array is its own cudaMalloc and memcheck sees any access past it.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_digest.py --cases 12
 """
@@ -79,21 +79,27 @@ def verify_case(seed: int, numpy_ab, cupy_ab) -> None:
 
 
 def copy_case(seed: int, numpy_ab, cupy_ab) -> None:
-    """copy_pages with ids past both buffers: CuPy writes NumPy's bytes, nothing out of bounds."""
+    """kc.copy_pages with ids past both buffers, between two buffers or within one, through an
+    exactly sized workspace: CuPy writes NumPy's bytes and counts, nothing out of bounds."""
     rng = np.random.default_rng(seed)
     ps = int(rng.integers(1, 5))
     src = rng.integers(-2**40, 2**40, (int(rng.integers(1, 40)), 4))
     dst = rng.integers(-2**40, 2**40, (int(rng.integers(1, 40)), 4))
     n = int(rng.integers(0, 12))
-    s_ids, d_ids = rng.integers(-3, 15, n), rng.permutation(np.arange(-3, 15))[:n]
+    s_ids, d_ids = rng.integers(-3, 15, n), rng.permutation(np.arange(-3, 15))[:n]  # distinct destinations
     outs = []
     for ab in (numpy_ab, cupy_ab):
-        count = ab.asarray(np.zeros(1, np.int64))
-        got = kc.copy_pages(ab.asarray(src), ab.asarray(dst), ab.asarray(s_ids), ab.asarray(d_ids), page_size=ps,
-                            out_of_range_count=count)
-        outs.append((ab.to_numpy(got), ab.to_numpy(count)))
-    for want, got in zip(*outs):
-        np.testing.assert_array_equal(got, want, err_msg=f"copy seed {seed}")
+        for one_buffer in (False, True):
+            count = ab.asarray(np.zeros(1, np.int64))
+            s = ab.asarray((dst if one_buffer else src).copy())
+            d = s if one_buffer else ab.asarray(dst.copy())
+            workspace = ab.asarray(np.zeros(max(1, n * ps * 4), np.int64))
+            kc.copy_pages(s, d, ab.asarray(s_ids), ab.asarray(d_ids), page_size=ps, workspace=workspace,
+                          out_of_range_count=count)
+            outs.append((ab.to_numpy(s), ab.to_numpy(d), ab.to_numpy(count)))
+    for want, got in zip(outs[:2], outs[2:]):
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w, err_msg=f"copy seed {seed}")
 
 
 def main():

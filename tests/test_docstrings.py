@@ -104,7 +104,7 @@ def test_public_function_is_type_hinted(name):
 
 
 DOCTEST_MODULES = ["constants", "hashing", "launchers", "ops", "planner", "plans", "reporting", "session", "tables",
-                   "digest.format", "digest.layout", "digest.pages", "digest.verdicts", "digest.rows"]
+                   "digest.format", "digest.layout", "digest.pages", "digest.verdicts"]
 
 
 @pytest.mark.parametrize("module", DOCTEST_MODULES)

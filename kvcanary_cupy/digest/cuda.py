@@ -97,17 +97,3 @@ def verify(expected, actual, out, log, kind: int) -> None:
     get_function("digest", "kvcanary::digest_verify")((max(1, -(-n // THREADS)),), (THREADS,),
                                                       (expected, actual, np.int64(n), out, log_struct(log), np.int32(kind)))
 
-
-def copy_pages(src, dst, src_ids, dst_ids, page_size: int, count) -> None:
-    from ..backends.cuda.configs import move_config
-
-    n = src_ids.shape[0]
-    fields = src.shape[1]
-    page_elems = page_size * fields
-    if n == 0:
-        return
-    config = move_config(n, page_elems)
-    get_function("digest", "kvcanary::digest_copy_pages")(
-        (config.grid,), (config.block,),
-        (src, np.int64(src.shape[0] // page_size), dst, np.int64(dst.shape[0] // page_size), np.int64(page_elems), src_ids,
-         dst_ids, np.int32(src_ids.dtype == np.int64), np.int64(n), count if count is not None else np.uint64(0)))

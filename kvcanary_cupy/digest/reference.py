@@ -322,21 +322,3 @@ def verify(expected, actual, out, log, kind: int) -> None:
     log.slot_run_counters[kind] += n
     log.kernel_run_counters[kind] += 1
 
-
-def copy_pages(src, dst, src_ids, dst_ids, page_size: int, count) -> None:
-    """``dst`` page ``dst_ids[i]`` = ``src`` page ``src_ids[i]`` for pairs whose ids lie in their own
-    buffer's whole pages (a repeated destination takes its last pair); bad ids counted once each."""
-    s_ids, d_ids = np.asarray(src_ids, np.int64), np.asarray(dst_ids, np.int64)
-    s_pages, d_pages = src.shape[0] // page_size, dst.shape[0] // page_size
-    s_ok, d_ok = (s_ids >= 0) & (s_ids < s_pages), (d_ids >= 0) & (d_ids < d_pages)
-    if count is not None:
-        count[0] += int(np.count_nonzero(~s_ok) + np.count_nonzero(~d_ok))
-    ok = s_ok & d_ok
-    if not ok.any():
-        return
-    src_rows = src[: s_pages * page_size].reshape(s_pages, -1)
-    dst_rows = dst[: d_pages * page_size].reshape(d_pages, -1)
-    s_ids, d_ids = s_ids[ok], d_ids[ok]
-    _, last = np.unique(d_ids[::-1], return_index=True)  # a repeated destination takes its last pair
-    keep = d_ids.shape[0] - 1 - last
-    dst_rows[d_ids[keep]] = src_rows[s_ids[keep]]
