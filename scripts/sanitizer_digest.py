@@ -59,23 +59,39 @@ def case(seed: int, numpy_ab, cupy_ab) -> int:
     return int(outs[0][1][0])
 
 
+def _verify_log(ab, expected, actual, capacity: int):
+    """verify_digest of two record arrays on ``ab`` into a fresh log: the codes, the ring's rows and the counters."""
+    log = kc.ViolationLog.allocate(capacity, num_kinds=kc.DIGEST_NUM_KINDS, like=ab.like)
+    ex, ac = (kc.DigestBatch(ab.asarray(x), ab.asarray(np.zeros(1, np.int64))) for x in (expected, actual))
+    codes = ab.to_numpy(kc.verify_digest(ex, ac, log=log))
+    taken = int(ab.to_numpy(log.write_index)[0])
+    ring = [tuple(int(x) for x in row) for row in ab.to_numpy(log.ring)[:taken]]
+    counters = [ab.to_numpy(getattr(log, k)).tolist() for k in ("violation_counters", "slot_run_counters", "kernel_run_counters")]
+    return codes, ring, counters
+
+
 def verify_case(seed: int, numpy_ab, cupy_ab) -> None:
+    """Random records, 10% of their words flipped: the same codes and counters on both backends.  A
+    ring that holds every violation holds the same rows (in the GPU's atomic order); a 64-row ring
+    that overflows holds 64 distinct rows of the full set, which ones depending on that order."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(0, 700))
     a = rng.integers(-2**63, 2**63 - 1, (n, 8))
     e = a.copy()
     e[rng.random((n, 8)) < 0.1] ^= 1
     a[:, 0] = e[:, 0] = kc.to_signed(0x4744564B | 1 << 32 | 1 << 48)
-    codes, rings = [], []
-    for ab in (numpy_ab, cupy_ab):
-        log = kc.ViolationLog.allocate(64, num_kinds=kc.DIGEST_NUM_KINDS, like=ab.like)
-        ex, ac = kc.DigestBatch(ab.asarray(e), ab.asarray(np.zeros(1, np.int64))), kc.DigestBatch(ab.asarray(a), ab.asarray(np.zeros(1, np.int64)))
-        codes.append(ab.to_numpy(kc.verify_digest(ex, ac, log=log)))
-        taken = int(ab.to_numpy(log.write_index)[0])
-        rings.append((sorted(tuple(int(x) for x in row) for row in ab.to_numpy(log.ring)[:taken]),
-                      int(ab.to_numpy(log.violation_counters).sum())))
-    np.testing.assert_array_equal(codes[1], codes[0], err_msg=f"verify seed {seed}")
-    assert rings[0] == rings[1], f"verify seed {seed}"
+    codes, ring, counters = _verify_log(numpy_ab, e, a, 1024)
+    every = sorted(ring)
+    assert len(every) == counters[0][kc.DigestLaunchTag.TRANSFER] == int(np.count_nonzero(codes)), f"verify seed {seed}"
+    for capacity in (1024, 64):
+        got_codes, got_ring, got_counters = _verify_log(cupy_ab, e, a, capacity)
+        np.testing.assert_array_equal(got_codes, codes, err_msg=f"verify seed {seed}")
+        assert got_counters == counters, f"verify seed {seed}, ring of {capacity}"
+        assert len(got_ring) == min(len(every), capacity), f"verify seed {seed}, ring of {capacity}"
+        if capacity >= len(every):
+            assert sorted(got_ring) == every, f"verify seed {seed}"
+        else:
+            assert len(set(got_ring)) == len(got_ring) and set(got_ring) <= set(every), f"verify seed {seed}, ring of {capacity}"
 
 
 def copy_case(seed: int, numpy_ab, cupy_ab) -> None:
