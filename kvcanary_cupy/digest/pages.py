@@ -2,7 +2,8 @@
 
 Checks every argument (shapes, dtypes, devices: no device read), views the caller's arrays
 without copying and hands a :class:`~kvcanary_cupy.digest.reference.DigestArgs` to the NumPy
-reference or the CUDA kernels, on the caller's stream.  Capture-safe with ``out=`` given.
+reference or the CUDA kernels, on the caller's stream.  Capture-safe with ``out=`` given.  A CUDA
+call with the last call's arguments, unchanged, replays its launches without the checks (memo.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from ..validation import I32, I64, check_1d, check_2d_rows, check_contiguous_out
 from . import reference
 from .format import DIGEST_RECORD_FIELDS, DigestRecord, DigestSpec, header_word
 from .layout import KvLayout
+from .memo import LastCall
+
+_LAST_CALL = LastCall()  # digest_pages' last CUDA call, replayed when the same arguments come back (memo.py)
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,12 @@ def digest_pages(layout: KvLayout, table: Any, req_pool_indices: Array | None, s
     >>> int(b.records[0, 7])  # words: 4 positions x 2 layers x 2 halves x 2 heads x 2 words
     64
     """
+    objects = (layout, table, req_pool_indices, starts, ends, spec, sample_keys, records, expected_tokens,
+               expected_tokens_valid_lens, seam, out)
+    replay = None if out is None or strict else _LAST_CALL.get(objects)
+    if replay is not None:  # the same arguments as the last call, unchanged: its checked launches
+        replay()
+        return out
     if not isinstance(layout, KvLayout):
         fail(TypeError, f"layout must be a KvLayout, got {type(layout).__name__}")
     if not isinstance(spec, DigestSpec):
@@ -236,6 +246,7 @@ def digest_pages(layout: KvLayout, table: Any, req_pool_indices: Array | None, s
     xp = array_module(placement)
     with launch_stream(placement):
         v = {k: backend_view(a, k) for k, a in named.items() if k != "layout" and not k.startswith("out.")}
+        copies = not all(x.flags.c_contiguous for x in v.values() if x is not None)  # contiguous_input may copy
         bs = v["starts"].shape[0] if v["starts"].ndim == 1 else -1
         for key in ("starts", "ends", "sample_keys", "req_pool_indices", "expected_tokens_valid_lens", "seam"):
             if v[key] is not None:
@@ -247,6 +258,7 @@ def digest_pages(layout: KvLayout, table: Any, req_pool_indices: Array | None, s
             canary = canary_view(records, "records", written=False)  # the canary buffer's one set of rules
         if receiver:
             check_2d_rows(v["expected_tokens"], "expected_tokens", I32)
+        replayable = out is not None and not strict and not copies
         if out is None:
             refuse_during_capture(placement, "digest_pages with out=None allocates its DigestBatch",
                                   "pass out=DigestBatch.allocate(...) made before capturing")
@@ -267,7 +279,10 @@ def digest_pages(layout: KvLayout, table: Any, req_pool_indices: Array | None, s
         else:
             from . import cuda
 
-            cuda.digest(args)
+            launches = cuda.digest(args, placement)
+            launches.launch()
+            if replayable:
+                _LAST_CALL.put(objects, (), [a for k, a in named.items() if k != "layout" and a is not None], launches)
     return out
 
 
