@@ -152,10 +152,6 @@ class Verdict:
         return sorted(found)
 
     @property
-    def flagged(self) -> bool:
-        return bool(self.new_by_rank or self.problems_by_rank or self.mismatches)
-
-    @property
     def violations_anywhere(self) -> bool:
         return bool(self.new_by_rank or self.mismatches)
 

@@ -23,8 +23,9 @@ FAULT_STEP = 4  # the faulty rank's req_to_token[A, 2] := B's slot from here on 
 MISMATCH_STEP = 3  # the odd rank's model writes other KV bytes for one slot of this step
 STEPS = 10
 KV_WORDS = 16  # int64 words of KV per slot (128 bytes)
-SCENARIOS = ("agreement", "clean", "fault", "fault_every_3", "fault_callable", "fault_log", "replicated", "table_shape",
-             "default_group")
+HEALTH_STEP = 3  # the odd rank ends this step without running the canary (a graph replayed without it)
+SCENARIOS = ("agreement", "clean", "fault", "fault_every_3", "fault_callable", "fault_log", "health", "replicated",
+             "table_shape", "default_group")
 GPU_ARRAYS = ("cupy", "torch_cuda")
 
 
@@ -240,6 +241,25 @@ def scenario_fault_log(r: Rank) -> dict:
     finally:
         logger.removeHandler(handler)
     return dict(records=records)
+
+
+def scenario_health(r: Rank) -> dict:
+    """The odd rank ends HEALTH_STEP without the canary's kernels: every rank raises CanaryHealthError."""
+    import kvcanary_cupy as kc
+
+    engine = _engine(seed=r.rank)
+    session = r.session(engine, on_violation="raise")
+    raised = []
+    for step, rows in enumerate(_schedule()):
+        try:
+            if r.rank == r.odd and step == HEALTH_STEP:
+                session.end_step()  # the step's model ran, the canary's launches did not
+            else:
+                r.step(session, engine.step(rows), engine.rtt)
+        except kc.CanaryHealthError as exc:
+            raised.append(dict(step=step, message=str(exc)))
+    session.check()
+    return dict(raised=raised)
 
 
 def scenario_replicated(r: Rank) -> dict:

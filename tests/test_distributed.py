@@ -11,7 +11,7 @@ import re
 import pytest
 
 from conftest import EXPECT_GPU
-from dist_harness import FAULT_STEP, MISMATCH_STEP, STEPS, run_ranks
+from dist_harness import FAULT_STEP, HEALTH_STEP, MISMATCH_STEP, STEPS, run_ranks
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -117,6 +117,20 @@ def test_callable_and_log_policies_run_on_every_rank_on_the_same_step(ranks):
         assert len(headline) == 1 and f"new violations on ranks [{odd}] (rank {odd}: 4)" in headline[0]
         lines = [m for m in warnings if m.startswith("kv_canary violation: ")]
         assert len(lines) == (4 if r == odd else 0) and all(f" rank={odd} device=" in m for m in lines)
+
+
+def test_a_health_problem_on_one_rank_raises_on_every_rank_on_the_same_step(ranks):
+    world_size, got = _scenario(ranks, "health")
+    odd = world_size - 1
+    for r, g in enumerate(got):
+        (error,) = g["raised"]
+        assert error["step"] == HEALTH_STEP + 2
+        if r == odd:
+            assert error["message"].startswith(f"kv-canary: no canary kernel ran for launch tags ['HEAD_K_FULL', "
+                                               f"'TAIL_K_FULL'] in step {HEALTH_STEP}")
+        else:
+            assert error["message"] == (f"kv-canary: rank {odd} handled 1 health problem(s) by step {HEALTH_STEP + 1} "
+                                        "(that rank's log has the message)")
 
 
 def test_a_replicated_kv_mismatch_names_both_ranks_and_the_slot(ranks):
