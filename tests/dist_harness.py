@@ -124,6 +124,10 @@ class Rank:
         if before_post is not None:
             before_post(arrays)
         session.post_forward()
+        if self.array in GPU_ARRAYS:  # the device done with the step: "one step late" is then exact
+            import cupy
+
+            cupy.cuda.Device(self.rank).synchronize()
         session.end_step()
 
 
