@@ -42,6 +42,8 @@ logger = logging.getLogger("kvcanary_cupy")
 #: window moves on by this much each reduction, so a pool of ``n`` slots is compared in full
 #: every ``ceil(n / REPLICATED_WINDOW)`` reductions.
 REPLICATED_WINDOW = 4096
+#: Replicated-KV mismatches remembered (so that each is reported once); past this the oldest is forgotten.
+MAX_SEEN_MISMATCHES = 65536
 #: Each rank's totals in the reduction, summed into ``RankReducer.totals`` (names of ``session.stats``).
 TOTALS = ("steps", "handled_steps", "verified_entries", "violations", "rows_read", "dropped_rows",
           "distinct_violations", "verify_skipped_steps", "verify_skipped_sweeps", "health_failures",
@@ -225,7 +227,7 @@ class RankReducer:
         self._table_shape = (0, 0)
         self._in_flight = None  # the _Contribution of the reduction in flight
         self._offset = 0
-        self._seen_mismatches = set()
+        self._seen_mismatches = {}  # (slot, rank, value, reference) reported, oldest first
         self._totals_rows = [[0] * self._host_width for _ in range(self.world_size)]  # as last reduced
         self.stats = dict(reductions=0, reduce_waits=0, replicated_slots_compared=0, replica_mismatches=0)
 
@@ -393,7 +395,9 @@ class RankReducer:
             for r, value in enumerate(column):
                 key = (c.offset + j, r, value, reference)
                 if value != reference and key not in self._seen_mismatches:
-                    self._seen_mismatches.add(key)
+                    if len(self._seen_mismatches) >= MAX_SEEN_MISMATCHES:  # forget the oldest (reported again if seen)
+                        del self._seen_mismatches[next(iter(self._seen_mismatches))]
+                    self._seen_mismatches[key] = None
                     found.append(ReplicaMismatch(c.offset + j, r, ref_rank, to_unsigned(value), to_unsigned(reference),
                                                  c.step))
         self.stats["replica_mismatches"] += len(found)
