@@ -59,8 +59,9 @@ class HostExchange:
 class DeviceExchange:
     """NCCL: the rows live on the session's GPU; a side stream, ordered after the step's stream by
     an event, zeroes them, copies this rank's totals from pinned memory and its fingerprints from
-    the TAIL canary (the step's stream then waits for that copy only), runs the all-reduce (``work.wait()`` there makes the side stream, not the host,
-    wait for NCCL's), copies the result to pinned memory and records an event."""
+    the TAIL canary (the step's stream then waits for that copy only), runs the all-reduce
+    (``work.wait()`` there makes the side stream, not the host, wait for NCCL's), copies the
+    result to pinned memory and records an event."""
 
     def __init__(self, torch, dist, group, rank: int, rows: int, width: int, column, device: int, launch_stream):
         self._torch, self._rank = torch, rank
