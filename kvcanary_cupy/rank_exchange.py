@@ -89,19 +89,19 @@ class DeviceExchange:
 
     def start(self, host_values: np.ndarray, offset: int, slots: int) -> None:
         torch = self._torch
-        if self._host_in is None:
-            self._host_in = torch.zeros(len(host_values), dtype=torch.int64, pin_memory=True)
-            self._host_in_np = self._host_in.numpy()
-        self._host_in_np[:] = host_values  # its previous copy has completed: finish() came first
         h = len(host_values)
+        if self._host_in is None:  # the views made once: each costs the host a microsecond or two
+            self._host_in = torch.zeros(h, dtype=torch.int64, pin_memory=True)
+            self._host_in_np = self._host_in.numpy()
+            self._own, self._own_head = self.buffer[self._rank], self.buffer[self._rank, :h]
+        self._host_in_np[:] = host_values  # its previous copy has completed: finish() came first
         step_stream = self._step_stream()
         self._side.wait_stream(step_stream)
         with torch.cuda.stream(self._side):
             self.buffer.zero_()
-            own = self.buffer[self._rank]
-            own[:h].copy_(self._host_in, non_blocking=True)
+            self._own_head.copy_(self._host_in, non_blocking=True)
             if slots:
-                own[h : h + slots].copy_(self._column[offset : offset + slots])
+                self._own[h : h + slots].copy_(self._column[offset : offset + slots])
                 # the next step's TAIL write waits for the snapshot (not for the all-reduce), so that
                 # every rank compares the canary as this step left it
                 self._snapshot.record(self._side)
