@@ -22,7 +22,6 @@ docs/distributed.md explains the rest.
 
 from __future__ import annotations
 
-import logging
 import socket
 from dataclasses import dataclass
 
@@ -35,8 +34,6 @@ from .hashing import to_unsigned
 from .interop import backend_view
 from .rank_exchange import DeviceExchange, HostExchange
 from .reporting import REPLICATED_KV_MISMATCH, ReplicaMismatch, ViolationReport, reason_name, tag_name
-
-logger = logging.getLogger("kvcanary_cupy")
 
 #: Slots of the TAIL canary compared across ranks per reduction (``replicated_kv=True``): the
 #: window moves on by this much each reduction, so a pool of ``n`` slots is compared in full
