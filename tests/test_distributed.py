@@ -1,6 +1,7 @@
 """CanarySession over real torch.distributed process groups (no mock): 2 and 4 gloo ranks on
 127.0.0.1 with NumPy arrays and CPU tensors here; one NCCL rank on a GPU (the H200 run); 2 NCCL
-ranks when 2 GPUs are present (issue 26: the same scenarios, ``("nccl", "cupy", 2)``).
+ranks when 2 GPUs are present (issue 26: the same scenarios, case ``nccl-cupy-2``, i.e.
+``run_ranks(2, "cupy", out)``).
 
 Each parametrisation spawns its ranks once (module fixture) and runs every scenario of
 tests/dist_harness.py; each test checks one scenario on every rank.
