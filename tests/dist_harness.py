@@ -25,7 +25,7 @@ STEPS = 10
 KV_WORDS = 16  # int64 words of KV per slot (128 bytes)
 HEALTH_STEP = 3  # the odd rank ends this step without running the canary (a graph replayed without it)
 SCENARIOS = ("agreement", "clean", "fault", "fault_every_3", "fault_callable", "fault_log", "health", "replicated",
-             "table_shape", "default_group")
+             "table_shape", "default_group", "metrics")
 GPU_ARRAYS = ("cupy", "torch_cuda")
 
 
@@ -330,3 +330,25 @@ def scenario_default_group(r: Rank) -> dict:
     r.step(session, engine.step([1, 2]), engine.rtt)
     session.check()
     return {"refused": refused, "steps": session.distributed.totals["steps"]}
+
+
+def scenario_metrics(r: Rank) -> dict:
+    """Each rank's SessionMetrics, labelled with its rank in the group by default."""
+    try:
+        import prometheus_client
+    except ImportError:
+        return {"prometheus_client": False}
+    import kvcanary_cupy as kc
+
+    registry = prometheus_client.CollectorRegistry()
+    engine = _engine(seed=r.rank)
+    session = r.session(engine)
+    kc.metrics.SessionMetrics(session, registry=registry)
+    for rows in _schedule()[:3]:
+        r.step(session, engine.step(rows), engine.rtt)
+    session.check()
+    value = lambda name: registry.get_sample_value(name, {"rank": str(r.rank)})
+    return {"prometheus_client": True, "steps": value("kvcanary_steps_total"),
+            "heartbeat": value("kvcanary_last_handled_step"), "verified": value("kvcanary_verified_entries_total"),
+            "stats_verified": session.stats["verified_entries"]}
+

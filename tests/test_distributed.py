@@ -185,6 +185,14 @@ def test_the_default_group_is_refused_unless_allowed(ranks):
         assert g["steps"] == world_size
 
 
+def test_each_rank_exports_its_metrics_under_its_rank(ranks):
+    world_size, got = _scenario(ranks, "metrics")
+    if not got[0]["prometheus_client"]:
+        pytest.skip("prometheus_client is not installed (the test extra has it)")
+    for g in got:
+        assert (g["steps"], g["heartbeat"]) == (3, 3) and g["verified"] == g["stats_verified"] > 0
+
+
 def test_a_hung_rank_fails_the_run_instead_of_hanging_it(tmp_path):
     with pytest.raises(TimeoutError, match=r"^2 numpy ranks did not finish within 10 s \(a hang\)$"):
         run_ranks(2, "numpy", str(tmp_path), scenarios=("hang",), timeout=10)
