@@ -234,10 +234,8 @@ class BoundState:
         """A compiled kernel on the bound device (compiled on first use; ``kc.warmup()`` does all)."""
         fn = self._functions.get((family, name))
         if fn is None:
-            from .backends.cuda.compile import get_function
-
             with import_cupy().cuda.Device(self.device):
-                fn = self._functions[(family, name)] = get_function(family, name).kernel
+                fn = self._functions[(family, name)] = self.cb.get_function(family, name).kernel
         return fn
 
     def pack(self, params: np.ndarray) -> None:

@@ -120,14 +120,12 @@ def _cupy_attributes():
         import cupy
     except ImportError:
         return {}
-    from kvcanary_cupy.backends.cuda import configs, device, launch
+    from kvcanary_cupy.backends.cuda import configs, device
 
     found = {(where, name): getattr(cupy.cuda if where else cupy, name) for where, names in _CUPY_GUARDED.items() for name in names}
-    # what the fake device patches in the library itself
-    found.update({("kvcanary_cupy.backends.cuda.launch", name): getattr(launch, name)
-                  for name in ("driver_launch", "supported", "record_addresses")})
+    # what the fake device replaces in the library itself: its one seam, backends/cuda/device.py
     found.update({("kvcanary_cupy.backends.cuda.device", name): getattr(device, name)
-                  for name in ("sm_count", "shared_mem_optin", "max_active_blocks_per_sm")})
+                  for name in ("cache", "load_module", "max_active_blocks_per_sm", "driver_launch", "sm_count")})
     found[("kvcanary_cupy.backends.cuda.configs", "policy")] = configs.policy()
     return found
 
