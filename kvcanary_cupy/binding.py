@@ -18,7 +18,8 @@ from .args import CanaryTarget, LogViews, SourceView, VerifyArgs, WriteArgs
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES, MAX_CANARY_BUFFERS, RealKvHashMode
 from .errors import fail
 from .interop import backend_view, byte_rows_view, check_aligned, common_placement, is_torch_tensor
-from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, check_num_sources
+from .log import ViolationLog
+from .plans import RealKvSource, VerifyPlan, WritePlan, check_num_sources
 from .validation import (I32, I64, INT32_MAX, check_1d, check_contiguous_output, check_disjoint, check_int,
                          contiguous_input, require)
 

@@ -39,7 +39,8 @@ from .runtime import SideStream, launch_stream
 from .validation import bool_keyword
 
 if TYPE_CHECKING:
-    from .plans import VerifyPlan, ViolationLog, WritePlan
+    from .log import ViolationLog
+    from .plans import VerifyPlan, WritePlan
 
 
 class _BoundWrite(BoundState):

@@ -21,7 +21,7 @@ from ..constants import FailReason
 from ..errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError, fail
 from ..interop import allocate
 from ..planner import CanaryCapacityWarning
-from ..plans import ViolationLog
+from ..log import ViolationLog
 from ..reporting import Violation, ViolationReport, reason_name, tag_name
 
 if TYPE_CHECKING:
