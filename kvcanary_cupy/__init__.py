@@ -34,6 +34,9 @@ from .constants import (
     FailReason,
     RealKvHashMode,
 )
+from .digest import (DIGEST_FORMAT_VERSION, DIGEST_NUM_KINDS, DIGEST_RECORD_BYTES, DigestBatch, DigestFailReason,
+                     DigestLaunchTag, DigestRecord, DigestSpec, DigestVerdict, KvLayout, digest_pages, restamp,
+                     verify_digest)
 from .errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError
 from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
 from .runtime import join_stream
@@ -43,9 +46,10 @@ from .ops import move_pages, plan, plan_and_verify, scatter_req_token_ids, verif
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .log import ViolationLog
 from .plans import RealKvSource, VerifyPlan, WritePlan, allocate_canary_buffer
-from .reporting import Violation, ViolationReport
+from .reporting import ReplicaMismatch, Violation, ViolationReport
 from .session import CanarySession
 from .tables import BlockTable, PagedKvIndices, ReqToToken
+from . import distributed, metrics  # submodules: kc.distributed.REPLICATED_WINDOW, kc.metrics.SessionMetrics
 
 __version__ = "0.1.0"
 
@@ -59,6 +63,9 @@ __all__ = [
     "CANARY_FIELD_TOKEN",
     "CANARY_FIELDS_PER_SLOT",
     "CANARY_SLOT_BYTES",
+    "DIGEST_FORMAT_VERSION",
+    "DIGEST_NUM_KINDS",
+    "DIGEST_RECORD_BYTES",
     "MAX_CANARY_BUFFERS",
     "MAX_REAL_KV_SOURCES",
     "NUM_LAUNCH_TAGS",
@@ -75,10 +82,18 @@ __all__ = [
     "CanarySession",
     "CanaryUsageError",
     "CanaryViolationError",
+    "DigestBatch",
+    "DigestFailReason",
+    "DigestLaunchTag",
+    "DigestRecord",
+    "DigestSpec",
+    "DigestVerdict",
+    "KvLayout",
     "FailReason",
     "PagedKvIndices",
     "RealKvHashMode",
     "RealKvSource",
+    "ReplicaMismatch",
     "ReqToToken",
     "VerifyLauncher",
     "VerifyPlan",
@@ -88,17 +103,20 @@ __all__ = [
     "WriteLauncher",
     "WritePlan",
     "allocate_canary_buffer",
+    "digest_pages",
     "join_stream",
     "mix3",
     "move_pages",
     "plan",
     "plan_and_verify",
     "real_kv_fold",
+    "restamp",
     "scatter_req_token_ids",
     "splitmix64",
     "to_signed",
     "to_unsigned",
     "verify",
+    "verify_digest",
     "warmup",
     "write",
 ]

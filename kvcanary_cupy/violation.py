@@ -1,5 +1,6 @@
 """One decoded violation: a ring row of the log (docs/format.md section 5), with what a session
-adds to it (repeats, steps, the batch rows that read the slot), and the names of tags and reasons."""
+adds to it (repeats, steps, the batch rows that read the slot, rank and device), a replica
+mismatch between ranks, and the names of launch tags and fail reasons."""
 
 from __future__ import annotations
 
@@ -72,6 +73,11 @@ class Violation:
         Ring rows with this violation's ``key``.
     first_step, last_step : int, optional
         The session steps it was first and last seen in.
+    rank : int, optional
+        The rank (in the session's ``process_group``) whose canary found it; None without a group.
+    device : str, optional
+        That rank's device, to join with ECC / Xid logs: ``"GPU-<uuid>"`` (as ``nvidia-smi -L``
+        prints it) with the PCI bus id, or ``"cpu@<host>"``; None without a group.
 
     Examples
     --------
@@ -94,6 +100,8 @@ class Violation:
     repeats: int = 1
     first_step: int | None = None
     last_step: int | None = None
+    rank: int | None = None
+    device: str | None = None
 
     def __post_init__(self):
         if self.is_write and self.expected_position is None:
@@ -135,10 +143,11 @@ class Violation:
     def format(self) -> str:
         """One log line, as SGLang's kv-canary prints a violation."""
         aux = f"expected_position={self.expected_aux}" if self.is_write else f"expected_chain_hash={self.expected_aux:#018x}"
+        where = "" if self.rank is None else f" rank={self.rank} device={self.device}"
         return (
             f"kv_canary violation: launch_tag={self.launch_tag} fail_reason={self.reasons} "
             f"slot_idx={self.slot_idx} position={self.position} stored_token={self.stored_token} "
-            f"expected_token={self.expected_token} stored_chain_hash={self.stored_chain_hash:#018x} {aux}"
+            f"expected_token={self.expected_token} stored_chain_hash={self.stored_chain_hash:#018x} {aux}{where}"
         )
 
     def to_dict(self) -> dict:
@@ -153,3 +162,48 @@ class Violation:
     def from_dict(cls, d: dict) -> "Violation":
         """Inverse of :meth:`to_dict`: ``d`` holds the fields by name (derived keys are ignored)."""
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+#: The kind of violation a replicated-KV comparison finds (docs/distributed.md).
+REPLICATED_KV_MISMATCH = "replicated_kv_mismatch"
+
+
+@dataclass(frozen=True)
+class ReplicaMismatch:
+    """A ``replicated_kv_mismatch``: one slot's TAIL real-KV fingerprint differs between two ranks
+    that must hold identical KV (a session built with ``replicated_kv=True``).
+
+    Parameters
+    ----------
+    slot_idx : int
+        The canary (and KV pool) slot.
+    rank, other_rank : int
+        The rank whose fingerprint differs, and a rank holding the value most ranks hold (the
+        lowest such rank); both ranks of the group.
+    real_kv_hash, other_real_kv_hash : int
+        Their fingerprints (unsigned).
+    step : int
+        The 0-based session step after which the fingerprints were compared.
+    """
+
+    slot_idx: int
+    rank: int
+    other_rank: int
+    real_kv_hash: int
+    other_real_kv_hash: int
+    step: int
+
+    @property
+    def kind(self) -> str:
+        """``"replicated_kv_mismatch"``: the violation kind, as reports and JSON name it."""
+        return REPLICATED_KV_MISMATCH
+
+    def format(self) -> str:
+        """One log line naming the slot and both ranks."""
+        return (f"kv_canary {REPLICATED_KV_MISMATCH}: slot_idx={self.slot_idx} rank={self.rank} "
+                f"real_kv_hash={self.real_kv_hash:#018x} other_rank={self.other_rank} "
+                f"other_real_kv_hash={self.other_real_kv_hash:#018x} step={self.step}")
+
+    def to_dict(self) -> dict:
+        """The JSON-ready record: ``kind``, then every field by name (hashes unsigned)."""
+        return {"kind": REPLICATED_KV_MISMATCH, **{f.name: getattr(self, f.name) for f in fields(self)}}

@@ -167,11 +167,14 @@ LAYERS = {
     "gpu params": ("backends.cuda.params",),
     "gpu launch": ("backends.cuda.launch",),
     "backends": ("backends.cuda.ops", "backends.numpy_backend", "backends"),
-    "front door": ("strict", "binding", "ops", "ops.canary", "ops.planning", "ops.pool"),
+    "front door": ("strict", "binding", "ops", "ops.canary", "ops.planning", "ops.pool", "digest"),
     "bound": ("bound", "launchers", "plan_launcher", "planner"),
-    "engine": ("session", "session.loop", "session.staging", "session.violations"),
+    "engine": ("exchange", "distributed", "session", "session.loop", "session.staging", "session.sweep",
+               "session.violations", "metrics"),
     "tools": ("sim", "cli", "__main__", "devtools", ""),  # "": the package's face, kvcanary_cupy/__init__.py
 }
+#: Layers named by a package hold all its modules.
+_PACKAGES = ("sim", "devtools", "digest")
 #: Modules of at most this many lines, except the simulator and the NumPy reference.
 MAX_MODULE_LINES = 430
 
@@ -179,7 +182,7 @@ MAX_MODULE_LINES = 430
 def _layer_of(name: str) -> int:
     short = name.removeprefix(PACKAGE).removeprefix(".")
     for rank, modules in enumerate(LAYERS.values()):
-        if short in modules or any(short.startswith(m + ".") for m in modules if m in ("sim", "devtools")):
+        if short in modules or any(short.startswith(m + ".") for m in modules if m in _PACKAGES):
             return rank
     raise AssertionError(f"{name} is in no layer of LAYERS: add it where it belongs")
 

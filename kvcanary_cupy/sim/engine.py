@@ -56,6 +56,7 @@ class EngineConfig:
     sweep_every: int = 8  # steps between sweeps of the prefix cache
     num_layers: int = 2
     kv_row_bytes: int = 16  # bytes of one token's K (and V) row per layer
+    transfer_digest: str = "off"  # "full" / "default": transfers go through a host tier, digested (sim/transfer.py)
     vocab: int = 32000
 
     @property
@@ -376,6 +377,11 @@ class Engine:
         self.protected: set = set()  # requests a live fault depends on: never aborted or compacted
         self.timer = StepTimer(cupy)
         self.counters = Counter()
+        self.digest = None
+        if config.transfer_digest != "off":
+            from .transfer_path import DigestPath
+
+            self.digest = DigestPath(self, config.transfer_digest)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -385,8 +391,9 @@ class Engine:
         return block
 
     def take_violations(self) -> list:
-        """(pool name, Violation) of every violation seen since the last take."""
-        return [(name, v) for name, pool in self.pools.items() for v in pool.sightings.take()]
+        """(pool name, Violation) of every violation seen since the last take (digest verdicts included)."""
+        seen = [(name, v) for name, pool in self.pools.items() for v in pool.sightings.take()]
+        return seen + (self.digest.take() if self.digest is not None else [])
 
     def dev(self, a):
         return a if self.xp is np else self.xp.asarray(a)
@@ -560,9 +567,12 @@ class Engine:
                 return
             new_blocks = [self.alloc(dst, req) for _ in req.blocks]
             copy_to = self.hook.on_transfer(self, req, list(new_blocks))
-            src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
-            src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
-            copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
+            if self.digest is not None:
+                self.digest.transfer(self, src, dst, req, copy_to, new_blocks)
+            else:
+                src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
+                src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
+                copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
             self.finish(src, req)  # the prefill server caches the prompt
             req.alive, req.awaiting_transfer, req.pool, req.blocks = True, False, "decode", new_blocks
             dst.running.append(req)

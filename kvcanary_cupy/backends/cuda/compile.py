@@ -77,6 +77,7 @@ FAMILIES = {
     "scatter": KernelFamily("scatter.cu", (("scatter_req_token_ids", ()),)),
     "session": KernelFamily("session.cu", (("session_stage", ()), ("session_attribute", ()))),
     "move": KernelFamily("move.cu", tuple((k, ()) for k in ("move_gather", "move_clear", "move_scatter"))),
+    "digest": KernelFamily("digest.cu", tuple((k, ()) for k in ("digest_init", "digest_accumulate", "digest_verify"))),
 }
 
 
