@@ -68,7 +68,7 @@ class HostExchange:
 class DeviceExchange:
     """NCCL: the rows live on the session's GPU; a side stream, ordered after the step's stream by
     an event, zeroes them, copies this rank's totals from pinned memory and its fingerprints from
-    the TAIL canary, runs the all-reduce (``work.wait()`` there makes the side stream, not the host,
+    the TAIL canary (the step's stream then waits for that copy only), runs the all-reduce (``work.wait()`` there makes the side stream, not the host,
     wait for NCCL's), copies the result to pinned memory and records an event."""
 
     def __init__(self, torch, dist, group, rank: int, rows: int, width: int, column, device: int, launch_stream):
@@ -82,6 +82,7 @@ class DeviceExchange:
         self._column = column  # torch view of the TAIL canary's real_kv_hash column, or None
         self._side = torch.cuda.Stream(device=self._device)
         self._done = torch.cuda.Event()
+        self._snapshot = torch.cuda.Event()
         self._launch_stream = launch_stream
         self._external = {}  # CuPy stream pointer -> torch.cuda.ExternalStream
 
@@ -101,13 +102,18 @@ class DeviceExchange:
             self._host_in_np = self._host_in.numpy()
         self._host_in_np[:] = host_values  # its previous copy has completed: finish() came first
         h = len(host_values)
-        self._side.wait_stream(self._step_stream())
+        step_stream = self._step_stream()
+        self._side.wait_stream(step_stream)
         with torch.cuda.stream(self._side):
             self.buffer.zero_()
             own = self.buffer[self._rank]
             own[:h].copy_(self._host_in, non_blocking=True)
             if slots:
                 own[h : h + slots].copy_(self._column[offset : offset + slots])
+                # the next step's TAIL write waits for the snapshot (not for the all-reduce), so that
+                # every rank compares the canary as this step left it
+                self._snapshot.record(self._side)
+                step_stream.wait_event(self._snapshot)
             work = self._all_reduce()  # NCCL's stream waits for the side stream's copies
             work.wait()
             self._host_out.copy_(self.buffer, non_blocking=True)

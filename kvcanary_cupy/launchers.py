@@ -271,3 +271,17 @@ class VerifyLauncher:
             if trimmed is None:
                 raise
             raise trimmed  # the same exception, its traceback ending here
+
+
+class WriteWaves:
+    """Write launchers called in order as one (a session's waves of writes within a step), joined as one."""
+
+    def __init__(self, launchers):
+        self.launchers = launchers
+
+    def __call__(self, *args) -> None:
+        for launcher in self.launchers:
+            launcher(*args)
+
+    def join(self) -> None:
+        self.launchers[-1].join()  # one side stream: the last wave's join covers the others

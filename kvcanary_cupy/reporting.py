@@ -44,7 +44,7 @@ def _html_cell(v: Violation, key: str, value) -> str:
         value = f"{value:#018x}"
     elif key == "expected_token" and value == -1 and not v.is_write:
         value = "not checked"
-    elif key == "batch_rows":
+    elif key in ("batch_rows", "request_ids"):
         value = ", ".join(map(str, value)) or None
     return f"<td{title}>{'&ndash;' if value is None else html.escape(str(value))}</td>"
 
@@ -59,6 +59,7 @@ PANDAS_DTYPES = {
     "stored_token": "int64", "expected_token": "int64", "stored_chain_hash": "uint64", "expected_aux": object,
     "fail_reason_bits": "int64", "expected_position": "Int64", "prev_slot_idx": "Int64", "batch_rows": object,
     "repeats": "int64", "first_step": "Int64", "last_step": "Int64", "rank": "Int64", "device": object,
+    "request_ids": object, "finding": object,
 }
 
 _I64_RANGE, _U64_RANGE = (-(2**63), 2**63 - 1), (0, 2**64 - 1)
@@ -102,6 +103,12 @@ def _json_record(d, where: str) -> Violation:
         fail(TypeError, f"report JSON {where}.batch_rows must be a list of int, got {type(rows).__name__}")
     for i, r in enumerate(rows):
         _json_int(r, f"{where}.batch_rows[{i}]", 0, _I64_RANGE[1])
+    ids = d.get("request_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
+        fail(TypeError, f"report JSON {where}.request_ids must be a list of str, got {ids!r}")
+    finding = d.get("finding")
+    if finding is not None and not isinstance(finding, str):
+        fail(TypeError, f"report JSON {where}.finding must be a str or null, got {type(finding).__name__}")
     return Violation.from_dict(d)
 
 

@@ -78,6 +78,13 @@ class Violation:
     device : str, optional
         That rank's device, to join with ECC / Xid logs: ``"GPU-<uuid>"`` (as ``nvidia-smi -L``
         prints it) with the PCI bus id, or ``"cpu@<host>"``; None without a group.
+    request_ids : tuple of str
+        The engine's ids of the requests behind ``batch_rows`` (filled by an engine integration,
+        :mod:`kvcanary_cupy.integrations`; empty where unknown).
+    finding : str, optional
+        What an engine integration knows the violation to be when it is the engine's own
+        documented behaviour rather than corruption (docs/engines.md lists the labels); None:
+        unexplained.
 
     Examples
     --------
@@ -102,11 +109,14 @@ class Violation:
     last_step: int | None = None
     rank: int | None = None
     device: str | None = None
+    request_ids: tuple = ()
+    finding: str | None = None
 
     def __post_init__(self):
         if self.is_write and self.expected_position is None:
             object.__setattr__(self, "expected_position", self.expected_aux)
         object.__setattr__(self, "batch_rows", tuple(int(r) for r in self.batch_rows))
+        object.__setattr__(self, "request_ids", tuple(str(r) for r in self.request_ids))
 
     @classmethod
     def from_row(cls, row: Sequence[int]) -> "Violation":
@@ -156,6 +166,7 @@ class Violation:
         for f in fields(self):
             out[f.name] = getattr(self, f.name)
         out["batch_rows"] = list(self.batch_rows)
+        out["request_ids"] = list(self.request_ids)
         return out
 
     @classmethod

@@ -166,15 +166,15 @@ LAYERS = {
     "gpu policy": ("backends.cuda.configs",),
     "gpu params": ("backends.cuda.params",),
     "gpu launch": ("backends.cuda.launch",),
-    "backends": ("backends.cuda.ops", "backends.numpy_backend", "backends"),
-    "front door": ("strict", "binding", "ops", "ops.canary", "ops.planning", "ops.pool", "digest"),
+    "backends": ("backends.cuda.ops", "backends.cuda.same_step", "backends.numpy_backend", "backends"),
+    "front door": ("strict", "binding", "ops", "ops.canary", "ops.planning", "ops.pool", "digest", "same_step"),
     "bound": ("bound", "launchers", "plan_launcher", "planner"),
     "engine": ("exchange", "distributed", "session", "session.loop", "session.staging", "session.sweep",
                "session.violations", "metrics"),
-    "tools": ("sim", "cli", "__main__", "devtools", ""),  # "": the package's face, kvcanary_cupy/__init__.py
+    "tools": ("integrations", "hf", "sim", "cli", "__main__", "devtools", ""),  # "": the package's face, kvcanary_cupy/__init__.py
 }
 #: Layers named by a package hold all its modules.
-_PACKAGES = ("sim", "devtools", "digest")
+_PACKAGES = ("sim", "devtools", "digest", "integrations", "hf")
 #: Modules of at most this many lines, except the simulator and the NumPy reference.
 MAX_MODULE_LINES = 430
 

@@ -64,8 +64,9 @@ class SweepMixin:
         if renamed is not None:
             fail(*renamed)  # outside the except block: no "during handling" chain
         self._sweep_verify()
-        self._stats["sweeps"] += 1
-        self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
+        with self._handling:
+            self._stats["sweeps"] += 1
+            self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
 
 
     def _sweep_planner_for(self, bs: int) -> CanaryPlanner:

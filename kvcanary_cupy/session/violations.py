@@ -20,9 +20,10 @@ from ..args import ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS
 from ..constants import FailReason
 from ..errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError, fail
 from ..interop import allocate
-from ..planner import CanaryCapacityWarning
 from ..log import ViolationLog
+from ..planner import CanaryCapacityWarning
 from ..reporting import Violation, ViolationReport, reason_name, tag_name
+from ..validation import check_int
 
 if TYPE_CHECKING:
     from .staging import _Record
@@ -99,7 +100,34 @@ class ViolationsMixin:
                 dropped_rows=total - s["rows_read"],
                 out_of_range_skipped=self._out_of_range_skipped(),
             )
+        if self.same_step is not None:  # a host read of three counters
+            counts = self.same_step.counts()
+            s.update(same_step_verified=counts["verified_as_written"], same_step_deeper=counts["deeper_than_waves"])
         return s
+
+    def gather_report(self, dst: int = 0) -> ViolationReport | None:
+        """Every rank's :meth:`report` merged (:meth:`ViolationReport.merge`) on rank ``dst`` of the
+        session's ``process_group``; None on the other ranks.
+
+        A blocking collective outside the step loop: every rank must call it.  Each violation
+        carries its ``rank`` and ``device``.
+        """
+        if self.distributed is None:
+            fail(CanaryUsageError, "gather_report() needs a session built with a process_group")
+        dst = check_int(dst, "dst", minimum=0)
+        if dst >= self.distributed.world_size:
+            fail(ValueError, f"dst must be a rank of the process_group (< {self.distributed.world_size}), got {dst}")
+        return self.distributed.gather_report(self.report(), dst)
+
+    def __repr__(self) -> str:
+        s = self.stats
+        c = self.planner.capacities
+        policy = self.on_violation if isinstance(self.on_violation, str) else "callable"
+        window = f", swa_window_size={self.planner.swa_window_size}" if self.planner.swa_window_size else ""
+        return (f"CanarySession(num_slots={self.num_slots}, on={self._placement.describe()}, "
+                f"max_batch_size={self.max_batch_size}, verify_capacity={c.verify_capacity}, "
+                f"ring_capacity={self.log.capacity // len(RING_GROUPS)}, on_violation={policy!r}{window}, "
+                f"steps={s['steps']}, violations={s['violations']}, distinct={s['distinct_violations']})")
 
     def _refuse_in_policy(self, what: str) -> None:
         if self._in_policy:
@@ -158,7 +186,7 @@ class ViolationsMixin:
                     by_slot = collections.defaultdict(list)
                     for entry in attribution[np.argsort(attribution[:, _ATTRIBUTION["entry"]], kind="stable")].tolist():
                         by_slot[entry[_ATTRIBUTION["slot"]]].append(entry)
-                v = _attribute(v, by_slot.get(v.slot_idx, ()))
+                v = _attribute(v, by_slot.get(v.slot_idx, ()), record.labels)
             keys[key] = [replace(v, first_step=record.step), 1]
         return by_reason, keys
 
@@ -295,7 +323,7 @@ def _group_logs(ring_capacity: int, like):
     return log, views
 
 
-def _attribute(v: Violation, entries) -> Violation:
+def _attribute(v: Violation, entries, labels=None) -> Violation:
     """``v`` with the batch rows, expected position and predecessor of the verify entries that
     read its slot and could have produced it (same position verdict, same expected token)."""
     position_failed = bool(v.fail_reason_bits & FailReason.VERIFY_POSITION_MISMATCH)
@@ -307,6 +335,9 @@ def _attribute(v: Violation, entries) -> Violation:
         return v
     first = matching[0]
     chain_failed = bool(v.fail_reason_bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH)
-    return replace(v, batch_rows=tuple(sorted({e[a["batch_row"]] for e in matching if e[a["batch_row"]] >= 0})),
+    rows = tuple(sorted({e[a["batch_row"]] for e in matching if e[a["batch_row"]] >= 0}))
+    if labels is not None:  # pre_forward's row_labels: the engine's request ids of these rows
+        v = replace(v, request_ids=tuple(dict.fromkeys(str(labels[r]) for r in rows if r < len(labels))))
+    return replace(v, batch_rows=rows,
                    expected_position=first[a["expected_position"]],
                    prev_slot_idx=first[a["prev_slot"]] if chain_failed else None)
