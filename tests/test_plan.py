@@ -621,8 +621,7 @@ def test_scan_kernels_opt_in_to_the_device_limit_once_as_they_load_never_at_a_la
     they are."""
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import FakeDevice, fake_device
-    from kvcanary_cupy.backends.cuda import abi, compile as cuda_compile
-    from kvcanary_cupy.backends.cuda import configs
+    from kvcanary_cupy.backends.cuda import abi, compile as cuda_compile, configs
 
     with fake_device(record_bytes=False) as dev:
         kc.warmup()
@@ -658,8 +657,7 @@ def test_scan_launches_fit_the_opt_in_and_only_scan_kernels_take_dynamic_shared_
     (compile.LARGE_SHARED_MEM_KERNELS), within the opt-in: the largest scan tile plus the static
     arrays PLAN_SCAN_RESERVED_SMEM keeps."""
     pytest.importorskip("cupy")
-    from kvcanary_cupy.backends.cuda import compile as cuda_compile
-    from kvcanary_cupy.backends.cuda import configs, device as cuda_device
+    from kvcanary_cupy.backends.cuda import compile as cuda_compile, configs, device as cuda_device
     from kvcanary_cupy.tables import TableKind
 
     optin = 232_448
