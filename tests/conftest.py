@@ -6,12 +6,18 @@ back with ``ab.to_numpy``, so the same body checks every backend against the sam
 
 GPU backends are skipped when no CUDA device is usable, unless ``KVCANARY_EXPECT_GPU=1`` is set
 (as ``scripts/gpu_check.sh`` does on the GPU machine): then an unusable GPU fails the test.
+
+The tests are grouped by area (``ops/``, ``bound/``, ``session/``, ``cuda/``, ``sim/``; package-wide
+checks here), with shared helpers in ``_support/``.  Tests import helpers and each other's shared
+cases by module name, so every area is on the import path, as this directory is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +25,8 @@ import numpy as np
 import pytest
 
 EXPECT_GPU = os.environ.get("KVCANARY_EXPECT_GPU") == "1"
+AREAS = ("_support", "ops", "bound", "session", "cuda", "sim")
+sys.path[1:1] = [str(pathlib.Path(__file__).resolve().parent / area) for area in AREAS]
 
 
 def _torch():
