@@ -59,33 +59,37 @@ def table_struct(t) -> np.ndarray:
 
 
 def pool_struct(layout, pointers=None) -> np.ndarray:
-    """DigestPool of ``layout``; ``pointers``: the array of base addresses (default the layout's device copy)."""
+    """DigestPool of ``layout``; ``pointers``: the array of base addresses (default the layout's
+    device copy, and the struct is then made once per layout: a layout never changes)."""
+    if pointers is None and "_digest_pool" in layout.__dict__:
+        return layout.__dict__["_digest_pool"]
     s = np.zeros(1, DIGEST_POOL)
     s["pointers"] = _ptr(layout._device_pointers if pointers is None else pointers)
     for k in ("page_stride", "token_stride", "head_stride", "num_pages", "page_size", "num_heads", "num_layers", "halves",
               "layer_offset", "head_offset"):
         s[k] = getattr(layout, k)
     s["strip_words"] = layout.strip_bytes // 8
+    if pointers is None:
+        layout.__dict__["_digest_pool"] = s  # a frozen dataclass: its __dict__ holds the cache
     return s
 
 
 def requests_struct(a) -> np.ndarray:
-    s = np.zeros(1, DIGEST_REQUESTS)
-    for k, v in (("req_pool_indices", a.req_pool_indices), ("starts", a.starts), ("ends", a.ends), ("sample_keys", a.sample_keys),
-                 ("records", a.records), ("expected", a.expected_tokens), ("valid_lens", a.valid_lens), ("seam", a.seam),
-                 ("out", a.out), ("out_of_range", a.out_of_range_count)):
-        s[k] = _ptr(v)
-    s["bs"] = a.starts.shape[0]
-    if a.records is not None:
-        s["rec_num_slots"], s["rec_fields"] = a.records.shape
-    if a.expected_tokens is not None:
-        x = a.expected_tokens
-        s["exp_rows"], s["exp_cols"], s["exp_i64"] = x.shape[0], x.shape[1], int(x.dtype.itemsize == 8)
-        s["exp_row_stride"] = x.strides[0] // x.dtype.itemsize if x.shape[0] > 1 else x.shape[1]
-    s["token_offset"], s["header"], s["signature"] = a.token_offset, a.header, a.signature
-    s["mode"], s["num_layers_total"], s["sample_layers"] = a.mode, a.num_layers_total, a.sample_layers
-    s["window_words"] = a.window_bytes // 8
-    return s
+    """DigestRequests of a call, made in one step from its values in field order."""
+    rec, exp = a.records, a.expected_tokens
+    v = {k: _ptr(x) for k, x in (("req_pool_indices", a.req_pool_indices), ("starts", a.starts), ("ends", a.ends),
+                                 ("sample_keys", a.sample_keys), ("records", rec), ("expected", exp),
+                                 ("valid_lens", a.valid_lens), ("seam", a.seam), ("out", a.out),
+                                 ("out_of_range", a.out_of_range_count))}
+    v.update(bs=a.starts.shape[0], rec_num_slots=0, rec_fields=0, exp_rows=0, exp_cols=0, exp_row_stride=0, exp_i64=0,
+             token_offset=a.token_offset, header=a.header, signature=a.signature, mode=a.mode,
+             num_layers_total=a.num_layers_total, sample_layers=a.sample_layers, window_words=a.window_bytes // 8)
+    if rec is not None:
+        v["rec_num_slots"], v["rec_fields"] = rec.shape
+    if exp is not None:
+        v["exp_rows"], v["exp_cols"], v["exp_i64"] = exp.shape[0], exp.shape[1], int(exp.dtype.itemsize == 8)
+        v["exp_row_stride"] = exp.strides[0] // exp.dtype.itemsize if exp.shape[0] > 1 else exp.shape[1]
+    return np.array([tuple(v[k] for k in DIGEST_REQUESTS.names)], DIGEST_REQUESTS)
 
 
 class Launches:
@@ -99,8 +103,9 @@ class Launches:
     def __init__(self, placement, launches):
         """``launches``: (kernel name, grid, block, parameter record) tuples, on the current device."""
         self.placement = placement
-        self.records = tuple(record for *_, record in launches)  # what the argument addresses point into
-        self.calls = tuple((get_function("digest", name).kernel, grid, block, kernel_arguments(record))
+        self.records = tuple({id(r): r for *_, r in launches}.values())  # what the argument addresses point into
+        arguments = {id(r): kernel_arguments(r) for r in self.records}  # digest_init and digest_accumulate share one
+        self.calls = tuple((get_function("digest", name).kernel, grid, block, arguments[id(record)])
                            for name, grid, block, record in launches)
 
     def launch(self) -> None:
