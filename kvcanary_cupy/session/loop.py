@@ -18,7 +18,7 @@ from ..backends import get_backend
 from ..constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
 from ..distributed import RankReducer
 from ..errors import CanaryUsageError, fail, public_api, trimmed_argument_error
-from ..interop import Array, allocate, import_cupy, placement_of
+from ..interop import Array, allocate, backend_view, import_cupy, placement_of
 from ..launchers import VerifyLauncher, WriteLauncher
 from ..planner import CanaryCapacities, CanaryPlanner
 from ..plans import allocate_canary_buffer, check_num_sources
@@ -453,6 +453,53 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self._sweep_verify()
         self._stats["sweeps"] += 1
         self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
+
+    @public_api
+    def sweep_blocks(self, blocks: Array, start_positions: Array, prev_slots: Array, *, block_size: int,
+                     labels: Sequence | None = None) -> None:
+        """Verify (TAIL buffer, real KV, no token check) each cached block from its triple.
+
+        Block ``blocks[k]``'s slots ``blocks[k] * block_size + j`` must hold positions
+        ``start_positions[k] + j``, the first chained to ``prev_slots[k]`` (-1: the chain anchor)
+        and each next one to the slot before it (:mod:`kvcanary_cupy.session.blocks`).  Every block
+        is verified once; ``labels[k]`` (e.g. its block id or hash) names the block in the
+        violations' ``request_ids``.  Outside graphs, between ``end_step`` and the next
+        ``pre_forward``; staged like a step; a sweep past ``verify_capacity`` is skipped and counted
+        (``stats["verify_skipped_sweeps"]``).
+
+        Parameters
+        ----------
+        blocks, start_positions, prev_slots : int64 arrays [n]
+            The triples, on the session's device (NumPy arrays for a NumPy or CPU-torch session).
+        block_size : int
+            Slots per block, ``>= 1``.
+        labels : sequence, optional
+            A name per block.
+
+        Examples
+        --------
+        >>> session = kc.CanarySession(16, max_batch_size=2, on_violation="ignore")
+        >>> session.sweep_blocks(np.array([1, 2]), np.array([0, 4]), np.array([-1, 7]), block_size=4)
+        >>> session.check(), session.stats["sweeps"], session.stats["violations"] > 0  # nothing was written there
+        (0, 1, True)
+        """
+        from .blocks import fill_block_entries
+
+        self._refuse_in_policy("sweep_blocks")
+        stream = self._launch_stream("sweep_blocks")
+        if self._step_open:
+            fail(CanaryUsageError, "sweep_blocks() between pre_forward() and end_step() would mix the sweep's violations "
+                                   "with the step's; call it after end_step()")
+        size = check_int(block_size, "block_size", minimum=1)
+        n = _length(blocks, "blocks")
+        if labels is not None and len(labels) < n:
+            fail(ValueError, f"labels must name every block: {n} blocks, got {len(labels)} labels")
+        planner = self._sweep_planner_for(n)
+        fill_block_entries(planner, backend_view(blocks, "blocks"), backend_view(start_positions, "start_positions"),
+                           backend_view(prev_slots, "prev_slots"), size)
+        self._sweep_verify()
+        self._stats["sweeps"] += 1
+        self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream, labels=labels)
 
     def gather_report(self, dst: int = 0) -> ViolationReport | None:
         """Every rank's :meth:`report` merged (:meth:`ViolationReport.merge`) on rank ``dst`` of the
