@@ -43,7 +43,7 @@ from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_
 from .runtime import join_stream
 from .backends.cuda.compile import warmup
 from .launchers import VerifyLauncher, WriteLauncher
-from .ops import move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
+from .ops import copy_pages, move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
 from .reporting import ReplicaMismatch, Violation, ViolationReport
@@ -106,6 +106,7 @@ __all__ = [
     "WriteLauncher",
     "WritePlan",
     "allocate_canary_buffer",
+    "copy_pages",
     "digest_pages",
     "join_stream",
     "mix3",

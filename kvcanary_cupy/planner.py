@@ -121,8 +121,8 @@ class CanaryCapacities:
     @public_api
     def from_block_pool(cls, *, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int | None = None,
                         warn_bytes: int | None = None) -> "CanaryCapacities":
-        """Capacities from a paged engine's block pool (vLLM: ``num_gpu_blocks``, ``block_size``,
-        ``max_num_seqs``, ``max_model_len``), warning when the canary would be large.
+        """Capacities from a paged engine's block pool (``num_blocks``: vLLM's ``num_gpu_blocks``;
+        ``block_size``, ``max_num_seqs``, ``max_model_len``), warning when the canary would be large.
 
         The pool has ``num_blocks * block_size`` slots (:meth:`canary_slots`); ``verify_capacity``
         is :meth:`from_engine`'s ``3 x`` the pool, bounded by ``max_num_seqs * max_model_len``

@@ -93,6 +93,11 @@ class Violation:
         Ring rows with this violation's ``key``.
     first_step, last_step : int, optional
         The session steps it was first and last seen in.
+    rank : int, optional
+        The rank (in the session's ``process_group``) whose canary found it; None without a group.
+    device : str, optional
+        That rank's device, to join with ECC / Xid logs: ``"GPU-<uuid>"`` (as ``nvidia-smi -L``
+        prints it) with the PCI bus id, or ``"cpu@<host>"``; None without a group.
     request_ids : tuple of str
         The engine's ids of the requests behind ``batch_rows`` (filled by an engine integration,
         :mod:`kvcanary_cupy.integrations`; empty where unknown).
@@ -100,11 +105,6 @@ class Violation:
         What an engine integration knows the violation to be when it is the engine's own
         documented behaviour rather than corruption (docs/engines.md lists the labels); None:
         unexplained.
-    rank : int, optional
-        The rank (in the session's ``process_group``) whose canary found it; None without a group.
-    device : str, optional
-        That rank's device, to join with ECC / Xid logs: ``"GPU-<uuid>"`` (as ``nvidia-smi -L``
-        prints it) with the PCI bus id, or ``"cpu@<host>"``; None without a group.
 
     Examples
     --------
@@ -127,10 +127,10 @@ class Violation:
     repeats: int = 1
     first_step: int | None = None
     last_step: int | None = None
-    request_ids: tuple = ()
-    finding: str | None = None
     rank: int | None = None
     device: str | None = None
+    request_ids: tuple = ()
+    finding: str | None = None
 
     def __post_init__(self):
         if self.is_write and self.expected_position is None:
@@ -268,8 +268,8 @@ PANDAS_DTYPES = {
     "launch_tag": object, "reasons": object, "kernel_kind": "int64", "slot_idx": "int64", "position": "int64",
     "stored_token": "int64", "expected_token": "int64", "stored_chain_hash": "uint64", "expected_aux": object,
     "fail_reason_bits": "int64", "expected_position": "Int64", "prev_slot_idx": "Int64", "batch_rows": object,
-    "repeats": "int64", "first_step": "Int64", "last_step": "Int64", "request_ids": object, "finding": object,
-    "rank": "Int64", "device": object,
+    "repeats": "int64", "first_step": "Int64", "last_step": "Int64", "rank": "Int64", "device": object,
+    "request_ids": object, "finding": object,
 }
 
 _I64_RANGE, _U64_RANGE = (-(2**63), 2**63 - 1), (0, 2**64 - 1)

@@ -159,13 +159,16 @@ class EngineCanary:
     # -- for subclasses ------------------------------------------------------------------------------
 
     def new_session(self, num_slots: int, *, max_batch_size: int, **kwargs) -> CanarySession:
-        """A session with the options applied; its policy labels violations first."""
+        """A session with the options applied (``kwargs``, the integration's own settings, win); its
+        policy labels violations first."""
         o = self.options
         index = len(self.sessions)
-        session = CanarySession(num_slots, max_batch_size=max_batch_size, ring_capacity=o.ring_capacity,
-                                verify_capacity=o.verify_capacity, check_expected_tokens=o.check_expected_tokens,
-                                real_kv_hash_mode=o.real_kv_hash_mode if kwargs.get("real_kv_sources") else RealKvHashMode.NONE,
-                                on_violation=lambda report: self._deliver(index, report), **kwargs)
+        settings = dict(ring_capacity=o.ring_capacity, verify_capacity=o.verify_capacity,
+                        check_expected_tokens=o.check_expected_tokens,
+                        real_kv_hash_mode=o.real_kv_hash_mode if kwargs.get("real_kv_sources") else RealKvHashMode.NONE)
+        settings.update(kwargs)  # what the integration knows of the engine (sizes, sources) comes last
+        session = CanarySession(num_slots, max_batch_size=max_batch_size,
+                                on_violation=lambda report: self._deliver(index, report), **settings)
         self.sessions.append(session)
         return session
 

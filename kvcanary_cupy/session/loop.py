@@ -275,6 +275,9 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self._capacity_warned = self._coverage_warned = self._eviction_warned = False
         self._in_policy = False  # inside the on_violation callback
         self._lock = threading.Lock()  # held while handled results change, so another thread can read them
+        # Held by end_step, sweep and check while they stage and handle records: check() from another thread
+        # than the engine's (docs/guide.md, "Threads") waits for the engine's end_step instead of racing it.
+        self._handling = threading.RLock()
         self._stats = dict(steps=0, verified_entries=0, verify_skipped_steps=0, verify_skipped_sweeps=0, sweeps=0,
                            rows_read=0, health_failures=0, untracked_rows=0, evicted_violations=0,
                            unattributed_entries=0, staging_waits=0)
@@ -389,20 +392,21 @@ class CanarySession(StagingMixin, ViolationsMixin):
         stream = self._launch_stream("end_step")
         self._join_head_write()  # post_forward was not called: the staging reads the log the write fills
         stats = self._stats
-        first = self._stamp + 1  # the stamp of this step's staging: it and later ones stay pending
-        self._stage("step", stats["steps"], self._step_stager, stream, labels=self._row_labels)
-        self._row_labels = None
-        stats["steps"] += 1
-        self._step_open, self._step_inputs = False, None
-        if self.sweep_every and stats["steps"] % self.sweep_every == 0:
-            source = self.sweep_source()
-            if source is not None:
-                self.sweep(*source)
-        self._drain(first)
-        if self.distributed is None:
-            self._apply_policy()
-        else:  # every reduce_every-th step: the group's verdict, the same on every rank
-            self.distributed.end_step(self)
+        with self._handling:
+            first = self._stamp + 1  # the stamp of this step's staging: it and later ones stay pending
+            self._stage("step", stats["steps"], self._step_stager, stream, labels=self._row_labels)
+            self._row_labels = None
+            stats["steps"] += 1
+            self._step_open, self._step_inputs = False, None
+            if self.sweep_every and stats["steps"] % self.sweep_every == 0:
+                source = self.sweep_source()
+                if source is not None:
+                    self.sweep(*source)
+            self._drain(first)
+            if self.distributed is None:
+                self._apply_policy()
+            else:  # every reduce_every-th step: the group's verdict, the same on every rank
+                self.distributed.end_step(self)
 
     def check(self) -> int:
         """Block until every staged step and sweep is handled, then apply the policy.
@@ -415,13 +419,14 @@ class CanarySession(StagingMixin, ViolationsMixin):
         """
         self._refuse_in_policy("check")
         self._launch_stream("check")
-        self._transport.synchronize()
-        self._drain(None)
-        if self.distributed is None:
-            self._apply_policy()
-        else:
-            self.distributed.check(self)
-        return self._out_of_range_skipped()
+        with self._handling:
+            self._transport.synchronize()
+            self._drain(None)
+            if self.distributed is None:
+                self._apply_policy()
+            else:
+                self.distributed.check(self)
+            return self._out_of_range_skipped()
 
     @public_api
     def sweep(self, req_pool_indices: Array | None, seq_lens: Array, table: Any) -> None:
@@ -451,8 +456,9 @@ class CanarySession(StagingMixin, ViolationsMixin):
         if renamed is not None:
             fail(*renamed)  # outside the except block: no "during handling" chain
         self._sweep_verify()
-        self._stats["sweeps"] += 1
-        self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
+        with self._handling:
+            self._stats["sweeps"] += 1
+            self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
 
     @public_api
     def sweep_blocks(self, blocks: Array, start_positions: Array, prev_slots: Array, *, block_size: int,
