@@ -13,9 +13,31 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import fail
+from ..errors import CanaryUsageError, fail
 from ..interop import backend_view
-from ..validation import I64
+from ..validation import I64, check_int
+
+
+def sweep_blocks(session, blocks, start_positions, prev_slots, block_size, labels) -> None:
+    """:meth:`CanarySession.sweep_blocks` (its docstring says what it does)."""
+    session._refuse_in_policy("sweep_blocks")
+    stream = session._launch_stream("sweep_blocks")
+    if session._step_open:
+        fail(CanaryUsageError, "sweep_blocks() between pre_forward() and end_step() would mix the sweep's violations "
+                               "with the step's; call it after end_step()")
+    size = check_int(block_size, "block_size", minimum=1)
+    view = backend_view(blocks, "blocks")
+    if view.ndim != 1:
+        fail(ValueError, f"blocks must be 1-D, got shape {tuple(view.shape)}")
+    n = view.shape[0]
+    if labels is not None and len(labels) < n:
+        fail(ValueError, f"labels must name every block: {n} blocks, got {len(labels)} labels")
+    planner = session._sweep_planner_for(n)
+    fill_block_entries(planner, view, backend_view(start_positions, "start_positions"),
+                       backend_view(prev_slots, "prev_slots"), size)
+    session._sweep_verify()
+    session._stats["sweeps"] += 1
+    session._stage("sweep", session._stats["steps"] - 1, session._sweep_stager, stream, labels=labels)
 
 
 def fill_block_entries(planner, blocks, starts, prevs, block_size: int) -> int:

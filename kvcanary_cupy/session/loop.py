@@ -18,12 +18,12 @@ from ..backends import get_backend
 from ..constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
 from ..distributed import RankReducer
 from ..errors import CanaryUsageError, fail, public_api, trimmed_argument_error
-from ..interop import Array, allocate, backend_view, import_cupy, placement_of
+from ..interop import Array, allocate, import_cupy, placement_of
 from ..launchers import VerifyLauncher, WriteLauncher
 from ..planner import CanaryCapacities, CanaryPlanner
 from ..plans import allocate_canary_buffer, check_num_sources
 from ..reporting import ViolationReport, reason_name
-from ..same_step import SameStepReads, resolve_same_step_reads
+from ..same_step import SameStepReads, WriteWaves, resolve_same_step_reads
 from ..validation import I64, INT32_MAX, check_count, check_int
 from .staging import STAGED_RECORDS, StagingMixin, _CudaTransport, _HostTransport
 from .violations import POLICIES, RING_GROUPS, ViolationsMixin, _group_logs
@@ -253,9 +253,9 @@ class CanarySession(StagingMixin, ViolationsMixin):
         if same_step_reads:  # one write launch per wave, each in both buffers
             self.same_step = SameStepReads.allocate(num_slots, self.max_batch_size, like=like)
             waves = self.same_step.wave_plans(wp)
-            self._tail_write = _Waves([WriteLauncher(self.tail_canary, w, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
+            self._tail_write = WriteWaves([WriteLauncher(self.tail_canary, w, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
                                        for w in waves])
-            self._head_write = _Waves([WriteLauncher(self.head_canary, w, log=head_log, kernel_kind=self.head_tag,
+            self._head_write = WriteWaves([WriteLauncher(self.head_canary, w, log=head_log, kernel_kind=self.head_tag,
                                                      stream=self._head_write_stream) for w in waves])
         self._row_labels = None  # the engine's labels of this step's batch rows (pre_forward's row_labels)
         self._head_write_unjoined = False
@@ -489,23 +489,9 @@ class CanarySession(StagingMixin, ViolationsMixin):
         >>> session.check(), session.stats["sweeps"], session.stats["violations"] > 0  # nothing was written there
         (0, 1, True)
         """
-        from .blocks import fill_block_entries
+        from .blocks import sweep_blocks
 
-        self._refuse_in_policy("sweep_blocks")
-        stream = self._launch_stream("sweep_blocks")
-        if self._step_open:
-            fail(CanaryUsageError, "sweep_blocks() between pre_forward() and end_step() would mix the sweep's violations "
-                                   "with the step's; call it after end_step()")
-        size = check_int(block_size, "block_size", minimum=1)
-        n = _length(blocks, "blocks")
-        if labels is not None and len(labels) < n:
-            fail(ValueError, f"labels must name every block: {n} blocks, got {len(labels)} labels")
-        planner = self._sweep_planner_for(n)
-        fill_block_entries(planner, backend_view(blocks, "blocks"), backend_view(start_positions, "start_positions"),
-                           backend_view(prev_slots, "prev_slots"), size)
-        self._sweep_verify()
-        self._stats["sweeps"] += 1
-        self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream, labels=labels)
+        sweep_blocks(self, blocks, start_positions, prev_slots, block_size, labels)
 
     def gather_report(self, dst: int = 0) -> ViolationReport | None:
         """Every rank's :meth:`report` merged (:meth:`ViolationReport.merge`) on rank ``dst`` of the
@@ -562,16 +548,3 @@ class CanarySession(StagingMixin, ViolationsMixin):
         return planner
 
 
-
-class _Waves:
-    """The write launchers of a step's waves, called in order as one."""
-
-    def __init__(self, launchers):
-        self.launchers = launchers
-
-    def __call__(self, *args) -> None:
-        for launcher in self.launchers:
-            launcher(*args)
-
-    def join(self) -> None:
-        self.launchers[-1].join()  # one side stream: the last wave's join covers the others
