@@ -202,7 +202,7 @@ class VllmCanary(EngineCanary):
             self._raised.append(exc)
         self.count("engine_steps")
         every = self.options.sweep_every
-        if every and self._session.stats["steps"] % every == 0:
+        if every and self._counts["engine_steps"] % every == 0:
             self.sweep()
 
     def _learn_blocks(self, table: np.ndarray, lengths: np.ndarray) -> None:
@@ -295,6 +295,9 @@ class _RemoteCanary(VllmCanary):
         self._rpc = llm.collective_rpc
         # The engine side only records; the user's policy applies here, as check() brings violations back.
         remote = replace(options, on_violation="ignore")
+        if options.sweep_every:
+            logger.warning("kv-canary: no prefix-cache sweeps with vLLM's engine core in another process (its scheduler "
+                           "is out of the worker's reach); sweep_every is ignored")
         self.fingerprinted_layers = self._call("install", pickle.dumps(remote))
         self._seen: set = set()
         self._latest = (ViolationReport((), 0, 0, *(np.zeros(1, np.int64),) * 4, rows_read=0, steps=0), {})
