@@ -146,8 +146,10 @@ def resolve_same_step_reads(reads: SameStepReads, verify_plan: VerifyPlan, write
     >>> kc.resolve_same_step_reads(reads, vp, wp, np.arange(5), np.arange(5), np.arange(4, 9))
     >>> vp.verify_slot_indices[:4].tolist(), reads.counts()["verified_as_written"]
     ([0, 0, 0, 0], 4)
-    >>> reads.wave_seeds.tolist()  # request 1 continues from slot 7, written in wave 0
-    [[-1, -2], [-2, 7], [-2, -2]]
+    >>> (reads.wave_seeds == kc.SEED_DEFERRED).tolist()  # request 1 continues from slot 7, written in wave 0
+    [[False, True], [True, False], [True, True]]
+    >>> reads.wave_seeds[1].tolist()[1]
+    7
     """
     if not isinstance(reads, SameStepReads):
         fail(TypeError, f"reads must be a SameStepReads, got {type(reads).__name__}")
