@@ -180,21 +180,6 @@ def resolve_same_step_reads(reads: SameStepReads, verify_plan: VerifyPlan, write
             cuda_same_step.resolve(v)
 
 
-class WriteWaves:
-    """The write launchers of a step's waves (one per :meth:`SameStepReads.wave_plans` plan), called
-    in order as one launcher."""
-
-    def __init__(self, launchers):
-        self.launchers = launchers
-
-    def __call__(self, *args) -> None:
-        for launcher in self.launchers:
-            launcher(*args)
-
-    def join(self) -> None:
-        self.launchers[-1].join()  # one side stream: the last wave's join covers the others
-
-
 def _owners(i: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     """Per token index: the largest request whose clamped range holds it (-1: none)."""
     if i.size == 0 or start.size == 0:

@@ -36,8 +36,9 @@ def sweep_blocks(session, blocks, start_positions, prev_slots, block_size, label
     fill_block_entries(planner, view, backend_view(start_positions, "start_positions"),
                        backend_view(prev_slots, "prev_slots"), size)
     session._sweep_verify()
-    session._stats["sweeps"] += 1
-    session._stage("sweep", session._stats["steps"] - 1, session._sweep_stager, stream, labels=labels)
+    with session._handling:
+        session._stats["sweeps"] += 1
+        session._stage("sweep", session._stats["steps"] - 1, session._sweep_stager, stream, labels=labels)
 
 
 def fill_block_entries(planner, blocks, starts, prevs, block_size: int) -> int:
