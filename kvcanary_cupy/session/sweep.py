@@ -69,6 +69,39 @@ class SweepMixin:
             self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
 
 
+    @public_api
+    def sweep_blocks(self, blocks: Array, start_positions: Array, prev_slots: Array, *, block_size: int,
+                     labels=None) -> None:
+        """Verify (TAIL buffer, real KV, no token check) each cached block from its triple.
+
+        Block ``blocks[k]``'s slots ``blocks[k] * block_size + j`` must hold positions
+        ``start_positions[k] + j``, the first chained to ``prev_slots[k]`` (-1: the chain anchor)
+        and each next one to the slot before it (:mod:`kvcanary_cupy.session.blocks`).  Every block
+        is verified once; ``labels[k]`` (e.g. its block id or hash) names the block in the
+        violations' ``request_ids``.  Outside graphs, between ``end_step`` and the next
+        ``pre_forward``; staged like a step; a sweep past ``verify_capacity`` is skipped and counted
+        (``stats["verify_skipped_sweeps"]``).
+
+        Parameters
+        ----------
+        blocks, start_positions, prev_slots : int64 arrays [n]
+            The triples, on the session's device (NumPy arrays for a NumPy or CPU-torch session).
+        block_size : int
+            Slots per block, ``>= 1``.
+        labels : sequence, optional
+            A name per block.
+
+        Examples
+        --------
+        >>> session = kc.CanarySession(16, max_batch_size=2, on_violation="ignore")
+        >>> session.sweep_blocks(np.array([1, 2]), np.array([0, 4]), np.array([-1, 7]), block_size=4)
+        >>> session.check(), session.stats["sweeps"], session.stats["violations"] > 0  # nothing was written there
+        (0, 1, True)
+        """
+        from .blocks import sweep_blocks
+
+        sweep_blocks(self, blocks, start_positions, prev_slots, block_size, labels)
+
     def _sweep_planner_for(self, bs: int) -> CanaryPlanner:
         """The sweep's own plan buffers, grown (to a power of two) when a sweep has more sequences."""
         planner = self._sweep_planner
