@@ -156,3 +156,45 @@ def test_last_call_matches_identity_values_and_array_metadata():
     assert m.get((None, t)) is None  # a dead reference matches nothing, None included
     m.put((object(),), (), [], "N")  # no weak references: nothing remembered
     assert m.get((None,)) is None
+
+
+def test_on_the_device_a_replay_reads_new_values_and_an_in_place_reshape_is_checked(gpu_ab):
+    """On a real GPU: the second call (replayed) digests the bytes and ranges as they are now, and
+    an array reshaped in place after the remembered call is checked (its error), not replayed."""
+    from conftest import get_backend_or_skip
+    from digest_pools import layout_of
+
+    numpy_ab = get_backend_or_skip("numpy")
+    rng = np.random.default_rng(5)
+    model = Model.random(rng, [11, 6])
+    pool = build_pool("vllm-NHD", model, page_size=4, num_pages=8, rng=rng)
+    for r in range(2):
+        pool.write(r, model)
+        pool.stamp(r, model)
+    spec = kc.DigestSpec.full(3)
+
+    def digest(ab, ends_np):
+        """A call of the pool's two requests on ``ab``: the call, its arrays and its out batch."""
+        _, layout = layout_of(pool, model, ab)
+        arrays = {"table": ab.asarray(pool.table), "rows": ab.asarray(np.array(pool.rows, np.int64)),
+                  "starts": ab.asarray(np.zeros(2, np.int64)), "ends": ab.asarray(ends_np),
+                  "keys": ab.asarray(np.array([1, 2], np.int64)), "canary": ab.asarray(pool.canary)}
+        out = kc.DigestBatch.allocate(2, like=arrays["rows"])
+        run = lambda: kc.digest_pages(layout, arrays["table"], arrays["rows"], arrays["starts"], arrays["ends"], spec=spec,  # noqa: E731
+                                      sample_keys=arrays["keys"], records=arrays["canary"], out=out)
+        return run, arrays, out
+
+    want = lambda ends_np: numpy_ab.to_numpy(digest(numpy_ab, ends_np)[0]().records)  # noqa: E731
+    run, arrays, out = digest(gpu_ab, np.array([11, 6], np.int64))
+    run()
+    np.testing.assert_array_equal(gpu_ab.to_numpy(out.records), want(np.array([11, 6], np.int64)))
+    arrays["ends"][...] = gpu_ab.asarray(np.array([7, 6], np.int64))  # new values, same array: replayed
+    run()
+    np.testing.assert_array_equal(gpu_ab.to_numpy(out.records), want(np.array([7, 6], np.int64)))
+    ends = arrays["ends"]
+    if gpu_ab.name == "cupy":
+        ends.shape = (2, 1)
+    else:
+        ends.resize_(2, 1)
+    with pytest.raises(ValueError, match="ends"):
+        run()
