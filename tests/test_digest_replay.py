@@ -149,8 +149,14 @@ def test_last_call_matches_identity_values_and_array_metadata():
     assert m.get((spec, t, None), (2,)) is None  # another value
     assert m.get((spec, t.clone(), None), (1,)) is None  # another tensor
     assert m.get((spec, t, t), (1,)) is None  # None is no match for an object
+    t.requires_grad_(False)
+    assert m.get((spec, t, None), (1,)) == "L"
     t.resize_(8)  # in place: another shape
     assert m.get((spec, t, None), (1,)) is None
+    f = torch.zeros(2)
+    m.put((f,), (), [f], "G")
+    f.requires_grad_()  # which the checks refuse for a written tensor
+    assert m.get((f,)) is None
     m.put((kc.DigestSpec(3), t), (), [t], "M")
     gc.collect()
     assert m.get((None, t)) is None  # a dead reference matches nothing, None included

@@ -5,9 +5,9 @@ them and packing the kernels' parameters again each time is most of a call's hos
 :class:`LastCall` keeps one call's packed :class:`~kvcanary_cupy.digest.cuda.Launches` with weak
 references to the argument objects and the address, shape and strides of each of their arrays:
 a call with the very same objects whose arrays are unchanged (in place too: a CuPy ``shape``
-assignment, a torch ``resize_`` or ``set_``) replays them, anything else takes the checked path.
-Only what the checks read (objects and array metadata, never values) decides, so a replay checks
-exactly what the checked path would, and the kernels read the values at each launch.  Weak
+assignment, a torch ``resize_``, ``set_`` or ``requires_grad_``) replays them, anything else takes the checked path.
+Only what the checks read (objects and array metadata, never values) decides, so a replayed call
+is one the checks would pass again, and the kernels read the values at each launch.  Weak
 references: the memo never keeps a caller's array (or its memory) alive.
 """
 
@@ -19,9 +19,10 @@ from ..interop import is_torch_tensor
 
 
 def _stamp(x) -> tuple:
-    """What the checks and the parameter records read of an array: its address, shape and strides."""
+    """What the checks and the parameter records read of an array: its address, shape and strides
+    (and a torch tensor's requires_grad, which the checks refuse for written arrays)."""
     if is_torch_tensor(x):
-        return x.data_ptr(), x.shape, x.stride()
+        return x.data_ptr(), x.shape, x.stride(), x.requires_grad
     return x.data.ptr, x.shape, x.strides
 
 
@@ -64,6 +65,3 @@ class LastCall:
             self._entry = None
             return
         self._entry = (refs, values, stamps, launches)
-
-    def clear(self) -> None:
-        self._entry = None
