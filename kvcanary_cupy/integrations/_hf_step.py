@@ -18,7 +18,7 @@ import numpy as np
 from ..ops import copy_pages
 from ..plans import RealKvSource
 from ..tables import BlockTable, PagedKvIndices
-from ._hf_layout import Layout, hook_cache, wrap
+from ._hf_layout import FLAT_CACHE, Layout, hook_cache, wrap
 
 #: The label of 5.17's in-place rewrite of a complete, shared block (docs/engines.md).
 SHARED_BLOCK_REWRITE = "engine_rewrote_shared_block"
@@ -181,6 +181,8 @@ class StepCanary:
     def _note_rewrites(self, requests, pasts, tables) -> None:
         """Writes into complete blocks this step (5.17 recomputes a prompt's last token into its cached block)."""
         layout, size = self.layout, self.layout.block_size
+        if layout.version >= FLAT_CACHE or not layout.cache.use_prefix_sharing:  # 5.23 never writes a complete block
+            return
         for fs, past in zip(requests, pasts):
             blocks = tables.get(fs.state.request_id, ())
             end = past + fs.query_length
