@@ -6,8 +6,8 @@
 #   HF_NEWEST=5.25.0 scripts/hf_versions.sh  # pin "newest" instead of asking the registry
 #
 # A release whose pip resolution fails on a dependency this machine lacks is installed with
-# --no-deps and the dependencies of the previous venv (transformers' hard dependency on the
-# `kernels` package since 5.25 is one: continuous batching imports without it); the script says so.
+# --no-deps, then its other requirements (transformers' hard dependency on the `kernels` package
+# since 5.25 is one such: continuous batching imports without it); the script says so.
 # Prints one line per version and exits non-zero when a version's tests fail.
 set -u -o pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -25,7 +25,6 @@ if [ -z "$newest" ]; then
 fi
 
 status=0
-previous=""
 for version in 5.17.0 "$newest"; do
   venv="$venvs/transformers-$version"
   if [ ! -x "$venv/bin/python" ]; then
@@ -34,14 +33,29 @@ for version in 5.17.0 "$newest"; do
   how="pip"
   if ! "$venv/bin/python" -c "import transformers, sys; sys.exit(transformers.__version__ != '$version')" 2>/dev/null; then
     if ! "$venv/bin/python" -m pip install -q "transformers==$version" psutil >"$venv/install.log" 2>&1; then
-      [ -n "$previous" ] || { echo "transformers $version: install failed (see $venv/install.log)"; status=1; continue; }
-      "$previous/bin/python" -m pip freeze 2>/dev/null | grep -v -i -E '^(transformers|kvcanary)' >"$venv/deps.txt"
-      if ! "$venv/bin/python" -m pip install -q --no-deps "transformers==$version" >>"$venv/install.log" 2>&1 ||
-         ! "$venv/bin/python" -m pip install -q -r "$venv/deps.txt" >>"$venv/install.log" 2>&1; then
+      missing="$(grep -m1 -o 'No matching distribution found for [^ ]*' "$venv/install.log" | sed 's/.* for //')"
+      name="$(printf '%s' "$missing" | sed 's/[<>=!~;[].*//')"
+      if [ -z "$name" ] || ! "$venv/bin/python" -m pip install -q --no-deps "transformers==$version" >>"$venv/install.log" 2>&1; then
         echo "transformers $version: install failed (see $venv/install.log)"; status=1; continue
       fi
-      how="pip --no-deps (the resolver failed: $(grep -m1 -o 'No matching distribution found for [^ ]*' "$venv/install.log"))"
+      "$venv/bin/python" - "$name" >"$venv/requirements.txt" <<'PY'
+import importlib.metadata, sys
+skip = sys.argv[1].lower().replace("_", "-")
+for r in importlib.metadata.requires("transformers") or ():
+    req = r.split(";")[0].strip()
+    if "extra ==" in r or req.lower().replace("_", "-").startswith(skip):
+        continue
+    print(req)
+print("psutil")
+PY
+      if ! "$venv/bin/python" -m pip install -q -r "$venv/requirements.txt" >>"$venv/install.log" 2>&1; then
+        echo "transformers $version: its requirements failed to install (see $venv/install.log)"; status=1; continue
+      fi
+      how="pip --no-deps without $missing, which no index here has"
     fi
+  fi
+  if ! "$venv/bin/python" -c "import transformers.generation.continuous_batching" >>"$venv/install.log" 2>&1; then
+    echo "transformers $version: does not import (see $venv/install.log)"; status=1; continue
   fi
   start=$SECONDS
   if (cd "$here" && "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_transformers_integration.py \
@@ -51,6 +65,5 @@ for version in 5.17.0 "$newest"; do
     result="FAILED"; status=1
   fi
   echo "transformers $version ($how): $(tail -n 1 "$venv/pytest.log") -> $result in $((SECONDS - start)) s (log: $venv/pytest.log)"
-  previous="$venv"
 done
 exit $status
