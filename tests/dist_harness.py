@@ -23,8 +23,9 @@ FAULT_STEP = 4  # the faulty rank's req_to_token[A, 2] := B's slot from here on 
 MISMATCH_STEP = 3  # the odd rank's model writes other KV bytes for one slot of this step
 STEPS = 10
 KV_WORDS = 16  # int64 words of KV per slot (128 bytes)
-SCENARIOS = ("agreement", "clean", "fault", "fault_every_3", "fault_callable", "fault_log", "replicated", "table_shape",
-             "default_group")
+HEALTH_STEP = 3  # the odd rank ends this step without running the canary (a graph replayed without it)
+SCENARIOS = ("agreement", "clean", "fault", "fault_every_3", "fault_callable", "fault_log", "health", "replicated",
+             "table_shape", "default_group", "metrics")
 GPU_ARRAYS = ("cupy", "torch_cuda")
 
 
@@ -123,6 +124,10 @@ class Rank:
         if before_post is not None:
             before_post(arrays)
         session.post_forward()
+        if self.array in GPU_ARRAYS:  # the device done with the step: "one step late" is then exact
+            import cupy
+
+            cupy.cuda.Device(self.rank).synchronize()
         session.end_step()
 
 
@@ -172,13 +177,25 @@ def _totals(session) -> dict:
 
 
 def scenario_agreement(r: Rank) -> dict:
-    """The odd rank's pool (and so its canary) is smaller: every rank refuses at start."""
+    """The odd rank's canary is smaller, then its KV pool larger: every rank refuses at start."""
+    import kvcanary_cupy as kc
+
+    out = {}
     engine = _engine(num_slots=512 if r.rank != r.odd else 256)
     try:
         r.session(engine)
+        out["canary"] = None
     except ValueError as exc:
-        return {"error": str(exc)}
-    return {"error": None}
+        out["canary"] = str(exc)
+    engine = _engine()
+    kv = r.asarray(np.zeros((512 if r.rank != r.odd else 640, KV_WORDS), np.int64))
+    source = kc.RealKvSource(kv, page_size=1, num_bytes_per_token=8 * KV_WORDS, read_bytes=8 * KV_WORDS)
+    try:
+        r.session(engine, real_kv_sources=(source,), real_kv_hash_mode=kc.RealKvHashMode.ALL)
+        out["pool"] = None
+    except ValueError as exc:
+        out["pool"] = str(exc)
+    return out
 
 
 def scenario_clean(r: Rank) -> dict:
@@ -230,6 +247,25 @@ def scenario_fault_log(r: Rank) -> dict:
     return dict(records=records)
 
 
+def scenario_health(r: Rank) -> dict:
+    """The odd rank ends HEALTH_STEP without the canary's kernels: every rank raises CanaryHealthError."""
+    import kvcanary_cupy as kc
+
+    engine = _engine(seed=r.rank)
+    session = r.session(engine, on_violation="raise")
+    raised = []
+    for step, rows in enumerate(_schedule()):
+        try:
+            if r.rank == r.odd and step == HEALTH_STEP:
+                session.end_step()  # the step's model ran, the canary's launches did not
+            else:
+                r.step(session, engine.step(rows), engine.rtt)
+        except kc.CanaryHealthError as exc:
+            raised.append(dict(step=step, message=str(exc)))
+    session.check()
+    return dict(raised=raised)
+
+
 def scenario_replicated(r: Rank) -> dict:
     """Replicated KV (the same engine and bytes on every rank); the odd rank's model writes other
     bytes for one slot at MISMATCH_STEP, before the TAIL write fingerprints them (its own canary
@@ -254,7 +290,9 @@ def scenario_replicated(r: Rank) -> dict:
         kv[r.asarray(loc)] = r.asarray(values)
 
     raised = _loop(r, session, engine, before_post=model_writes_kv)
-    return dict(raised=raised, slot=target["slot"], local=session.report().to_dicts(), **_totals(session))
+    own_hash = int(r.to_numpy(session.tail_canary)[target["slot"], kc.CANARY_FIELD_REAL_KV_HASH])
+    return dict(raised=raised, slot=target["slot"], own_hash=kc.to_unsigned(own_hash), local=session.report().to_dicts(),
+                **_totals(session))
 
 
 def scenario_table_shape(r: Rank) -> dict:
@@ -267,6 +305,16 @@ def scenario_table_shape(r: Rank) -> dict:
     except ValueError as exc:
         return {"error": str(exc), "step": step}
     return {"error": None}
+
+
+def scenario_hang(r: Rank) -> dict:
+    """Only for the harness's own test: the odd rank never reaches the collective its peers wait in."""
+    if r.rank == r.odd:
+        time.sleep(3600)
+    import torch.distributed as dist
+
+    dist.barrier(group=r.group)
+    return {}
 
 
 def scenario_default_group(r: Rank) -> dict:
@@ -282,3 +330,25 @@ def scenario_default_group(r: Rank) -> dict:
     r.step(session, engine.step([1, 2]), engine.rtt)
     session.check()
     return {"refused": refused, "steps": session.distributed.totals["steps"]}
+
+
+def scenario_metrics(r: Rank) -> dict:
+    """Each rank's SessionMetrics, labelled with its rank in the group by default."""
+    try:
+        import prometheus_client
+    except ImportError:
+        return {"prometheus_client": False}
+    import kvcanary_cupy as kc
+
+    registry = prometheus_client.CollectorRegistry()
+    engine = _engine(seed=r.rank)
+    session = r.session(engine)
+    kc.metrics.SessionMetrics(session, registry=registry)
+    for rows in _schedule()[:3]:
+        r.step(session, engine.step(rows), engine.rtt)
+    session.check()
+    value = lambda name: registry.get_sample_value(name, {"rank": str(r.rank)})
+    return {"prometheus_client": True, "steps": value("kvcanary_steps_total"),
+            "heartbeat": value("kvcanary_last_handled_step"), "verified": value("kvcanary_verified_entries_total"),
+            "stats_verified": session.stats["verified_entries"]}
+

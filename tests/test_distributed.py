@@ -1,6 +1,7 @@
 """CanarySession over real torch.distributed process groups (no mock): 2 and 4 gloo ranks on
 127.0.0.1 with NumPy arrays and CPU tensors here; one NCCL rank on a GPU (the H200 run); 2 NCCL
-ranks when 2 GPUs are present (issue 26: the same scenarios, ``("nccl", "cupy", 2)``).
+ranks when 2 GPUs are present (issue 26: the same scenarios, case ``nccl-cupy-2``, i.e.
+``run_ranks(2, "cupy", out)``).
 
 Each parametrisation spawns its ranks once (module fixture) and runs every scenario of
 tests/dist_harness.py; each test checks one scenario on every rank.
@@ -11,7 +12,7 @@ import re
 import pytest
 
 from conftest import EXPECT_GPU
-from dist_harness import FAULT_STEP, MISMATCH_STEP, STEPS, run_ranks
+from dist_harness import FAULT_STEP, HEALTH_STEP, MISMATCH_STEP, STEPS, run_ranks
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -119,6 +120,20 @@ def test_callable_and_log_policies_run_on_every_rank_on_the_same_step(ranks):
         assert len(lines) == (4 if r == odd else 0) and all(f" rank={odd} device=" in m for m in lines)
 
 
+def test_a_health_problem_on_one_rank_raises_on_every_rank_on_the_same_step(ranks):
+    world_size, got = _scenario(ranks, "health")
+    odd = world_size - 1
+    for r, g in enumerate(got):
+        (error,) = g["raised"]
+        assert error["step"] == HEALTH_STEP + 2
+        if r == odd:
+            assert error["message"].startswith(f"kv-canary: no canary kernel ran for launch tags ['HEAD_K_FULL', "
+                                               f"'TAIL_K_FULL'] in step {HEALTH_STEP}")
+        else:
+            assert error["message"] == (f"kv-canary: rank {odd} handled 1 health problem(s) by step {HEALTH_STEP + 1} "
+                                        "(that rank's log has the message)")
+
+
 def test_a_replicated_kv_mismatch_names_both_ranks_and_the_slot(ranks):
     world_size, got = _scenario(ranks, "replicated")
     odd = world_size - 1
@@ -132,6 +147,8 @@ def test_a_replicated_kv_mismatch_names_both_ranks_and_the_slot(ranks):
         ((m,),) = [error["mismatches"]]
         assert (m["kind"], m["slot_idx"], m["rank"], m["other_rank"], m["step"]) == (
             "replicated_kv_mismatch", g["slot"], odd, 0, MISMATCH_STEP)
+        # both fingerprints exactly as the two ranks hold them (any 64-bit value passes the reduction intact)
+        assert (m["real_kv_hash"], m["other_real_kv_hash"]) == (got[odd]["own_hash"], got[0]["own_hash"])
         assert m["real_kv_hash"] != m["other_real_kv_hash"]
         assert error["ranks"] == [0, odd]
         assert f"replicated_kv_mismatch: slot_idx={g['slot']} rank={odd}" in error["message"]
@@ -140,11 +157,14 @@ def test_a_replicated_kv_mismatch_names_both_ranks_and_the_slot(ranks):
 def test_mismatched_pool_sizes_are_refused_at_start_naming_the_rank(ranks):
     world_size, got = _scenario(ranks, "agreement")
     if world_size == 1:
-        assert got[0]["error"] is None
+        assert got[0] == {"canary": None, "pool": None}
         return
+    odd = world_size - 1
     for g in got:
-        assert g["error"] == (f"kv-canary: the ranks of process_group disagree on num_slots: rank 0 has 512, "
-                              f"rank {world_size - 1} has 256; build every rank's session with the same sizes")
+        assert g["canary"] == (f"kv-canary: the ranks of process_group disagree on num_slots: rank 0 has 512, "
+                               f"rank {odd} has 256; build every rank's session with the same sizes")
+        assert g["pool"] == (f"kv-canary: the ranks of process_group disagree on real_kv_sources[0] slots (KV pool size): "
+                             f"rank 0 has 512, rank {odd} has 640; build every rank's session with the same sizes")
 
 
 def test_mismatched_table_shapes_are_refused_at_the_first_reduction(ranks):
@@ -163,3 +183,16 @@ def test_the_default_group_is_refused_unless_allowed(ranks):
     for g in got:
         assert g["refused"].startswith("kv-canary: process_group is the default (WORLD) group")
         assert g["steps"] == world_size
+
+
+def test_each_rank_exports_its_metrics_under_its_rank(ranks):
+    world_size, got = _scenario(ranks, "metrics")
+    if not got[0]["prometheus_client"]:
+        pytest.skip("prometheus_client is not installed (the test extra has it)")
+    for g in got:
+        assert (g["steps"], g["heartbeat"]) == (3, 3) and g["verified"] == g["stats_verified"] > 0
+
+
+def test_a_hung_rank_fails_the_run_instead_of_hanging_it(tmp_path):
+    with pytest.raises(TimeoutError, match=r"^2 numpy ranks did not finish within 10 s \(a hang\)$"):
+        run_ranks(2, "numpy", str(tmp_path), scenarios=("hang",), timeout=10)

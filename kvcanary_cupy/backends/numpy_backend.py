@@ -18,6 +18,7 @@ from ..constants import (
     FailReason,
     RealKvHashMode,
     REAL_KV_PARTIAL_BYTES,
+    SEED_DEFERRED,
     VIOLATION_FIELDS,
 )
 from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_array
@@ -315,10 +316,13 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
     if num_reqs == 0:
         return
     num_tokens = a.input_ids.shape[0]
+    seed = np.asarray(a.write_seed_slot_indices[:num_reqs], I64)
+    deferred = seed == SEED_DEFERRED  # written by a later launch of the step: an empty range here
     start, end, bad_range = write_range_checks(a.write_offsets, num_reqs, num_tokens)
+    start, end, bad_range = np.where(deferred, 0, start), np.where(deferred, 0, end), bad_range & ~deferred
+    seed = np.where(deferred, -1, seed)
     errors = int(np.count_nonzero(bad_range))
 
-    seed = np.asarray(a.write_seed_slot_indices[:num_reqs], I64)
     seed_oob = seed >= num_slots
     errors += int(np.count_nonzero(seed_oob))
     seed_ok = (seed > 0) & ~seed_oob  # seed 0 is the padding slot: no predecessor, like -1

@@ -229,7 +229,7 @@ class EngineCanary:
         if known is None:
             known = (self._labels.ids(v), self.classify(index, v))
             self._labelled[(index, v.key)] = known
-        return replace(v, request_ids=known[0], finding=known[1])
+        return replace(v, request_ids=known[0] or v.request_ids, finding=known[1])  # or the session's own (row_labels)
 
     def _deliver(self, index: int, report: ViolationReport) -> None:
         """A session's policy: label the new violations, then apply the user's ``on_violation``."""

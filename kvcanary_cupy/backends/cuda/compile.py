@@ -78,6 +78,8 @@ FAMILIES = {
     "session": KernelFamily("session.cu", (("session_stage", ()), ("session_attribute", ()))),
     "move": KernelFamily("move.cu", tuple((k, ()) for k in ("move_gather", "move_clear", "move_scatter",
                                                                   "copy_gather", "copy_scatter"))),
+    "same_step": KernelFamily("same_step.cu", tuple(
+        (k, ()) for k in ("same_step_begin", "same_step_mark", "same_step_entries", "same_step_seeds"))),
     "digest": KernelFamily("digest.cu", tuple((k, ()) for k in ("digest_init", "digest_accumulate", "digest_verify"))),
 }
 
