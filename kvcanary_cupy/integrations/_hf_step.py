@@ -110,7 +110,6 @@ class StepCanary:
             original(model, batch_data)
             with self._on_stream():
                 self.session.post_forward()
-                self.owner.label_step(self.step, [fs.state.request_id for fs in self.io.requests_in_batch])
                 self.step += 1
                 self.owner.count("engine_steps")
                 self.session.end_step()
@@ -158,7 +157,8 @@ class StepCanary:
         self._note_rewrites(requests, pasts, tables)
         pool = self._expected(requests, pasts) if self.owner.options.check_expected_tokens else None
         self.session.pre_forward(rp, pre, ext, table, ids, pos, loc, expected_tokens=pool,
-                                 expected_tokens_valid_lens=pre if pool is not None else None)
+                                 expected_tokens_valid_lens=pre if pool is not None else None,
+                                 row_labels=[fs.state.request_id for fs in requests])
 
     def _block_table(self, rows):
         """The decode path's block table as canary pages (5.17: block + page_base; 5.23: already in pages)."""
