@@ -81,6 +81,7 @@ class StepCanary:
         self._zeros, self._rows = torch.zeros(max_bs + 1, **i64), torch.arange(max_bs, **i64)
         self._ids, self._pos, self._loc = (torch.zeros(max_tokens, **i64) for _ in range(3))
         self._slots = torch.zeros(max_bs, **i64)  # the decode path's write slots
+        self._pages = torch.zeros(tuple(io.block_table.shape[1:]), **i64)  # its block table as canary pages (5.17)
         self._read = torch.zeros(reads, **i64) if layout.slot_offset else None
         width = max(64, layout.block_size)
         self._pool_host = np.zeros((max_bs, width), np.int32)
@@ -150,6 +151,8 @@ class StepCanary:
                 table = PagedKvIndices(cu_k, self._shifted(read, self._read), page_size=1)
             rp = None
             loc = self._shifted(batch_data["write_index"][layout.group], self._loc)
+        # widened into the canary's own int64 buffers on the device: the session's bound write launchers
+        # take int64 at full speed (an int32 step would go through the free write, which reads it as it is)
         tokens = loc.shape[0]
         ids, pos = self._ids[:tokens], self._pos[:tokens]
         ids.copy_(batch_data["input_ids"][0, :tokens])
@@ -164,7 +167,7 @@ class StepCanary:
         """The decode path's block table as canary pages (5.17: block + page_base; 5.23: already in pages)."""
         base = self.layout.page_base
         if base:
-            out = self._loc[: rows.numel()].view(rows.shape)
+            out = self._pages[: rows.shape[0], : rows.shape[1]]
             self.torch.add(rows, base, out=out)
             rows = out
         return BlockTable(rows, self.layout.block_size, null_block=base - 1)
