@@ -24,7 +24,7 @@ namespace kvcanary {
 constexpr int kWriteThreads = 128;
 constexpr int kWriteWarps = kWriteThreads / 32;
 // A deferred request (SEED_DEFERRED in constants.py): written by a later launch of the step.
-constexpr i64 kSeedDeferred = -2;
+constexpr i64 kSeedDeferred = -9223372036854775807LL - 1;  // INT64_MIN
 
 // Element i of an int64 (is_int64) or int32 array, read through the read-only data cache.
 __device__ __forceinline__ i64 ldg_index(const void* p, int is_int64, i64 i) {

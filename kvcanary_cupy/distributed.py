@@ -318,7 +318,7 @@ class RankReducer:
         st, k = session._stats, self._num_kinds
         by_tag = session._latest[STAGE_HEADER_FIELDS : STAGE_HEADER_FIELDS + k]  # exact violations per kind
         violations = sum(by_tag)
-        derived = {"handled_steps": st["steps"] - sum(r.kind == "step" for r in session._pending),
+        derived = {"handled_steps": st["steps"] - sum(r.origin == "step" for r in session._pending),
                    "violations": violations, "dropped_rows": violations - st["rows_read"],
                    "distinct_violations": len(session._distinct), "out_of_range_skipped": session._out_of_range_skipped()}
         by_reason = session._rows_by_reason
