@@ -75,8 +75,8 @@ class StepCanary:
         self.fingerprinted = tuple(layout.layers[i] for i in chosen)
         i64 = dict(dtype=torch.int64, device=self.device)
         self.session = owner.new_session(layout.num_slots, max_batch_size=max_bs, like=first_k, real_kv_sources=tuple(sources),
-                                         verify_capacity=options.verify_capacity or max(reads, 1),
-                                         sweep_every=options.sweep_every, sweep_source=self._sweep_source if options.sweep_every else None)
+                                         verify_capacity=options.verify_capacity or max(reads, 1))
+        self._sweep_every = options.sweep_every
         self._ext, self._pre = torch.zeros(max_bs, **i64), torch.zeros(max_bs, **i64)
         self._zeros, self._rows = torch.zeros(max_bs + 1, **i64), torch.arange(max_bs, **i64)
         self._ids, self._pos, self._loc = (torch.zeros(max_tokens, **i64) for _ in range(3))
@@ -114,6 +114,8 @@ class StepCanary:
                 self.step += 1
                 self.owner.count("engine_steps")
                 self.session.end_step()
+                if self._sweep_every and self.step % self._sweep_every == 0:
+                    self._sweep()
         return compute_batch
 
     def _shifted(self, x, buffer):
@@ -234,49 +236,39 @@ class StepCanary:
             copy_pages(buf, buf, src, dst, page_size=layout.block_size)
         self.owner.count("fork_copied_blocks", len(src_blocks))
 
-    def sweep_sequences(self, budget: int):
-        """The prefix cache's complete blocks as root-to-leaf paths (the engine's own parent links), at
-        most ``budget`` slots in all, rotating over sweeps: ``(leaf blocks, pages per path)``."""
-        layout = self.layout
+    def sweep_triples(self, budget: int):
+        """The prefix cache's complete blocks reachable from the root through the engine's own parent
+        links (each with its and its parent's recorded hashes), at most ``budget`` slots, rotating over
+        sweeps: ``(blocks, [(canary page, start position, predecessor slot)])``."""
+        layout, size = self.layout, self.layout.block_size
         hashed = layout.hashed_blocks()
-        known = {}
-        for block in hashed:
-            link = layout.parent(block, hashed)
-            if link is not None:
-                known[block] = link
-        parents = {p for _, p in known.values() if p is not None}
-        paths = []
+        known = {b: link for b in hashed if (link := layout.parent(b, hashed)) is not None}
+        reachable = []
         for block in sorted(known):
-            if block in parents:
-                continue
-            path, b = [], block
-            while b is not None and b in known:
-                path.append(b)
-                b = known[b][1]
-            if b is None and len(path) == known[block][0] + 1:  # reaches the root through complete blocks
-                paths.append((block, path[::-1]))
-        if not paths:
+            b, depth = block, known[block][0]
+            while b is not None and b in known and known[b][0] == depth:
+                b, depth = known[b][1], depth - 1
+            if b is None and depth == -1:
+                reachable.append(block)
+        if not reachable:
             return [], []
-        start = self._sweep_at % len(paths)
-        chosen, used = [], 0
-        for leaf, path in paths[start:] + paths[:start]:
-            if used + len(path) * layout.block_size > budget:
-                break
-            chosen.append((leaf, path))
-            used += len(path) * layout.block_size
+        start = self._sweep_at % len(reachable)
+        chosen = (reachable[start:] + reachable[:start])[: max(budget // size, 0)]
         self._sweep_at = start + len(chosen)
-        return [leaf for leaf, _ in chosen], [p for _, p in chosen]
+        triples = []
+        for b in chosen:
+            depth, parent = known[b]
+            prev = -1 if parent is None else layout.canary_page(parent) * size + size - 1
+            triples.append((layout.canary_page(b), depth * size, prev))
+        return chosen, triples
 
-    def _sweep_source(self):
-        torch, layout = self.torch, self.layout
-        leaves, paths = self.sweep_sequences(self.session.planner.capacities.verify_capacity)
-        if not paths:
-            return None
-        indptr = np.zeros(len(paths) + 1, np.int64)
-        indptr[1:] = np.cumsum([len(p) for p in paths])
-        pages = [layout.canary_page(b) for p in paths for b in p]
-        self.owner.label_sweep(self.step - 1, [f"cached-block-{leaf}" for leaf in leaves])
-        self.owner.count("swept_blocks", len(pages))
-        to = lambda a: torch.as_tensor(np.asarray(a, np.int64)).to(self.device)
-        table = PagedKvIndices(to(indptr), to(pages), page_size=layout.block_size)
-        return None, to([len(p) * layout.block_size for p in paths]), table
+    def _sweep(self) -> None:
+        """Sweep the prefix cache's complete blocks, each once (CanarySession.sweep_blocks)."""
+        blocks, triples = self.sweep_triples(self.session.planner.capacities.verify_capacity)
+        if not triples:
+            return
+        columns = np.asarray(triples, np.int64).T
+        to = (lambda a: self.torch.as_tensor(a).to(self.device)) if self.device.type != "cpu" else (lambda a: a)
+        self.session.sweep_blocks(*(to(np.ascontiguousarray(c)) for c in columns), block_size=self.layout.block_size,
+                                  labels=[f"cached-block-{b}" for b in blocks])
+        self.owner.count("swept_blocks", len(blocks))
