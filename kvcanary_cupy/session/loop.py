@@ -291,8 +291,9 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
         ----------
         req_pool_indices, prefix_lens, extend_seq_lens, table
             As for :func:`plan`; ``len(prefix_lens)`` at most ``max_batch_size``.
-        input_ids, positions, out_cache_loc : int64 arrays [T]
-            As for :func:`write`.
+        input_ids, positions, out_cache_loc : int64 or int32 arrays [T]
+            As for :func:`write` (int32 ones, as transformers builds them, are read as they are;
+            the bound launchers' fastest path takes int64).
         expected_tokens, expected_tokens_valid_lens : optional
             The expected-token pool and its valid lengths, checked when the session was built
             with ``check_expected_tokens``.
@@ -323,8 +324,8 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
             if n != tokens:
                 fail(ValueError, f"{name} length must be len(input_ids)={tokens}, got {n}")
             dtype = x.dtype
-            if dtype is not I64 and str(dtype) not in ("int64", "torch.int64"):  # str() of a NumPy dtype costs ~1.5 us
-                fail(TypeError, f"{name} must have dtype int64, got {dtype}")
+            if dtype is not I64 and str(dtype) not in ("int64", "torch.int64", "int32", "torch.int32"):  # str() of a NumPy dtype costs ~1.5 us
+                fail(TypeError, f"{name} must have dtype int32 or int64, got {dtype}")
         self._join_head_write()  # a post_forward that raised may have left the HEAD write unjoined
         if self.distributed is not None:
             self.distributed.note_table(table)
