@@ -282,11 +282,15 @@ def _parameter_record(name: str):
     from kvcanary_cupy.backends.cuda import abi
     from kvcanary_cupy.backends.cuda.compile import kernel_of
 
+    from kvcanary_cupy.digest import cuda as digest_cuda
+
     kernel = kernel_of(name)
     if kernel.startswith("plan_verify"):
         return abi.PLAN_VERIFY_PARAMS
     return {"canary_write": abi.WRITE_PARAMS, "canary_verify": abi.VERIFY_PARAMS, "session_stage": abi.STAGE_PARAMS,
-            "session_attribute": abi.STAGE_PARAMS}.get(kernel, abi.PLAN_PARAMS if kernel.startswith("plan_") else None)
+            "session_attribute": abi.STAGE_PARAMS, "digest_init": digest_cuda.DIGEST_PARAMS,
+            "digest_accumulate": digest_cuda.DIGEST_PARAMS, "digest_verify": digest_cuda.VERIFY_PARAMS,
+            }.get(kernel, abi.PLAN_PARAMS if kernel.startswith("plan_") else None)
 
 
 def host_view(ptr: int, dtype, count: int) -> np.ndarray:
