@@ -337,6 +337,11 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
     # Fingerprints depend only on each slot's KV bytes, which a write never changes: hash every
     # in-range slot once, up front, rather than token by token inside the serial chain walk.
     in_range = (loc >= 0) & (loc < num_slots)
+    if np.any(deferred) or int((end - start).sum()) < loc.shape[0]:  # only the tokens this launch writes
+        covered = np.zeros(loc.shape[0], np.int64)
+        np.add.at(covered, start, 1)
+        np.add.at(covered, end[end < loc.shape[0]], -1)
+        in_range &= np.cumsum(covered) > 0
     fingerprints = np.zeros(loc.shape[0], np.uint64)
     fingerprints[in_range] = real_kv_hashes(target.sources, a.real_kv_hash_mode, loc[in_range])
     input_assert = a.expected_input_tokens is not None

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CanaryUsageError, fail
-from ..interop import backend_view
+from ..interop import backend_view, placement_of
+from ..runtime import launch_stream
 from ..validation import I64, check_int
 
 
@@ -33,8 +34,9 @@ def sweep_blocks(session, blocks, start_positions, prev_slots, block_size, label
     if labels is not None and len(labels) < n:
         fail(ValueError, f"labels must name every block: {n} blocks, got {len(labels)} labels")
     planner = session._sweep_planner_for(n)
-    fill_block_entries(planner, view, backend_view(start_positions, "start_positions"),
-                       backend_view(prev_slots, "prev_slots"), size)
+    with launch_stream(placement_of(planner.verify_plan.enable, "verify_plan")):  # the stream the sweep's verify takes
+        fill_block_entries(planner, view, backend_view(start_positions, "start_positions"),
+                           backend_view(prev_slots, "prev_slots"), size)
     session._sweep_verify()
     with session._handling:
         session._stats["sweeps"] += 1
