@@ -30,7 +30,10 @@ VIOLATION_FIELD_STORED_CHAIN_HASH = 5
 VIOLATION_FIELD_EXPECTED_AUX = 6
 VIOLATION_FIELD_FAIL_REASON_BITS = 7
 
-MAX_REAL_KV_SOURCES = 4
+# Real-KV sources of one canary buffer (SGLang's ABI took 4; raised for strided per-head and per-layer sources).
+MAX_REAL_KV_SOURCES = 8
+# (count, stride) levels of a strided source's pieces (RealKvSource.pieces; kMaxPieceLevels).
+MAX_PIECE_LEVELS = 2
 REAL_KV_SOURCE_FIELDS_PER_ENTRY = 3
 REAL_KV_SOURCE_FIELD_PAGE_SIZE = 0
 REAL_KV_SOURCE_FIELD_NUM_BYTES_PER_TOKEN = 1
@@ -74,6 +77,10 @@ class FailReason(enum.IntFlag):
     WRITE_TOKEN_MISMATCH = 1 << 3
     WRITE_POSITION_MISMATCH = 1 << 4
     VERIFY_TOKEN_MISMATCH = 1 << 5
+    # This project's coverage past the record (docs/format.md section 9), logged only when a
+    # CanarySession is asked to (check_lost_stores, deep_kv_sources); SGLang's six bits unchanged.
+    WRITE_KV_NOT_STORED = 1 << 8
+    VERIFY_DEEP_KV_MISMATCH = 1 << 9
 
     @staticmethod
     def label(bits: int) -> str:

@@ -254,14 +254,17 @@ def _source_views(buffer: _Buffer, mode: int, num_slots: int) -> tuple:
     for i, src in enumerate(buffer.sources):
         name = f"{buffer.sources_name}[{i}].tensor"
         data = byte_rows_view(src.tensor, name)
-        check_aligned(data, name, 16, "real KV is read 16 bytes at a time")
+        unit = min(8, src.stream_piece & -src.stream_piece) if src.is_strided else 16
+        check_aligned(data, name, unit, f"real KV is read {unit} bytes at a time")
         if data.shape[0] * src.page_size < num_slots:
             fail(
                 ValueError,
                 f"{name} has {data.shape[0]} rows x page_size={src.page_size} = {data.shape[0] * src.page_size} "
                 f"slots but {buffer.name} has {num_slots}; every canary slot needs its real-KV bytes",
             )
-        views.append(SourceView(data, src.page_size, src.num_bytes_per_token, src.read_bytes))
+        token_stride = src.num_bytes_per_token if src.token_stride is None else src.token_stride
+        views.append(SourceView(data, src.page_size, src.num_bytes_per_token, src.read_bytes, token_stride,
+                                src.byte_offset, src.stream_piece, src.levels, unit))
     return tuple(views)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..args import (VERIFY_ENTRY_FIELDS, VERIFY_INPUT_FIELDS, LogViews, MoveArgs, PlanArgs, PlanVerifyArgs, ScatterArgs, StageArgs,
                     TableView, VerifyArgs, WriteArgs, stage_rings)
-from ..constants import MAX_CANARY_BUFFERS, REAL_KV_PARTIAL_BYTES, RealKvHashMode
+from ..constants import MAX_CANARY_BUFFERS, MAX_PIECE_LEVELS, MAX_REAL_KV_SOURCES, REAL_KV_PARTIAL_BYTES, RealKvHashMode
 from .. import jit
 from ..interop import import_cupy
 from ..jit import get_function, kernel_name, plan_family, step_family
@@ -33,9 +33,11 @@ from .cuda import launch as launch_overlap
 # The NumPy mirrors of the structs the kernels take by value; devtools/abi_check.py (KERNEL_STRUCTS)
 # checks each one's size, widths and offsets against its C struct.
 CANARY_BUFFER = np.dtype([("data", "u8"), ("num_slots", "i8"), ("fields", "i4"), ("vec", "i4")], align=True)
+_S = MAX_REAL_KV_SOURCES
 REAL_KV_SOURCES = np.dtype(
-    [("data", "u8", 4), ("row_stride", "i8", 4), ("page_size", "i4", 4), ("num_bytes_per_token", "i4", 4),
-     ("nbytes", "i4", 4), ("num_sources", "i4")],
+    [("data", "u8", _S), ("row_stride", "i8", _S), ("token_stride", "i8", _S), ("byte_offset", "i8", _S),
+     ("piece_stride", "i8", (_S, MAX_PIECE_LEVELS)), ("piece_count", "i4", (_S, MAX_PIECE_LEVELS)),
+     ("page_size", "i4", _S), ("nbytes", "i4", _S), ("piece_bytes", "i4", _S), ("unit", "i4", _S), ("num_sources", "i4")],
     align=True,
 )
 CANARY_TARGETS = np.dtype(
@@ -191,7 +193,10 @@ def _targets_struct(targets: tuple, mode: int) -> np.ndarray:
             src["data"][i] = view.data.data.ptr
             src["row_stride"][i] = view.data.strides[0]
             src["page_size"][i] = view.page_size
-            src["num_bytes_per_token"][i] = view.num_bytes_per_token
+            src["token_stride"][i], src["byte_offset"][i] = view.stride, view.byte_offset
+            src["piece_bytes"][i], src["unit"][i] = view.piece_bytes or view.num_bytes_per_token, view.unit
+            for level, (count, stride) in enumerate(view.levels):
+                src["piece_count"][i, level], src["piece_stride"][i, level] = count, stride
             src["nbytes"][i] = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else view.read_bytes
         src["num_sources"] = len(target.sources)
     return s
