@@ -92,6 +92,7 @@ FAMILIES = {
     "scatter": KernelFamily("scatter.cu", (("scatter_req_token_ids", ()),)),
     "session": KernelFamily("session.cu", (("session_stage", ()), ("session_attribute", ()))),
     "move": KernelFamily("move.cu", tuple((k, ()) for k in ("move_gather", "move_clear", "move_scatter"))),
+    "coverage": KernelFamily("coverage.cu", tuple((k, ()) for k in ("deep_write", "deep_check", "lost_snapshot", "lost_check"))),
 }
 
 
