@@ -1,178 +1,40 @@
-"""CanarySession: the KV canary inside an engine's step loop.
-
-Per step, an engine calls :meth:`CanarySession.pre_forward` before the model reads the KV cache
-(plan, HEAD verify, HEAD write), :meth:`~CanarySession.post_forward` after it (TAIL verify and
-write, with real-KV fingerprints) and :meth:`~CanarySession.end_step` outside any CUDA graph.
-``end_step`` stages the step's log on the device (one block copies the counters and the new ring
-rows into a record of a fixed ring, resets the ring and lists the verify entries that read a
-violating slot), copies the record to pinned host memory on a side stream behind an event, and
-handles every earlier record whose copy has completed: no host sync, unless every record of the
-ring is in flight (the host ran ``STAGED_RECORDS`` stagings ahead of the device).  Violations are deduplicated by
-``(kernel_kind, slot_idx, position, fail_reason_bits)`` and handed to the ``on_violation``
-policy.  docs/guide.md ("Using the canary in an engine") explains every choice.
+"""CanarySession's step loop: construction, ``pre_forward`` / ``post_forward`` / ``end_step``,
+``check`` and ``sweep``.  The staging transport is in :mod:`.staging`, the violation bookkeeping and
+policy in :mod:`.violations`; docs/guide.md ("Using the canary in an engine") explains every choice.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
 import re
-import sys
 import threading
-import warnings
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from .args import ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_INPUT_FIELDS, LogViews, StageArgs, StageLayout
-from .backends import get_backend
-from .constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
-from .errors import (CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError, fail, public_api,
-                     trimmed_argument_error)
-from .interop import Array, allocate, backend_view, import_cupy, placement_of, stream_is_capturing
-from .launchers import VerifyLauncher, WriteLauncher, launch_stream_getter
-from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
-from .plans import ViolationLog, allocate_canary_buffer, check_num_sources
-from .reporting import Violation, ViolationReport, reason_name, tag_name
-from .validation import I64, INT32_MAX, check_count, check_int
+from ..args import StageLayout
+from ..backends import get_backend
+from ..constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
+from ..errors import CanaryUsageError, fail, public_api, trimmed_argument_error
+from ..interop import Array, allocate, import_cupy, placement_of
+from ..launchers import VerifyLauncher, WriteLauncher
+from ..planner import CanaryCapacities, CanaryPlanner
+from ..plans import allocate_canary_buffer, check_num_sources
+from ..reporting import reason_name
+from ..validation import I64, INT32_MAX, check_count, check_int
+from .staging import STAGED_RECORDS, StagingMixin, _CudaTransport, _HostTransport
+from .violations import POLICIES, RING_GROUPS, ViolationsMixin, _group_logs
 
-logger = logging.getLogger("kvcanary_cupy")
 
 #: ``verify_capacity`` defaults to this many times ``num_slots`` (``CanaryCapacities.from_engine``'s
 #: headroom: radix sharing lets a batch's summed prefixes exceed the pool).
 VERIFY_HEADROOM = 3
-#: Distinct violations a session keeps.  When the table is full, a new key evicts the oldest one
-#: (first seen longest ago): every new violation still reaches the policy and ``report()``; the
-#: evicted keys and their rows are counted in ``stats`` (``evicted_violations``, ``untracked_rows``).
-MAX_DISTINCT_VIOLATIONS = 65536
-#: Under ``on_violation="log"``, this many new violations at once add a summary line.
-LOG_SUMMARY_AT = 5
-#: Staged records a session allocates up front (each on the device and in pinned host memory on a
-#: GPU): the host may run this many stagings (steps and sweeps) ahead of the device; a staging
-#: past that waits for the oldest copy (counted in ``stats["staging_waits"]``).
-STAGED_RECORDS = 8
-#: The violations an error message lists (the rest are in its ``report``).
-MESSAGE_MAX_LINES = 20
-POLICIES = ("raise", "log", "ignore")
-#: The launch groups that each own a share of ``ring_capacity`` rows of the session's ring (and a
-#: ticket counter), so that one group's flood cannot starve another's rows.
-RING_GROUPS = ("head", "tail", "sweep")
 
 _TAGS = {  # (head, tail, sweep) launch tags of a FULL and of an SWA session
     False: (CanaryLaunchTag.HEAD_K_FULL, CanaryLaunchTag.TAIL_K_FULL, CanaryLaunchTag.SWEEP_K_FULL),
     True: (CanaryLaunchTag.HEAD_K_SWA, CanaryLaunchTag.TAIL_K_SWA, CanaryLaunchTag.SWEEP_K_SWA),
 }
-_ATTRIBUTION = {name: i for i, name in enumerate(ATTRIBUTION)}
-_ROWS, _MATCHES, _ENABLE, _NUM_VALID, _PLAN_OUT_OF_RANGE = (
-    STAGE_HEADER.index(k) for k in ("rows", "matches", "enable", "verify_num_valid", "plan_out_of_range"))
 _STEP_ORDER = "pre_forward(), post_forward(), end_step() per step"
-
-
-def _warn(message: str, category) -> None:
-    """Warn at the first frame outside this module (the engine's call of a session method)."""
-    frame, level = sys._getframe(1), 2  # stacklevel 2: the frame that called _warn
-    while frame is not None and frame.f_code.co_filename == __file__:
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
-
-
-class _Record:
-    """One staged record: ``host`` (what the session reads; pinned memory on a GPU) and ``head``,
-    its header and counters as one view; ``target``, what the staging writes (the host record
-    itself on the CPU, a device record on a GPU) and ``staging``, how the stager takes it (the
-    array, or the device address); the ``event`` of its copy; and, while in flight, the ``kind``
-    ("step" or "sweep"), ``step`` (0-based; a sweep: of the last step ended before it) and
-    ``stamp`` of the staging."""
-
-    __slots__ = ("host", "head", "target", "staging", "host_ptr", "event", "kind", "step", "stamp")
-
-    def __init__(self, host, layout: StageLayout, target, staging, event=None):
-        self.host, self.head, self.target, self.staging, self.event = host, host[: layout.ring], target, staging, event
-        self.host_ptr = host.ctypes.data
-        self.kind, self.step, self.stamp = None, -1, 0
-
-
-class _HostTransport:
-    """NumPy sessions: the staging writes the host record; it has landed when it returns."""
-
-    def new_record(self, layout: StageLayout) -> _Record:
-        host = np.zeros(layout.size, np.int64)
-        return _Record(host, layout, host, host)
-
-    def launch_stream(self):
-        return None
-
-    def capturing(self, stream) -> bool:
-        return False
-
-    def stage(self, stager, record: _Record, stamp: int, stream) -> None:
-        stager(stamp, None, record.staging)
-
-    def done(self, record: _Record) -> bool:
-        return True
-
-    def wait(self, record: _Record) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _CudaTransport:
-    """GPU sessions: the staging kernels write a record's device memory on the step's stream; an
-    event orders the side stream behind them, which copies it to the record's pinned host memory
-    and records the copy's event.  A record is staged again only after the host has handled it
-    (its copy event completed), so no staging waits on the device for an earlier copy."""
-
-    def __init__(self, placement, like, layout: StageLayout):
-        self._cupy = cupy = import_cupy()
-        import cupyx
-
-        self._empty_pinned = cupyx.empty_pinned
-        self._like = like
-        self._device = placement.device
-        self._get_device = cupy.cuda.runtime.getDevice
-        self._memcpy, self._d2h = cupy.cuda.runtime.memcpyAsync, cupy.cuda.runtime.memcpyDeviceToHost
-        self._nbytes = layout.size * I64.itemsize
-        self.launch_stream = launch_stream_getter(placement)
-        with cupy.cuda.Device(self._device):
-            self._side = cupy.cuda.Stream(non_blocking=True)
-            self._staged = cupy.cuda.Event(disable_timing=True)
-
-    def new_record(self, layout: StageLayout) -> _Record:
-        with self._cupy.cuda.Device(self._device):
-            target = allocate((layout.size,), np.int64, like=self._like, fill=0)
-            address = backend_view(target, "staging", writable=True).data.ptr
-            return _Record(self._empty_pinned((layout.size,), np.int64), layout, target, address,
-                           self._cupy.cuda.Event(disable_timing=True))
-
-    def capturing(self, stream) -> bool:
-        return stream_is_capturing(stream)
-
-    def stage(self, stager, record: _Record, stamp: int, stream) -> None:
-        if self._get_device() == self._device:
-            self._stage(stager, record, stamp, stream)
-        else:
-            with self._cupy.cuda.Device(self._device):
-                self._stage(stager, record, stamp, stream)
-
-    def _stage(self, stager, record: _Record, stamp: int, stream) -> None:
-        stager(stamp, stream, record.staging)
-        side, staged = self._side, self._staged
-        staged.record(stream)
-        side.wait_event(staged)
-        self._memcpy(record.host_ptr, record.staging, self._nbytes, self._d2h, side.ptr)
-        record.event.record(side)
-
-    def done(self, record: _Record) -> bool:
-        return record.event.done
-
-    def wait(self, record: _Record) -> None:
-        record.event.synchronize()
-
-    def synchronize(self) -> None:
-        self._side.synchronize()
 
 
 def _one_of(alias, value, alias_name: str, name: str):
@@ -193,7 +55,7 @@ def _length(x, name: str) -> int:
     return int(shape[0])
 
 
-class CanarySession:
+class CanarySession(StagingMixin, ViolationsMixin):
     """The canary of one KV pool group inside an engine's step loop.
 
     ``num_slots`` canary slots (slot 0 is the padding slot) in a HEAD buffer (chain-only, checked
@@ -529,48 +391,6 @@ class CanarySession:
         ``overlap_head_write=True``); fixed at construction."""
         return self._head_write_stream is not None
 
-    # -- results -----------------------------------------------------------------------------------
-
-    def report(self) -> ViolationReport:
-        """Every distinct violation handled so far (the newest ``MAX_DISTINCT_VIOLATIONS``), in
-        first-seen order, with the session's totals.  Safe to call from another thread.
-
-        Steps staged but not handled yet are not in it: :meth:`check` first to include them.
-        """
-        with self._lock:
-            return self._report(self._distinct.values())
-
-    @property
-    def stats(self) -> dict:
-        """Counts of what the session did and found, over the steps handled so far.
-
-        ``steps`` (ended), ``pending_steps`` (staged, not handled yet), ``verified_entries`` (plan
-        entries verified by steps and sweeps), ``violations`` (exact total),
-        ``distinct_violations``, ``violations_by_reason`` (rows read), ``violations_by_tag``
-        (exact), ``verify_skipped_steps`` / ``verify_skipped_sweeps`` (capacity overflow),
-        ``dropped_rows`` (never read: the ring filled within one step), ``rows_read``, ``sweeps``,
-        ``health_failures``, ``out_of_range_skipped``, ``evicted_violations`` (distinct keys evicted
-        from the full table, oldest first), ``untracked_rows`` (the rows of the evicted keys: the
-        report's repeats plus these are ``rows_read``), ``unattributed_entries`` (verify entries of
-        violating slots past the attribution capacity), ``staging_waits`` (stagings that waited for the oldest
-        staged record: the host was ``STAGED_RECORDS`` stagings ahead of the device).  Safe to
-        read from another thread.
-        """
-        with self._lock:
-            s = dict(self._stats)
-            counters = self._counter_arrays()
-            total = int(counters[0].sum())
-            s.update(
-                pending_steps=sum(r.kind == "step" for r in self._pending),
-                violations=total,
-                distinct_violations=len(self._distinct),
-                violations_by_reason={k: n for k, n in self._rows_by_reason.items() if n},
-                violations_by_tag={tag_name(k): int(n) for k, n in enumerate(counters[0]) if n},
-                dropped_rows=total - s["rows_read"],
-                out_of_range_skipped=self._out_of_range_skipped(),
-            )
-        return s
-
     def __repr__(self) -> str:
         s = self.stats
         c = self.planner.capacities
@@ -583,45 +403,11 @@ class CanarySession:
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _launch_stream(self, what: str):
-        """The stream the session stages on (None on the CPU), refusing one that captures a CUDA graph."""
-        transport = self._transport
-        stream = transport.launch_stream()
-        if transport.capturing(stream):
-            fail(RuntimeError, f"{what}() must run outside CUDA graph capture (it stages copies and reads host "
-                               "memory); capture only pre_forward() and post_forward()")
-        return stream
-
-    def _refuse_in_policy(self, what: str) -> None:
-        if self._in_policy:
-            fail(CanaryUsageError, f"{what}() from inside the on_violation callback: the callback runs within "
-                                   "end_step()/check(); return from it and call end_step() for the next step")
-
-    def _out_of_range_skipped(self) -> int:
-        kernels = self._latest[self._layout.counters + 3 * self.log.num_kinds : self._layout.ring]  # out-of-range counters
-        return int(sum(kernels)) + self._plan_out_of_range["step"] + self._plan_out_of_range["sweep"]
-
     def _join_head_write(self) -> None:
         """The step's stream waits for the HEAD write queued on the side stream (when one is)."""
         if self._head_write_unjoined:
             self._head_write.join()
             self._head_write_unjoined = False
-
-    def _stager(self, planner: CanaryPlanner):
-        """The backend's staging of the log against ``planner``'s plan, its arguments viewed once."""
-        view = lambda x, name: backend_view(x, name, writable=True)
-        vp, wp = planner.verify_plan, planner.write_plan
-        args = StageArgs(
-            log=LogViews(**{k: view(v, f"log.{k}") for k, v in self.log.arrays().items()}),
-            **{k: view(getattr(vp, k), k) for k in VERIFY_INPUT_FIELDS},
-            plan_out_of_range_count=view(vp.out_of_range_count, "out_of_range_count"),
-            verify_offsets=view(wp.verify_offsets, "verify_offsets"),
-            write_num_valid_reqs=view(wp.write_num_valid_reqs, "write_num_valid_reqs"),
-            marks=view(self._marks, "marks"),
-            staging=view(self._records[0].target, "staging"),  # each staging names its record
-            layout=self._layout,
-        )
-        return self._backend.prepare_stage(args)
 
     def _sweep_planner_for(self, bs: int) -> CanaryPlanner:
         """The sweep's own plan buffers, grown (to a power of two) when a sweep has more sequences."""
@@ -639,213 +425,3 @@ class CanarySession:
                                                 kernel_kind=self.sweep_tag, **self._kv)
         return planner
 
-    def _stage(self, kind: str, step: int, stager, stream) -> None:
-        """Stage into a free record; it joins the pending ones only once its staging was queued, so
-        an exception (an interrupt) on the way leaves it free and the log to the next staging."""
-        if not self._free:  # every record is in flight: the host ran STAGED_RECORDS stagings ahead of the device
-            self._stats["staging_waits"] += 1
-            self._transport.wait(self._pending[0])
-            self._handle_oldest()  # its results reach the policy with this end_step's (or the next one's)
-        record = self._free[-1]
-        self._stamp += 1  # a stamp is never reused, even by a staging that failed
-        record.kind, record.step, record.stamp = kind, step, self._stamp
-        self._transport.stage(stager, record, self._stamp, stream)
-        with self._lock:
-            self._pending.append(self._free.pop())
-
-    def _drain(self, before) -> None:
-        """Handle, oldest first, the staged records stamped before ``before`` (None: all) whose copy has landed."""
-        pending, done = self._pending, self._transport.done
-        while pending and (before is None or pending[0].stamp < before) and done(pending[0]):
-            self._handle_oldest()
-
-    def _handle_oldest(self) -> None:
-        """Handle the oldest staged record (its copy has landed) and free it.  Decoding changes
-        nothing; an exception there leaves the record pending, handled whole by the next call."""
-        record = self._pending[0]
-        decoded = self._decode(record)
-        with self._lock:
-            self._commit(record, *decoded)
-            self._free.append(self._pending.popleft())
-        self._warn_after(record.kind)
-
-    def _decode(self, record: _Record):
-        """What handling ``record`` adds: ``(head, stats increments, health problem or None, rows
-        per reason, key -> [new Violation or None, rows])``."""
-        head = record.head.tolist()  # the header and the exact int64 counters, in one read
-        kind, add, problem = record.kind, collections.Counter(), None
-        if head[_ENABLE] == 0:
-            add[f"verify_skipped_{kind}s"] += 1
-        else:
-            add["verified_entries"] += max(head[_NUM_VALID], 0)
-        if kind == "step":
-            runs, before = (head[self._runs_at[0]], head[self._runs_at[1]]), self._runs_at_last_step
-            if runs[0] <= before[0] or runs[1] <= before[1]:
-                stalled = [tag.name for tag, now, was in zip((self.head_tag, self.tail_tag), runs, before) if now <= was]
-                add["health_failures"] += 1
-                problem = (f"kv-canary: no canary kernel ran for launch tags {stalled} in step {record.step} "
-                           "(between two end_step calls); is pre_forward()/post_forward() part of the graph you replay?")
-        by_reason, keys = {}, {}
-        if head[_ROWS]:
-            by_reason, keys = self._decode_rows(record, head[_ROWS], head[_MATCHES], add)
-        return head, add, problem, by_reason, keys
-
-    def _decode_rows(self, record: _Record, n: int, matches: int, add):
-        """Decode the ring rows of one record by key (new keys attributed)."""
-        layout, host = self._layout, record.host
-        rows = host[layout.ring : layout.ring + 8 * n].reshape(n, 8)
-        rows = rows[np.lexsort((rows[:, 7], rows[:, 2], rows[:, 1], rows[:, 0]))]  # a fixed order on every backend
-        add["rows_read"] += n
-        by_reason = {reason_name(m): int(np.count_nonzero(rows[:, 7] & m.value)) for m in FailReason}
-        kept = min(matches, layout.attribution_capacity)
-        add["unattributed_entries"] += matches - kept
-        width = len(ATTRIBUTION)
-        attribution = host[layout.attribution : layout.attribution + width * kept].reshape(kept, width)
-        by_slot, keys, distinct = None, {}, self._distinct
-        for row in rows.tolist():
-            key = (row[0], row[1], row[2], row[7])
-            seen = keys.get(key)
-            if seen is not None:
-                seen[1] += 1
-                continue
-            if key in distinct:
-                keys[key] = [None, 1]
-                continue
-            v = Violation.from_row(row)
-            if not v.is_write:
-                if by_slot is None:
-                    by_slot = collections.defaultdict(list)
-                    for entry in attribution[np.argsort(attribution[:, _ATTRIBUTION["entry"]], kind="stable")].tolist():
-                        by_slot[entry[_ATTRIBUTION["slot"]]].append(entry)
-                v = _attribute(v, by_slot.get(v.slot_idx, ()))
-            keys[key] = [replace(v, first_step=record.step), 1]
-        return by_reason, keys
-
-    def _commit(self, record: _Record, head, add, problem, by_reason, keys) -> None:
-        """Apply one decoded record (under the lock): plain assignments and dict updates only."""
-        stats, distinct, step = self._stats, self._distinct, record.step
-        self._latest = head
-        self._plan_out_of_range[record.kind] = head[_PLAN_OUT_OF_RANGE]
-        if record.kind == "step":
-            self._runs_at_last_step = (head[self._runs_at[0]], head[self._runs_at[1]])
-        for k, n in add.items():
-            stats[k] += n
-        if problem is not None:
-            self._problems.append(problem)
-        for k, n in by_reason.items():
-            self._rows_by_reason[k] += n
-        new = []
-        for key, (v, n) in keys.items():  # known keys first: an eviction below may take one of them
-            if v is None:
-                seen = distinct[key]
-                seen[1] += n
-                seen[2] = step
-            else:
-                new.append((key, v, n))
-        for key, v, n in new:
-            if len(distinct) >= MAX_DISTINCT_VIOLATIONS:
-                oldest = next(iter(distinct))
-                entry = distinct.pop(oldest)
-                if oldest in self._new:  # the policy still gets it
-                    self._undelivered[oldest] = entry
-                stats["untracked_rows"] += entry[1]
-                stats["evicted_violations"] += 1
-            distinct[key] = [v, n, step]
-            self._new[key] = None
-
-    def _warn_after(self, kind: str) -> None:
-        """The session's one-time warnings, once the record that calls for them is handled."""
-        if not self._capacity_warned and self._stats[f"verify_skipped_{kind}s"]:
-            self._capacity_warned = True
-            _warn(f"kv-canary: a {kind}'s verify plan overflowed verify_capacity={self.planner.capacities.verify_capacity}, "
-                  "so its verify was skipped; further skips are counted in session.stats['verify_skipped_steps'/'_sweeps']. "
-                  "Raise verify_capacity.", CanaryCapacityWarning)
-        if not self._coverage_warned and self._out_of_range_skipped():
-            self._coverage_warned = True
-            _warn(f"kv-canary: {self._out_of_range_skipped()} plan inputs or kernel items were out of range of the "
-                  f"canary (slots past num_slots={self.num_slots}: a canary smaller than the pool, or rows past the table) "
-                  "and were never verified; counted in session.stats['out_of_range_skipped'] and returned by check()",
-                  CanaryCoverageWarning)
-        if not self._eviction_warned and self._stats["evicted_violations"]:
-            self._eviction_warned = True
-            _warn(f"kv-canary: the session's distinct violations reached MAX_DISTINCT_VIOLATIONS={MAX_DISTINCT_VIOLATIONS}; "
-                  "each new one now evicts the oldest (counted in session.stats['evicted_violations'] and "
-                  "['untracked_rows']) and still reaches the policy", CanaryCoverageWarning)
-
-    def _counter_arrays(self) -> np.ndarray:
-        """The latest handled record's violation, slot-run, kernel-run and out-of-range counters."""
-        return np.array(self._latest[STAGE_HEADER_FIELDS:], np.int64).reshape(4, self.log.num_kinds)
-
-    def _report(self, entries) -> ViolationReport:
-        """A report of ``entries`` (``[Violation, repeats, last step]`` of the distinct table)."""
-        c = self._counter_arrays()
-        violations = tuple(replace(v, repeats=n, last_step=last) for v, n, last in entries)
-        return ViolationReport(violations=violations, total_violations=int(c[0].sum()), ring_capacity=self.log.capacity,
-                               violation_counters=c[0], slot_run_counters=c[1], kernel_run_counters=c[2],
-                               out_of_range_counters=c[3],
-                               rows_read=self._stats["rows_read"], steps=self._stats["steps"])
-
-    def _apply_policy(self) -> None:
-        new, problems = self._new, self._problems
-        if not new and not problems:
-            return
-        undelivered, self._undelivered = self._undelivered, {}
-        self._new, self._problems = {}, []
-        report = self._report([self._distinct.get(k) or undelivered[k] for k in new]) if new else None
-        policy = self.on_violation
-        if policy == "raise":
-            if report is not None:
-                for problem in problems:
-                    logger.error(problem)
-                lines = [v.format() for v in report.violations[:MESSAGE_MAX_LINES]]
-                if len(report.violations) > MESSAGE_MAX_LINES:
-                    lines.append(f"... {len(report.violations) - MESSAGE_MAX_LINES} more in the error's .report")
-                raise CanaryViolationError(f"kv-canary: {len(new)} new violation(s):\n" + "\n".join(lines)
-                                           + "\n" + report.summary(), report)
-            if problems:
-                raise CanaryHealthError("\n".join(problems))
-            return
-        for problem in problems:
-            logger.error(problem)
-        if report is None:
-            return
-        if policy == "log":
-            for v in report.violations:
-                logger.warning(v.format())
-            if len(new) >= LOG_SUMMARY_AT:
-                logger.warning(report.summary())
-        elif callable(policy):
-            self._in_policy = True
-            try:
-                policy(report)
-            finally:
-                self._in_policy = False
-
-
-def _group_logs(ring_capacity: int, like):
-    """The session's log (its ring one share of ``ring_capacity`` rows per launch group, its
-    ``write_index`` one ticket counter per share) and each group's view of it: its share and
-    counter, the counters shared (each launch counts under its own kernel kind)."""
-    log = ViolationLog.allocate(len(RING_GROUPS) * ring_capacity, like=like)
-    log = replace(log, write_index=allocate((len(RING_GROUPS),), np.int32, like=like, fill=0))
-    views = {name: replace(log, ring=log.ring[g * ring_capacity : (g + 1) * ring_capacity],
-                           write_index=log.write_index[g : g + 1])
-             for g, name in enumerate(RING_GROUPS)}
-    return log, views
-
-
-def _attribute(v: Violation, entries) -> Violation:
-    """``v`` with the batch rows, expected position and predecessor of the verify entries that
-    read its slot and could have produced it (same position verdict, same expected token)."""
-    position_failed = bool(v.fail_reason_bits & FailReason.VERIFY_POSITION_MISMATCH)
-    a = _ATTRIBUTION
-    matching = [e for e in entries
-                if (e[a["expected_position"]] != v.position) == position_failed
-                and (v.expected_token == -1 or e[a["expected_token"]] == v.expected_token)]
-    if not matching:
-        return v
-    first = matching[0]
-    chain_failed = bool(v.fail_reason_bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH)
-    return replace(v, batch_rows=tuple(sorted({e[a["batch_row"]] for e in matching if e[a["batch_row"]] >= 0})),
-                   expected_position=first[a["expected_position"]],
-                   prev_slot_idx=first[a["prev_slot"]] if chain_failed else None)
