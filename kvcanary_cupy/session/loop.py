@@ -17,7 +17,9 @@ from ..backends import get_backend
 from ..constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
 from ..errors import CanaryUsageError, fail, public_api, trimmed_argument_error
 from ..interop import Array, allocate, import_cupy, placement_of
+from .. import coverage
 from ..launchers import VerifyLauncher, WriteLauncher
+from ..ops import _log_views
 from ..planner import CanaryCapacities, CanaryPlanner
 from ..plans import allocate_canary_buffer, check_num_sources
 from ..reporting import reason_name
@@ -109,6 +111,19 @@ class CanarySession(StagingMixin, ViolationsMixin):
         GPU sessions: run the HEAD write on a side stream of the session, overlapping the forward
         pass; ``post_forward`` joins it, so both must be captured in the same CUDA graph (pass
         False to capture them apart).
+    deep_kv_sources : sequence of RealKvSource
+        Any number of sources (K and V of every layer) whose every byte is fingerprinted into
+        field 4 of the TAIL buffer (then ``int64 [num_slots, 6]``) for each slot written, and
+        re-fingerprinted in rotation (:mod:`kvcanary_cupy.coverage`; docs/format.md section 9).
+    deep_check_slots : int, optional
+        Slots re-fingerprinted per step with ``deep_kv_sources`` (default 256): a flip in any
+        layer is caught within ``session.coverage.deep_check_period`` steps.
+    check_lost_stores : bool
+        Flag a write slot whose bytes the forward left unchanged (``WRITE_KV_NOT_STORED``), by the
+        deep sources or else the real-KV sources; needs ``max_step_tokens``.
+    max_step_tokens : int, optional
+        The most tokens one step writes (the lost-store snapshot's size); more are not checked,
+        counted in ``stats["lost_store_unchecked_tokens"]``.
 
     Raises
     ------
@@ -141,7 +156,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
                  ring_capacity=DEFAULT_RING_CAPACITY, on_violation="raise", swa_window_size=0,
                  full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
                  real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
-                 sweep_source=None, overlap_head_write=True, write_req_capacity=None):
+                 sweep_source=None, overlap_head_write=True, write_req_capacity=None, deep_kv_sources=(),
+                 deep_check_slots=None, check_lost_stores=False, max_step_tokens=None):
         num_slots = check_count(num_slots, "num_slots", maximum=2**62)
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
@@ -189,7 +205,9 @@ class CanarySession(StagingMixin, ViolationsMixin):
                                      kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
         self.planner = CanaryPlanner(capacities, like=like, **self._planner_options)
         self.head_canary = allocate_canary_buffer(num_slots, like=like)
-        self.tail_canary = allocate_canary_buffer(num_slots, like=like)
+        deep_kv_sources = tuple(deep_kv_sources)
+        self.tail_canary = (allocate((num_slots, coverage.COVERAGE_FIELDS), np.int64, like=like, fill=0) if deep_kv_sources
+                            else allocate_canary_buffer(num_slots, like=like))
         self.log, self._group_logs = _group_logs(ring_capacity, like)
         self._layout = StageLayout(self.log.num_kinds, self.log.capacity, attribution_capacity=ring_capacity)
         self._marks = allocate((num_slots,), np.int64, like=like, fill=0)
@@ -218,6 +236,12 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self._head_write = WriteLauncher(self.head_canary, wp, log=head_log, kernel_kind=self.head_tag,
                                          stream=self._head_write_stream)
         self._head_write_unjoined = False
+        #: The checks past the record (:class:`kvcanary_cupy.coverage.KvCoverage`), or None.
+        self.coverage = coverage.build(like, num_slots=num_slots, backend=placement.backend, head=self.head_canary,
+                                       tail=self.tail_canary, log_views=_log_views(tail_log), kind=self.tail_tag,
+                                       real_kv_sources=self.real_kv_sources, real_kv_hash_mode=self.real_kv_hash_mode,
+                                       deep_kv_sources=deep_kv_sources, deep_check_slots=deep_check_slots,
+                                       check_lost_stores=check_lost_stores, max_step_tokens=max_step_tokens)
 
         self._stamp = 0
         self._step_inputs = None  # (input_ids, positions, out_cache_loc) between pre_ and post_forward
@@ -295,6 +319,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self._head_verify()
         self._head_write(input_ids, positions, out_cache_loc)
         self._head_write_unjoined = self._head_write_stream is not None
+        if self.coverage is not None:
+            self.coverage.before_forward(out_cache_loc)
         self._step_inputs = (input_ids, positions, out_cache_loc)
         self._step_open = True
 
@@ -307,7 +333,12 @@ class CanarySession(StagingMixin, ViolationsMixin):
         if self._step_inputs is None:
             fail(CanaryUsageError, f"post_forward() needs a pre_forward() of the same step before it; call {_STEP_ORDER}")
         self._tail_verify()
+        if self.coverage is not None:
+            self._join_head_write()  # the lost-store check reads the HEAD records this step wrote
+            self.coverage.before_tail_write(self._step_inputs[2])
         self._tail_write(*self._step_inputs)
+        if self.coverage is not None:
+            self.coverage.after_tail_write(self._step_inputs[2])
         self._join_head_write()
         self._step_inputs = None
 

@@ -99,6 +99,8 @@ class ViolationsMixin:
                 dropped_rows=total - s["rows_read"],
                 out_of_range_skipped=self._out_of_range_skipped(),
             )
+            if self.coverage is not None:
+                s["lost_store_unchecked_tokens"] = self.coverage.unchecked_tokens
         return s
 
     def _refuse_in_policy(self, what: str) -> None:
