@@ -24,7 +24,7 @@ import numpy as np
 
 from .constants import RealKvHashMode, REAL_KV_PARTIAL_BYTES
 from .errors import fail
-from .interop import Array, allocate, backend_view
+from .interop import Array, allocate, backend_view, to_numpy
 from .plans import RealKvSource
 from .validation import check_count
 
@@ -104,6 +104,22 @@ class KvCoverage:
         """Steps within which every slot is re-fingerprinted once: ``ceil((num_slots - 1) / deep_check_slots)``."""
         ring = self._tail.shape[0] - 1
         return -(-ring // self.deep_check_slots) if self.deep_check_slots else 0
+
+    def forget(self, slots) -> None:
+        """Clear the deep fingerprints of ``slots`` (ints in ``[0, num_slots)``): KV the engine no
+        longer holds (blocks freed after a detection), which the rotation would otherwise keep
+        reporting until the slots are written again.  A host check of ``slots``; not for capture."""
+        host = np.asarray(to_numpy(slots) if hasattr(slots, "shape") else slots, np.int64).reshape(-1)
+        bad = host[(host < 0) | (host >= self._tail.shape[0])]
+        if bad.size:
+            fail(ValueError, f"forget slots must be in [0, num_slots={self._tail.shape[0]}), got {int(bad[0])}")
+        if self.deep is None or host.size == 0:
+            return
+        index = host if not self._cu else backend_view(allocate(host.shape, np.int64, like=self._tail, fill=0), "slots",
+                                                       writable=True)
+        if self._cu:
+            index.set(host)
+        self._tail[index, DEEP_FIELD] = 0
 
     def _slots(self, out_cache_loc: Array, limit: int | None = None):
         view = backend_view(out_cache_loc, "out_cache_loc")
