@@ -124,8 +124,8 @@ __global__ void lost_check(const i64* __restrict__ table, int num_sources, const
     const i64* h = head + slot * head_fields;
     const i64* t = tail + slot * tail_fields;
     const bool same_record = h[0] == t[0] && h[1] == t[1] && h[2] == t[2];
-    int first = num_sources;
-    for (int base = 0; base < num_sources && !same_record; base += 32) {
+    int first = num_sources;  // every source is folded even for a same record: the check's cost does not depend on the data
+    for (int base = 0; base < num_sources; base += 32) {
       const int j = base + lane;
       const bool unchanged = j < num_sources && static_cast<i64>(table_fold(table, j, slot)) == pre[i * num_sources + j];
       const unsigned mask = __ballot_sync(kFullMask, unchanged);
@@ -134,7 +134,7 @@ __global__ void lost_check(const i64* __restrict__ table, int num_sources, const
         break;
       }
     }
-    const bool hit = lane == 0 && first < num_sources;
+    const bool hit = lane == 0 && first < num_sources && !same_record;
     violations += hit;
     log.append_rows(hit, kind, slot, h[1], t[0], h[0], t[2], first, kWriteKvNotStored);
   }

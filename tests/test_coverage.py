@@ -205,3 +205,127 @@ def test_deep_sources_must_cover_the_pool(ab):
     small = ab.asarray(np.zeros((SLOTS - 1, ROW), np.uint8))
     with pytest.raises(ValueError, match=r"deep_kv_sources\[0\]\.tensor has 63 rows"):
         kc.CanarySession(SLOTS, max_batch_size=2, like=ab.like, deep_kv_sources=(RealKvSource(small, 1, ROW, ROW),))
+
+
+def test_forget_clears_deep_fingerprints_and_checks_its_slots(ab):
+    e = Engine(ab, deep=True, deep_check_slots=63)
+    e.step({1: [5, 6, 7]})
+    e.flip(2, 1, 0)
+    e.session.coverage.forget(np.array([2, 3]))
+    tail = ab.to_numpy(e.session.tail_canary)
+    assert tail[[1, 2, 3], DEEP_FIELD].tolist() == [kc.to_signed(e.deep_value(1)), 0, 0]
+    e.step({2: [9]})  # the rotation covers every slot: the forgotten flip is not reported
+    assert e.report().total_violations == 0
+    with pytest.raises(ValueError, match=r"forget slots must be in \[0, num_slots=64\), got 64"):
+        e.session.coverage.forget([1, 64])
+
+
+def test_partial_mode_sources_serve_the_lost_store_check(ab):
+    """Without deep sources the check compares the real-KV sources' bytes of the session's mode (16 under PARTIAL)."""
+    e = Engine(ab, real_kv_hash_mode=RealKvHashMode.PARTIAL, check_lost_stores=True, max_step_tokens=4)
+    assert e.session.coverage.lost.bytes_per_slot == 2 * 16
+    e.step({1: [11, 12]})
+    e.lens[1] = 0
+    e.step({2: [21, 22]}, slots=[1, 2], drop={(1, 0)})
+    lost = [v for v in e.report().violations if v.fail_reason_bits & LOST]
+    assert [(v.slot_idx, v.stored_token, v.expected_token, v.expected_aux) for v in lost] == [(2, 12, 22, 0)]
+
+
+def _graph_steps():
+    """Two requests decoding one token a step (fixed shapes), a dropped store at step 3 and a flip
+    in layer 2 of slot 1 after step 4."""
+    out = []
+    for step in range(10):
+        loc = [1 + 2 * step, 2 + 2 * step]
+        out.append(dict(rp=[1, 2], prefix=[step, step], extend=[1, 1], ids=[100 + step, 200 + step], pos=[step, step],
+                        loc=loc, drop={(1, l) for l in range(LAYERS)} if step == 3 else set(), flip=step == 4))
+    return out
+
+
+def _run_graph_steps(ab, capture):
+    e = Engine(ab, deep=True, deep_check_slots=8, check_lost_stores=True, max_step_tokens=2, overlap_head_write=False)
+    steps = _graph_steps()
+    bufs = {k: ab.asarray(np.asarray(steps[0][k], np.int64)) for k in ("rp", "prefix", "extend", "ids", "pos", "loc")}
+    table = ab.asarray(e.rtt)
+    s = e.session
+    pre = lambda: s.pre_forward(bufs["rp"], bufs["prefix"], bufs["extend"], table, bufs["ids"], bufs["pos"], bufs["loc"])
+    parts = capture(pre, s.post_forward) if capture else (pre, s.post_forward)
+    for step in steps:
+        for k in bufs:
+            bufs[k][...] = ab.asarray(np.asarray(step[k], np.int64))
+        for row, slot in zip(step["rp"], step["loc"]):
+            e.rtt[row, step["pos"][0]] = slot
+        table[...] = ab.asarray(e.rtt)
+        parts[0]()
+        for i, (slot, t, p) in enumerate(zip(step["loc"], step["ids"], step["pos"])):
+            e.store(slot, t, p, [l for l in range(LAYERS) if (i, l) not in step["drop"]])
+        parts[1]()
+        ab.synchronize()
+        s.end_step()
+        if step["flip"]:
+            e.flip(1, 2, 1)
+    s.check()
+    return s.report().to_dicts(), s.stats
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch_cpu"])
+def test_graph_schedule_rows_on_the_cpu(backend):
+    """The schedule the graph test replays, eagerly: the lost store of step 3 (slot 8) and the flip of
+    slot 1 after step 4, caught at step 7, whose share (8 slots from 56 of a 63-slot ring) wraps to slot 1."""
+    from conftest import get_backend_or_skip
+
+    got, _ = _run_graph_steps(get_backend_or_skip(backend), None)
+    assert [(v["reasons"], v["slot_idx"], v["position"], v["first_step"]) for v in got] == [
+        (["write_kv_not_stored"], 8, 3, 3), (["verify_deep_kv"], 1, 0, 7)]
+
+
+@pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
+def test_coverage_captured_in_cuda_graphs_matches_numpy(backend):
+    """pre_forward and post_forward with both checks on, each captured once and replayed: the
+    report equals the eager NumPy session's (a lost store at step 3, the flip caught by the rotation)."""
+    from conftest import get_backend_or_skip
+
+    ab = get_backend_or_skip(backend)
+    kc.warmup()
+    want, want_stats = _run_graph_steps(get_backend_or_skip("numpy"), None)
+
+    def capture(*parts):
+        graphs = []
+        if backend == "cupy":
+            import cupy
+
+            stream = cupy.cuda.Stream(non_blocking=True)
+            for part in parts:
+                with stream:
+                    stream.begin_capture()
+                    part()
+                    graphs.append(stream.end_capture())
+            return tuple(lambda g=g: (g.launch(stream), stream.synchronize()) for g in graphs)
+        import torch
+
+        for part in parts:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                part()
+            graphs.append(g)
+        return tuple(lambda g=g: (g.replay(), torch.cuda.synchronize()) for g in graphs)
+
+    got, got_stats = _run_graph_steps(ab, capture)
+    assert got == want and got_stats == want_stats
+
+
+def test_coverage_benchmark_sessions_verify_clean():
+    """The benchmark's sessions (kvcanary bench --sections coverage), on the CPU and small: after the
+    warm-up step every step runs clean, deep rotation and lost-store folds included."""
+    from kvcanary_cupy.devtools import bench_coverage as bc
+    from kvcanary_cupy.devtools.bench import Workload, build
+
+    d = build(Workload("tiny", 6, 8, 40, 1), np)
+    pool = np.zeros((3, 2, d["canary"].shape[0], 32), np.float16)
+    for options in bc.CONFIGS.values():
+        s = bc.session(d, pool, **options)
+        step = bc.warmed_step(s, d)
+        for _ in range(4):
+            step()
+        assert int(s.log.violation_counters.sum()) == 0
+        assert int(s.log.kernel_run_counters.sum()) == 4 * 4  # HEAD and TAIL verify and write, 4 steps after the reset
