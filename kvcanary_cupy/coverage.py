@@ -123,6 +123,8 @@ class KvCoverage:
 
     def _slots(self, out_cache_loc: Array, limit: int | None = None):
         view = backend_view(out_cache_loc, "out_cache_loc")
+        if not view.flags.c_contiguous:  # the kernels read slots[i]
+            fail(ValueError, f"out_cache_loc must be contiguous for the coverage checks, got strides {tuple(view.strides)}")
         return view if limit is None or view.shape[0] <= limit else view[:limit]
 
     def _src(self, sources: CoverageSources) -> tuple:

@@ -329,3 +329,21 @@ def test_coverage_benchmark_sessions_verify_clean():
             step()
         assert int(s.log.violation_counters.sum()) == 0
         assert int(s.log.kernel_run_counters.sum()) == 4 * 4  # HEAD and TAIL verify and write, 4 steps after the reset
+
+
+def test_kernel_constants_match_python():
+    import re
+
+    from kvcanary_cupy import jit
+    from kvcanary_cupy.backends.cupy_coverage import COVERAGE_THREADS
+    from kvcanary_cupy.constants import MAX_PIECE_LEVELS
+    from kvcanary_cupy.coverage import SOURCE_FIELDS
+
+    def constant(name, filename):
+        return int(re.search(rf"constexpr int {name} = (\d+);", jit._read(filename)).group(1))
+
+    assert constant("kMaxPieceLevels", "canary_common.cuh") == MAX_PIECE_LEVELS
+    assert constant("kSourceFields", "coverage.cu") == SOURCE_FIELDS
+    assert constant("kDeepField", "coverage.cu") == DEEP_FIELD
+    assert constant("kCoverageThreads", "coverage.cu") == COVERAGE_THREADS
+    assert "coverage" in jit.FAMILIES and len(jit.FAMILIES["coverage"].instantiations()) == 4

@@ -60,7 +60,7 @@ class EngineConfig:
     # simulator measures what the canary can see.  deep_kv: every layer's K and V fingerprinted and
     # re-fingerprinted within deep_check_period steps; lost_stores: the lost-store check.
     deep_kv: bool = True
-    deep_check_period: int = 8
+    deep_check_period: int = 4
     lost_stores: bool = True
     vocab: int = 32000
 
@@ -263,6 +263,7 @@ class NoHook:
     def on_alloc(self, engine, pool, req, block): pass
     def on_cache_hit(self, engine, pool, req, blocks): pass
     def on_transfer(self, engine, req, dst_blocks): return dst_blocks
+    def on_copy(self, src_pool, src_slots, dst_pool, dst_slots): pass
     def on_step_end(self, engine): pass
 
 
@@ -590,6 +591,7 @@ class Engine:
             copy_to = self.hook.on_transfer(self, req, list(new_blocks))
             src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
             src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
+            self.hook.on_copy(src, src_slots, dst, dst_slots)
             copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
             self.finish(src, req)  # the prefill server caches the prompt
             req.alive, req.awaiting_transfer, req.pool, req.blocks = True, False, "decode", new_blocks
@@ -616,6 +618,7 @@ class Engine:
             return None
         old, new = req.blocks[i], pool.allocator.alloc()
         pool.kv.copy_rows(self.dev(pool.block_slots([old])), self.dev(pool.block_slots([new])))
+        self.hook.on_copy(pool, pool.block_slots([old]), pool, pool.block_slots([new]))
         if move_canary:
             move_canary_pages(pool.session, self.dev(np.array([old], np.int64)), self.dev(np.array([new], np.int64)),
                               page_size=self.config.block_size, workspace=pool.move_workspace)

@@ -51,6 +51,11 @@ class Episode(NoHook):
         self.held.update((pool_name, b) for b in req.blocks[req.computed // engine.config.block_size:])
         self.read.update((pool_name, b) for b in req.blocks)
 
+    def on_copy(self, src_pool, src_slots, dst_pool, dst_slots):
+        """KV copied (a transfer, a compaction) carries what the fault did to it: the copies are touched too."""
+        self.touch(dst_pool, [d for s, d in zip(np.asarray(src_slots).tolist(), np.asarray(dst_slots).tolist())
+                              if (src_pool.name, s) in self.touched])
+
     # Hooks: only an armed (not yet fired) fault acts; where victims write is always recorded.
     def on_batch(self, engine, pool, batch):
         for req in batch.reqs:
