@@ -34,17 +34,21 @@ from .constants import (
     FailReason,
     RealKvHashMode,
 )
+from .digest import (DIGEST_FORMAT_VERSION, DIGEST_NUM_KINDS, DIGEST_RECORD_BYTES, DigestBatch, DigestFailReason,
+                     DigestLaunchTag, DigestRecord, DigestSpec, DigestVerdict, KvLayout, digest_pages, restamp,
+                     verify_digest)
 from .errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError
 from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
-from .interop import join_stream
-from .jit import warmup
+from .runtime import join_stream
+from .backends.cuda.compile import warmup
 from .launchers import VerifyLauncher, WriteLauncher
 from .ops import move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
-from .reporting import Violation, ViolationReport
+from .reporting import ReplicaMismatch, Violation, ViolationReport
 from .session import CanarySession
 from .tables import BlockTable, PagedKvIndices, ReqToToken
+from . import distributed, metrics  # submodules: kc.distributed.REPLICATED_WINDOW, kc.metrics.SessionMetrics
 
 __version__ = "0.1.0"
 
@@ -58,6 +62,9 @@ __all__ = [
     "CANARY_FIELD_TOKEN",
     "CANARY_FIELDS_PER_SLOT",
     "CANARY_SLOT_BYTES",
+    "DIGEST_FORMAT_VERSION",
+    "DIGEST_NUM_KINDS",
+    "DIGEST_RECORD_BYTES",
     "MAX_CANARY_BUFFERS",
     "MAX_REAL_KV_SOURCES",
     "NUM_LAUNCH_TAGS",
@@ -74,10 +81,18 @@ __all__ = [
     "CanarySession",
     "CanaryUsageError",
     "CanaryViolationError",
+    "DigestBatch",
+    "DigestFailReason",
+    "DigestLaunchTag",
+    "DigestRecord",
+    "DigestSpec",
+    "DigestVerdict",
+    "KvLayout",
     "FailReason",
     "PagedKvIndices",
     "RealKvHashMode",
     "RealKvSource",
+    "ReplicaMismatch",
     "ReqToToken",
     "VerifyLauncher",
     "VerifyPlan",
@@ -87,17 +102,20 @@ __all__ = [
     "WriteLauncher",
     "WritePlan",
     "allocate_canary_buffer",
+    "digest_pages",
     "join_stream",
     "mix3",
     "move_pages",
     "plan",
     "plan_and_verify",
     "real_kv_fold",
+    "restamp",
     "scatter_req_token_ids",
     "splitmix64",
     "to_signed",
     "to_unsigned",
     "verify",
+    "verify_digest",
     "warmup",
     "write",
 ]

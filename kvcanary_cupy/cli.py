@@ -11,14 +11,18 @@ from .interop import cuda_unavailable_reason
 
 def _fault_list(text: str) -> tuple:
     from .sim import FAULTS
+    from .sim.runner import KNOWN_FAULTS
+    from .sim.transfer import TRANSFER_FAULTS
 
     if text.strip() == "all":
         return tuple(FAULTS)
+    if text.strip() == "transfer":  # the digested transfer path's classes (with --transfer-digest)
+        return tuple(TRANSFER_FAULTS)
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in FAULTS]
+    unknown = [n for n in names if n not in KNOWN_FAULTS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown fault class {', '.join(unknown) or '(none given)'}; "
-                                         f"choose from: {', '.join(FAULTS)}")
+                                         f"choose from: {', '.join(KNOWN_FAULTS)}")
     return names
 
 
@@ -37,7 +41,9 @@ def _add_sim(sub) -> None:
     p.add_argument("--steps", type=int, default=defaults.steps, help="engine steps per run (the faulty one, then the clean one)")
     p.add_argument("--seed", type=int, default=defaults.seed, help="same seed, same result (>= 0)")
     p.add_argument("--faults", type=_fault_list, default="all", metavar="A,B,...",
-                   help="fault classes to inject, or all (see --list-faults)")
+                   help="fault classes to inject, all, or transfer (the transfer classes; see --list-faults)")
+    p.add_argument("--transfer-digest", choices=("off", "full", "default"), default="off",
+                   help="transfers go through a host tier with a digest checked there and on arrival (docs/transfer.md)")
     p.add_argument("--rate", type=float, default=defaults.rate,
                    help="probability per step of injecting a fault when none is live")
     p.add_argument("--addressing", choices=ADDRESSING_MODES, default=defaults.addressing,
@@ -57,9 +63,12 @@ def _run_sim(args) -> int:
     from .sim.engine import EngineConfig
     from .sim.report import check_writable, format_table, write_json, write_plot
 
-    engine = EngineConfig(deep_kv=False, lost_stores=False) if args.sglang_coverage else EngineConfig()
+    coverage = dict(deep_kv=False, lost_stores=False) if args.sglang_coverage else {}
+    engine = EngineConfig(transfer_digest=args.transfer_digest, **coverage)
     if args.list_faults:
-        for name, cls in FAULTS.items():
+        from .sim.runner import KNOWN_FAULTS
+
+        for name, cls in KNOWN_FAULTS.items():
             print(f"{name}: {cls.description}" + ("" if cls.detectable_with(args.addressing, engine)
                                                   else f" [blind by design: {cls.why_not_detectable}]"))
         return 0

@@ -50,13 +50,13 @@ class CoverageSources(NamedTuple):
 def pack_sources(sources: Sequence[RealKvSource], mode: int, num_slots: int, *, like, backend: str,
                  name: str) -> CoverageSources:
     """The views and device table of ``sources`` (folding ``mode``'s bytes: 16 under PARTIAL)."""
-    from .ops import _Buffer, _source_views
+    from .binding import CanaryBuffer, source_views
 
     sources = tuple(sources)
     for i, s in enumerate(sources):
         if not isinstance(s, RealKvSource):
             fail(TypeError, f"{name}[{i}] must be a RealKvSource, got {type(s).__name__}")
-    views = _source_views(_Buffer("the TAIL buffer", name, None, 0, sources), mode, num_slots)
+    views = source_views(CanaryBuffer("the TAIL buffer", name, None, 0, sources), mode, num_slots)
     pairs = tuple((v, REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else v.read_bytes) for v in views)
     table = None
     if backend != "numpy":
@@ -81,7 +81,7 @@ class KvCoverage:
                  deep_check_slots: int, lost: CoverageSources | None, max_step_tokens: int):
         self._cu = backend != "numpy"
         if self._cu:
-            from .backends import cupy_coverage as impl
+            from .backends.cuda import coverage as impl
         else:
             from .backends import numpy_coverage as impl
         self._impl = impl

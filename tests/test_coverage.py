@@ -334,8 +334,8 @@ def test_coverage_benchmark_sessions_verify_clean():
 def test_kernel_constants_match_python():
     import re
 
-    from kvcanary_cupy import jit
-    from kvcanary_cupy.backends.cupy_coverage import COVERAGE_THREADS
+    from kvcanary_cupy.backends.cuda import compile as jit
+    from kvcanary_cupy.backends.cuda.coverage import COVERAGE_THREADS
     from kvcanary_cupy.constants import MAX_PIECE_LEVELS
     from kvcanary_cupy.coverage import SOURCE_FIELDS
 

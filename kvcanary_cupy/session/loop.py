@@ -15,14 +15,15 @@ import numpy as np
 from ..args import StageLayout
 from ..backends import get_backend
 from ..constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
+from ..distributed import RankReducer
 from ..errors import CanaryUsageError, fail, public_api, trimmed_argument_error
 from ..interop import Array, allocate, import_cupy, placement_of
 from .. import coverage
 from ..launchers import VerifyLauncher, WriteLauncher
-from ..ops import _log_views
+from ..binding import log_views
 from ..planner import CanaryCapacities, CanaryPlanner
 from ..plans import allocate_canary_buffer, check_num_sources
-from ..reporting import reason_name
+from ..reporting import ViolationReport, reason_name
 from ..validation import I64, INT32_MAX, check_count, check_int
 from .staging import STAGED_RECORDS, StagingMixin, _CudaTransport, _HostTransport
 from .violations import POLICIES, RING_GROUPS, ViolationsMixin, _group_logs
@@ -111,6 +112,23 @@ class CanarySession(StagingMixin, ViolationsMixin):
         GPU sessions: run the HEAD write on a side stream of the session, overlapping the forward
         pass; ``post_forward`` joins it, so both must be captured in the same CUDA graph (pass
         False to capture them apart).
+    process_group : torch.distributed.ProcessGroup, optional
+        A group *dedicated* to the canary (``dist.new_group(...)``; gloo for NumPy arrays and CPU
+        tensors, nccl for CUDA arrays): each rank keeps its own canary, and every
+        ``reduce_every`` steps the ranks' totals and verdicts are all-reduced over it without a
+        host sync, so that every rank applies its policy on the same step (docs/distributed.md).
+        Building the session is then a collective that checks the ranks agree on the pool size,
+        the canary size and the capacities.  :attr:`distributed` holds the group's totals.
+    reduce_every : int
+        With a group: reduce every ``reduce_every``-th ``end_step`` (``>= 1``).
+    replicated_kv : bool
+        With a group whose ranks hold identical KV (MLA caches; GQA caches when tensor parallelism
+        exceeds the KV-head count): compare the ranks' TAIL real-KV fingerprints, a window of
+        ``kc.distributed.REPLICATED_WINDOW`` slots per reduction; a difference is a
+        ``replicated_kv_mismatch`` (:class:`ReplicaMismatch`) naming both ranks and the slot.
+    allow_default_group : bool
+        Accept the default (WORLD) group as ``process_group``: only when nothing else (the model,
+        a KV transfer) issues collectives on it.
     deep_kv_sources : sequence of RealKvSource
         Any number of sources (K and V of every layer) whose every byte is fingerprinted into
         field 4 of the TAIL buffer (then ``int64 [num_slots, 6]``) for each slot written, and
@@ -156,7 +174,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
                  ring_capacity=DEFAULT_RING_CAPACITY, on_violation="raise", swa_window_size=0,
                  full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
                  real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
-                 sweep_source=None, overlap_head_write=True, write_req_capacity=None, deep_kv_sources=(),
+                 sweep_source=None, overlap_head_write=True, write_req_capacity=None, process_group=None,
+                 reduce_every=1, replicated_kv=False, allow_default_group=False, deep_kv_sources=(),
                  deep_check_slots=None, check_lost_stores=False, max_step_tokens=None):
         num_slots = check_count(num_slots, "num_slots", maximum=2**62)
         if num_slots == 0:
@@ -181,12 +200,16 @@ class CanarySession(StagingMixin, ViolationsMixin):
             self.real_kv_hash_mode = RealKvHashMode(real_kv_hash_mode)
         except (ValueError, TypeError):
             fail(ValueError, f"real_kv_hash_mode must be a RealKvHashMode (NONE, PARTIAL or ALL), got {real_kv_hash_mode!r}")
-        for name, flag in (("check_expected_tokens", check_expected_tokens), ("overlap_head_write", overlap_head_write)):
+        reduce_every = check_count(reduce_every, "reduce_every", positive=True)
+        for name, flag in (("check_expected_tokens", check_expected_tokens), ("overlap_head_write", overlap_head_write),
+                           ("replicated_kv", replicated_kv), ("allow_default_group", allow_default_group)):
             if not isinstance(flag, (bool, np.bool_)):
                 fail(TypeError, f"{name} must be a bool, got {type(flag).__name__}")
         self.sweep_every = check_int(sweep_every, "sweep_every", minimum=0)
         if self.sweep_every and not callable(sweep_source):
             fail(ValueError, "sweep_every > 0 needs sweep_source: a callable returning (req_pool_indices, seq_lens, table) or None")
+        if process_group is None and (replicated_kv or reduce_every != 1):
+            fail(ValueError, "replicated_kv and reduce_every apply to a session with a process_group; pass one")
         if like is not None:
             placement_of(like, "like")
 
@@ -238,7 +261,7 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self._head_write_unjoined = False
         #: The checks past the record (:class:`kvcanary_cupy.coverage.KvCoverage`), or None.
         self.coverage = coverage.build(like, num_slots=num_slots, backend=placement.backend, head=self.head_canary,
-                                       tail=self.tail_canary, log_views=_log_views(tail_log), kind=self.tail_tag,
+                                       tail=self.tail_canary, log_views=log_views(tail_log), kind=self.tail_tag,
                                        real_kv_sources=self.real_kv_sources, real_kv_hash_mode=self.real_kv_hash_mode,
                                        deep_kv_sources=deep_kv_sources, deep_check_slots=deep_check_slots,
                                        check_lost_stores=check_lost_stores, max_step_tokens=max_step_tokens)
@@ -261,6 +284,12 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self._stats = dict(steps=0, verified_entries=0, verify_skipped_steps=0, verify_skipped_sweeps=0, sweeps=0,
                            rows_read=0, health_failures=0, untracked_rows=0, evicted_violations=0,
                            unattributed_entries=0, staging_waits=0)
+        self._origin = {}  # the rank and device a distributed session's violations carry
+        self.distributed = None  # RankReducer: the group's verdicts and totals
+        if process_group is not None:
+            self.distributed = RankReducer(self, process_group, reduce_every=reduce_every, replicated_kv=replicated_kv,
+                                           allow_default_group=allow_default_group)
+            self._origin = dict(rank=self.distributed.rank, device=self.distributed.device)
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -310,6 +339,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
             if dtype is not I64 and str(dtype) not in ("int64", "torch.int64"):  # str() of a NumPy dtype costs ~1.5 us
                 fail(TypeError, f"{name} must have dtype int64, got {dtype}")
         self._join_head_write()  # a post_forward that raised may have left the HEAD write unjoined
+        if self.distributed is not None:
+            self.distributed.note_table(table)
         self.planner.plan(req_pool_indices, prefix_lens, extend_seq_lens, table,
                           req_to_verify_expected_tokens=_one_of(expected_tokens, req_to_verify_expected_tokens,
                                                                 "expected_tokens", "req_to_verify_expected_tokens"),
@@ -368,13 +399,17 @@ class CanarySession(StagingMixin, ViolationsMixin):
             if source is not None:
                 self.sweep(*source)
         self._drain(first)
-        self._apply_policy()
+        if self.distributed is None:
+            self._apply_policy()
+        else:  # every reduce_every-th step: the group's verdict, the same on every rank
+            self.distributed.end_step(self)
 
     def check(self) -> int:
         """Block until every staged step and sweep is handled, then apply the policy.
 
         A host sync (not capture-safe): call it at shutdown, in tests, or whenever the latest
-        steps must be judged now.  Raises as :meth:`end_step` does.  Returns how many plan inputs
+        steps must be judged now.  With a ``process_group`` it is a collective: every rank must call
+        it at the same point.  Raises as :meth:`end_step` does.  Returns how many plan inputs
         and kernel items were skipped as out of range of the canary so far, never verified
         (``stats["out_of_range_skipped"]``; 0 when the canary covers the pool).
         """
@@ -382,7 +417,10 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self._launch_stream("check")
         self._transport.synchronize()
         self._drain(None)
-        self._apply_policy()
+        if self.distributed is None:
+            self._apply_policy()
+        else:
+            self.distributed.check(self)
         return self._out_of_range_skipped()
 
     @public_api
@@ -415,6 +453,20 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self._sweep_verify()
         self._stats["sweeps"] += 1
         self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
+
+    def gather_report(self, dst: int = 0) -> ViolationReport | None:
+        """Every rank's :meth:`report` merged (:meth:`ViolationReport.merge`) on rank ``dst`` of the
+        session's ``process_group``; None on the other ranks.
+
+        A blocking collective outside the step loop: every rank must call it.  Each violation
+        carries its ``rank`` and ``device``.
+        """
+        if self.distributed is None:
+            fail(CanaryUsageError, "gather_report() needs a session built with a process_group")
+        dst = check_int(dst, "dst", minimum=0)
+        if dst >= self.distributed.world_size:
+            fail(ValueError, f"dst must be a rank of the process_group (< {self.distributed.world_size}), got {dst}")
+        return self.distributed.gather_report(self.report(), dst)
 
     @property
     def overlap_head_write(self) -> bool:

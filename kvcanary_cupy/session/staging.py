@@ -12,9 +12,9 @@ import numpy as np
 
 from ..args import VERIFY_INPUT_FIELDS, LogViews, StageArgs, StageLayout
 from ..errors import fail
-from ..interop import allocate, backend_view, import_cupy, stream_is_capturing
-from ..launchers import launch_stream_getter
+from ..interop import allocate, backend_view, import_cupy
 from ..planner import CanaryPlanner
+from ..runtime import launch_stream_getter, stream_is_capturing
 from ..validation import I64
 
 #: Staged records a session allocates up front (each on the device and in pinned host memory on a

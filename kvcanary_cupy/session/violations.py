@@ -222,19 +222,35 @@ class ViolationsMixin:
     def _report(self, entries) -> ViolationReport:
         """A report of ``entries`` (``[Violation, repeats, last step]`` of the distinct table)."""
         c = self._counter_arrays()
-        violations = tuple(replace(v, repeats=n, last_step=last) for v, n, last in entries)
+        violations = tuple(replace(v, repeats=n, last_step=last, **self._origin) for v, n, last in entries)
         return ViolationReport(violations=violations, total_violations=int(c[0].sum()), ring_capacity=self.log.capacity,
                                violation_counters=c[0], slot_run_counters=c[1], kernel_run_counters=c[2],
                                out_of_range_counters=c[3],
                                rows_read=self._stats["rows_read"], steps=self._stats["steps"])
 
     def _apply_policy(self) -> None:
-        new, problems = self._new, self._problems
-        if not new and not problems:
+        self._deliver(*self._take_new())
+
+    def _take_new(self):
+        """The new violation keys, health problems and evicted new entries handled since the last take."""
+        taken = self._new, self._problems, self._undelivered
+        self._new, self._problems, self._undelivered = {}, [], {}
+        return taken
+
+    def _deliver(self, new, problems, undelivered, verdict=None) -> None:
+        """Apply the policy to ``new`` keys and ``problems``; with a group, to its ``verdict`` too
+        (the same on every rank: what any rank found, with this rank's own findings)."""
+        elsewhere = verdict is not None and verdict.violations_anywhere
+        if verdict is not None:
+            problems = problems + verdict.remote_problems()
+        if not new and not problems and not elsewhere:
             return
-        undelivered, self._undelivered = self._undelivered, {}
-        self._new, self._problems = {}, []
-        report = self._report([self._distinct.get(k) or undelivered[k] for k in new]) if new else None
+        report = None
+        if new or elsewhere:
+            report = self._report([self._distinct.get(k) or undelivered[k] for k in new])
+        if elsewhere:
+            report = replace(report, ranks=verdict.ranks, replica_mismatches=verdict.mismatches)
+        headline = f"kv-canary: {len(new)} new violation(s)" + (verdict.where() if verdict is not None else "")
         policy = self.on_violation
         if policy == "raise":
             if report is not None:
@@ -243,8 +259,8 @@ class ViolationsMixin:
                 lines = [v.format() for v in report.violations[:MESSAGE_MAX_LINES]]
                 if len(report.violations) > MESSAGE_MAX_LINES:
                     lines.append(f"... {len(report.violations) - MESSAGE_MAX_LINES} more in the error's .report")
-                raise CanaryViolationError(f"kv-canary: {len(new)} new violation(s):\n" + "\n".join(lines)
-                                           + "\n" + report.summary(), report)
+                lines += [m.format() for m in report.replica_mismatches[:MESSAGE_MAX_LINES]]
+                raise CanaryViolationError(headline + ":\n" + "\n".join(lines) + "\n" + report.summary(), report)
             if problems:
                 raise CanaryHealthError("\n".join(problems))
             return
@@ -255,6 +271,10 @@ class ViolationsMixin:
         if policy == "log":
             for v in report.violations:
                 logger.warning(v.format())
+            for m in report.replica_mismatches:
+                logger.warning(m.format())
+            if elsewhere:
+                logger.warning(headline)
             if len(new) >= LOG_SUMMARY_AT:
                 logger.warning(report.summary())
         elif callable(policy):

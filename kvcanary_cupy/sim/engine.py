@@ -62,6 +62,7 @@ class EngineConfig:
     deep_kv: bool = True
     deep_check_period: int = 4
     lost_stores: bool = True
+    transfer_digest: str = "off"  # "full" / "default": transfers go through a host tier, digested (sim/transfer.py)
     vocab: int = 32000
 
     @property
@@ -391,6 +392,11 @@ class Engine:
         self.protected: set = set()  # requests a live fault depends on: never aborted or compacted
         self.timer = StepTimer(cupy)
         self.counters = Counter()
+        self.digest = None
+        if config.transfer_digest != "off":
+            from .transfer_path import DigestPath
+
+            self.digest = DigestPath(self, config.transfer_digest)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -400,8 +406,9 @@ class Engine:
         return block
 
     def take_violations(self) -> list:
-        """(pool name, Violation) of every violation seen since the last take."""
-        return [(name, v) for name, pool in self.pools.items() for v in pool.sightings.take()]
+        """(pool name, Violation) of every violation seen since the last take (digest verdicts included)."""
+        seen = [(name, v) for name, pool in self.pools.items() for v in pool.sightings.take()]
+        return seen + (self.digest.take() if self.digest is not None else [])
 
     def dev(self, a):
         return a if self.xp is np else self.xp.asarray(a)
@@ -589,10 +596,13 @@ class Engine:
                 return
             new_blocks = [self.alloc(dst, req) for _ in req.blocks]
             copy_to = self.hook.on_transfer(self, req, list(new_blocks))
-            src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
-            src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
-            self.hook.on_copy(src, src_slots, dst, dst_slots)
-            copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
+            if self.digest is not None:
+                self.digest.transfer(self, src, dst, req, copy_to, new_blocks)
+            else:
+                src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
+                src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
+                self.hook.on_copy(src, src_slots, dst, dst_slots)
+                copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
             self.finish(src, req)  # the prefill server caches the prompt
             req.alive, req.awaiting_transfer, req.pool, req.blocks = True, False, "decode", new_blocks
             dst.running.append(req)

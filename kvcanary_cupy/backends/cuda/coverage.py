@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..args import LogViews
-from ..jit import get_function, kernel_name
-from .cuda import device as cuda_device
-from .cupy_backend import BLOCKS_PER_SM, _log_struct
+from ...args import LogViews
+from . import device as cuda_device
+from .compile import get_function, kernel_name
+from .configs import BLOCKS_PER_SM
+from .params import log_struct
 
 COVERAGE_THREADS = 256  # kCoverageThreads in coverage.cu
 _WARPS = COVERAGE_THREADS // 32
@@ -37,7 +38,7 @@ def deep_write(table, num_sources: int, slots, canary) -> None:
 def deep_check(table, num_sources: int, canary, state, per_step: int, log: LogViews, kind: int) -> None:
     _launch("deep_check", _grid(per_step, _WARPS), (table, np.int32(num_sources), canary, np.int64(canary.shape[0]),
                                                      np.int32(canary.shape[1]), np.int64(per_step), state,
-                                                     _log_struct(log), np.int32(kind)))
+                                                     log_struct(log), np.int32(kind)))
 
 
 def lost_snapshot(table, num_sources: int, slots, num_slots: int, pre) -> None:
@@ -54,4 +55,4 @@ def lost_check(table, num_sources: int, slots, pre, head, tail, log: LogViews, k
         return
     _launch("lost_check", _grid(n, _WARPS), (table, np.int32(num_sources), slots, np.int64(n), pre, head,
                                               np.int32(head.shape[1]), tail, np.int32(tail.shape[1]),
-                                              np.int64(tail.shape[0]), _log_struct(log), np.int32(kind)))
+                                              np.int64(tail.shape[0]), log_struct(log), np.int32(kind)))
