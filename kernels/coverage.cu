@@ -109,11 +109,14 @@ __global__ void lost_snapshot(const i64* __restrict__ table, int num_sources, co
 // After the forward, before the TAIL write: a token whose slot's bytes are unchanged in some
 // source, while the TAIL record there (the slot's previous owner) differs from the HEAD record
 // this step wrote (same token, position and chain would make identical bytes legitimate), is a
-// store that did not happen.  Its row names the first unchanged source in column 6.
+// store that did not happen.  Its row names the first unchanged source in column 6.  The
+// `unchecked` tokens past the snapshot's capacity are counted as out of range.
 __global__ void lost_check(const i64* __restrict__ table, int num_sources, const i64* __restrict__ slots, i64 num_tokens,
-                           const i64* __restrict__ pre, const i64* head, int head_fields, const i64* tail, int tail_fields,
-                           i64 num_slots, LaunchLog log, int kind) {
+                           i64 unchecked, const i64* __restrict__ pre, const i64* head, int head_fields, const i64* tail,
+                           int tail_fields, i64 num_slots, LaunchLog log, int kind) {
   wait_for_prior_grids();
+  if (blockIdx.x == 0 && threadIdx.x == 0 && unchecked > 0)
+    atomicAdd(log.out_of_range_counters + kind, static_cast<unsigned long long>(unchecked));
   const int lane = threadIdx.x & 31;
   const i64 warp = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const i64 num_warps = (static_cast<i64>(gridDim.x) * blockDim.x) >> 5;

@@ -97,7 +97,6 @@ class KvCoverage:
         if lost is not None:
             self._pre = backend_view(allocate((max(max_step_tokens, 1) * lost.count,), np.int64, like=like, fill=0),
                                      "lost-store snapshot", writable=True)
-        self.unchecked_tokens = 0  # tokens past max_step_tokens whose stores were not checked
 
     @property
     def deep_check_period(self) -> int:
@@ -134,18 +133,16 @@ class KvCoverage:
         """Snapshot the write slots' per-source hashes (lost-store check)."""
         if self.lost is None:
             return
-        slots = self._slots(out_cache_loc)
-        if slots.shape[0] > self.max_step_tokens:
-            self.unchecked_tokens += slots.shape[0] - self.max_step_tokens
-            slots = slots[: self.max_step_tokens]
+        slots = self._slots(out_cache_loc, self.max_step_tokens)
         self._impl.lost_snapshot(*self._src(self.lost), slots, self._tail.shape[0], self._pre)
 
     def before_tail_write(self, out_cache_loc: Array) -> None:
         """Flag write slots whose bytes the forward left unchanged (HEAD written, TAIL not yet)."""
         if self.lost is None:
             return
-        slots = self._slots(out_cache_loc, self.max_step_tokens)
-        self._impl.lost_check(*self._src(self.lost), slots, self._pre, self._head, self._tail, self._log, self._kind)
+        slots = self._slots(out_cache_loc)
+        self._impl.lost_check(*self._src(self.lost), slots, self.max_step_tokens, self._pre, self._head, self._tail,
+                              self._log, self._kind)
 
     def after_tail_write(self, out_cache_loc: Array) -> None:
         """Deep-fingerprint the written slots, then re-fingerprint this step's share of the rotation."""

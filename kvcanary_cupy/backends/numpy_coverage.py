@@ -70,8 +70,12 @@ def lost_snapshot(sources: tuple, slots, num_slots: int, pre: np.ndarray) -> Non
     pre[: n * len(sources)] = _as_i64(out.reshape(-1))
 
 
-def lost_check(sources: tuple, slots, pre: np.ndarray, head: np.ndarray, tail: np.ndarray, log: LogViews, kind: int) -> None:
+def lost_check(sources: tuple, slots, capacity: int, pre: np.ndarray, head: np.ndarray, tail: np.ndarray, log: LogViews,
+               kind: int) -> None:
+    """The first ``capacity`` tokens are checked; the others are counted as out of range."""
     slots = np.asarray(slots, I64)
+    log.out_of_range_counters[kind] += max(slots.shape[0] - capacity, 0)
+    slots = slots[:capacity]
     n, num_sources = slots.shape[0], len(sources)
     idx = np.nonzero(_valid(slots, tail.shape[0]))[0]
     s = slots[idx]

@@ -141,7 +141,7 @@ class CanarySession(StagingMixin, ViolationsMixin):
         deep sources or else the real-KV sources; needs ``max_step_tokens``.
     max_step_tokens : int, optional
         The most tokens one step writes (the lost-store snapshot's size); more are not checked,
-        counted in ``stats["lost_store_unchecked_tokens"]``.
+        counted in ``stats["out_of_range_skipped"]`` (the TAIL tag's out-of-range counter).
 
     Raises
     ------

@@ -99,8 +99,6 @@ class ViolationsMixin:
                 dropped_rows=total - s["rows_read"],
                 out_of_range_skipped=self._out_of_range_skipped(),
             )
-            if self.coverage is not None:
-                s["lost_store_unchecked_tokens"] = self.coverage.unchecked_tokens
         return s
 
     def _refuse_in_policy(self, what: str) -> None:
@@ -206,7 +204,8 @@ class ViolationsMixin:
         if not self._coverage_warned and self._out_of_range_skipped():
             self._coverage_warned = True
             _warn(f"kv-canary: {self._out_of_range_skipped()} plan inputs or kernel items were out of range of the "
-                  f"canary (slots past num_slots={self.num_slots}: a canary smaller than the pool, or rows past the table) "
+                  f"canary (slots past num_slots={self.num_slots}: a canary smaller than the pool, rows past the table, "
+                  "or write tokens past max_step_tokens) "
                   "and were never verified; counted in session.stats['out_of_range_skipped'] and returned by check()",
                   CanaryCoverageWarning)
         if not self._eviction_warned and self._stats["evicted_violations"]:

@@ -49,10 +49,11 @@ def lost_snapshot(table, num_sources: int, slots, num_slots: int, pre) -> None:
             (table, np.int32(num_sources), slots, np.int64(n), np.int64(num_slots), pre))
 
 
-def lost_check(table, num_sources: int, slots, pre, head, tail, log: LogViews, kind: int) -> None:
-    n = slots.shape[0]
-    if n == 0:
+def lost_check(table, num_sources: int, slots, capacity: int, pre, head, tail, log: LogViews, kind: int) -> None:
+    total = slots.shape[0]
+    n = min(total, capacity)
+    if total == 0:
         return
-    _launch("lost_check", _grid(n, _WARPS), (table, np.int32(num_sources), slots, np.int64(n), pre, head,
-                                              np.int32(head.shape[1]), tail, np.int32(tail.shape[1]),
+    _launch("lost_check", _grid(n, _WARPS), (table, np.int32(num_sources), slots, np.int64(n), np.int64(total - n), pre,
+                                              head, np.int32(head.shape[1]), tail, np.int32(tail.shape[1]),
                                               np.int64(tail.shape[0]), log_struct(log), np.int32(kind)))
