@@ -178,3 +178,20 @@ def test_strided_source_alignment_of_the_tensor(ab):
     ok = RealKvSource.strided(base[:, 1:65], 1, token_stride=64, piece_bytes=1, pieces=((32, 1),))
     got = write(ab, ab.asarray(canary(4)), [1], (ok,), RealKvHashMode.ALL)
     assert int(got[1, 3]) == signed(kc.real_kv_fold([bytes(32)]))
+
+
+def test_interleaved_flat_pages_one_source_per_layer_and_half(ab):
+    """transformers 5.23's flat uint8 cache: each block holds the K and V pages of every layer in
+    turn; one source per (layer, half) reads its page through byte_offset."""
+    blocks, layers, page, n = 3, 2, 4, 32
+    flat = np.random.default_rng(9).integers(0, 256, blocks * 2 * layers * page * n, dtype=np.uint8)
+    pool = ab.asarray(flat.reshape(blocks, 2 * layers * page * n))
+    sources = tuple(RealKvSource(pool, page, n, n, token_stride=n, byte_offset=(2 * layer + half) * page * n)
+                    for layer in range(layers) for half in (0, 1))
+    slots = [1, 5, 11]
+    got = write(ab, ab.asarray(canary(blocks * page)), slots, sources, RealKvHashMode.ALL)
+    cut = flat.reshape(blocks, layers, 2, page, n)
+    for s in slots:
+        block, t = divmod(s, page)
+        want = kc.real_kv_fold([cut[block, layer, half, t].tobytes() for layer in range(layers) for half in (0, 1)])
+        assert int(got[s, 3]) == signed(want)
