@@ -25,8 +25,8 @@ constexpr i64 kWriteTokenMismatch = 1 << 3;
 constexpr i64 kWritePositionMismatch = 1 << 4;
 constexpr i64 kVerifyTokenMismatch = 1 << 5;
 // This project's coverage bits (kernels/coverage.cu); SGLang's six above are unchanged.
-constexpr i64 kWriteKvNotStored = 1 << 8;
-constexpr i64 kVerifyDeepKvMismatch = 1 << 9;
+constexpr i64 kWriteKvNotStored = 1 << 11;
+constexpr i64 kVerifyDeepKvMismatch = 1 << 12;
 
 __host__ __device__ constexpr u64 splitmix64(u64 x) {
   x ^= x >> 30;

@@ -79,8 +79,9 @@ class FailReason(enum.IntFlag):
     VERIFY_TOKEN_MISMATCH = 1 << 5
     # This project's coverage past the record (docs/format.md section 9), logged only when a
     # CanarySession is asked to (check_lost_stores, deep_kv_sources); SGLang's six bits unchanged.
-    WRITE_KV_NOT_STORED = 1 << 8
-    VERIFY_DEEP_KV_MISMATCH = 1 << 9
+    # Above the transfer digests' bits (DigestFailReason, 1 << 6 to 1 << 10) and the table-hole bit.
+    WRITE_KV_NOT_STORED = 1 << 11
+    VERIFY_DEEP_KV_MISMATCH = 1 << 12
 
     @staticmethod
     def label(bits: int) -> str:
