@@ -170,7 +170,7 @@ def build(session_like, *, num_slots: int, backend: str, head, tail, log_views, 
         deep = pack_sources(deep_kv_sources, RealKvHashMode.ALL, num_slots, like=session_like, backend=backend,
                             name="deep_kv_sources")
         deep_check_slots = DEFAULT_DEEP_CHECK_SLOTS if deep_check_slots is None else check_count(
-            deep_check_slots, "deep_check_slots")
+            deep_check_slots, "deep_check_slots", positive=True)
     elif deep_check_slots is not None:
         fail(ValueError, "deep_check_slots needs deep_kv_sources (the sources whose every byte is re-fingerprinted)")
     lost = None

@@ -196,10 +196,13 @@ def test_tokens_past_max_step_tokens_are_counted(ab):
     (dict(deep_check_slots=4), ValueError, r"deep_check_slots needs deep_kv_sources"),
     (dict(deep_kv_sources=[object()]), TypeError, r"deep_kv_sources\[0\] must be a RealKvSource, got object"),
     (dict(check_lost_stores=True, max_step_tokens=0), ValueError, r"max_step_tokens must be"),
+    (dict(deep_kv_sources=None, deep_check_slots=0), ValueError, r"deep_check_slots must be"),
 ])
 def test_coverage_options_are_checked_by_name(ab, kw, exc, match):
     pool = ab.asarray(np.zeros((SLOTS, ROW), np.uint8))
     kw.setdefault("real_kv_sources", (RealKvSource(pool, 1, ROW, ROW),))
+    if "deep_kv_sources" in kw and kw["deep_kv_sources"] is None:
+        kw["deep_kv_sources"] = kw["real_kv_sources"]
     with pytest.raises(exc, match=match):
         kc.CanarySession(SLOTS, max_batch_size=2, like=ab.like, real_kv_hash_mode=RealKvHashMode.ALL, **kw)
 
