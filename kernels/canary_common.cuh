@@ -59,6 +59,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 struct RealKvSources {
   u64 data[kMaxRealKvSources];  // device addresses, aligned to unit
   i64 row_stride[kMaxRealKvSources];  // bytes between dim-0 rows, a multiple of unit
+  i64 slot_offset[kMaxRealKvSources];  // canary slot s holds the KV of pool slot s - slot_offset
   i64 token_stride[kMaxRealKvSources];
   i64 byte_offset[kMaxRealKvSources];
   i64 piece_stride[kMaxRealKvSources][kMaxPieceLevels];
@@ -111,17 +112,19 @@ __device__ __forceinline__ u64 fold_stream(const unsigned char* token, const Str
   return h;
 }
 
-// The fold of source i of one slot.
+// The fold of source i of one slot: 0 for a slot below the source's slot_offset (no KV bytes there).
 __device__ __forceinline__ u64 source_fold(const RealKvSources& s, int i, i64 slot) {
-  const i64 page = s.page_size[i];
-  const unsigned char* token = reinterpret_cast<const unsigned char*>(s.data[i]) + (slot / page) * s.row_stride[i] +
-                               s.byte_offset[i] + (slot % page) * s.token_stride[i];
+  const i64 page = s.page_size[i], pool_slot = slot - s.slot_offset[i];
+  if (pool_slot < 0) return 0;
+  const unsigned char* token = reinterpret_cast<const unsigned char*>(s.data[i]) + (pool_slot / page) * s.row_stride[i] +
+                               s.byte_offset[i] + (pool_slot % page) * s.token_stride[i];
   const StreamLayout l{s.piece_stride[i][0], s.piece_stride[i][1], s.piece_count[i][1], s.piece_bytes[i], s.unit[i], s.nbytes[i]};
   return fold_stream(token, l);
 }
 
 // Fingerprint of one slot's real KV bytes (docs/format.md §3).  The host checked that every source
-// covers every canary slot, so `slot` in [0, num_slots) never reads out of bounds.  The kernels
+// covers every canary slot from its slot_offset on, so `slot` in [0, num_slots) never reads out of
+// bounds; a slot below a source's slot_offset has no KV bytes there and folds a zero strip.  The kernels
 // take the sources as a __grid_constant__ parameter, so the runtime index reads them in place
 // (no copy to local memory).
 __device__ __forceinline__ u64 real_kv_fold(const RealKvSources& s, i64 slot) {

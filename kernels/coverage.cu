@@ -15,12 +15,14 @@ constexpr int kSourceFields = 12;  // SOURCE_FIELDS in kvcanary_cupy/coverage.py
 constexpr int kDeepField = 4;  // the TAIL record's field holding the deep fingerprint
 
 // A table row: data, row_stride, token_stride, byte_offset, stride0, stride1, inner, page_size,
-// nbytes, piece_bytes, unit, (unused).  The host checked every source covers every canary slot.
+// nbytes, piece_bytes, unit, slot_offset.  The host checked every source covers every canary slot
+// from its slot_offset on; a slot below it has no KV bytes there and folds as 0 (source_fold's rule).
 __device__ __forceinline__ u64 table_fold(const i64* table, int j, i64 slot) {
   const i64* r = table + static_cast<i64>(j) * kSourceFields;
-  const i64 page = r[7];
+  const i64 page = r[7], pool_slot = slot - r[11];
+  if (pool_slot < 0) return 0;
   const unsigned char* token =
-      reinterpret_cast<const unsigned char*>(r[0]) + (slot / page) * r[1] + r[3] + (slot % page) * r[2];
+      reinterpret_cast<const unsigned char*>(r[0]) + (pool_slot / page) * r[1] + r[3] + (pool_slot % page) * r[2];
   const StreamLayout l{r[4], r[5], static_cast<int>(r[6]), static_cast<int>(r[9]), static_cast<int>(r[10]),
                        static_cast<int>(r[8])};
   return fold_stream(token, l);

@@ -28,6 +28,7 @@ from .constants import (
     MAX_REAL_KV_SOURCES,
     NUM_LAUNCH_TAGS,
     REQ_POOL_IDX_PADDING,
+    SEED_DEFERRED,
     TOKEN_TO_KV_SLOT_PADDING,
     VIOLATION_FIELDS,
     CanaryLaunchTag,
@@ -42,10 +43,11 @@ from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_
 from .runtime import join_stream
 from .backends.cuda.compile import warmup
 from .launchers import VerifyLauncher, WriteLauncher
-from .ops import move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
+from .ops import copy_pages, move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
 from .reporting import ReplicaMismatch, Violation, ViolationReport
+from .same_step import SameStepReads, resolve_same_step_reads
 from .session import CanarySession
 from .tables import BlockTable, PagedKvIndices, ReqToToken
 from . import distributed, metrics  # submodules: kc.distributed.REPLICATED_WINDOW, kc.metrics.SessionMetrics
@@ -69,6 +71,7 @@ __all__ = [
     "MAX_REAL_KV_SOURCES",
     "NUM_LAUNCH_TAGS",
     "REQ_POOL_IDX_PADDING",
+    "SEED_DEFERRED",
     "TOKEN_TO_KV_SLOT_PADDING",
     "VIOLATION_FIELDS",
     "BlockTable",
@@ -94,6 +97,7 @@ __all__ = [
     "RealKvSource",
     "ReplicaMismatch",
     "ReqToToken",
+    "SameStepReads",
     "VerifyLauncher",
     "VerifyPlan",
     "Violation",
@@ -102,6 +106,7 @@ __all__ = [
     "WriteLauncher",
     "WritePlan",
     "allocate_canary_buffer",
+    "copy_pages",
     "digest_pages",
     "join_stream",
     "mix3",
@@ -109,6 +114,7 @@ __all__ = [
     "plan",
     "plan_and_verify",
     "real_kv_fold",
+    "resolve_same_step_reads",
     "restamp",
     "scatter_req_token_ids",
     "splitmix64",

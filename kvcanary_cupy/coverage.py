@@ -63,8 +63,8 @@ def pack_sources(sources: Sequence[RealKvSource], mode: int, num_slots: int, *, 
         host = np.zeros((len(pairs), SOURCE_FIELDS), np.int64)
         for j, (v, nbytes) in enumerate(pairs):
             (_, s0), (inner, s1) = v.levels
-            host[j, :11] = (v.data.data.ptr, v.data.strides[0], v.stride, v.byte_offset, s0, s1, inner, v.page_size,
-                            nbytes, v.piece_bytes or v.num_bytes_per_token, v.unit)
+            host[j] = (v.data.data.ptr, v.data.strides[0], v.stride, v.byte_offset, s0, s1, inner, v.page_size,
+                       nbytes, v.piece_bytes or v.num_bytes_per_token, v.unit, v.slot_offset)
         table = backend_view(allocate(host.shape, np.int64, like=like, fill=0), f"{name} table", writable=True)
         table.set(host)  # once, at construction
     return CoverageSources(pairs, table, len(pairs), sum(nbytes for _, nbytes in pairs))

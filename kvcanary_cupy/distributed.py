@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .args import STAGE_HEADER_FIELDS
 from .constants import CANARY_FIELD_REAL_KV_HASH, MAX_REAL_KV_SOURCES, FailReason
 from .errors import fail
 from .hashing import to_unsigned
@@ -85,7 +86,7 @@ def device_id(placement) -> str:
     from .interop import import_cupy
 
     props = import_cupy().cuda.runtime.getDeviceProperties(placement.device)
-    pci = f"{props['pciDomainID']:04x}:{props['pciBusID']:02x}:{props['pciDeviceID']:02x}.0"
+    pci = f"{props.get('pciDomainID', 0):04x}:{props.get('pciBusID', 0):02x}:{props.get('pciDeviceID', 0):02x}.0"
     raw = props.get("uuid", b"")
     if isinstance(raw, (bytes, bytearray)) and len(raw) == 16:
         h = raw.hex()
@@ -212,7 +213,7 @@ class _HostExchange:
 class _DeviceExchange:
     """NCCL: the rows live on the session's GPU; a side stream, ordered after the step's stream by
     an event, zeroes them, copies this rank's totals from pinned memory and its fingerprints from
-    the TAIL canary, runs the all-reduce (``work.wait()`` there makes the side stream, not the host,
+    the TAIL canary (the step's stream then waits for that copy only), runs the all-reduce (``work.wait()`` there makes the side stream, not the host,
     wait for NCCL's), copies the result to pinned memory and records an event."""
 
     def __init__(self, torch, dist, group, rank: int, rows: int, width: int, column, device: int, launch_stream):
@@ -226,6 +227,7 @@ class _DeviceExchange:
         self._column = column  # torch view of the TAIL canary's real_kv_hash column, or None
         self._side = torch.cuda.Stream(device=self._device)
         self._done = torch.cuda.Event()
+        self._snapshot = torch.cuda.Event()
         self._launch_stream = launch_stream
         self._external = {}  # CuPy stream pointer -> torch.cuda.ExternalStream
 
@@ -245,13 +247,18 @@ class _DeviceExchange:
             self._host_in_np = self._host_in.numpy()
         self._host_in_np[:] = host_values  # its previous copy has completed: finish() came first
         h = len(host_values)
-        self._side.wait_stream(self._step_stream())
+        step_stream = self._step_stream()
+        self._side.wait_stream(step_stream)
         with torch.cuda.stream(self._side):
             self.buffer.zero_()
             own = self.buffer[self._rank]
             own[:h].copy_(self._host_in, non_blocking=True)
             if slots:
                 own[h : h + slots].copy_(self._column[offset : offset + slots])
+                # the next step's TAIL write waits for the snapshot (not for the all-reduce), so that
+                # every rank compares the canary as this step left it
+                self._snapshot.record(self._side)
+                step_stream.wait_event(self._snapshot)
             work = self._all_reduce()  # NCCL's stream waits for the side stream's copies
             work.wait()
             self._host_out.copy_(self.buffer, non_blocking=True)
@@ -316,7 +323,6 @@ class RankReducer:
         self._window = min(session.num_slots, REPLICATED_WINDOW) if replicated_kv else 0
         self._host_width = len(_VERDICT) + len(TOTALS) + len(_SHAPE) + self._num_kinds + len(_REASONS)
         self._row = np.zeros(self._host_width, np.int64)
-        self._tag_names = [tag_name(k) for k in range(self._num_kinds)]
         column = None
         if replicated_kv:
             column = self._canary_column(session.tail_canary)
@@ -418,11 +424,18 @@ class RankReducer:
                                  + "; build every rank's session with the same sizes")
 
     def _host_values(self, session, new: int, problems: int) -> np.ndarray:
-        s = session.stats
-        s["handled_steps"] = s["steps"] - s["pending_steps"]
-        by_tag, by_reason = s["violations_by_tag"], s["violations_by_reason"]
-        self._row[:] = ([new, problems] + [s[k] for k in TOTALS] + list(self._table_shape)
-                        + [by_tag.get(t, 0) for t in self._tag_names] + [by_reason.get(k, 0) for k in _REASONS])
+        """This rank's row: the verdict, then ``session.stats``'s numbers read from the session's
+        bookkeeping directly (``stats`` builds dicts and arrays: on the cold cache a step leaves,
+        most of a reduction's host time; the clean multi-rank test checks the two agree)."""
+        st, k = session._stats, self._num_kinds
+        by_tag = session._latest[STAGE_HEADER_FIELDS : STAGE_HEADER_FIELDS + k]  # exact violations per kind
+        violations = sum(by_tag)
+        derived = {"handled_steps": st["steps"] - sum(r.kind == "step" for r in session._pending),
+                   "violations": violations, "dropped_rows": violations - st["rows_read"],
+                   "distinct_violations": len(session._distinct), "out_of_range_skipped": session._out_of_range_skipped()}
+        by_reason = session._rows_by_reason
+        self._row[:] = ([new, problems] + [derived[key] if key in derived else st[key] for key in TOTALS]
+                        + list(self._table_shape) + by_tag + [by_reason[name] for name in _REASONS])
         return self._row
 
     def _reduce(self, session, *, wait: bool) -> None:

@@ -419,6 +419,12 @@ class RealKvSource:
     read_bytes : int
         Bytes read per slot under ``ALL``: a positive multiple of 16, at most
         ``num_bytes_per_token``.
+    slot_offset : int
+        ``>= 0``: canary slot ``s`` fingerprints pool slot ``s - slot_offset`` (above, read as
+        ``s``), so an engine whose slot 0 is a real slot can keep the canary's padding slot 0
+        apart: give the canary ``slot_offset`` more slots and add it to the slots its tables
+        and ``out_cache_loc`` name.  Canary slots below it have no KV bytes in this source (its
+        strip folds as zero).  The rows must then cover ``num_slots - slot_offset`` slots.
     token_stride : int, optional
         Bytes from one slot's first byte to the next slot's within a row; None:
         ``num_bytes_per_token``.
@@ -448,6 +454,7 @@ class RealKvSource:
     page_size: int
     num_bytes_per_token: int
     read_bytes: int
+    slot_offset: int = 0
     token_stride: int | None = None
     byte_offset: int = 0
     piece_bytes: int | None = None
@@ -457,6 +464,8 @@ class RealKvSource:
     def __post_init__(self):
         require(self.tensor, "RealKvSource.tensor")
         p, n, r = self.page_size, self.num_bytes_per_token, self.read_bytes
+        if not _is_int(self.slot_offset) or not 0 <= self.slot_offset < 2**62:
+            fail(ValueError, f"RealKvSource.slot_offset must be an int in [0, 2**62), got {self.slot_offset!r}")
         if not _is_int(p) or p < 1:
             fail(ValueError, f"RealKvSource.page_size must be >= 1, got {p}")
         if not _is_int(n) or n <= 0 or n % 16:
@@ -526,13 +535,13 @@ class RealKvSource:
     @classmethod
     @public_api
     def strided(cls, tensor, page_size: int, *, token_stride: int, piece_bytes: int, pieces: tuple = (),
-                byte_offset: int = 0, read_bytes: int | None = None) -> "RealKvSource":
+                byte_offset: int = 0, read_bytes: int | None = None, slot_offset: int = 0) -> "RealKvSource":
         """A source whose slot bytes are pieces spread through a row; ``num_bytes_per_token`` is
         the pieces' total and ``read_bytes`` defaults to it.
 
         Parameters
         ----------
-        tensor, page_size, token_stride, piece_bytes, pieces, byte_offset, read_bytes
+        tensor, page_size, token_stride, piece_bytes, pieces, byte_offset, read_bytes, slot_offset
             As for the class (``read_bytes`` None: every byte of the stream).
 
         Returns
@@ -555,8 +564,8 @@ class RealKvSource:
         """
         pieces = tuple(tuple(lv) for lv in pieces)
         n = int(np.prod([c for c, _ in pieces], dtype=object)) * piece_bytes if _is_int(piece_bytes) else piece_bytes
-        return cls(tensor, page_size, n, n if read_bytes is None else read_bytes, token_stride=token_stride,
-                   byte_offset=byte_offset, piece_bytes=piece_bytes, pieces=pieces)
+        return cls(tensor, page_size, n, n if read_bytes is None else read_bytes, slot_offset=slot_offset,
+                   token_stride=token_stride, byte_offset=byte_offset, piece_bytes=piece_bytes, pieces=pieces)
 
     @property
     def is_strided(self) -> bool:

@@ -100,6 +100,13 @@ class Violation:
     device : str, optional
         That rank's device, to join with ECC / Xid logs: ``"GPU-<uuid>"`` (as ``nvidia-smi -L``
         prints it) with the PCI bus id, or ``"cpu@<host>"``; None without a group.
+    request_ids : tuple of str
+        The engine's ids of the requests behind ``batch_rows`` (filled by an engine integration,
+        :mod:`kvcanary_cupy.integrations`; empty where unknown).
+    finding : str, optional
+        What an engine integration knows the violation to be when it is the engine's own
+        documented behaviour rather than corruption (docs/engines.md lists the labels); None:
+        unexplained.
 
     Examples
     --------
@@ -124,11 +131,14 @@ class Violation:
     last_step: int | None = None
     rank: int | None = None
     device: str | None = None
+    request_ids: tuple = ()
+    finding: str | None = None
 
     def __post_init__(self):
         if self.is_write and self.expected_position is None:
             object.__setattr__(self, "expected_position", self.expected_aux)
         object.__setattr__(self, "batch_rows", tuple(int(r) for r in self.batch_rows))
+        object.__setattr__(self, "request_ids", tuple(str(r) for r in self.request_ids))
 
     @classmethod
     def from_row(cls, row: Sequence[int]) -> "Violation":
@@ -178,6 +188,7 @@ class Violation:
         for f in fields(self):
             out[f.name] = getattr(self, f.name)
         out["batch_rows"] = list(self.batch_rows)
+        out["request_ids"] = list(self.request_ids)
         return out
 
     @classmethod
@@ -245,7 +256,7 @@ def _html_cell(v: Violation, key: str, value) -> str:
         value = f"{value:#018x}"
     elif key == "expected_token" and value == -1 and not v.is_write:
         value = "not checked"
-    elif key == "batch_rows":
+    elif key in ("batch_rows", "request_ids"):
         value = ", ".join(map(str, value)) or None
     return f"<td{title}>{'&ndash;' if value is None else html.escape(str(value))}</td>"
 
@@ -260,6 +271,7 @@ PANDAS_DTYPES = {
     "stored_token": "int64", "expected_token": "int64", "stored_chain_hash": "uint64", "expected_aux": object,
     "fail_reason_bits": "int64", "expected_position": "Int64", "prev_slot_idx": "Int64", "batch_rows": object,
     "repeats": "int64", "first_step": "Int64", "last_step": "Int64", "rank": "Int64", "device": object,
+    "request_ids": object, "finding": object,
 }
 
 _I64_RANGE, _U64_RANGE = (-(2**63), 2**63 - 1), (0, 2**64 - 1)
@@ -303,6 +315,12 @@ def _json_record(d, where: str) -> Violation:
         fail(TypeError, f"report JSON {where}.batch_rows must be a list of int, got {type(rows).__name__}")
     for i, r in enumerate(rows):
         _json_int(r, f"{where}.batch_rows[{i}]", 0, _I64_RANGE[1])
+    ids = d.get("request_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
+        fail(TypeError, f"report JSON {where}.request_ids must be a list of str, got {ids!r}")
+    finding = d.get("finding")
+    if finding is not None and not isinstance(finding, str):
+        fail(TypeError, f"report JSON {where}.finding must be a str or null, got {type(finding).__name__}")
     return Violation.from_dict(d)
 
 

@@ -172,13 +172,25 @@ def _totals(session) -> dict:
 
 
 def scenario_agreement(r: Rank) -> dict:
-    """The odd rank's pool (and so its canary) is smaller: every rank refuses at start."""
+    """The odd rank's canary is smaller, then its KV pool larger: every rank refuses at start."""
+    import kvcanary_cupy as kc
+
+    out = {}
     engine = _engine(num_slots=512 if r.rank != r.odd else 256)
     try:
         r.session(engine)
+        out["canary"] = None
     except ValueError as exc:
-        return {"error": str(exc)}
-    return {"error": None}
+        out["canary"] = str(exc)
+    engine = _engine()
+    kv = r.asarray(np.zeros((512 if r.rank != r.odd else 640, KV_WORDS), np.int64))
+    source = kc.RealKvSource(kv, page_size=1, num_bytes_per_token=8 * KV_WORDS, read_bytes=8 * KV_WORDS)
+    try:
+        r.session(engine, real_kv_sources=(source,), real_kv_hash_mode=kc.RealKvHashMode.ALL)
+        out["pool"] = None
+    except ValueError as exc:
+        out["pool"] = str(exc)
+    return out
 
 
 def scenario_clean(r: Rank) -> dict:
@@ -254,7 +266,9 @@ def scenario_replicated(r: Rank) -> dict:
         kv[r.asarray(loc)] = r.asarray(values)
 
     raised = _loop(r, session, engine, before_post=model_writes_kv)
-    return dict(raised=raised, slot=target["slot"], local=session.report().to_dicts(), **_totals(session))
+    own_hash = int(r.to_numpy(session.tail_canary)[target["slot"], kc.CANARY_FIELD_REAL_KV_HASH])
+    return dict(raised=raised, slot=target["slot"], own_hash=kc.to_unsigned(own_hash), local=session.report().to_dicts(),
+                **_totals(session))
 
 
 def scenario_table_shape(r: Rank) -> dict:
@@ -267,6 +281,16 @@ def scenario_table_shape(r: Rank) -> dict:
     except ValueError as exc:
         return {"error": str(exc), "step": step}
     return {"error": None}
+
+
+def scenario_hang(r: Rank) -> dict:
+    """Only for the harness's own test: the odd rank never reaches the collective its peers wait in."""
+    if r.rank == r.odd:
+        time.sleep(3600)
+    import torch.distributed as dist
+
+    dist.barrier(group=r.group)
+    return {}
 
 
 def scenario_default_group(r: Rank) -> dict:

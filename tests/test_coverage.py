@@ -353,3 +353,22 @@ def test_kernel_constants_match_python():
     assert constant("kDeepField", "coverage.cu") == DEEP_FIELD
     assert constant("kCoverageThreads", "coverage.cu") == COVERAGE_THREADS
     assert "coverage" in jit.FAMILIES and len(jit.FAMILIES["coverage"].instantiations()) == 4
+
+
+def test_deep_sources_with_slot_offset(ab):
+    """Deep sources whose pool starts one slot later (slot_offset=1): canary slot s fingerprints pool row s - 1."""
+    pool = np.random.default_rng(12).integers(0, 256, (2, SLOTS - 1, ROW), dtype=np.uint8)
+    dev = ab.asarray(pool)
+    deep = tuple(RealKvSource(dev[h], 1, ROW, ROW, slot_offset=1) for h in (0, 1))
+    s = kc.CanarySession(SLOTS, max_batch_size=2, like=ab.like, on_violation="ignore", deep_kv_sources=deep,
+                         deep_check_slots=SLOTS - 1)
+    a = lambda v: ab.asarray(np.asarray(v, np.int64))
+    s.pre_forward(a([1]), a([0]), a([3]), ab.asarray(np.arange(SLOTS, dtype=np.int32).reshape(4, 16)), a([7, 8, 9]),
+                  a([0, 1, 2]), a([1, 2, 60]))
+    s.post_forward()
+    s.end_step()
+    tail = ab.to_numpy(s.tail_canary)
+    for slot in (1, 2, 60):
+        want = kc.real_kv_fold([pool[0, slot - 1].tobytes(), pool[1, slot - 1].tobytes()]) or 1
+        assert int(tail[slot, DEEP_FIELD]) == kc.to_signed(want)
+    assert s.check() == 0 and s.report().total_violations == 0

@@ -132,6 +132,8 @@ def test_a_replicated_kv_mismatch_names_both_ranks_and_the_slot(ranks):
         ((m,),) = [error["mismatches"]]
         assert (m["kind"], m["slot_idx"], m["rank"], m["other_rank"], m["step"]) == (
             "replicated_kv_mismatch", g["slot"], odd, 0, MISMATCH_STEP)
+        # both fingerprints exactly as the two ranks hold them (any 64-bit value passes the reduction intact)
+        assert (m["real_kv_hash"], m["other_real_kv_hash"]) == (got[odd]["own_hash"], got[0]["own_hash"])
         assert m["real_kv_hash"] != m["other_real_kv_hash"]
         assert error["ranks"] == [0, odd]
         assert f"replicated_kv_mismatch: slot_idx={g['slot']} rank={odd}" in error["message"]
@@ -140,11 +142,14 @@ def test_a_replicated_kv_mismatch_names_both_ranks_and_the_slot(ranks):
 def test_mismatched_pool_sizes_are_refused_at_start_naming_the_rank(ranks):
     world_size, got = _scenario(ranks, "agreement")
     if world_size == 1:
-        assert got[0]["error"] is None
+        assert got[0] == {"canary": None, "pool": None}
         return
+    odd = world_size - 1
     for g in got:
-        assert g["error"] == (f"kv-canary: the ranks of process_group disagree on num_slots: rank 0 has 512, "
-                              f"rank {world_size - 1} has 256; build every rank's session with the same sizes")
+        assert g["canary"] == (f"kv-canary: the ranks of process_group disagree on num_slots: rank 0 has 512, "
+                               f"rank {odd} has 256; build every rank's session with the same sizes")
+        assert g["pool"] == (f"kv-canary: the ranks of process_group disagree on real_kv_sources[0] slots (KV pool size): "
+                             f"rank 0 has 512, rank {odd} has 640; build every rank's session with the same sizes")
 
 
 def test_mismatched_table_shapes_are_refused_at_the_first_reduction(ranks):
@@ -163,3 +168,8 @@ def test_the_default_group_is_refused_unless_allowed(ranks):
     for g in got:
         assert g["refused"].startswith("kv-canary: process_group is the default (WORLD) group")
         assert g["steps"] == world_size
+
+
+def test_a_hung_rank_fails_the_run_instead_of_hanging_it(tmp_path):
+    with pytest.raises(TimeoutError, match=r"^2 numpy ranks did not finish within 10 s \(a hang\)$"):
+        run_ranks(2, "numpy", str(tmp_path), scenarios=("hang",), timeout=10)

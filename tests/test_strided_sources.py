@@ -195,3 +195,19 @@ def test_interleaved_flat_pages_one_source_per_layer_and_half(ab):
         block, t = divmod(s, page)
         want = kc.real_kv_fold([cut[block, layer, half, t].tobytes() for layer in range(layers) for half in (0, 1)])
         assert int(got[s, 3]) == signed(want)
+
+
+def test_slot_offset_composes_with_strided_layouts(ab):
+    """A strided source with slot_offset: canary slot s reads pool slot s - slot_offset through the
+    strided layout; slots below the offset have no bytes and fold as 0."""
+    kv = vllm_cpu_pool(np.float32, seed=10)
+    e = kv.dtype.itemsize
+    head = 2 * B * D * e
+    k = RealKvSource.strided(ab.asarray(kv), B, token_stride=e, piece_bytes=e, pieces=((HEADS, head), (D, B * e)),
+                             slot_offset=B)
+    assert k.slot_offset == B
+    slots = [3, B, B + 5, BLOCKS * B + B - 1]  # the first lies below the offset
+    got = write(ab, ab.asarray(canary((BLOCKS + 1) * B)), slots, (k,), RealKvHashMode.ALL)
+    assert int(got[3, 3]) == 0
+    for s in slots[1:]:
+        assert int(got[s, 3]) == signed(kc.real_kv_fold([token_bytes(kv, s - B)[0]]))

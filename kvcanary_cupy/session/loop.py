@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from ..binding import log_views
 from ..planner import CanaryCapacities, CanaryPlanner
 from ..plans import allocate_canary_buffer, check_num_sources
 from ..reporting import ViolationReport, reason_name
+from ..same_step import SameStepReads, resolve_same_step_reads
 from ..validation import I64, INT32_MAX, check_count, check_int
 from .staging import STAGED_RECORDS, StagingMixin, _CudaTransport, _HostTransport
 from .violations import POLICIES, RING_GROUPS, ViolationsMixin, _group_logs
@@ -112,6 +114,12 @@ class CanarySession(StagingMixin, ViolationsMixin):
         GPU sessions: run the HEAD write on a side stream of the session, overlapping the forward
         pass; ``post_forward`` joins it, so both must be captured in the same CUDA graph (pass
         False to capture them apart).
+    same_step_reads : bool
+        The engine lets a request read, in the same step, slots another request writes (vLLM's
+        prefix cache matches blocks at scheduling time): each step runs
+        :func:`resolve_same_step_reads`, so such reads are verified as written and a request's
+        chain that continues from such a slot is written after it (``stats["same_step_verified"]``,
+        ``stats["same_step_deeper"]``).
     process_group : torch.distributed.ProcessGroup, optional
         A group *dedicated* to the canary (``dist.new_group(...)``; gloo for NumPy arrays and CPU
         tensors, nccl for CUDA arrays): each rank keeps its own canary, and every
@@ -175,8 +183,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
                  full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
                  real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
                  sweep_source=None, overlap_head_write=True, write_req_capacity=None, process_group=None,
-                 reduce_every=1, replicated_kv=False, allow_default_group=False, deep_kv_sources=(),
-                 deep_check_slots=None, check_lost_stores=False, max_step_tokens=None):
+                 reduce_every=1, replicated_kv=False, allow_default_group=False, same_step_reads=False,
+                 deep_kv_sources=(), deep_check_slots=None, check_lost_stores=False, max_step_tokens=None):
         num_slots = check_count(num_slots, "num_slots", maximum=2**62)
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
@@ -202,7 +210,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
             fail(ValueError, f"real_kv_hash_mode must be a RealKvHashMode (NONE, PARTIAL or ALL), got {real_kv_hash_mode!r}")
         reduce_every = check_count(reduce_every, "reduce_every", positive=True)
         for name, flag in (("check_expected_tokens", check_expected_tokens), ("overlap_head_write", overlap_head_write),
-                           ("replicated_kv", replicated_kv), ("allow_default_group", allow_default_group)):
+                           ("replicated_kv", replicated_kv), ("allow_default_group", allow_default_group),
+                           ("same_step_reads", same_step_reads)):
             if not isinstance(flag, (bool, np.bool_)):
                 fail(TypeError, f"{name} must be a bool, got {type(flag).__name__}")
         self.sweep_every = check_int(sweep_every, "sweep_every", minimum=0)
@@ -258,6 +267,15 @@ class CanarySession(StagingMixin, ViolationsMixin):
                 self._head_write_stream = cupy.cuda.Stream(non_blocking=True)
         self._head_write = WriteLauncher(self.head_canary, wp, log=head_log, kernel_kind=self.head_tag,
                                          stream=self._head_write_stream)
+        self.same_step = None
+        if same_step_reads:  # one write launch per wave, each in both buffers
+            self.same_step = SameStepReads.allocate(num_slots, self.max_batch_size, like=like)
+            waves = self.same_step.wave_plans(wp)
+            self._tail_write = _Waves([WriteLauncher(self.tail_canary, w, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
+                                       for w in waves])
+            self._head_write = _Waves([WriteLauncher(self.head_canary, w, log=head_log, kernel_kind=self.head_tag,
+                                                     stream=self._head_write_stream) for w in waves])
+        self._row_labels = None  # the engine's labels of this step's batch rows (pre_forward's row_labels)
         self._head_write_unjoined = False
         #: The checks past the record (:class:`kvcanary_cupy.coverage.KvCoverage`), or None.
         self.coverage = coverage.build(like, num_slots=num_slots, backend=placement.backend, head=self.head_canary,
@@ -281,6 +299,9 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self._capacity_warned = self._coverage_warned = self._eviction_warned = False
         self._in_policy = False  # inside the on_violation callback
         self._lock = threading.Lock()  # held while handled results change, so another thread can read them
+        # Held by end_step, sweep and check while they stage and handle records: check() from another thread
+        # than the engine's (docs/guide.md, "Threads") waits for the engine's end_step instead of racing it.
+        self._handling = threading.RLock()
         self._stats = dict(steps=0, verified_entries=0, verify_skipped_steps=0, verify_skipped_sweeps=0, sweeps=0,
                            rows_read=0, health_failures=0, untracked_rows=0, evicted_violations=0,
                            unattributed_entries=0, staging_waits=0)
@@ -298,7 +319,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
                     input_ids: Array, positions: Array, out_cache_loc: Array, *,
                     expected_tokens: Array | None = None, expected_tokens_valid_lens: Array | None = None,
                     req_to_verify_expected_tokens: Array | None = None,
-                    req_to_verify_expected_tokens_valid_lens: Array | None = None) -> None:
+                    req_to_verify_expected_tokens_valid_lens: Array | None = None,
+                    row_labels: Sequence | None = None) -> None:
         """Before the model reads the KV cache: plan the step, verify the HEAD buffer, write it.
 
         Capture-safe: allocates nothing, reads nothing back, never synchronises.  Pass the
@@ -318,6 +340,11 @@ class CanarySession(StagingMixin, ViolationsMixin):
             with ``check_expected_tokens``.
         req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens : optional
             The same two arrays under :func:`plan`'s names; give either spelling of each.
+        row_labels : sequence, optional
+            The engine's name of each batch row this step (its request id): the violations the
+            step's verify finds carry the labels of the rows that read them (``request_ids``), so
+            reports name requests even when rows move between steps.  Kept by reference until
+            ``end_step``; a host-side sequence (no device work).
 
         Raises
         ------
@@ -330,6 +357,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
         bs = _length(prefix_lens, "prefix_lens")  # req_pool_indices is None with a PagedKvIndices table
         if bs > self.max_batch_size:
             fail(ValueError, f"bs={bs} (len(prefix_lens)) exceeds the session's max_batch_size={self.max_batch_size}")
+        if row_labels is not None and len(row_labels) < bs:
+            fail(ValueError, f"row_labels must name every batch row: {bs} rows (len(prefix_lens)), got {len(row_labels)} labels")
         tokens = _length(input_ids, "input_ids")
         for name, x in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
             n = _length(x, name)
@@ -347,6 +376,10 @@ class CanarySession(StagingMixin, ViolationsMixin):
                           req_to_verify_expected_tokens_valid_lens=_one_of(
                               expected_tokens_valid_lens, req_to_verify_expected_tokens_valid_lens,
                               "expected_tokens_valid_lens", "req_to_verify_expected_tokens_valid_lens"))
+        if self.same_step is not None:
+            vp, wp = self.planner.verify_plan, self.planner.write_plan
+            resolve_same_step_reads(self.same_step, vp, wp, input_ids, positions, out_cache_loc)
+        self._row_labels = row_labels
         self._head_verify()
         self._head_write(input_ids, positions, out_cache_loc)
         self._head_write_unjoined = self._head_write_stream is not None
@@ -390,19 +423,21 @@ class CanarySession(StagingMixin, ViolationsMixin):
         stream = self._launch_stream("end_step")
         self._join_head_write()  # post_forward was not called: the staging reads the log the write fills
         stats = self._stats
-        first = self._stamp + 1  # the stamp of this step's staging: it and later ones stay pending
-        self._stage("step", stats["steps"], self._step_stager, stream)
-        stats["steps"] += 1
-        self._step_open, self._step_inputs = False, None
-        if self.sweep_every and stats["steps"] % self.sweep_every == 0:
-            source = self.sweep_source()
-            if source is not None:
-                self.sweep(*source)
-        self._drain(first)
-        if self.distributed is None:
-            self._apply_policy()
-        else:  # every reduce_every-th step: the group's verdict, the same on every rank
-            self.distributed.end_step(self)
+        with self._handling:
+            first = self._stamp + 1  # the stamp of this step's staging: it and later ones stay pending
+            self._stage("step", stats["steps"], self._step_stager, stream, labels=self._row_labels)
+            self._row_labels = None
+            stats["steps"] += 1
+            self._step_open, self._step_inputs = False, None
+            if self.sweep_every and stats["steps"] % self.sweep_every == 0:
+                source = self.sweep_source()
+                if source is not None:
+                    self.sweep(*source)
+            self._drain(first)
+            if self.distributed is None:
+                self._apply_policy()
+            else:  # every reduce_every-th step: the group's verdict, the same on every rank
+                self.distributed.end_step(self)
 
     def check(self) -> int:
         """Block until every staged step and sweep is handled, then apply the policy.
@@ -415,13 +450,14 @@ class CanarySession(StagingMixin, ViolationsMixin):
         """
         self._refuse_in_policy("check")
         self._launch_stream("check")
-        self._transport.synchronize()
-        self._drain(None)
-        if self.distributed is None:
-            self._apply_policy()
-        else:
-            self.distributed.check(self)
-        return self._out_of_range_skipped()
+        with self._handling:
+            self._transport.synchronize()
+            self._drain(None)
+            if self.distributed is None:
+                self._apply_policy()
+            else:
+                self.distributed.check(self)
+            return self._out_of_range_skipped()
 
     @public_api
     def sweep(self, req_pool_indices: Array | None, seq_lens: Array, table: Any) -> None:
@@ -451,8 +487,9 @@ class CanarySession(StagingMixin, ViolationsMixin):
         if renamed is not None:
             fail(*renamed)  # outside the except block: no "during handling" chain
         self._sweep_verify()
-        self._stats["sweeps"] += 1
-        self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
+        with self._handling:
+            self._stats["sweeps"] += 1
+            self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
 
     def gather_report(self, dst: int = 0) -> ViolationReport | None:
         """Every rank's :meth:`report` merged (:meth:`ViolationReport.merge`) on rank ``dst`` of the
@@ -508,3 +545,17 @@ class CanarySession(StagingMixin, ViolationsMixin):
                                                 kernel_kind=self.sweep_tag, **self._kv)
         return planner
 
+
+
+class _Waves:
+    """The write launchers of a step's waves, called in order as one."""
+
+    def __init__(self, launchers):
+        self.launchers = launchers
+
+    def __call__(self, *args) -> None:
+        for launcher in self.launchers:
+            launcher(*args)
+
+    def join(self) -> None:
+        self.launchers[-1].join()  # one side stream: the last wave's join covers the others

@@ -31,12 +31,12 @@ class _Record:
     ("step" or "sweep"), ``step`` (0-based; a sweep: of the last step ended before it) and
     ``stamp`` of the staging."""
 
-    __slots__ = ("host", "head", "target", "staging", "host_ptr", "event", "kind", "step", "stamp")
+    __slots__ = ("host", "head", "target", "staging", "host_ptr", "event", "kind", "step", "stamp", "labels")
 
     def __init__(self, host, layout: StageLayout, target, staging, event=None):
         self.host, self.head, self.target, self.staging, self.event = host, host[: layout.ring], target, staging, event
         self.host_ptr = host.ctypes.data
-        self.kind, self.step, self.stamp = None, -1, 0
+        self.kind, self.step, self.stamp, self.labels = None, -1, 0, None
 
 
 class _HostTransport:
@@ -152,7 +152,7 @@ class StagingMixin:
         )
         return self._backend.prepare_stage(args)
 
-    def _stage(self, kind: str, step: int, stager, stream) -> None:
+    def _stage(self, kind: str, step: int, stager, stream, labels=None) -> None:
         """Stage into a free record; it joins the pending ones only once its staging was queued, so
         an exception (an interrupt) on the way leaves it free and the log to the next staging."""
         if not self._free:  # every record is in flight: the host ran STAGED_RECORDS stagings ahead of the device
@@ -161,7 +161,7 @@ class StagingMixin:
             self._handle_oldest()  # its results reach the policy with this end_step's (or the next one's)
         record = self._free[-1]
         self._stamp += 1  # a stamp is never reused, even by a staging that failed
-        record.kind, record.step, record.stamp = kind, step, self._stamp
+        record.kind, record.step, record.stamp, record.labels = kind, step, self._stamp, labels
         self._transport.stage(stager, record, self._stamp, stream)
         with self._lock:
             self._pending.append(self._free.pop())

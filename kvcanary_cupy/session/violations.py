@@ -99,6 +99,9 @@ class ViolationsMixin:
                 dropped_rows=total - s["rows_read"],
                 out_of_range_skipped=self._out_of_range_skipped(),
             )
+        if self.same_step is not None:  # a host read of three counters
+            counts = self.same_step.counts()
+            s.update(same_step_verified=counts["verified_as_written"], same_step_deeper=counts["deeper_than_waves"])
         return s
 
     def _refuse_in_policy(self, what: str) -> None:
@@ -158,7 +161,7 @@ class ViolationsMixin:
                     by_slot = collections.defaultdict(list)
                     for entry in attribution[np.argsort(attribution[:, _ATTRIBUTION["entry"]], kind="stable")].tolist():
                         by_slot[entry[_ATTRIBUTION["slot"]]].append(entry)
-                v = _attribute(v, by_slot.get(v.slot_idx, ()))
+                v = _attribute(v, by_slot.get(v.slot_idx, ()), record.labels)
             keys[key] = [replace(v, first_step=record.step), 1]
         return by_reason, keys
 
@@ -296,7 +299,7 @@ def _group_logs(ring_capacity: int, like):
     return log, views
 
 
-def _attribute(v: Violation, entries) -> Violation:
+def _attribute(v: Violation, entries, labels=None) -> Violation:
     """``v`` with the batch rows, expected position and predecessor of the verify entries that
     read its slot and could have produced it (same position verdict, same expected token)."""
     position_failed = bool(v.fail_reason_bits & FailReason.VERIFY_POSITION_MISMATCH)
@@ -308,6 +311,9 @@ def _attribute(v: Violation, entries) -> Violation:
         return v
     first = matching[0]
     chain_failed = bool(v.fail_reason_bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH)
-    return replace(v, batch_rows=tuple(sorted({e[a["batch_row"]] for e in matching if e[a["batch_row"]] >= 0})),
+    rows = tuple(sorted({e[a["batch_row"]] for e in matching if e[a["batch_row"]] >= 0}))
+    if labels is not None:  # pre_forward's row_labels: the engine's request ids of these rows
+        v = replace(v, request_ids=tuple(dict.fromkeys(str(labels[r]) for r in rows if r < len(labels))))
+    return replace(v, batch_rows=rows,
                    expected_position=first[a["expected_position"]],
                    prev_slot_idx=first[a["prev_slot"]] if chain_failed else None)

@@ -25,7 +25,7 @@ from ...tables import TableKind
 CANARY_BUFFER = np.dtype([("data", "u8"), ("num_slots", "i8"), ("fields", "i4"), ("vec", "i4")], align=True)
 _S = MAX_REAL_KV_SOURCES
 REAL_KV_SOURCES = np.dtype(
-    [("data", "u8", _S), ("row_stride", "i8", _S), ("token_stride", "i8", _S), ("byte_offset", "i8", _S),
+    [("data", "u8", _S), ("row_stride", "i8", _S), ("slot_offset", "i8", _S), ("token_stride", "i8", _S), ("byte_offset", "i8", _S),
      ("piece_stride", "i8", (_S, MAX_PIECE_LEVELS)), ("piece_count", "i4", (_S, MAX_PIECE_LEVELS)),
      ("page_size", "i4", _S), ("nbytes", "i4", _S), ("piece_bytes", "i4", _S), ("unit", "i4", _S), ("num_sources", "i4")],
     align=True,

@@ -45,6 +45,7 @@ def targets_struct(targets: tuple, mode: int) -> np.ndarray:
         for i, view in enumerate(target.sources):
             src["data"][i] = view.data.data.ptr
             src["row_stride"][i] = view.data.strides[0]
+            src["slot_offset"][i] = view.slot_offset
             src["page_size"][i] = view.page_size
             src["token_stride"][i], src["byte_offset"][i] = view.stride, view.byte_offset
             src["piece_bytes"][i], src["unit"][i] = view.piece_bytes or view.num_bytes_per_token, view.unit
