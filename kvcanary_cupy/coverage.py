@@ -24,7 +24,7 @@ import numpy as np
 
 from .constants import RealKvHashMode, REAL_KV_PARTIAL_BYTES
 from .errors import fail
-from .interop import Array, allocate, backend_view, to_numpy
+from .interop import Array, allocate, backend_view, import_cupy, to_numpy
 from .plans import RealKvSource
 from .validation import check_count
 
@@ -114,11 +114,7 @@ class KvCoverage:
             fail(ValueError, f"forget slots must be in [0, num_slots={self._tail.shape[0]}), got {int(bad[0])}")
         if self.deep is None or host.size == 0:
             return
-        index = host if not self._cu else backend_view(allocate(host.shape, np.int64, like=self._tail, fill=0), "slots",
-                                                       writable=True)
-        if self._cu:
-            index.set(host)
-        self._tail[index, DEEP_FIELD] = 0
+        self._tail[import_cupy().asarray(host) if self._cu else host, DEEP_FIELD] = 0
 
     def _slots(self, out_cache_loc: Array, limit: int | None = None):
         view = backend_view(out_cache_loc, "out_cache_loc")
@@ -161,9 +157,9 @@ def build(session_like, *, num_slots: int, backend: str, head, tail, log_views, 
     deep_kv_sources = tuple(deep_kv_sources)
     if not isinstance(check_lost_stores, (bool, np.bool_)):
         fail(TypeError, f"check_lost_stores must be a bool, got {type(check_lost_stores).__name__}")
+    if deep_check_slots is not None and not deep_kv_sources:
+        fail(ValueError, "deep_check_slots needs deep_kv_sources (the sources whose every byte is re-fingerprinted)")
     if not deep_kv_sources and not check_lost_stores:
-        if deep_check_slots is not None:
-            fail(ValueError, "deep_check_slots needs deep_kv_sources (the sources whose every byte is re-fingerprinted)")
         return None
     deep = None
     if deep_kv_sources:
@@ -171,8 +167,6 @@ def build(session_like, *, num_slots: int, backend: str, head, tail, log_views, 
                             name="deep_kv_sources")
         deep_check_slots = DEFAULT_DEEP_CHECK_SLOTS if deep_check_slots is None else check_count(
             deep_check_slots, "deep_check_slots", positive=True)
-    elif deep_check_slots is not None:
-        fail(ValueError, "deep_check_slots needs deep_kv_sources (the sources whose every byte is re-fingerprinted)")
     lost = None
     if check_lost_stores:
         if max_step_tokens is None:
