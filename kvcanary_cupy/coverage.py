@@ -25,7 +25,9 @@ import numpy as np
 from .constants import RealKvHashMode, REAL_KV_PARTIAL_BYTES
 from .errors import fail
 from .interop import Array, allocate, backend_view, import_cupy, to_numpy
-from .plans import RealKvSource
+from .binding import CanaryBuffer, log_views, source_views
+from .plans import allocate_canary_buffer
+from .sources import RealKvSource
 from .validation import check_count
 
 #: Fields of a coverage TAIL record: SGLang's four, the deep fingerprint, one reserved (rows stay 16-byte aligned).
@@ -50,8 +52,6 @@ class CoverageSources(NamedTuple):
 def pack_sources(sources: Sequence[RealKvSource], mode: int, num_slots: int, *, like, backend: str,
                  name: str) -> CoverageSources:
     """The views and device table of ``sources`` (folding ``mode``'s bytes: 16 under PARTIAL)."""
-    from .binding import CanaryBuffer, source_views
-
     sources = tuple(sources)
     for i, s in enumerate(sources):
         if not isinstance(s, RealKvSource):
@@ -91,7 +91,9 @@ class KvCoverage:
         self.deep, self.lost = deep, lost
         num_slots = self._tail.shape[0]
         self.deep_check_slots = min(deep_check_slots, num_slots - 1) if deep is not None else 0
-        self._state = backend_view(allocate((2,), np.int64, like=like, fill=0), "deep cursor", writable=True)
+        self._state = None
+        if deep is not None:
+            self._state = backend_view(allocate((2,), np.int64, like=like, fill=0), "deep cursor", writable=True)
         self.max_step_tokens = max_step_tokens
         self._pre = None
         if lost is not None:
@@ -132,38 +134,67 @@ class KvCoverage:
         slots = self._slots(out_cache_loc, self.max_step_tokens)
         self._impl.lost_snapshot(*self._src(self.lost), slots, self._tail.shape[0], self._pre)
 
-    def before_tail_write(self, out_cache_loc: Array) -> None:
-        """Flag write slots whose bytes the forward left unchanged (HEAD written, TAIL not yet)."""
-        if self.lost is None:
-            return
-        slots = self._slots(out_cache_loc)
-        self._impl.lost_check(*self._src(self.lost), slots, self.max_step_tokens, self._pre, self._head, self._tail,
-                              self._log, self._kind)
-
-    def after_tail_write(self, out_cache_loc: Array) -> None:
-        """Deep-fingerprint the written slots, then re-fingerprint this step's share of the rotation."""
-        if self.deep is None:
-            return
-        self._impl.deep_write(*self._src(self.deep), self._slots(out_cache_loc), self._tail)
-        if self.deep_check_slots:
+    def tail_write(self, write, step_inputs: tuple, join_head_write) -> None:
+        """The session's TAIL write ``write(*step_inputs)`` with the checks around it: before it, the
+        lost-store check (on the HEAD records this step wrote: ``join_head_write`` first); after
+        it, the written slots' deep fingerprints and this step's share of the rotation."""
+        out_cache_loc = step_inputs[2]
+        if self.lost is not None:
+            join_head_write()
+            self._impl.lost_check(*self._src(self.lost), self._slots(out_cache_loc), self.max_step_tokens, self._pre,
+                                  self._head, self._tail, self._log, self._kind)
+        write(*step_inputs)
+        if self.deep is not None:
+            self._impl.deep_write(*self._src(self.deep), self._slots(out_cache_loc), self._tail)
+        if self.deep_check_slots:  # 0 only for a pool of the padding slot alone
             self._impl.deep_check(*self._src(self.deep), self._tail, self._state, self.deep_check_slots, self._log,
                                   self._kind)
 
 
-def build(session_like, *, num_slots: int, backend: str, head, tail, log_views, kind: int, real_kv_sources: tuple,
-          real_kv_hash_mode: int, deep_kv_sources, deep_check_slots, check_lost_stores: bool,
-          max_step_tokens) -> KvCoverage | None:
-    """The session's :class:`KvCoverage`, or None when neither check is asked for."""
+def tail_buffer(num_slots: int, deep_kv_sources, like):
+    """A session's TAIL buffer: ``int64 [num_slots, COVERAGE_FIELDS]`` with deep sources, else the record's 4 fields."""
+    if tuple(deep_kv_sources):
+        return allocate((num_slots, COVERAGE_FIELDS), np.int64, like=like, fill=0)
+    return allocate_canary_buffer(num_slots, like=like)
+
+
+def build(session, like, deep_kv_sources, deep_check_slots, check_lost_stores: bool, max_step_tokens) -> KvCoverage:
+    """The coverage checks of ``session`` (a CanarySession whose buffers and launchers exist), its options checked.
+
+    Parameters
+    ----------
+    session, like
+        The session and its ``like``.
+    deep_kv_sources : sequence of RealKvSource
+        Any number of sources (K and V of every layer) whose every byte is fingerprinted into
+        field 4 of the TAIL buffer (then ``int64 [num_slots, 6]``) for each slot written, and
+        re-fingerprinted in rotation (docs/format.md section 9).
+    deep_check_slots : int, optional
+        Slots re-fingerprinted per step, ``>= 1`` (default ``DEFAULT_DEEP_CHECK_SLOTS``): a flip in
+        any layer is caught within :attr:`KvCoverage.deep_check_period` steps.
+    check_lost_stores : bool
+        Flag a write slot whose bytes the forward left unchanged (``WRITE_KV_NOT_STORED``), by the
+        deep sources or else the real-KV sources; needs ``max_step_tokens``.
+    max_step_tokens : int, optional
+        The most tokens one step writes (the lost-store snapshot's size); more are not checked,
+        counted in ``stats["out_of_range_skipped"]`` (the TAIL tag's out-of-range counter).
+
+    Returns
+    -------
+    KvCoverage
+        Its ``deep`` and ``lost`` are None for the checks that are off (both, by default).
+    """
+    num_slots, backend = session.num_slots, session._placement.backend
+    real_kv_sources, real_kv_hash_mode = session.real_kv_sources, session.real_kv_hash_mode
+
     deep_kv_sources = tuple(deep_kv_sources)
     if not isinstance(check_lost_stores, (bool, np.bool_)):
         fail(TypeError, f"check_lost_stores must be a bool, got {type(check_lost_stores).__name__}")
     if deep_check_slots is not None and not deep_kv_sources:
         fail(ValueError, "deep_check_slots needs deep_kv_sources (the sources whose every byte is re-fingerprinted)")
-    if not deep_kv_sources and not check_lost_stores:
-        return None
     deep = None
     if deep_kv_sources:
-        deep = pack_sources(deep_kv_sources, RealKvHashMode.ALL, num_slots, like=session_like, backend=backend,
+        deep = pack_sources(deep_kv_sources, RealKvHashMode.ALL, num_slots, like=like, backend=backend,
                             name="deep_kv_sources")
         deep_check_slots = DEFAULT_DEEP_CHECK_SLOTS if deep_check_slots is None else check_count(
             deep_check_slots, "deep_check_slots", positive=True)
@@ -176,10 +207,11 @@ def build(session_like, *, num_slots: int, backend: str, head, tail, log_views, 
         if deep is not None:
             lost = deep
         elif real_kv_sources and real_kv_hash_mode != RealKvHashMode.NONE:
-            lost = pack_sources(real_kv_sources, real_kv_hash_mode, num_slots, like=session_like, backend=backend,
+            lost = pack_sources(real_kv_sources, real_kv_hash_mode, num_slots, like=like, backend=backend,
                                 name="real_kv_sources")
         else:
             fail(ValueError, "check_lost_stores=True needs KV bytes to compare: deep_kv_sources, or real_kv_sources with "
                              "a real_kv_hash_mode other than NONE")
-    return KvCoverage(backend=backend, head=head, tail=tail, log_views=log_views, kind=kind, like=session_like, deep=deep,
+    return KvCoverage(backend=backend, head=session.head_canary, tail=session.tail_canary,
+                      log_views=log_views(session._group_logs["tail"]), kind=session.tail_tag, like=like, deep=deep,
                       deep_check_slots=deep_check_slots or 0, lost=lost, max_step_tokens=max_step_tokens or 0)

@@ -2,7 +2,7 @@
 
 Everything here is host-side and pure: no array framework, no device.  The numbers are part of
 format version 1; a test pins them (tests/test_digest_format.py) and ``kernels/digest.cu`` repeats
-the ones the kernels use (tests/test_kernels_compile.py keeps both equal).
+the ones the kernels use (tests/cuda/test_kernels_compile.py keeps both equal).
 """
 
 from __future__ import annotations

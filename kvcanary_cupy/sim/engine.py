@@ -714,8 +714,7 @@ class Engine:
         for name, pool in self.pools.items():
             blocks = self._fault_blocks(name, ep)
             victims |= {r for r in pool.running if blocks & set(r.blocks)}
-            if pool.session.coverage is not None:  # the rotation stops re-reporting the freed KV
-                pool.session.coverage.forget(pool.block_slots(sorted(blocks)))
+            pool.session.coverage.forget(pool.block_slots(sorted(blocks)))  # the rotation stops re-reporting the freed KV
             if pool.cache is not None:
                 pool.cache.drop(blocks, pool.allocator)
         for req in sorted(victims, key=lambda r: r.rid):  # a fixed order: the free lists depend on it

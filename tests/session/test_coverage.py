@@ -323,7 +323,7 @@ def test_coverage_captured_in_cuda_graphs_matches_numpy(backend):
 def test_coverage_benchmark_sessions_verify_clean():
     """The benchmark's sessions (kvcanary bench --sections coverage), on the CPU and small: after the
     warm-up step every step runs clean, deep rotation and lost-store folds included."""
-    from kvcanary_cupy.devtools import bench_coverage as bc
+    from kvcanary_cupy.devtools.bench import coverage_section as bc
     from kvcanary_cupy.devtools.bench import Workload, build
 
     d = build(Workload("tiny", 6, 8, 40, 1), np)

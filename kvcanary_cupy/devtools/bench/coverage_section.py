@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import kvcanary_cupy as kc
 
+from .step_sections import eager_us
+from .timing import time_graphs_interleaved
+from .workloads import WORKLOADS, build
+
 LAYERS, HEADS, HEAD_DIM = 4, 8, 128
 DEEP_CHECK_SLOTS = 256
 COVERAGE_WORKLOADS = ("W1", "W3")
@@ -52,7 +56,7 @@ def warmed_step(s, d):
     return step
 
 
-def coverage_rows(cupy, names, rows: list, *, build, workloads, time_graphs_interleaved, eager_us):
+def coverage_rows(cupy, names, rows: list):
     lines = [
         f"coverage past the record: a session step (pre_forward + post_forward), {LAYERS} layers x {HEADS} heads x "
         f"{HEAD_DIM} x 2 bytes = {2 * LAYERS * HEADS * HEAD_DIM * 2:,} KV bytes per token, deep rotation "
@@ -60,7 +64,7 @@ def coverage_rows(cupy, names, rows: list, *, build, workloads, time_graphs_inte
         f"{'workload':<16} {'session':<36} {'device us':>10} {'+ us':>8} {'share':>7} {'host us':>9} {'+ us':>8} {'share':>7}",
     ]
     for key in names:
-        d = build(workloads[key], cupy)
+        d = build(WORKLOADS[key], cupy)
         pool = cupy.zeros((LAYERS, 2, d["canary"].shape[0], HEADS * HEAD_DIM), cupy.float16)
         steps = {}
         for label, options in CONFIGS.items():
@@ -77,7 +81,7 @@ def coverage_rows(cupy, names, rows: list, *, build, workloads, time_graphs_inte
             rows.append({"workload": key, "op": f"coverage[{label}]", "device_us": round(device[label], 3),
                          "host_us": round(host[label], 3), "device_share": round(dd / device[base], 4),
                          "host_share": round(dh / host[base], 4)})
-            lines.append(f"{workloads[key].name:<16} {label:<36} {device[label]:>10.2f} {dd:>8.2f} {dd / device[base]:>7.1%} "
+            lines.append(f"{WORKLOADS[key].name:<16} {label:<36} {device[label]:>10.2f} {dd:>8.2f} {dd / device[base]:>7.1%} "
                          f"{host[label]:>9.2f} {dh:>8.2f} {dh / host[base]:>7.1%}")
         del steps, pool
     return lines
