@@ -219,7 +219,8 @@ def source_views(buffer: CanaryBuffer, mode: int, num_slots: int) -> tuple:
     for i, src in enumerate(buffer.sources):
         name = f"{buffer.sources_name}[{i}].tensor"
         data = byte_rows_view(src.tensor, name)
-        check_aligned(data, name, 16, "real KV is read 16 bytes at a time")
+        unit = min(8, src.stream_piece & -src.stream_piece) if src.is_strided else 16
+        check_aligned(data, name, unit, f"real KV is read {unit} bytes at a time")
         if data.shape[0] * src.page_size + src.slot_offset < num_slots:
             fail(
                 ValueError,
@@ -227,7 +228,9 @@ def source_views(buffer: CanaryBuffer, mode: int, num_slots: int) -> tuple:
                 f"slots" + (f" from slot_offset={src.slot_offset}" if src.slot_offset else "")
                 + f" but {buffer.name} has {num_slots}; every canary slot needs its real-KV bytes",
             )
-        views.append(SourceView(data, src.page_size, src.num_bytes_per_token, src.read_bytes, src.slot_offset))
+        token_stride = src.num_bytes_per_token if src.token_stride is None else src.token_stride
+        views.append(SourceView(data, src.page_size, src.num_bytes_per_token, src.read_bytes, token_stride,
+                                src.byte_offset, src.stream_piece, src.levels, unit, src.slot_offset))
     return tuple(views)
 
 

@@ -20,6 +20,8 @@ REASON_WORDS = {
     FailReason.WRITE_TOKEN_MISMATCH: "written token is not the expected input",
     FailReason.WRITE_POSITION_MISMATCH: "written position is not the expected one",
     FailReason.VERIFY_TOKEN_MISMATCH: "stored token is not the expected token",
+    FailReason.WRITE_KV_NOT_STORED: "the forward did not store this slot's KV",
+    FailReason.VERIFY_DEEP_KV_MISMATCH: "KV bytes of some layer changed",
 }
 
 

@@ -160,14 +160,15 @@ def test_device_queries_go_through_one_module():
 # layer or of lower ones only; the circle test above keeps each layer acyclic.
 LAYERS = {
     "ground": ("errors", "constants", "runtime", "interop", "validation", "hashing"),
-    "records": ("records", "violation", "reporting", "log", "plans", "args", "tables"),
+    "records": ("records", "violation", "reporting", "log", "sources", "plans", "args", "tables"),
     "gpu abi and device": ("backends.cuda", "backends.cuda.abi", "backends.cuda.device"),
     "gpu compile": ("backends.cuda.compile",),
     "gpu policy": ("backends.cuda.configs",),
     "gpu params": ("backends.cuda.params",),
     "gpu launch": ("backends.cuda.launch",),
-    "backends": ("backends.cuda.ops", "backends.cuda.same_step", "backends.numpy_backend", "backends"),
-    "front door": ("strict", "binding", "ops", "ops.canary", "ops.planning", "ops.pool", "digest", "same_step"),
+    "backends": ("backends.cuda.ops", "backends.cuda.same_step", "backends.cuda.coverage", "backends.numpy_backend",
+                 "backends.numpy_coverage", "backends"),
+    "front door": ("strict", "binding", "ops", "ops.canary", "ops.planning", "ops.pool", "digest", "same_step", "coverage"),
     "bound": ("bound", "launchers", "plan_launcher", "planner"),
     "engine": ("rank_exchange", "distributed", "session", "session.loop", "session.staging", "session.sweep",
                "session.violations", "session.blocks", "metrics"),

@@ -227,8 +227,9 @@ def _strip_hashes(src: SourceView, nbytes: int, slots: np.ndarray) -> np.ndarray
     below = pool_slots < 0  # no KV bytes: the strip's hash stays 0, as the kernels fold it
     pool_slots = np.where(below, 0, pool_slots)
     row = pool_slots // src.page_size
-    col = (pool_slots % src.page_size) * src.num_bytes_per_token
-    words = np.ascontiguousarray(src.data[row[:, None], col[:, None] + np.arange(nbytes)]).view("<u8")
+    col = src.byte_offset + (pool_slots % src.page_size) * src.stride
+    offsets = np.arange(nbytes) if src.unit == 16 else src.stream_offsets(nbytes)
+    words = np.ascontiguousarray(src.data[row[:, None], col[:, None] + offsets]).view("<u8")
     h = np.zeros(slots.shape[0], np.uint64)
     for w in range(words.shape[1]):
         h = splitmix64_array(h ^ words[:, w])

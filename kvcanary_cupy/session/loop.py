@@ -18,6 +18,7 @@ from ..constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, Real
 from ..distributed import RankReducer
 from ..errors import CanaryUsageError, fail, public_api
 from ..interop import Array, allocate, import_cupy, placement_of
+from .. import coverage
 from ..launchers import VerifyLauncher, WriteLauncher, WriteWaves
 from ..planner import CanaryCapacities, CanaryPlanner
 from ..plans import allocate_canary_buffer, check_num_sources
@@ -117,6 +118,8 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
     allow_default_group : bool
         Accept the default (WORLD) group as ``process_group``: only when nothing else (the model,
         a KV transfer) issues collectives on it.
+    deep_kv_sources, deep_check_slots, check_lost_stores, max_step_tokens
+        The coverage past the record, off by default: :func:`kvcanary_cupy.coverage.build`.
 
     Raises
     ------
@@ -145,12 +148,12 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
     """
 
     @public_api
-    def __init__(self, num_slots, *, max_batch_size=None, verify_capacity=None, like=None,
-                 ring_capacity=DEFAULT_RING_CAPACITY, on_violation="raise", swa_window_size=0,
-                 full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
-                 real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
+    def __init__(self, num_slots, *, max_batch_size=None, verify_capacity=None, like=None, ring_capacity=DEFAULT_RING_CAPACITY,
+                 on_violation="raise", swa_window_size=0, full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0,
+                 real_kv_sources=(), real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
                  sweep_source=None, overlap_head_write=True, write_req_capacity=None, process_group=None,
-                 reduce_every=1, replicated_kv=False, allow_default_group=False, same_step_reads=False):
+                 reduce_every=1, replicated_kv=False, allow_default_group=False, same_step_reads=False,
+                 deep_kv_sources=(), deep_check_slots=None, check_lost_stores=False, max_step_tokens=None):
         num_slots = check_count(num_slots, "num_slots", maximum=2**62)
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
@@ -203,7 +206,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
                                      kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
         self.planner = CanaryPlanner(capacities, like=like, **self._planner_options)
         self.head_canary = allocate_canary_buffer(num_slots, like=like)
-        self.tail_canary = allocate_canary_buffer(num_slots, like=like)
+        self.tail_canary = coverage.tail_buffer(num_slots, deep_kv_sources, like)
         self.log, self._group_logs = _group_logs(ring_capacity, like)
         self._layout = StageLayout(self.log.num_kinds, self.log.capacity, attribution_capacity=ring_capacity)
         self._marks = allocate((num_slots,), np.int64, like=like, fill=0)
@@ -241,6 +244,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
                                                      stream=self._head_write_stream) for w in waves])
         self._row_labels = None  # the engine's labels of this step's batch rows (pre_forward's row_labels)
         self._head_write_unjoined = False
+        self.coverage = coverage.build(self, like, deep_kv_sources, deep_check_slots, check_lost_stores, max_step_tokens)
 
         self._stamp = 0
         self._step_inputs = None  # (input_ids, positions, out_cache_loc) between pre_ and post_forward
@@ -342,6 +346,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
         self._head_verify()
         self._head_write(input_ids, positions, out_cache_loc)
         self._head_write_unjoined = self._head_write_stream is not None
+        self.coverage.before_forward(out_cache_loc)
         self._step_inputs = (input_ids, positions, out_cache_loc)
         self._step_open = True
 
@@ -354,7 +359,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
         if self._step_inputs is None:
             fail(CanaryUsageError, f"post_forward() needs a pre_forward() of the same step before it; call {_STEP_ORDER}")
         self._tail_verify()
-        self._tail_write(*self._step_inputs)
+        self.coverage.tail_write(self._tail_write, self._step_inputs, self._join_head_write)
         self._join_head_write()
         self._step_inputs = None
 

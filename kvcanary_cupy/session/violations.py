@@ -232,7 +232,8 @@ class ViolationsMixin:
         if not self._coverage_warned and self._out_of_range_skipped():
             self._coverage_warned = True
             _warn(f"kv-canary: {self._out_of_range_skipped()} plan inputs or kernel items were out of range of the "
-                  f"canary (slots past num_slots={self.num_slots}: a canary smaller than the pool, or rows past the table) "
+                  f"canary (slots past num_slots={self.num_slots}: a canary smaller than the pool, rows past the table, "
+                  "or write tokens past max_step_tokens) "
                   "and were never verified; counted in session.stats['out_of_range_skipped'] and returned by check()",
                   CanaryCoverageWarning)
         if not self._eviction_warned and self._stats["evicted_violations"]:

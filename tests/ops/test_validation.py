@@ -280,7 +280,7 @@ def _source(ab, rows=16):
 
 
 @pytest.mark.parametrize("case, exc, match", [
-    ("five_sources", ValueError, r"real_kv_sources must hold at most 4 RealKvSource entries \(the CUDA ABI's limit\), got 5"),
+    ("nine_sources", ValueError, r"real_kv_sources must hold at most 8 RealKvSource entries \(the CUDA ABI's limit\), got 9"),
     ("not_a_source", TypeError, r"real_kv_sources\[1\] must be a RealKvSource, got tuple"),
     ("bad_mode", ValueError, "real_kv_hash_mode must be a RealKvHashMode"),
     ("plan_type", TypeError, "write_plan must be a WritePlan, got VerifyPlan"),
@@ -316,7 +316,7 @@ def test_write_rejections(ab, case, exc, match):
     call = WriteCall(ab)
     log = call.log
     kw = {
-        "five_sources": lambda: dict(real_kv_sources=[_source(ab)] * 5),
+        "nine_sources": lambda: dict(real_kv_sources=[_source(ab)] * 9),
         "not_a_source": lambda: dict(real_kv_sources=[_source(ab), (1, 2)]),
         "bad_mode": lambda: dict(real_kv_hash_mode=3),
         "plan_type": lambda: dict(write_plan=make_verify_plan(ab, [1], [0], [-1])),
@@ -367,7 +367,7 @@ def test_write_torch_out_requires_grad_is_rejected(ab):
 
 
 @pytest.mark.parametrize("case, exc, match", [
-    ("five_sources", ValueError, r"real_kv_sources must hold at most 4 RealKvSource entries \(the CUDA ABI's limit\), got 5"),
+    ("nine_sources", ValueError, r"real_kv_sources must hold at most 8 RealKvSource entries \(the CUDA ABI's limit\), got 9"),
     ("plan_type", TypeError, "verify_plan must be a VerifyPlan, got WritePlan"),
     ("log_type", TypeError, "log must be a ViolationLog, got NoneType"),
     ("kind", ValueError, r"kernel_kind must be in \[0, 3\) \(the log's num_kinds\), got 3"),
@@ -385,8 +385,8 @@ def test_verify_rejections(ab, case, exc, match):
     vp = make_verify_plan(ab, [1, 2], [0, 1], [-1, 1])
     log = make_log(ab, num_kinds=3)
     kw = dict(log=log)
-    if case == "five_sources":
-        kw["real_kv_sources"] = [_source(ab)] * 5
+    if case == "nine_sources":
+        kw["real_kv_sources"] = [_source(ab)] * 9
     elif case == "plan_type":
         vp = make_write_plan(ab, [0, 1], [-1])
     elif case == "log_type":

@@ -16,16 +16,18 @@ import enum
 import numpy as np
 
 from ...args import VERIFY_INPUT_FIELDS
-from ...constants import MAX_CANARY_BUFFERS
+from ...constants import MAX_CANARY_BUFFERS, MAX_PIECE_LEVELS, MAX_REAL_KV_SOURCES
 from ...plans import VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 from ...tables import TableKind
 
 # The NumPy mirrors of the structs the kernels take by value; devtools/abi_check.py (KERNEL_STRUCTS)
 # checks each one's size, widths and offsets against its C struct.
 CANARY_BUFFER = np.dtype([("data", "u8"), ("num_slots", "i8"), ("fields", "i4"), ("vec", "i4")], align=True)
+_S = MAX_REAL_KV_SOURCES
 REAL_KV_SOURCES = np.dtype(
-    [("data", "u8", 4), ("row_stride", "i8", 4), ("slot_offset", "i8", 4), ("page_size", "i4", 4), ("num_bytes_per_token", "i4", 4),
-     ("nbytes", "i4", 4), ("num_sources", "i4")],
+    [("data", "u8", _S), ("row_stride", "i8", _S), ("slot_offset", "i8", _S), ("token_stride", "i8", _S), ("byte_offset", "i8", _S),
+     ("piece_stride", "i8", (_S, MAX_PIECE_LEVELS)), ("piece_count", "i4", (_S, MAX_PIECE_LEVELS)),
+     ("page_size", "i4", _S), ("nbytes", "i4", _S), ("piece_bytes", "i4", _S), ("unit", "i4", _S), ("num_sources", "i4")],
     align=True,
 )
 CANARY_TARGETS = np.dtype(

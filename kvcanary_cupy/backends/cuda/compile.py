@@ -80,6 +80,7 @@ FAMILIES = {
                                                                   "copy_gather", "copy_scatter"))),
     "same_step": KernelFamily("same_step.cu", tuple(
         (k, ()) for k in ("same_step_begin", "same_step_mark", "same_step_entries", "same_step_seeds"))),
+    "coverage": KernelFamily("coverage.cu", tuple((k, ()) for k in ("deep_write", "deep_check", "lost_snapshot", "lost_check"))),
     "digest": KernelFamily("digest.cu", tuple((k, ()) for k in ("digest_init", "digest_accumulate", "digest_verify"))),
 }
 

@@ -8,7 +8,7 @@ searchsorted, gathers), eager, as a user would without this library.
 CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend.
 
     kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4,W5]
-                   [--sections ops,detail,tables,capacity,step,overlap,host] [--out FILE] [--json FILE]
+                   [--sections ops,detail,tables,capacity,step,overlap,host,coverage] [--out FILE] [--json FILE]
 
 ``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
 next to the equivalent req_to_token at W1, W3 and W4, against what a user writes without them;
@@ -20,7 +20,8 @@ decode step (plan_and_verify + write) against plan + verify + write at W1, W3, W
 the bound path (CanaryPlanner, VerifyLauncher, WriteLauncher), with CuPy arrays and with CUDA
 torch tensors, against the targets and SGLang's eager calls (``benchmarks/host_profile.py``
 profiles the same front door on the CPU).  ``benchmarks/bench_canary.py`` runs the same from a
-source checkout.
+source checkout.  ``coverage`` (issue #27): a session step with the checks past the record
+(``coverage_section``) against SGLang's coverage at W1 and W3.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
                         help="cupy: this machine's GPU; numpy: the CPU backend")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
-    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host",
+    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host,coverage",
                         help="GPU sections: ops (plan/verify/write), detail (verify/write: grids, floors, several "
                              "buffers), tables (engine tables), capacity, step (the fused decode step), overlap "
-                             "(overlapped launches against plain ones), host")
+                             "(overlapped launches against plain ones), host, coverage (the checks past the record "
+                             "in a session step)")
     parser.add_argument("--out", metavar="FILE", help="also write the table to FILE")
     parser.add_argument("--json", metavar="FILE", help="also write the measurements as JSON to FILE")
 
@@ -80,6 +82,10 @@ def run(args) -> int:
             lines += overlap_rows(cupy, [n for n in names if n in STEP_WORKLOADS], rows)
         if "host" in sections:
             lines += host_times(cupy, names, rows)
+        if "coverage" in sections:
+            from .coverage_section import COVERAGE_WORKLOADS, coverage_rows
+
+            lines += coverage_rows(cupy, [n for n in names if n in COVERAGE_WORKLOADS], rows)
     else:
         lines = run_numpy(names, rows)
     text = "\n".join(lines)
