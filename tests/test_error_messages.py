@@ -34,7 +34,7 @@ CALLS = {
     "VerifyPlan.allocate": (lambda: VerifyPlan.allocate(-1), "plans.py", "allocate", ValueError),
     "WritePlan.allocate": (lambda: WritePlan.allocate(1.5), "plans.py", "allocate", TypeError),
     "allocate_canary_buffer": (lambda: kc.allocate_canary_buffer(-1), "plans.py", "allocate_canary_buffer", ValueError),
-    "RealKvSource": (lambda: RealKvSource(np.zeros((4, 64), np.uint8), 0, 16, 16), "plans.py", "__post_init__", ValueError),
+    "RealKvSource": (lambda: RealKvSource(np.zeros((4, 64), np.uint8), 0, 16, 16), "sources.py", "__post_init__", ValueError),
     "CanaryCapacities.from_engine": (lambda: CanaryCapacities.from_engine(kv_pool_size=1.0, max_running_requests=1),
                                      "planner.py", "from_engine", TypeError),
     "CanaryPlanner": (lambda: CanaryPlanner(None), "planner.py", "__init__", TypeError),
