@@ -90,7 +90,9 @@ class DeviceExchange:
             self._column_ptr, self._column_pitch = column.data_ptr(), column.stride(0) * column.element_size()
         self._side = torch.cuda.Stream(device=self._device)
         self._done = torch.cuda.Event()
-        self._ordered = self._cupy.cuda.Event(block=False, disable_timing=True)  # the step's work so far
+        self._cupy_device = self._cupy.cuda.Device(device)
+        with self._cupy_device:  # an event records on streams of its own device only
+            self._ordered = self._cupy.cuda.Event(block=False, disable_timing=True)  # the step's work so far
         self._launch_stream = launch_stream
 
     def setup_thread(self) -> None:
@@ -100,10 +102,11 @@ class DeviceExchange:
 
     def prepare(self, offset: int, slots: int) -> None:
         runtime, stream = self._cupy.cuda.runtime, self._launch_stream().ptr
-        if slots:
-            runtime.memcpy2DAsync(self._snapshot_ptr, 8, self._column_ptr + offset * self._column_pitch,
-                                  self._column_pitch, 8, slots, runtime.memcpyDeviceToDevice, stream)
-        runtime.eventRecord(self._ordered.ptr, stream)
+        with self._cupy_device:
+            if slots:
+                runtime.memcpy2DAsync(self._snapshot_ptr, 8, self._column_ptr + offset * self._column_pitch,
+                                      self._column_pitch, 8, slots, runtime.memcpyDeviceToDevice, stream)
+            runtime.eventRecord(self._ordered.ptr, stream)
 
     def run(self, slots: int) -> np.ndarray:
         torch = self._torch

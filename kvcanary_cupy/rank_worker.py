@@ -29,17 +29,21 @@ class ReductionWorker:
     def __init__(self, name: str, timeout_s: float, setup=None):
         self.name, self.timeout_s = name, float(timeout_s)
         self._setup = setup  # run once on the thread before its first job (e.g. its CUDA device)
-        self._jobs = queue.SimpleQueue()
-        self._done = threading.Event()
+        # two C queues, no Event/Condition: the cheapest hand-over each way for the step's thread
+        self._jobs, self._results = queue.SimpleQueue(), queue.SimpleQueue()
         self._thread = None
         self._what = None  # what the job in flight does, for the errors
-        self._value = self._error = None
+        self._landed = None  # (value, error) of the job in flight, once taken from _results
         self._closed = False
 
     @property
     def thread(self):
         """The thread (None before the first job)."""
         return self._thread
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def submit(self, job, what: str) -> None:
         """Run ``job()`` on the thread; ``what`` names it in errors.  The previous result must have been read."""
@@ -48,21 +52,11 @@ class ReductionWorker:
         if self._what is not None:
             raise RuntimeError(f"kv-canary: {self.name} got a job while {self._what} was not read")
         if self._thread is None:
-            self._thread = threading.Thread(target=_run, args=(self._jobs, self._done, self._setup, self._store),
-                                            name=self.name, daemon=True)
+            self._thread = threading.Thread(target=_run, args=(self._jobs, self._results, self._setup), name=self.name,
+                                            daemon=True)
             self._thread.start()
         self._what = what
-        self._done.clear()
         self._jobs.put(job)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def wait(self) -> None:
-        """Wait (bounded) until the job in flight has finished, leaving its result to :meth:`result`."""
-        if not self._done.wait(self.timeout_s):
-            raise TimeoutError(self._timeout_message())
 
     def pending(self) -> bool:
         """Whether a job was submitted and its result not read yet."""
@@ -70,16 +64,24 @@ class ReductionWorker:
 
     def ready(self) -> bool:
         """Whether the job in flight has finished (its result can be read without waiting)."""
-        return self._done.is_set()
+        return self._landed is not None or not self._results.empty()
+
+    def wait(self) -> None:
+        """Wait (at most ``timeout_s``) until the job in flight has finished, leaving its result to :meth:`result`."""
+        if self._landed is None:
+            try:
+                self._landed = self._results.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise TimeoutError(f"kv-canary: {self._what} did not finish within {self.timeout_s:.0f} s on thread "
+                                   f"{self.name!r} (a peer rank stopped issuing the canary's collective, or the "
+                                   "collective hangs)") from None
 
     def result(self):
         """The job's return value, waiting at most ``timeout_s``; raises what the job raised (a
         ValueError as it was, anything else as a RuntimeError naming the job) or TimeoutError."""
-        what = self._what
         self.wait()
-        self._what = None
-        value, error = self._value, self._error
-        self._value = self._error = None
+        what, (value, error) = self._what, self._landed
+        self._what = self._landed = None
         if error is None:
             return value
         if isinstance(error, ValueError):  # the reducer's own checks (ranks disagreeing): as raised
@@ -100,15 +102,8 @@ class ReductionWorker:
             logger.warning("kv-canary: %s is still running %s after %.0f s; left behind (a daemon thread)",
                            self.name, self._what or "a job", timeout_s)
 
-    def _timeout_message(self) -> str:
-        return (f"kv-canary: {self._what} did not finish within {self.timeout_s:.0f} s on thread {self.name!r} "
-                "(a peer rank stopped issuing the canary's collective, or the collective hangs)")
 
-    def _store(self, value, error) -> None:
-        self._value, self._error = value, error
-
-
-def _run(jobs, done, setup, store) -> None:
+def _run(jobs, results, setup) -> None:
     """The thread's loop; it holds no reference to the reducer or the session between jobs."""
     setup_error = None
     if setup is not None:
@@ -121,11 +116,12 @@ def _run(jobs, done, setup, store) -> None:
         if job is _STOP:
             return
         if setup_error is not None:
-            store(None, setup_error)
+            landed = (None, setup_error)
         else:
             try:
-                store(job(), None)
+                landed = (job(), None)
             except BaseException as exc:
-                store(None, exc)
+                landed = (None, exc)
         job = None  # drop the job's references before waiting for the next one
-        done.set()
+        results.put(landed)
+        landed = None
