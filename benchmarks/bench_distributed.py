@@ -10,8 +10,10 @@ prints, per workload and variant, the median and 90th percentile host (wall) tim
 on the step's thread (the critical path), the median added over the session without a group and
 that as a ratio of issue 25's target (``x target``: <= 1 meets 30 us); then the same from the
 calling thread's CPU time, which leaves out the time a loaded machine (or a wait) keeps the
-thread off the CPU; then the reduction worker thread's CPU time per reduction (off the critical
-path: the collective's issue, its wait, the decode).  ``--profile`` adds, for the "group"
+thread off the CPU; then the median wall and CPU time of the group's own part of ``end_step``
+(``session.distributed.end_step``, on the step's thread: the critical path the group adds,
+without the other variants' noise); then the reduction worker thread's CPU time per reduction
+(off the critical path: the collective's issue, its wait, the decode).  ``--profile`` adds, for the "group"
 variant of the first workload, rank 0's cProfile of ``end_step`` on the step's thread (top 25
 cumulative lines).
 
@@ -42,6 +44,17 @@ def _thread_cpu(thread) -> float:
     if thread is None or not hasattr(time, "pthread_getcpuclockid"):
         return 0.0
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def _timed(method, into: list):
+    """``method`` recording each call's (wall, thread CPU) seconds into ``into``."""
+    def timed(*args):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return method(*args)
+        finally:
+            into.append((time.perf_counter() - t0, time.thread_time() - c0))
+    return timed
 
 
 def _profile(session, d, sync, barrier, steps: int, show: bool) -> None:
@@ -95,7 +108,9 @@ def _rank(rank, world, backend, port, workloads, steps, profile):
                                        like=d["rp"], on_violation="raise", **options)
             session.head_canary[...] = d["canary"]
             session.tail_canary[...] = d["canary"]
-            times, cpu, worker_cpu = [], [], 0.0
+            times, cpu, worker_cpu, part = [], [], 0.0, []
+            if session.distributed is not None:
+                session.distributed.end_step = _timed(session.distributed.end_step, part)
             for i in range(steps + 20):
                 session.pre_forward(d["rp"], d["prefix"], d["extend"], d["rtt"], d["ids"], d["pos"], d["loc"])
                 session.post_forward()
@@ -120,17 +135,21 @@ def _rank(rank, world, backend, port, workloads, steps, profile):
             median, p90, cpu_us = statistics.median(us), us[int(0.9 * (len(us) - 1))], statistics.median(cpu) * 1e6
             base = (median, cpu_us) if base is None else base
             waits = session.distributed.stats["reduce_waits"] if session.distributed is not None else 0
+            part = part[20:] or [(0.0, 0.0)]
             rows.append((WORKLOADS[name].name, label, median, p90, median - base[0], cpu_us, cpu_us - base[1], waits,
+                         statistics.median(w for w, _ in part) * 1e6, statistics.median(c for _, c in part) * 1e6,
                          worker_cpu / steps * 1e6))
     if rank == 0:
         load = os.getloadavg()[0]
         print(f"{backend}, {world} ranks, {steps} steps, load average {load:.1f} on {os.cpu_count()} CPUs; end_step us: "
               f"wall median, p90, added over no group, x target ({ADDED_TARGET_US:.0f} us); thread CPU median, added, "
-              "x target; reduce waits; the worker thread's CPU us per reduction (off the critical path)")
-        for workload, label, median, p90, added, cpu_us, cpu_added, waits, worker_us in rows:
+              "x target; reduce waits; the group's part on the step's thread, wall and CPU median; the worker "
+              "thread's CPU us per reduction (off the critical path)")
+        for workload, label, median, p90, added, cpu_us, cpu_added, waits, part_wall, part_cpu, worker_us in rows:
             ratio = (lambda x: "" if label == "no group" else f"{x / ADDED_TARGET_US:.2f}x")
             print(f"  {workload:<16} {label:<22} wall {median:7.1f} {p90:7.1f} +{added:6.1f} {ratio(added):>6}   "
-                  f"cpu {cpu_us:6.1f} +{cpu_added:6.1f} {ratio(cpu_added):>6}   waits {waits:3d}   worker {worker_us:6.1f}")
+                  f"cpu {cpu_us:6.1f} +{cpu_added:6.1f} {ratio(cpu_added):>6}   waits {waits:3d}   "
+                  f"group part {part_wall:5.1f} {part_cpu:5.1f}   worker {worker_us:6.1f}")
     dist.destroy_process_group()
 
 

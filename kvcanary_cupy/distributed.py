@@ -26,6 +26,7 @@ from __future__ import annotations
 import socket
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -231,6 +232,8 @@ class RankReducer:
         self._finalizer = weakref.finalize(self, self._worker.close)
         self._check_agreement(_agreed_values(session, self))
         self._stat_columns = _stat_columns()
+        # the kernels' out-of-range counters in a handled record's header (as session._out_of_range_skipped reads them)
+        self._kernel_out_of_range = slice(session._layout.counters + 3 * self._num_kinds, session._layout.ring)
         self._table_shape = (0, 0)
         self._offset = 0
         self._seen_mismatches = {}  # (slot, rank, value, reference) reported, oldest first
@@ -331,20 +334,34 @@ class RankReducer:
                                  + ", ".join(f"rank {r} has {int(column[r])}" for r in odd)
                                  + "; build every rank's session with the same sizes")
 
-    def _host_values(self, session, new: int, problems: int) -> None:
-        """This rank's row, into the exchange's staging: the verdict, then ``session.stats``'s
-        numbers read from the session's bookkeeping directly (``stats`` builds dicts and arrays:
-        on the cold cache a step leaves, most of a reduction's host time; the clean multi-rank
-        test checks the two agree)."""
-        st, k = session._stats, self._num_kinds
-        by_tag = session._latest[STAGE_HEADER_FIELDS : STAGE_HEADER_FIELDS + k]  # exact violations per kind
+    def _snapshot(self, session, new: int, problems: int) -> tuple:
+        """On the step's thread: what this rank's row needs of the session, as of now, with as
+        little work as possible (the row itself is built on the worker by :meth:`_fill_row`).
+        ``session._latest`` is replaced, never changed, when a record is handled: a reference is
+        a snapshot; the two dicts are copied."""
+        return (new, problems, session._stats.copy(), session._latest,
+                sum(r.kind == "step" for r in session._pending), len(session._distinct),
+                session._plan_out_of_range["step"] + session._plan_out_of_range["sweep"],
+                session._rows_by_reason.copy(), self._table_shape)
+
+    def _fill_row(self, snapshot: tuple) -> None:
+        """On the worker: this rank's row into the exchange's staging: the verdict, then
+        ``session.stats``'s numbers (read from the session's bookkeeping directly: ``stats``
+        builds dicts and arrays; the clean multi-rank test checks the two agree), the table
+        shape, the exact violations per kind and the rows read per reason."""
+        new, problems, st, latest, pending_steps, distinct, plan_out_of_range, by_reason, shape = snapshot
+        by_tag = latest[STAGE_HEADER_FIELDS : STAGE_HEADER_FIELDS + self._num_kinds]  # exact violations per kind
         violations = sum(by_tag)
-        derived = (st["steps"] - sum(r.kind == "step" for r in session._pending), violations,
-                   violations - st["rows_read"], len(session._distinct), session._out_of_range_skipped())
-        by_reason = session._rows_by_reason
+        out_of_range = sum(latest[self._kernel_out_of_range]) + plan_out_of_range  # session._out_of_range_skipped()
+        derived = (st["steps"] - pending_steps, violations, violations - st["rows_read"], distinct, out_of_range)
         self._exchange.staging[: self._host_width] = (
             [new, problems] + [derived[key] if key.__class__ is int else st[key] for key in self._stat_columns]
-            + list(self._table_shape) + by_tag + [by_reason[name] for name in _REASONS])
+            + list(shape) + by_tag + [by_reason[name] for name in _REASONS])
+
+    def _job(self, snapshot: tuple, c: "_Contribution"):
+        """The worker's part of one reduction: the row, the collective, the decode."""
+        self._fill_row(snapshot)
+        return self._decode(self._exchange.run(c.slots), c)
 
     def _reduce(self, session, *, wait: bool) -> None:
         verdict = self._collect()
@@ -365,11 +382,10 @@ class RankReducer:
         if self._window:
             slots = min(self._window, session.num_slots - offset)
             self._offset = 0 if offset + slots >= session.num_slots else offset + slots
-        self._host_values(session, len(new), len(problems))
+        snapshot = self._snapshot(session, len(new), len(problems))
         self._exchange.prepare(offset, slots)
         c = _Contribution(new, problems, undelivered, session._stats["steps"] - 1, offset, slots)
-        self._worker.submit(lambda: self._decode(self._exchange.run(slots), c),
-                            f"the canary's reduction issued at step {c.step}")
+        self._worker.submit(partial(self._job, snapshot, c), f"the canary's reduction issued at step {c.step}")
         self.stats["reductions"] += 1
 
     def _collect(self):
