@@ -5,10 +5,11 @@ Every rank keeps its own canary, planner and log.  Every ``reduce_every``-th ``e
 how many new violations and health problems it handled since the last reduction, its table shape
 and, with ``replicated_kv``, a window of its TAIL real-KV fingerprints), leaves the other rows
 zero and starts an asynchronous SUM all-reduce of it over the session's dedicated group: every
-rank then holds every rank's row.  The collective is issued, waited for and decoded on one worker
-thread per session (kvcanary_cupy/rank_worker.py): ``end_step`` only writes the row, snapshots
-the replicated window and (on a GPU) records an event on the step's stream that the worker's side
-stream waits for, hands the job over and picks up the previous one's verdict.  The next reduction (``reduce_every`` steps later, on every rank at the
+rank then holds every rank's row.  The row is built, reduced and decoded on one worker thread
+per session (kvcanary_cupy/rank_worker.py): ``end_step`` only takes a snapshot of the session's
+numbers and of the replicated window, records (on a GPU) an event on the step's stream that the
+worker's side stream waits for, hands the job over and picks up the previous job's verdict.  The
+next reduction (``reduce_every`` steps later, on every rank at the
 same step count) reads the result and applies the verdict: when any rank found something, every
 rank applies its policy on that same step, with a report naming the ranks.  Only a result still
 in flight a whole reduction later is waited for (counted in ``stats["reduce_waits"]``): then a
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import socket
 import weakref
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -36,8 +36,9 @@ from .errors import CanaryUsageError, fail
 from .hashing import to_unsigned
 from .interop import backend_view
 from .rank_exchange import DeviceExchange, HostExchange
+from .rank_verdict import Verdict, _Contribution
 from .rank_worker import ReductionWorker
-from .reporting import REPLICATED_KV_MISMATCH, ReplicaMismatch, ViolationReport, reason_name, tag_name
+from .reporting import ReplicaMismatch, ViolationReport, reason_name, tag_name
 
 #: Slots of the TAIL canary compared across ranks per reduction (``replicated_kv=True``): the
 #: window moves on by this much each reduction, so a pool of ``n`` slots is compared in full
@@ -108,64 +109,6 @@ def _agreed_values(session, reducer) -> dict:
         values[f"real_kv_sources[{i}].num_bytes_per_token"] = 0 if src is None else src.num_bytes_per_token
         values[f"real_kv_sources[{i}].read_bytes"] = 0 if src is None else src.read_bytes
     return values
-
-
-@dataclass
-class _Contribution:
-    """What a rank put into one reduction: the findings it handled since the previous one."""
-
-    new: dict
-    problems: list
-    undelivered: dict
-    step: int  # 0-based step of the end_step that issued it
-    offset: int  # first slot of its replicated window
-    slots: int
-
-
-@dataclass
-class Verdict:
-    """One reduction's result as every rank sees it (plus this rank's own findings in it)."""
-
-    contribution: _Contribution
-    rank: int
-    new_by_rank: dict  # rank -> new violations it handled (nonzero only)
-    problems_by_rank: dict  # rank -> health problems (nonzero only)
-    mismatches: tuple = ()  # of ReplicaMismatch not reported before
-    world_size: int = 1
-    device: str = ""
-
-    @property
-    def ranks(self) -> list:
-        """The ranks with new violations or replicated-KV mismatches."""
-        found = set(self.new_by_rank)
-        for m in self.mismatches:
-            found.update((m.rank, m.other_rank))
-        return sorted(found)
-
-    @property
-    def violations_anywhere(self) -> bool:
-        return bool(self.new_by_rank or self.mismatches)
-
-    def remote_problems(self) -> list:
-        return [f"kv-canary: rank {r} handled {n} health problem(s) by step {self.contribution.step} "
-                "(that rank's log has the message)" for r, n in sorted(self.problems_by_rank.items()) if r != self.rank]
-
-    def where(self) -> str:
-        """The headline's distributed part: this rank, and what every rank found."""
-        counts = ", ".join(f"rank {r}: {n}" for r, n in sorted(self.new_by_rank.items())) or "none"
-        mismatches = f"; {len(self.mismatches)} {REPLICATED_KV_MISMATCH}(es)" if self.mismatches else ""
-        return (f" on rank {self.rank} ({self.device}); over the {self.world_size} ranks by step "
-                f"{self.contribution.step}: new violations on ranks {self.ranks} ({counts}){mismatches}")
-
-    def joined(self, later: "Verdict") -> "Verdict":
-        """This verdict and a later one, applied as one (``check()`` reads two at once)."""
-        a, b = self.contribution, later.contribution
-        both = _Contribution({**a.new, **b.new}, a.problems + b.problems, {**a.undelivered, **b.undelivered},
-                             b.step, b.offset, b.slots)
-        add = lambda x, y: {r: x.get(r, 0) + y.get(r, 0) for r in sorted(set(x) | set(y))}
-        return Verdict(both, self.rank, add(self.new_by_rank, later.new_by_rank),
-                       add(self.problems_by_rank, later.problems_by_rank), self.mismatches + later.mismatches,
-                       self.world_size, self.device)
 
 
 class RankReducer:

@@ -5,11 +5,11 @@ NCCL (on the session's GPU, on a side stream).
 
 Two halves, for the two threads of a reduction:
 
-- ``prepare(offset, slots)``, on the step's thread, after the reducer wrote its numbers into
-  ``staging``: the little that must happen there, in the step's order (the replicated window's
-  snapshot, NCCL's ordering event);
-- ``run(slots)``, on the reducer's worker thread (kvcanary_cupy/rank_worker.py): the collective
-  itself, waited for there; returns the reduced rows (valid until the next ``run``).
+- ``prepare(offset, slots)``, on the step's thread: the little that must happen there, in the
+  step's order (the replicated window's snapshot, NCCL's ordering event);
+- ``run(slots)``, on the reducer's worker thread (kvcanary_cupy/rank_worker.py), after the
+  reducer wrote this rank's numbers into ``staging[:host_width]``: the collective itself, waited
+  for there; returns the reduced rows (valid until the next ``run``).
 
 The reducer runs one reduction at a time (it reads a result before it prepares the next one), so
 ``staging`` and the snapshot are free when ``prepare`` writes them.
