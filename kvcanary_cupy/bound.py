@@ -202,11 +202,12 @@ def viewed_in_place(arrays) -> bool:
 class BoundState:
     """What every bound launcher holds, fixed when it binds: where it runs, how it takes per-step
     arrays there (``arrays``), its bound torch tensors and their addresses, the NumPy backend's
-    record (``args``) or, on a GPU, its kernel parameter record, the record's field slots and its
-    launch (on the caller's stream, or behind it on ``side``).  Each launcher adds what it keeps
+    record (``args``) or, on a GPU, the GPU wing's face (``gpu``: backends/cuda/ops.py), its kernel
+    parameter record, the record's field slots and its launch (on the caller's stream, or behind it
+    on ``side``).  Each launcher adds what it keeps
     per call in a subclass; the slots make every read on the per-call path a fixed offset."""
 
-    __slots__ = ("numpy", "tensors", "stamp", "arrays", "args", "cb", "device", "side", "_torch_stream", "_functions",
+    __slots__ = ("numpy", "tensors", "stamp", "arrays", "args", "gpu", "device", "side", "_torch_stream", "_functions",
                  "params", "param_slots", "launch")
 
     def __init__(self, placement, named: dict, side=None):
@@ -219,7 +220,7 @@ class BoundState:
             return
         from .backends.cuda import ops as cuda_ops
 
-        self.cb = cuda_ops
+        self.gpu = cuda_ops
         self.device = placement.device
         self.arrays = _TorchArrays(self.device) if torch else _CupyArrays(self.device)
         self._torch_stream = torch_stream_handle(self.device) if torch else None
@@ -234,18 +235,16 @@ class BoundState:
         """A compiled kernel on the bound device (compiled on first use; ``kc.warmup()`` does all)."""
         fn = self._functions.get((family, name))
         if fn is None:
-            from .backends.cuda.compile import get_function
-
             with import_cupy().cuda.Device(self.device):
-                fn = self._functions[(family, name)] = get_function(family, name).kernel
+                fn = self._functions[(family, name)] = self.gpu.get_function(family, name).kernel
         return fn
 
     def pack(self, params: np.ndarray) -> None:
         """Keep a kernel parameter record, its field slots and its launch (:class:`~kvcanary_cupy.backends.cuda.launch.BoundLaunch`:
         on the bound device, on the caller's stream or behind it on ``side``)."""
         self.params = params
-        self.param_slots = self.cb.ParamSlots(params)
-        self.launch = self.cb.BoundLaunch(params, self.device, self._torch_stream, self.side)
+        self.param_slots = self.gpu.ParamSlots(params)
+        self.launch = self.gpu.BoundLaunch(params, self.device, self._torch_stream, self.side)
 
     def setter(self, *names: str):
         """A function writing the record's fields ``names`` from a sequence of values in that order."""

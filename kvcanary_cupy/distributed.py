@@ -283,7 +283,7 @@ class RankReducer:
         ``session._latest`` is replaced, never changed, when a record is handled: a reference is
         a snapshot; the two dicts are copied."""
         return (new, problems, session._stats.copy(), session._latest,
-                sum(r.kind == "step" for r in session._pending), len(session._distinct),
+                sum(r.origin == "step" for r in session._pending), len(session._distinct),
                 session._plan_out_of_range["step"] + session._plan_out_of_range["sweep"],
                 session._rows_by_reason.copy(), self._table_shape)
 

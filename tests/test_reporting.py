@@ -286,8 +286,9 @@ def test_equal_reports_compare_equal_and_differ_when_any_field_differs():
 @pytest.mark.parametrize("path, value, exc, match", [
     (("violations", 0, "slot_idx"), "17", TypeError, r"violations\[0\]\.slot_idx must be an int, got str '17'"),
     (("ring_capacity",), -1, ValueError, r"ring_capacity must be in \[1, 2147483647\], got -1"),
-    (("violations", 1, "fail_reason_bits"), 2**70, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 63\]"),
-    (("violations", 1, "fail_reason_bits"), 64, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 63\], got 64"),
+    (("violations", 1, "fail_reason_bits"), 2**70, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 6207\]"),
+    (("violations", 1, "fail_reason_bits"), 8192, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 6207\], got 8192"),
+    (("violations", 1, "fail_reason_bits"), 128, ValueError, r"violations\[1\]\.fail_reason_bits has bits no FailReason names: 0x80"),
     (("violations", 0, "stored_chain_hash"), 2**64, ValueError, r"violations\[0\]\.stored_chain_hash must be in \[0, 18446744073709551615\]"),
     (("violations", 0, "batch_rows"), [1, "x"], TypeError, r"violations\[0\]\.batch_rows\[1\] must be an int"),
     (("violations", 0, "first_step"), True, TypeError, r"violations\[0\]\.first_step must be an int or null, got bool"),

@@ -11,9 +11,13 @@ from ..binding import check_type, verify_args, verify_setup, write_bound_args, w
 from ..constants import RealKvHashMode
 from ..errors import fail, public_api
 from ..interop import Array, array_module, backend_view
-from ..plans import VerifyPlan, ViolationLog, WritePlan
+from ..log import ViolationLog
+from ..plans import VerifyPlan, WritePlan
 from ..runtime import launch_stream, side_stream
-from ..validation import I64, bool_keyword, check_1d, contiguous_input, require
+from ..validation import I64, bool_keyword, check_1d, check_integer_dtype, contiguous_input, require
+
+#: The per-token inputs of a write that may be int32 as well as int64 (each its own dtype).
+TOKEN_INPUTS = ("input_ids", "positions", "out_cache_loc")
 
 
 @public_api
@@ -50,7 +54,7 @@ def write(
         ``num_slots`` (the K and V halves, say) shares one launch; they must not overlap.
     write_plan : WritePlan
         The step's write metadata, from :func:`plan` (or a :class:`CanaryPlanner`).
-    input_ids, positions, out_cache_loc : int64 arrays [T]
+    input_ids, positions, out_cache_loc : int64 or int32 arrays [T] (each its own)
         The step's new tokens, their positions and their KV slots, flat over the batch (request r
         owns ``[write_offsets[r], write_offsets[r+1])``; T may include padded tokens).
     log : ViolationLog
@@ -120,7 +124,11 @@ def write(
         for key, arr in tokens.items():
             if arr is not None:
                 view = backend_view(arr, key)
-                check_1d(view, key, I64, views["input_ids"].shape[0] if views else None, length_name="len(input_ids)")
+                # the step's own tokens, positions and slots may be int32 (as transformers builds them): read as they are
+                if key in TOKEN_INPUTS:
+                    check_integer_dtype(view, key)
+                dtype = view.dtype if key in TOKEN_INPUTS else I64
+                check_1d(view, key, dtype, views["input_ids"].shape[0] if views else None, length_name="len(input_ids)")
                 views[key] = view
         # On a side stream, strided inputs are copied there too: the copies' memory then returns to
         # the side stream's pool, so nothing queued on the caller's stream reuses it before the write.

@@ -15,7 +15,8 @@ from ..binding import check_type, lut_view, log_views, plan_views, record_arrays
 from ..constants import RealKvHashMode
 from ..errors import CanaryCapacityWarning, fail, public_api
 from ..interop import Array, array_module, backend_view, common_placement, import_cupy
-from ..plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, is_clean, mark_clean, scan_state
+from ..log import ViolationLog
+from ..plans import RealKvSource, VerifyPlan, WritePlan, is_clean, mark_clean, scan_state
 from ..runtime import is_capturing, launch_stream, refuse_during_capture
 from ..tables import ReqToToken, TableKind, as_table, table_view
 from ..validation import (I32, I64, bool_keyword, check_1d, check_2d_rows, check_count, check_int64, contiguous_input,

@@ -80,6 +80,7 @@ FAMILIES = {
                                                                   "copy_gather", "copy_scatter"))),
     "same_step": KernelFamily("same_step.cu", tuple(
         (k, ()) for k in ("same_step_begin", "same_step_mark", "same_step_entries", "same_step_seeds"))),
+    "coverage": KernelFamily("coverage.cu", tuple((k, ()) for k in ("deep_write", "deep_check", "lost_snapshot", "lost_check"))),
     "digest": KernelFamily("digest.cu", tuple((k, ()) for k in ("digest_init", "digest_accumulate", "digest_verify"))),
 }
 
@@ -144,34 +145,34 @@ def variant_name(family: str) -> str:
 
 
 _lock = threading.Lock()
-_functions: dict = {}
 
 
 def get_function(family: str, name: str):
     """The compiled kernel ``name`` of ``family`` for the current CUDA device (compiled and
-    loaded once; one of LARGE_SHARED_MEM_KERNELS is opted in as it is loaded)."""
+    loaded once, kept in device.cache; one of LARGE_SHARED_MEM_KERNELS is opted in as it is loaded)."""
     device = cuda_device.current_id()
     key = (device, family, name)
-    fn = _functions.get(key)
+    loaded = cuda_device.cache
+    fn = loaded.get(key)
     if fn is None:
         with _lock:
-            fn = _functions.get(key)
+            fn = loaded.get(key)
             if fn is None:
-                fn = _compile(family).get_function(name)
+                fn = _module(family).get_function(name)
                 if kernel_of(name) in LARGE_SHARED_MEM_KERNELS:
                     cuda_device.allow_all_shared_mem(fn, device)
-                _functions[key] = fn
+                loaded[key] = fn
     return fn
 
 
-@functools.lru_cache(maxsize=None)
-def _compile(family: str):
-    cupy = import_cupy()
-    return cupy.RawModule(
-        code=f"// {variant_name(family)}\n" + family_source(family),
-        options=NVRTC_OPTIONS,
-        name_expressions=FAMILIES[family].instantiations(),
-    )
+def _module(family: str):
+    """The RawModule of every instantiation of ``family`` (one per process: CuPy loads it per device)."""
+    key = ("module", family)
+    module = cuda_device.cache.get(key)
+    if module is None:
+        module = cuda_device.cache[key] = cuda_device.load_module(
+            f"// {variant_name(family)}\n" + family_source(family), NVRTC_OPTIONS, FAMILIES[family].instantiations())
+    return module
 
 
 def warmup(device: int | None = None) -> None:
