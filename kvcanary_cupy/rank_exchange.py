@@ -1,9 +1,18 @@
 """How a :class:`~kvcanary_cupy.distributed.RankReducer` moves its rows: every rank fills its own
-row of a ``[world_size, width]`` int64 buffer, the others stay zero, and an asynchronous SUM
-all-reduce gives every rank every row.  :class:`HostExchange` for gloo (a CPU tensor),
-:class:`DeviceExchange` for NCCL (on the session's GPU, on a side stream, never blocking the host).
-Both: ``start(host_values, offset, slots)``, ``ready()``, ``finish()`` (the rows, valid until the
-next start).
+row of a ``[world_size, width]`` int64 buffer, the others stay zero, and a SUM all-reduce gives
+every rank every row.  :class:`HostExchange` for gloo (a CPU tensor), :class:`DeviceExchange` for
+NCCL (on the session's GPU, on a side stream).
+
+Two halves, for the two threads of a reduction:
+
+- ``prepare(offset, slots)``, on the step's thread: the little that must happen there, in the
+  step's order (the replicated window's snapshot, NCCL's ordering event);
+- ``run(slots)``, on the reducer's worker thread (kvcanary_cupy/rank_worker.py), after the
+  reducer wrote this rank's numbers into ``staging[:host_width]``: the collective itself, waited
+  for there; returns the reduced rows (valid until the next ``run``).
+
+The reducer runs one reduction at a time (it reads a result before it prepares the next one), so
+``staging`` and the snapshot are free when ``prepare`` writes them.
 """
 
 from __future__ import annotations
@@ -28,93 +37,87 @@ def all_reduce_fn(dist, group, tensor):
 
 
 class HostExchange:
-    """gloo: the rows are a CPU tensor, reduced in place on gloo's thread."""
+    """gloo: the rows are a CPU tensor reduced in place; ``staging`` holds this rank's row."""
 
-    def __init__(self, torch, dist, group, rank: int, rows: int, width: int, column):
+    def __init__(self, torch, dist, group, rank: int, rows: int, width: int, host_width: int, column):
         self.buffer = torch.zeros((rows, width), dtype=torch.int64)
         self._all_reduce = all_reduce_fn(dist, group, self.buffer)
         self.rows = self.buffer.numpy()
         self._own = self.rows[rank]
+        self.staging = np.zeros(width, np.int64)
+        self._h = host_width
         self._column = column  # the TAIL canary's real_kv_hash column (NumPy view), or None
-        self._work = None
 
-    def start(self, host_values: np.ndarray, offset: int, slots: int) -> None:
+    def prepare(self, offset: int, slots: int) -> None:
+        if slots:  # the canary as this step left it: the next step writes it on this thread
+            self.staging[self._h : self._h + slots] = self._column[offset : offset + slots]
+
+    def run(self, slots: int) -> np.ndarray:
         self.rows.fill(0)
-        own, h = self._own, len(host_values)
-        own[:h] = host_values
-        if slots:
-            own[h : h + slots] = self._column[offset : offset + slots]
-        self._work = self._all_reduce()
-
-    def ready(self) -> bool:
-        return self._work.is_completed()
-
-    def finish(self) -> np.ndarray:
-        """The reduced rows (valid until the next start)."""
-        self._work.wait()
-        self._work = None
+        n = self._h + slots
+        self._own[:n] = self.staging[:n]
+        self._all_reduce().wait()
         return self.rows
 
 
 class DeviceExchange:
-    """NCCL: the rows live on the session's GPU; a side stream, ordered after the step's stream by
-    an event, zeroes them, copies this rank's totals from pinned memory and its fingerprints from
-    the TAIL canary (the step's stream then waits for that copy only), runs the all-reduce
-    (``work.wait()`` there makes the side stream, not the host, wait for NCCL's), copies the
-    result to pinned memory and records an event."""
+    """NCCL: the rows live on the session's GPU.
 
-    def __init__(self, torch, dist, group, rank: int, rows: int, width: int, column, device: int, launch_stream):
-        self._torch, self._rank = torch, rank
+    ``prepare`` (step's thread) copies the replicated window of the TAIL canary into a snapshot
+    buffer on the step's stream (so the next step's TAIL write comes after it, with no event) and
+    records an event there; a CUDA runtime call each, no torch.  ``run`` (worker thread) makes
+    the side stream wait for that event, zeroes the rows, copies this rank's numbers in from
+    pinned ``staging`` and the snapshot, runs the all-reduce (``work.wait()`` makes the side
+    stream wait for NCCL's), copies the result to pinned memory, and waits for it.
+    """
+
+    def __init__(self, torch, dist, group, rank: int, rows: int, width: int, host_width: int, column, device: int,
+                 launch_stream):
+        from .interop import import_cupy
+
+        self._torch, self._cupy = torch, import_cupy()
         self._device = torch.device("cuda", device)
         self.buffer = torch.zeros((rows, width), dtype=torch.int64, device=self._device)
         self._all_reduce = all_reduce_fn(dist, group, self.buffer)
-        self._host_in = None
         self._host_out = torch.zeros((rows, width), dtype=torch.int64, pin_memory=True)
         self.rows = self._host_out.numpy()
-        self._column = column  # torch view of the TAIL canary's real_kv_hash column, or None
+        self._host_in = torch.zeros(host_width, dtype=torch.int64, pin_memory=True)
+        self.staging = self._host_in.numpy()
+        self._own_head, self._own_tail = self.buffer[rank, :host_width], self.buffer[rank, host_width:]
+        self._snapshot = torch.zeros(max(width - host_width, 1), dtype=torch.int64, device=self._device)
+        self._snapshot_ptr = self._snapshot.data_ptr()
+        if column is not None:
+            self._column_ptr, self._column_pitch = column.data_ptr(), column.stride(0) * column.element_size()
         self._side = torch.cuda.Stream(device=self._device)
         self._done = torch.cuda.Event()
-        self._snapshot = torch.cuda.Event()
+        self._cupy_device = self._cupy.cuda.Device(device)
+        with self._cupy_device:  # an event records on streams of its own device only
+            self._ordered = self._cupy.cuda.Event(block=False, disable_timing=True)  # the step's work so far
         self._launch_stream = launch_stream
-        self._external = {}  # CuPy stream pointer -> torch.cuda.ExternalStream
 
-    def _step_stream(self):
-        ptr = self._launch_stream().ptr
-        if ptr == 0:  # CuPy's null stream is the legacy default stream, torch's default stream
-            return self._torch.cuda.default_stream(self._device)
-        stream = self._external.get(ptr)
-        if stream is None:
-            stream = self._external[ptr] = self._torch.cuda.ExternalStream(ptr, device=self._device)
-        return stream
+    def setup_thread(self) -> None:
+        """On the worker thread, before its first job: the session's device is its current one."""
+        self._torch.cuda.set_device(self._device)
+        self._cupy.cuda.Device(self._device.index).use()
 
-    def start(self, host_values: np.ndarray, offset: int, slots: int) -> None:
+    def prepare(self, offset: int, slots: int) -> None:
+        runtime, stream = self._cupy.cuda.runtime, self._launch_stream().ptr
+        with self._cupy_device:
+            if slots:
+                runtime.memcpy2DAsync(self._snapshot_ptr, 8, self._column_ptr + offset * self._column_pitch,
+                                      self._column_pitch, 8, slots, runtime.memcpyDeviceToDevice, stream)
+            runtime.eventRecord(self._ordered.ptr, stream)
+
+    def run(self, slots: int) -> np.ndarray:
         torch = self._torch
-        h = len(host_values)
-        if self._host_in is None:  # the views made once: each costs the host a microsecond or two
-            self._host_in = torch.zeros(h, dtype=torch.int64, pin_memory=True)
-            self._host_in_np = self._host_in.numpy()
-            self._own, self._own_head = self.buffer[self._rank], self.buffer[self._rank, :h]
-        self._host_in_np[:] = host_values  # its previous copy has completed: finish() came first
-        step_stream = self._step_stream()
-        self._side.wait_stream(step_stream)
+        self._cupy.cuda.runtime.streamWaitEvent(self._side.cuda_stream, self._ordered.ptr, 0)
         with torch.cuda.stream(self._side):
             self.buffer.zero_()
             self._own_head.copy_(self._host_in, non_blocking=True)
             if slots:
-                self._own[h : h + slots].copy_(self._column[offset : offset + slots])
-                # the next step's TAIL write waits for the snapshot (not for the all-reduce), so that
-                # every rank compares the canary as this step left it
-                self._snapshot.record(self._side)
-                step_stream.wait_event(self._snapshot)
-            work = self._all_reduce()  # NCCL's stream waits for the side stream's copies
-            work.wait()
+                self._own_tail[:slots].copy_(self._snapshot[:slots])
+            self._all_reduce().wait()  # NCCL's stream waits for the side stream's copies, the side stream for NCCL's
             self._host_out.copy_(self.buffer, non_blocking=True)
             self._done.record(self._side)
-
-    def ready(self) -> bool:
-        return self._done.query()
-
-    def finish(self) -> np.ndarray:
-        """The reduced rows (valid until the next start)."""
         self._done.synchronize()
         return self.rows

@@ -352,3 +352,78 @@ def scenario_metrics(r: Rank) -> dict:
             "heartbeat": value("kvcanary_last_handled_step"), "verified": value("kvcanary_verified_entries_total"),
             "stats_verified": session.stats["verified_entries"]}
 
+
+
+def _reducer_threads() -> list:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvcanary-reduce")]
+
+
+def scenario_lifecycle(r: Rank) -> dict:
+    """The worker thread: started by the first reduction, stopped by close() (after which a
+    reduction is refused) and by dropping the session; none left behind."""
+    import gc
+
+    import kvcanary_cupy as kc
+
+    out = {"before": _reducer_threads()}
+    engine = _engine(seed=r.rank)
+    session = r.session(engine)
+    out["thread_at_start"] = session.distributed.worker_thread is not None
+    for rows in _schedule()[:3]:
+        r.step(session, engine.step(rows), engine.rtt)
+    session.check()
+    thread = session.distributed.worker_thread
+    out["running"] = (thread.name, thread.daemon, thread.is_alive(), _reducer_threads())
+    session.close()
+    session.close()  # idempotent
+    out["after_close"] = (thread.is_alive(), _reducer_threads())
+    try:
+        r.step(session, engine.step(_schedule()[3]), engine.rtt)
+        out["refused"] = None
+    except kc.CanaryUsageError as exc:
+        out["refused"] = str(exc)
+    engine = _engine(seed=r.rank)
+    session = r.session(engine)
+    for rows in _schedule()[:2]:
+        r.step(session, engine.step(rows), engine.rtt)
+    session.check()
+    thread = session.distributed.worker_thread
+    del session
+    gc.collect()
+    thread.join(10)
+    out["after_drop"] = (thread.is_alive(), _reducer_threads())
+    return out
+
+
+STOP_STEP = 2  # the odd rank of scenario_peer_stops ends no step from here on
+PEER_TIMEOUT_S = 3
+
+
+def scenario_peer_stops(r: Rank) -> dict:
+    """The odd rank stops calling end_step after STOP_STEP steps: its peers' reduction of that step
+    fails at the group's timeout on their worker threads, and their next end_step raises a
+    RuntimeError naming the reduction (no hang); close() then leaves no thread."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="nccl" if r.array in GPU_ARRAYS else "gloo", timeout=timedelta(seconds=PEER_TIMEOUT_S))
+    if r.world_size == 1:
+        return {"world_size": 1}
+    r = Rank(r.rank, r.world_size, r.array, group)
+    engine = _engine(seed=r.rank)
+    session = r.session(engine)
+    out = {"error": None}
+    started = time.monotonic()
+    for step, rows in enumerate(_schedule()):
+        if r.rank == r.odd and step == STOP_STEP:
+            break
+        try:
+            r.step(session, engine.step(rows), engine.rtt)
+        except RuntimeError as exc:
+            out.update(error=str(exc), step=step, cause=type(exc.__cause__).__name__, seconds=time.monotonic() - started)
+            break
+    thread = session.distributed.worker_thread
+    session.close()
+    out["after_close"] = (thread.is_alive(), _reducer_threads())
+    return out

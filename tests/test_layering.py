@@ -170,7 +170,7 @@ LAYERS = {
                  "backends.numpy_coverage", "backends"),
     "front door": ("strict", "binding", "ops", "ops.canary", "ops.planning", "ops.pool", "digest", "same_step", "coverage"),
     "bound": ("bound", "launchers", "plan_launcher", "planner"),
-    "engine": ("rank_exchange", "distributed", "session", "session.loop", "session.staging", "session.sweep",
+    "engine": ("rank_exchange", "rank_worker", "rank_verdict", "distributed", "session", "session.loop", "session.staging", "session.sweep",
                "session.violations", "session.blocks", "metrics"),
     "tools": ("integrations", "hf", "sim", "cli", "__main__", "devtools", ""),  # "": the package's face, kvcanary_cupy/__init__.py
 }

@@ -105,6 +105,14 @@ class ViolationsMixin:
             s.update(same_step_verified=counts["verified_as_written"], same_step_deeper=counts["deeper_than_waves"])
         return s
 
+    def close(self) -> None:
+        """Stop the ``process_group`` reductions' worker thread (after the reduction it runs); a
+        no-op without a group, idempotent.  Call :meth:`check` on every rank first: a reduction
+        not read yet is never judged.  Dropping the session, or the interpreter exiting, does the same.
+        """
+        if self.distributed is not None:
+            self.distributed.close()
+
     def gather_report(self, dst: int = 0) -> ViolationReport | None:
         """Every rank's :meth:`report` merged (:meth:`ViolationReport.merge`) on rank ``dst`` of the
         session's ``process_group``; None on the other ranks.
