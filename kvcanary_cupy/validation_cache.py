@@ -39,14 +39,27 @@ def enabled() -> bool:
     return os.environ.get(REVALIDATE_ENV, "") in ("", "0")
 
 
+_KINDS: dict = {}  # array type -> "numpy", "cupy", "torch" or None (no array)
+
+
+def _kind(x):
+    cls = type(x)
+    kind = _KINDS.get(cls, False)
+    if kind is False:
+        kind = _KINDS[cls] = ("numpy" if isinstance(x, np.ndarray) else "cupy" if is_cupy_array(x)
+                              else "torch" if is_torch_tensor(x) else None)
+    return kind
+
+
 def array_stamp(x):
     """Everything the front door's checks and views read of array ``x``; None when it is no array."""
+    kind = _kind(x)
     try:
-        if isinstance(x, np.ndarray):
+        if kind == "numpy":
             return (type(x), x.ctypes.data, x.shape, x.strides, x.dtype, x.flags.writeable)
-        if is_cupy_array(x):
+        if kind == "cupy":
             return (type(x), x.data.ptr, x.shape, x.strides, x.dtype, x.data.device_id)
-        if is_torch_tensor(x):
+        if kind == "torch":
             return (type(x), x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version, x.requires_grad,
                     x.is_conj(), x.layout)
     except Exception:  # noqa: BLE001 - an odd array (sparse, meta, ...): the full path says what is wrong
@@ -57,7 +70,7 @@ def array_stamp(x):
 def copy_free(stamp) -> bool:
     """Whether the front door views the stamped array without a copy (C-contiguous, no negative stride)."""
     shape, strides = stamp[2], stamp[3]
-    if not is_torch_tensor_type(stamp[0]):
+    if _KINDS[stamp[0]] != "torch":  # torch counts strides in items, NumPy and CuPy in bytes
         strides = tuple(s // stamp[4].itemsize for s in strides)
     if any(s < 0 for s in strides):
         return False
@@ -71,10 +84,6 @@ def copy_free(stamp) -> bool:
     return True
 
 
-def is_torch_tensor_type(cls) -> bool:
-    return cls.__module__.split(".", 1)[0] == "torch"
-
-
 class Stamps:
     """Builds a call's key; ``arrays`` collects the stamp of every array in it."""
 
@@ -86,6 +95,11 @@ class Stamps:
     def value(self, v):
         """A hashable stamp of a non-array argument (type and value), of a tuple/list of them, or
         of an array; None when it cannot be described (the call then takes the full path)."""
+        if _kind(v) is not None:
+            s = array_stamp(v)
+            if s is not None:
+                self.arrays.append(s)
+            return s
         if v is None:
             return (None,)
         if isinstance(v, _SCALARS):
@@ -93,10 +107,7 @@ class Stamps:
         if isinstance(v, (tuple, list)):
             parts = tuple(self.value(x) for x in v)
             return None if None in parts else (type(v), parts)
-        s = array_stamp(v)
-        if s is not None:
-            self.arrays.append(s)
-        return s
+        return None
 
     def record(self, record):
         """A stamp of a frozen record (plan, log, table): its type and each field's stamp."""
