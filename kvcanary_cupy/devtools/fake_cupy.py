@@ -241,7 +241,7 @@ class FakeDevice:
         monkeypatch.setattr(self.cupy.cuda.runtime, "getDeviceCount", lambda: 1)  # warmup asks first
         monkeypatch.setattr(self.cupy.cuda.runtime, "driverGetVersion", lambda: self.driver_version)
         monkeypatch.setattr(runtime, "is_capturing", lambda placement: False)  # no stream to ask
-        monkeypatch.setattr(compile, "_compile", lambda family: RawModule())
+        monkeypatch.setattr(compile, "_compile", lambda family, name: RawModule())
         monkeypatch.setattr(compile, "_functions", {})
         monkeypatch.setattr(self.cupy.cuda.driver, "funcSetAttribute", set_attribute)
         monkeypatch.setattr(self.cupy.cuda.driver, "funcGetAttribute", get_attribute)
