@@ -4,7 +4,7 @@ Each free call runs on long-lived arrays (canary buffer, plans, log, table) as a
 with the backend's work taken out: CuPy arrays on the fake device
 (``kvcanary_cupy/devtools/fake_cupy.py``: launches recorded, not run), CPU torch tensors and NumPy
 arrays with the NumPy backend stubbed.  Prints host microseconds and Python-level calls per call;
-``KVCANARY_REVALIDATE=1`` in the environment turns the validation cache off (every call validates
+``KVCANARY_FULL_VALIDATION=1`` in the environment turns the validation cache off (every call validates
 everything), so the two runs show what the cache saves.
 
     python benchmarks/free_host_profile.py [--workload W1] [--calls 1000] [--top 0]
@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # the checkout's package, installed o
 
 import kvcanary_cupy as kc  # noqa: E402
 from kvcanary_cupy.devtools import bench as bc  # noqa: E402
+from kvcanary_cupy.validation_cache import enabled  # noqa: E402
 
 
 def free_ops(d, move):
@@ -69,7 +70,7 @@ def main():
     parser.add_argument("--arrays", default="numpy,torch,cupy")
     args = parser.parse_args()
     d = bc.build(bc.WORKLOADS[args.workload], np)
-    cache = "off" if os.environ.get("KVCANARY_REVALIDATE") else "on"
+    cache = "on" if enabled() else "off"
     print(f"free-function host us and Python-level calls per call at {args.workload}, validation cache {cache} "
           "(backend work stubbed out)")
     print(f"{'arrays':<20} {'op':<8} {'us':>8} {'calls':>6}")

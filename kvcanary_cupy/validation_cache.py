@@ -12,23 +12,21 @@ capacity, ...) or any argument the stamps cannot describe takes the full path ag
 also the path every error comes from.  Nothing is remembered of a call that copied a long-lived
 input (one not contiguous), since the copy would go stale.
 
-``KVCANARY_REVALIDATE=1`` in the environment turns this off: every call checks everything.
+``KVCANARY_FULL_VALIDATION=1`` in the environment (read at each call; the variable that also keeps
+the bound launchers from binding) turns this off: every call checks everything.
 
 The views are kept on the call's own plan record (a few keys each), so they live as long as it.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import fields
 from enum import Enum
 
 import numpy as np
 
+from .bound import FULL_VALIDATION_ENV, full_validation_forced  # noqa: F401  (the variable the docstring names)
 from .interop import Placement, is_cupy_array, is_torch_tensor, placement_of
-
-#: Set (to anything but "" or "0") to validate every argument on every call.
-REVALIDATE_ENV = "KVCANARY_REVALIDATE"
 
 _SLOT = "_kvcanary_validated"
 _MAX_KEYS = 4  # per record: a few canary buffers or launch kinds per plan, not an unbounded set
@@ -36,7 +34,7 @@ _SCALARS = (bool, int, float, str, np.integer, np.bool_, Enum)
 
 
 def enabled() -> bool:
-    return os.environ.get(REVALIDATE_ENV, "") in ("", "0")
+    return not full_validation_forced()
 
 
 _KINDS: dict = {}  # array type -> "numpy", "cupy", "torch" or None (no array)

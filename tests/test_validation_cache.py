@@ -1,7 +1,7 @@
 """The free functions' validation cache changes no byte and no error.
 
 Each test runs the same calls twice, once remembering what was validated and once under
-``KVCANARY_REVALIDATE=1`` (every call checks everything), and compares the outputs byte for byte
+``KVCANARY_FULL_VALIDATION=1`` (every call checks everything), and compares the outputs byte for byte
 and the errors message for message, including after an in-place change of a remembered array.
 """
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from kvcanary_cupy.validation_cache import REVALIDATE_ENV
+from kvcanary_cupy.validation_cache import FULL_VALIDATION_ENV
 
 NUM_SLOTS, ROWS, COLS = 256, 6, 32
 
@@ -69,7 +69,7 @@ def test_cached_calls_give_the_bytes_of_uncached_ones(ab, monkeypatch):
         cached.step(seed)
     for record in (cached.vp, cached.wp):
         assert record.__dict__.get("_kvcanary_validated"), "the repeated calls were remembered"
-    monkeypatch.setenv(REVALIDATE_ENV, "1")
+    monkeypatch.setenv(FULL_VALIDATION_ENV, "1")
     uncached = _Loop(ab)
     for seed in range(6):
         uncached.step(seed)
@@ -83,7 +83,7 @@ def _both(monkeypatch, call):
     """The outcome of ``call`` with the cache warm, then with every check run."""
     cached = _outcome(call)
     with monkeypatch.context() as mp:
-        mp.setenv(REVALIDATE_ENV, "1")
+        mp.setenv(FULL_VALIDATION_ENV, "1")
         uncached = _outcome(call)
     return cached, uncached
 
@@ -217,7 +217,7 @@ def test_fake_device_launches_are_the_same_cached_or_not(monkeypatch):
             return cached, [(x.name, x.grid, x.block, x.shared_mem, [len(a) for a in x.args]) for x in dev.launches]
 
     cached_flag, cached = run()
-    monkeypatch.setenv(REVALIDATE_ENV, "1")
+    monkeypatch.setenv(FULL_VALIDATION_ENV, "1")
     uncached_flag, uncached = run()
     assert cached_flag and not uncached_flag
     assert cached == uncached and len(cached) == 12
