@@ -5,7 +5,8 @@ A script calls :func:`kvcanary_cupy.plan`, :func:`~kvcanary_cupy.verify` and
 and viewing those again each call costs far more host time than the kernels.  So a call that
 passed its checks leaves its checked views behind, keyed by a *stamp* of every long-lived argument:
 for each array everything its checks read (type, address, shape, strides, dtype, device; NumPy's
-writeable flag; torch's ``_version`` counter, ``requires_grad``, conjugate bit and layout) and for
+writeable flag; torch's ``_version`` counter (inference tensors have none), ``requires_grad``, conjugate bit
+and layout) and for
 each other argument its type and value.  The next call whose stamps match reuses the views and
 checks only its per-step arrays; any difference (an in-place ``resize_``, a new address, another
 capacity, ...) or any argument the stamps cannot describe takes the full path again, which is
@@ -58,7 +59,8 @@ def array_stamp(x):
         if kind == "cupy":
             return (type(x), x.data.ptr, x.shape, x.strides, x.dtype, x.data.device_id)
         if kind == "torch":
-            return (type(x), x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x._version, x.requires_grad,
+            version = None if x.is_inference() else x._version  # inference tensors keep no version counter
+            return (type(x), x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, version, x.requires_grad,
                     x.is_conj(), x.layout)
     except Exception:  # noqa: BLE001 - an odd array (sparse, meta, ...): the full path says what is wrong
         return None
@@ -68,11 +70,9 @@ def array_stamp(x):
 def copy_free(stamp) -> bool:
     """Whether the front door views the stamped array without a copy (C-contiguous, no negative stride)."""
     shape, strides = stamp[2], stamp[3]
-    if _KINDS[stamp[0]] != "torch":  # torch counts strides in items, NumPy and CuPy in bytes
-        strides = tuple(s // stamp[4].itemsize for s in strides)
     if any(s < 0 for s in strides):
         return False
-    expected = 1
+    expected = 1 if _KINDS[stamp[0]] == "torch" else stamp[4].itemsize  # torch counts strides in items, others in bytes
     for size, stride in zip(reversed(shape), reversed(strides)):
         if size == 0:
             return True

@@ -221,3 +221,40 @@ def test_fake_device_launches_are_the_same_cached_or_not(monkeypatch):
     uncached_flag, uncached = run()
     assert cached_flag and not uncached_flag
     assert cached == uncached and len(cached) == 12
+
+
+def test_strides_that_are_not_whole_items_are_never_remembered():
+    loop = _Loop(_numpy_backend())
+    loop.step(0)
+    slots = loop.vp.verify_slot_indices
+    raw = np.zeros(slots.shape[0] * 12 + 8, np.uint8)  # 12-byte steps: an int64 view NumPy calls non-contiguous
+    odd = np.lib.stride_tricks.as_strided(raw.view(np.int64), slots.shape, (12,))
+    odd[:] = slots
+    plan = kc.VerifyPlan(**{**loop.vp.arrays(), "verify_slot_indices": odd})
+    kc.verify(loop.canary, plan, log=loop.log)
+    kc.verify(loop.canary, plan, log=loop.log)
+    assert "_kvcanary_validated" not in plan.__dict__
+
+
+def test_inference_tensors_are_remembered_and_give_the_same_bytes(ab, monkeypatch):
+    if not ab.name.startswith("torch"):
+        pytest.skip("inference tensors are torch's")
+    import torch
+
+    def run():
+        with torch.inference_mode():
+            loop = _Loop(ab)
+            for seed in range(4):
+                loop.step(seed)
+            return "_kvcanary_validated" in loop.wp.__dict__, loop.state()
+
+    cached_flag, cached = run()
+    monkeypatch.setenv(FULL_VALIDATION_ENV, "1")
+    uncached_flag, uncached = run()
+    assert cached_flag and not uncached_flag and cached == uncached
+
+
+def _numpy_backend():
+    from conftest import get_backend_or_skip
+
+    return get_backend_or_skip("numpy")
