@@ -8,7 +8,7 @@ searchsorted, gathers), eager, as a user would without this library.
 CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend.
 
     kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4,W5]
-                   [--sections ops,detail,tables,capacity,step,overlap,host] [--out FILE] [--json FILE]
+                   [--sections ops,detail,tables,capacity,step,overlap,host,cold] [--out FILE] [--json FILE]
 
 ``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
 next to the equivalent req_to_token at W1, W3 and W4, against what a user writes without them;
@@ -735,10 +735,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
                         help="cupy: this machine's GPU; numpy: the CPU backend")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
-    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host",
+    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host,cold",
                         help="GPU sections: ops (plan/verify/write), detail (verify/write: grids, floors, several "
                              "buffers), tables (engine tables), capacity, step (the fused decode step), overlap "
-                             "(overlapped launches against plain ones), host")
+                             "(overlapped launches against plain ones), host, cold (first calls and warmup() in a "
+                             "fresh process, empty kernel cache then warm)")
     parser.add_argument("--out", metavar="FILE", help="also write the table to FILE")
     parser.add_argument("--json", metavar="FILE", help="also write the measurements as JSON to FILE")
 
@@ -771,6 +772,10 @@ def run(args) -> int:
             lines += overlap_rows(cupy, [n for n in names if n in STEP_WORKLOADS], rows)
         if "host" in sections:
             lines += host_times(cupy, names, rows)
+        if "cold" in sections:
+            from .bench_cold import cold_rows
+
+            lines += cold_rows(rows)
     else:
         lines = run_numpy(names, rows)
     text = "\n".join(lines)
