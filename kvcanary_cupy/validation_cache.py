@@ -3,15 +3,14 @@
 A script calls :func:`kvcanary_cupy.plan`, :func:`~kvcanary_cupy.verify` and
 :func:`~kvcanary_cupy.write` every step on the same canary buffer, plans, log and table; checking
 and viewing those again each call costs far more host time than the kernels.  So a call that
-passed its checks leaves its checked views behind, keyed by a *stamp* of every long-lived argument:
-for each array everything its checks read (type, address, shape, strides, dtype, device; NumPy's
-writeable flag; torch's ``_version`` counter (inference tensors have none), ``requires_grad``, conjugate bit
-and layout) and for
-each other argument its type and value.  The next call whose stamps match reuses the views and
-checks only its per-step arrays; any difference (an in-place ``resize_``, a new address, another
-capacity, ...) or any argument the stamps cannot describe takes the full path again, which is
-also the path every error comes from.  Nothing is remembered of a call that copied a long-lived
-input (one not contiguous), since the copy would go stale.
+passed its checks leaves its checked views behind, keyed by a *stamp* of every long-lived
+argument: for each array everything its checks read (type, address, shape, strides, dtype,
+device; NumPy's writeable flag; torch's ``_version`` counter (inference tensors have none),
+``requires_grad``, conjugate bit and layout), for each other argument its type and value.  The
+next call whose stamps match reuses the views and checks only its per-step arrays; any difference
+(an in-place ``resize_``, a new address, another capacity, ...) or any argument the stamps cannot
+describe takes the full path again, which is also the path every error comes from.  Nothing is
+remembered of a call that copied a long-lived input (one not contiguous): the copy would go stale.
 
 ``KVCANARY_FULL_VALIDATION=1`` in the environment (read at each call; the variable that also keeps
 the bound launchers from binding) turns this off: every call checks everything.
