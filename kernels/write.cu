@@ -24,7 +24,7 @@ namespace kvcanary {
 constexpr int kWriteThreads = 128;
 constexpr int kWriteWarps = kWriteThreads / 32;
 // A deferred request (SEED_DEFERRED in constants.py): written by a later launch of the step.
-constexpr i64 kSeedDeferred = -2;
+constexpr i64 kSeedDeferred = -9223372036854775807LL - 1;  // INT64_MIN
 
 // One lane's token: slot -1 past the request's range.
 template <bool kInputAssert>

@@ -39,7 +39,7 @@ REAL_KV_PARTIAL_BYTES = 16
 #: A write seed that defers its request: the write skips it (kSeedDeferred in write.cu).  The
 #: same-step pass (kvcanary_cupy.same_step) defers a request whose chain continues from a slot
 #: another request writes in the same step to a later write launch of that step.
-SEED_DEFERRED = -2
+SEED_DEFERRED = -(2**63)  # the one int64 no caller passes as a seed (any other negative seed is the anchor)
 
 # Canary buffers one write or verify launch takes with one plan (e.g. the K and V halves).
 MAX_CANARY_BUFFERS = 4

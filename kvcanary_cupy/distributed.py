@@ -22,7 +22,6 @@ docs/distributed.md explains the rest.
 
 from __future__ import annotations
 
-import logging
 import socket
 from dataclasses import dataclass
 
@@ -33,14 +32,15 @@ from .constants import CANARY_FIELD_REAL_KV_HASH, MAX_REAL_KV_SOURCES, FailReaso
 from .errors import fail
 from .hashing import to_unsigned
 from .interop import backend_view
+from .rank_exchange import DeviceExchange, HostExchange
 from .reporting import REPLICATED_KV_MISMATCH, ReplicaMismatch, ViolationReport, reason_name, tag_name
-
-logger = logging.getLogger("kvcanary_cupy")
 
 #: Slots of the TAIL canary compared across ranks per reduction (``replicated_kv=True``): the
 #: window moves on by this much each reduction, so a pool of ``n`` slots is compared in full
 #: every ``ceil(n / REPLICATED_WINDOW)`` reductions.
 REPLICATED_WINDOW = 4096
+#: Replicated-KV mismatches remembered (so that each is reported once); past this the oldest is forgotten.
+MAX_SEEN_MISMATCHES = 65536
 #: Each rank's totals in the reduction, summed into ``RankReducer.totals`` (names of ``session.stats``).
 TOTALS = ("steps", "handled_steps", "verified_entries", "violations", "rows_read", "dropped_rows",
           "distinct_violations", "verify_skipped_steps", "verify_skipped_sweeps", "health_failures",
@@ -61,22 +61,6 @@ def import_torch_distributed():
     if not dist.is_available():
         raise ImportError("kv-canary: process_group needs torch.distributed, which this torch build lacks")
     return torch, dist
-
-
-def all_reduce_fn(dist, group, tensor):
-    """A function starting the in-place SUM all-reduce of ``tensor`` over ``group`` and returning
-    its work: the group's own method with options made once (a third of ``dist.all_reduce``'s
-    host time, which checks its arguments at every call), or ``dist.all_reduce`` where a torch
-    build lacks it."""
-    method = getattr(group, "allreduce", None)
-    options = getattr(dist, "AllreduceOptions", None)
-    if method is None or options is None:
-        return lambda: dist.all_reduce(tensor, group=group, async_op=True)
-    opts, tensors = options(), [tensor]
-    opts.reduceOp = dist.ReduceOp.SUM
-    if hasattr(opts, "asyncOp"):
-        opts.asyncOp = True  # as dist.all_reduce(..., async_op=True) sets it
-    return lambda: method(tensors, opts)
 
 
 def device_id(placement) -> str:
@@ -152,10 +136,6 @@ class Verdict:
         return sorted(found)
 
     @property
-    def flagged(self) -> bool:
-        return bool(self.new_by_rank or self.problems_by_rank or self.mismatches)
-
-    @property
     def violations_anywhere(self) -> bool:
         return bool(self.new_by_rank or self.mismatches)
 
@@ -179,98 +159,6 @@ class Verdict:
         return Verdict(both, self.rank, add(self.new_by_rank, later.new_by_rank),
                        add(self.problems_by_rank, later.problems_by_rank), self.mismatches + later.mismatches,
                        self.world_size, self.device)
-
-
-class _HostExchange:
-    """gloo: the rows are a CPU tensor, reduced in place on gloo's thread."""
-
-    def __init__(self, torch, dist, group, rank: int, rows: int, width: int, column):
-        self.buffer = torch.zeros((rows, width), dtype=torch.int64)
-        self._all_reduce = all_reduce_fn(dist, group, self.buffer)
-        self.rows = self.buffer.numpy()
-        self._own = self.rows[rank]
-        self._column = column  # the TAIL canary's real_kv_hash column (NumPy view), or None
-        self._work = None
-
-    def start(self, host_values: np.ndarray, offset: int, slots: int) -> None:
-        self.rows.fill(0)
-        own, h = self._own, len(host_values)
-        own[:h] = host_values
-        if slots:
-            own[h : h + slots] = self._column[offset : offset + slots]
-        self._work = self._all_reduce()
-
-    def ready(self) -> bool:
-        return self._work.is_completed()
-
-    def finish(self) -> np.ndarray:
-        """The reduced rows (valid until the next start)."""
-        self._work.wait()
-        self._work = None
-        return self.rows
-
-
-class _DeviceExchange:
-    """NCCL: the rows live on the session's GPU; a side stream, ordered after the step's stream by
-    an event, zeroes them, copies this rank's totals from pinned memory and its fingerprints from
-    the TAIL canary (the step's stream then waits for that copy only), runs the all-reduce (``work.wait()`` there makes the side stream, not the host,
-    wait for NCCL's), copies the result to pinned memory and records an event."""
-
-    def __init__(self, torch, dist, group, rank: int, rows: int, width: int, column, device: int, launch_stream):
-        self._torch, self._rank = torch, rank
-        self._device = torch.device("cuda", device)
-        self.buffer = torch.zeros((rows, width), dtype=torch.int64, device=self._device)
-        self._all_reduce = all_reduce_fn(dist, group, self.buffer)
-        self._host_in = None
-        self._host_out = torch.zeros((rows, width), dtype=torch.int64, pin_memory=True)
-        self.rows = self._host_out.numpy()
-        self._column = column  # torch view of the TAIL canary's real_kv_hash column, or None
-        self._side = torch.cuda.Stream(device=self._device)
-        self._done = torch.cuda.Event()
-        self._snapshot = torch.cuda.Event()
-        self._launch_stream = launch_stream
-        self._external = {}  # CuPy stream pointer -> torch.cuda.ExternalStream
-
-    def _step_stream(self):
-        ptr = self._launch_stream().ptr
-        if ptr == 0:  # CuPy's null stream is the legacy default stream, torch's default stream
-            return self._torch.cuda.default_stream(self._device)
-        stream = self._external.get(ptr)
-        if stream is None:
-            stream = self._external[ptr] = self._torch.cuda.ExternalStream(ptr, device=self._device)
-        return stream
-
-    def start(self, host_values: np.ndarray, offset: int, slots: int) -> None:
-        torch = self._torch
-        if self._host_in is None:
-            self._host_in = torch.zeros(len(host_values), dtype=torch.int64, pin_memory=True)
-            self._host_in_np = self._host_in.numpy()
-        self._host_in_np[:] = host_values  # its previous copy has completed: finish() came first
-        h = len(host_values)
-        step_stream = self._step_stream()
-        self._side.wait_stream(step_stream)
-        with torch.cuda.stream(self._side):
-            self.buffer.zero_()
-            own = self.buffer[self._rank]
-            own[:h].copy_(self._host_in, non_blocking=True)
-            if slots:
-                own[h : h + slots].copy_(self._column[offset : offset + slots])
-                # the next step's TAIL write waits for the snapshot (not for the all-reduce), so that
-                # every rank compares the canary as this step left it
-                self._snapshot.record(self._side)
-                step_stream.wait_event(self._snapshot)
-            work = self._all_reduce()  # NCCL's stream waits for the side stream's copies
-            work.wait()
-            self._host_out.copy_(self.buffer, non_blocking=True)
-            self._done.record(self._side)
-
-    def ready(self) -> bool:
-        return self._done.query()
-
-    def finish(self) -> np.ndarray:
-        """The reduced rows (valid until the next start)."""
-        self._done.synchronize()
-        return self.rows
 
 
 class RankReducer:
@@ -328,15 +216,15 @@ class RankReducer:
             column = self._canary_column(session.tail_canary)
         rows, width = self.world_size, self._host_width + self._window
         if on_gpu:
-            self._exchange = _DeviceExchange(torch, dist, process_group, self.rank, rows, width, column,
+            self._exchange = DeviceExchange(torch, dist, process_group, self.rank, rows, width, column,
                                              session._placement.device, session._transport.launch_stream)
         else:
-            self._exchange = _HostExchange(torch, dist, process_group, self.rank, rows, width, column)
+            self._exchange = HostExchange(torch, dist, process_group, self.rank, rows, width, column)
         self._check_agreement(_agreed_values(session, self))
         self._table_shape = (0, 0)
         self._in_flight = None  # the _Contribution of the reduction in flight
         self._offset = 0
-        self._seen_mismatches = set()
+        self._seen_mismatches = {}  # (slot, rank, value, reference) reported, oldest first
         self._totals_rows = [[0] * self._host_width for _ in range(self.world_size)]  # as last reduced
         self.stats = dict(reductions=0, reduce_waits=0, replicated_slots_compared=0, replica_mismatches=0)
 
@@ -430,7 +318,7 @@ class RankReducer:
         st, k = session._stats, self._num_kinds
         by_tag = session._latest[STAGE_HEADER_FIELDS : STAGE_HEADER_FIELDS + k]  # exact violations per kind
         violations = sum(by_tag)
-        derived = {"handled_steps": st["steps"] - sum(r.kind == "step" for r in session._pending),
+        derived = {"handled_steps": st["steps"] - sum(r.origin == "step" for r in session._pending),
                    "violations": violations, "dropped_rows": violations - st["rows_read"],
                    "distinct_violations": len(session._distinct), "out_of_range_skipped": session._out_of_range_skipped()}
         by_reason = session._rows_by_reason
@@ -504,7 +392,9 @@ class RankReducer:
             for r, value in enumerate(column):
                 key = (c.offset + j, r, value, reference)
                 if value != reference and key not in self._seen_mismatches:
-                    self._seen_mismatches.add(key)
+                    if len(self._seen_mismatches) >= MAX_SEEN_MISMATCHES:  # forget the oldest (reported again if seen)
+                        del self._seen_mismatches[next(iter(self._seen_mismatches))]
+                    self._seen_mismatches[key] = None
                     found.append(ReplicaMismatch(c.offset + j, r, ref_rank, to_unsigned(value), to_unsigned(reference),
                                                  c.step))
         self.stats["replica_mismatches"] += len(found)

@@ -130,6 +130,17 @@ class CanaryCapacities:
         length).  A :class:`CanaryCapacityWarning` names the bytes when a session's buffers
         (:meth:`session_bytes`) would exceed ``warn_bytes`` (default :data:`LARGE_CANARY_BYTES`).
 
+        Parameters
+        ----------
+        num_blocks, block_size : int
+            The pool's blocks (vLLM's ``num_gpu_blocks``) and slots per block.
+        max_num_seqs : int
+            The engine's batch limit (``write_req_capacity``).
+        max_model_len : int, optional
+            The longest sequence the engine serves.
+        warn_bytes : int, optional
+            The size past which a warning names the bytes.
+
         Examples
         --------
         >>> kc.CanaryCapacities.from_block_pool(num_blocks=64, block_size=32, max_num_seqs=8, max_model_len=512)
@@ -154,7 +165,15 @@ class CanaryCapacities:
     def session_bytes(num_slots: int, capacities: "CanaryCapacities") -> int:
         """Bytes a :class:`CanarySession` with ``same_step_reads`` allocates for ``num_slots`` slots
         (HEAD and TAIL buffers of 32 bytes a slot, 8 bytes of same-step marks, 32 bytes a verify
-        entry, ~40 bytes a request)."""
+        entry, ~40 bytes a request).
+
+        Parameters
+        ----------
+        num_slots : int
+            The canary's slots.
+        capacities : CanaryCapacities
+            The session's capacities.
+        """
         return num_slots * (2 * 32 + 8) + capacities.verify_capacity * 32 + capacities.write_req_capacity * 40
 
 

@@ -20,17 +20,26 @@ The views are kept on the call's own plan record (a few keys each), so they live
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 from enum import Enum
 
 import numpy as np
 
-from .bound import FULL_VALIDATION_ENV, full_validation_forced  # noqa: F401  (the variable the docstring names)
 from .interop import Placement, is_cupy_array, is_torch_tensor, placement_of
+
+#: Set (to anything but "" or "0") for every call to take every check: the free functions then
+#: remember nothing, and the bound launchers bind nothing (each call takes the free function).
+FULL_VALIDATION_ENV = "KVCANARY_FULL_VALIDATION"
 
 _SLOT = "_kvcanary_validated"
 _MAX_KEYS = 4  # per record: a few canary buffers or launch kinds per plan, not an unbounded set
 _SCALARS = (bool, int, float, str, np.integer, np.bool_, Enum)
+
+
+def full_validation_forced() -> bool:
+    """Whether the environment asks every call to take every check."""
+    return os.environ.get(FULL_VALIDATION_ENV, "") not in ("", "0")
 
 
 def enabled() -> bool:

@@ -87,6 +87,8 @@ grep -q "exit [^0]" "$OUT"/stage-*.txt 2>/dev/null && status=1
 if [ "$what" = all ] || [ "$what" = tests ]; then
   stage quickstart 60 python3 examples/quickstart.py --gpu
   stage sim-cuda 120 python3 -m kvcanary_cupy sim --device cuda --steps 400 --quiet --json "$OUT/sim-cuda.json" --plot "$OUT/sim-cuda.png"
+  stage sim-cuda-transfer 120 python3 -m kvcanary_cupy sim --device cuda --steps 200 --faults transfer --transfer-digest full \
+    --quiet --json "$OUT/sim-cuda-transfer.json" --plot ""
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   stage bench "${BENCH_S:-240}" python3 -m kvcanary_cupy bench --out "$OUT/bench.txt" --json "$OUT/bench.json"

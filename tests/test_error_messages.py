@@ -30,7 +30,7 @@ CALLS = {
                       "ops/canary.py", "verify", ValueError),
     "scatter": (lambda: kc.scatter_req_token_ids(i64([1]), i64([0]), i64([1]), np.zeros((2, 2), np.int32)),
                 "ops/pool.py", "scatter_req_token_ids", ValueError),
-    "ViolationLog.allocate": (lambda: ViolationLog.allocate(0), "plans.py", "allocate", ValueError),
+    "ViolationLog.allocate": (lambda: ViolationLog.allocate(0), "log.py", "allocate", ValueError),
     "VerifyPlan.allocate": (lambda: VerifyPlan.allocate(-1), "plans.py", "allocate", ValueError),
     "WritePlan.allocate": (lambda: WritePlan.allocate(1.5), "plans.py", "allocate", TypeError),
     "allocate_canary_buffer": (lambda: kc.allocate_canary_buffer(-1), "plans.py", "allocate_canary_buffer", ValueError),

@@ -11,7 +11,8 @@ from ..binding import check_type, verify_args, verify_setup, write_bound_args, w
 from ..constants import RealKvHashMode
 from ..errors import fail, public_api
 from ..interop import Array, array_module, backend_view, common_placement
-from ..plans import VerifyPlan, ViolationLog, WritePlan
+from ..log import ViolationLog
+from ..plans import VerifyPlan, WritePlan
 from ..runtime import launch_stream, side_stream
 from ..validation import I64, bool_keyword, check_1d, contiguous_input, require
 from ..validation_cache import Stamps, call_key, joined_placement, lookup, remember

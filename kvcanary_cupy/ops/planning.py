@@ -15,12 +15,13 @@ from ..binding import check_type, lut_view, log_views, plan_views, record_arrays
 from ..constants import RealKvHashMode
 from ..errors import CanaryCapacityWarning, fail, public_api
 from ..interop import Array, array_module, backend_view, common_placement, import_cupy
-from ..plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, is_clean, mark_clean, scan_state
+from ..log import ViolationLog
+from ..plans import RealKvSource, VerifyPlan, WritePlan, is_clean, mark_clean, scan_state
 from ..runtime import is_capturing, launch_stream, refuse_during_capture
-from ..tables import BlockTable, PagedKvIndices, ReqToToken, TableKind, as_table, table_view
+from ..tables import ReqToToken, TableKind, as_table, table_view
 from ..validation import (I32, I64, bool_keyword, check_1d, check_2d_rows, check_count, check_int64, contiguous_input,
                           require)
-from ..validation_cache import Stamps, call_key, joined_placement, lookup, remember
+from .plan_cache import remember_plan, remembered_plan, replan
 
 
 class _PlanCall(NamedTuple):
@@ -237,13 +238,10 @@ def plan(
     """
     step = {"req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens, "extend_seq_lens": extend_seq_lens,
             "req_to_verify_expected_tokens_valid_lens": req_to_verify_expected_tokens_valid_lens}
-    stamps = Stamps()
-    key = _plan_key(stamps, table, out, verify_capacity, write_req_capacity, swa_window_size, full_to_swa_index_mapping,
-                    req_to_verify_expected_tokens, kv_token_id_vs_position_offset)
-    hit = lookup(out[1], key) if key is not None else None
-    placement = hit and _step_placement(hit, step, req_to_verify_expected_tokens is not None)
+    key, stamps, hit, placement = remembered_plan(table, out, step, verify_capacity, write_req_capacity, swa_window_size,
+                                                  full_to_swa_index_mapping, req_to_verify_expected_tokens,
+                                                  kv_token_id_vs_position_offset)
     if placement is None:  # first sight, a change, or per-step arrays the full checks must report on
-        hit = None
         c = _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, swa_window_size,
                        full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
                        kv_token_id_vs_position_offset, out, "plan")
@@ -252,62 +250,16 @@ def plan(
         if hit is None:
             args, vp, wp = _plan_args(c, write_req_capacity, out, placement, array_module(placement),
                                       lambda bs: c.verify_capacity, "plan")
-            if key is not None:
-                long_lived = common_placement({k: a for k, a in c.named.items() if k not in step})
-                remember(wp, key, stamps, (long_lived, args, c.verify_capacity))
+            remember_plan(wp, key, stamps, c.named, step, args, c.verify_capacity)
         else:
             vp, wp = out
-            args = _replan(hit[1], step, wp, array_module(placement))
+            args = replan(hit[1], step, wp, array_module(placement))
         if strict:
             strict_checks.check_plan(args)
         get_backend(placement.backend).plan(args)
         mark_clean(wp)
         _note_overflow(vp, args.out.enable, placement, c.verify_capacity if hit is None else hit[2])
     return vp, wp
-
-
-def _plan_key(stamps: Stamps, table, out, *scalars):
-    """The stamps of a free plan's long-lived arguments (table, LUT, expected-token pool, out plans,
-    scalars), or None for a call not remembered: ``out=None`` (fresh plans each call) or a
-    PagedKvIndices table (its checks depend on the batch size)."""
-    if not (isinstance(out, tuple) and len(out) == 2 and type(out[0]) is VerifyPlan and type(out[1]) is WritePlan):
-        return None
-    if isinstance(table, PagedKvIndices):
-        return None
-    table_stamp = stamps.record(table) if isinstance(table, (ReqToToken, BlockTable)) else ("bare", stamps.value(table))
-    return call_key(table_stamp, stamps.record(out[0]), stamps.record(out[1]), stamps.value(scan_state(out[1])),
-                    *(stamps.value(v) for v in scalars))
-
-
-def _step_placement(hit, step: dict, has_pool: bool):
-    """The placement of a remembered plan with this step's arrays, or None where the full checks
-    must run (a missing array, a pool without its lengths or the reverse, another device)."""
-    if any(step[k] is None for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")):
-        return None
-    if (step["req_to_verify_expected_tokens_valid_lens"] is None) == has_pool:
-        return None
-    return joined_placement(hit[0], step)
-
-
-def _replan(args: PlanArgs, step: dict, wp: WritePlan, xp) -> PlanArgs:
-    """A remembered plan's arguments with this step's arrays, checked as :func:`_plan_args` checks them."""
-    v = {k: backend_view(a, k) for k, a in step.items()}
-    first = "req_pool_indices"
-    bs = v[first].shape[0] if v[first].ndim == 1 else -1
-    keys = ("req_pool_indices", "prefix_lens", "extend_seq_lens")
-    if args.expected_token_pool is not None:
-        keys += ("req_to_verify_expected_tokens_valid_lens",)
-    for key in keys:
-        check_1d(v[key], key, I64, bs, length_name=f"bs (len({first}))")
-        v[key] = contiguous_input(v[key], key, xp)
-    wcap = args.out.write_seed_slot_indices.shape[0]
-    if bs > wcap:
-        fail(ValueError, f"bs={bs} exceeds write_req_capacity={wcap}; size the WritePlan for the largest batch "
-                         "(CanaryCapacities.from_engine(max_running_requests=...) for a CanaryPlanner)")
-    return args._replace(req_pool_indices=v["req_pool_indices"], prefix_lens=v["prefix_lens"],
-                         extend_seq_lens=v["extend_seq_lens"],
-                         expected_token_valid_lens=v["req_to_verify_expected_tokens_valid_lens"],
-                         clear_whole_capacity=not is_clean(wp))
 
 
 def _note_overflow(vp: VerifyPlan, enable, placement, verify_capacity: int) -> None:

@@ -6,7 +6,6 @@ policy in :mod:`.violations`; docs/guide.md ("Using the canary in an engine") ex
 from __future__ import annotations
 
 import collections
-import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -17,15 +16,16 @@ from ..args import StageLayout
 from ..backends import get_backend
 from ..constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
 from ..distributed import RankReducer
-from ..errors import CanaryUsageError, fail, public_api, trimmed_argument_error
+from ..errors import CanaryUsageError, fail, public_api
 from ..interop import Array, allocate, import_cupy, placement_of
-from ..launchers import VerifyLauncher, WriteLauncher
+from ..launchers import VerifyLauncher, WriteLauncher, WriteWaves
 from ..planner import CanaryCapacities, CanaryPlanner
 from ..plans import allocate_canary_buffer, check_num_sources
-from ..reporting import ViolationReport, reason_name
+from ..reporting import reason_name
 from ..same_step import SameStepReads, resolve_same_step_reads
 from ..validation import I64, INT32_MAX, check_count, check_int
 from .staging import STAGED_RECORDS, StagingMixin, _CudaTransport, _HostTransport
+from .sweep import SweepMixin, _length, _one_of
 from .violations import POLICIES, RING_GROUPS, ViolationsMixin, _group_logs
 
 
@@ -40,25 +40,7 @@ _TAGS = {  # (head, tail, sweep) launch tags of a FULL and of an SWA session
 _STEP_ORDER = "pre_forward(), post_forward(), end_step() per step"
 
 
-def _one_of(alias, value, alias_name: str, name: str):
-    """An argument given under either of its two spellings (both: only if they are the same array)."""
-    if alias is None:
-        return value
-    if value is not None and value is not alias:
-        fail(ValueError, f"{alias_name} and {name} are two spellings of one argument; pass one")
-    return alias
-
-
-def _length(x, name: str) -> int:
-    shape = getattr(x, "shape", None)
-    if shape is None:
-        fail(TypeError, f"{name} must be a NumPy array, a CuPy array or a PyTorch tensor, got {type(x).__name__}")
-    if len(shape) != 1:
-        fail(ValueError, f"{name} must be 1-D, got shape {tuple(shape)}")
-    return int(shape[0])
-
-
-class CanarySession(StagingMixin, ViolationsMixin):
+class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
     """The canary of one KV pool group inside an engine's step loop.
 
     ``num_slots`` canary slots (slot 0 is the padding slot) in a HEAD buffer (chain-only, checked
@@ -253,9 +235,9 @@ class CanarySession(StagingMixin, ViolationsMixin):
         if same_step_reads:  # one write launch per wave, each in both buffers
             self.same_step = SameStepReads.allocate(num_slots, self.max_batch_size, like=like)
             waves = self.same_step.wave_plans(wp)
-            self._tail_write = _Waves([WriteLauncher(self.tail_canary, w, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
+            self._tail_write = WriteWaves([WriteLauncher(self.tail_canary, w, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
                                        for w in waves])
-            self._head_write = _Waves([WriteLauncher(self.head_canary, w, log=head_log, kernel_kind=self.head_tag,
+            self._head_write = WriteWaves([WriteLauncher(self.head_canary, w, log=head_log, kernel_kind=self.head_tag,
                                                      stream=self._head_write_stream) for w in waves])
         self._row_labels = None  # the engine's labels of this step's batch rows (pre_forward's row_labels)
         self._head_write_unjoined = False
@@ -428,67 +410,11 @@ class CanarySession(StagingMixin, ViolationsMixin):
                 self.distributed.check(self)
             return self._out_of_range_skipped()
 
-    @public_api
-    def sweep(self, req_pool_indices: Array | None, seq_lens: Array, table: Any) -> None:
-        """Verify (TAIL buffer, real KV, no token check) every slot of the given cached sequences.
-
-        ``seq_lens`` (int64 ``[n]``, ``n <= max_batch_size``): sequence i covers positions ``[0,
-        seq_lens[i])`` of table row ``req_pool_indices[i]`` (the window's end only, for SWA); ``table`` is anything :func:`plan` takes
-        (``req_pool_indices`` None with a :class:`PagedKvIndices`).  Outside graphs, between
-        ``end_step`` and the next ``pre_forward``; staged like a step and handled by the next
-        ``end_step``/``check``.  A violation's ``batch_rows`` are indices into these sequences.
-        """
-        self._refuse_in_policy("sweep")
-        stream = self._launch_stream("sweep")
-        if self._step_open:
-            fail(CanaryUsageError, "sweep() between pre_forward() and end_step() would mix the sweep's violations with the "
-                               "step's; call it after end_step()")
-        n = _length(seq_lens, "seq_lens")  # req_pool_indices is None with a PagedKvIndices table
-        planner = self._sweep_planner_for(n)
-        renamed = None
-        try:
-            planner.plan(req_pool_indices, seq_lens, self._sweep_zeros[:n], table)
-        except (TypeError, ValueError) as exc:  # the planner calls seq_lens prefix_lens: name the caller's
-            message = str(exc).removeprefix("kv-canary: ")
-            if trimmed_argument_error(exc) is None or "prefix_lens" not in message:
-                raise
-            renamed = type(exc), re.sub(r"\bprefix_lens\b", "seq_lens", message)
-        if renamed is not None:
-            fail(*renamed)  # outside the except block: no "during handling" chain
-        self._sweep_verify()
-        with self._handling:
-            self._stats["sweeps"] += 1
-            self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
-
-    def gather_report(self, dst: int = 0) -> ViolationReport | None:
-        """Every rank's :meth:`report` merged (:meth:`ViolationReport.merge`) on rank ``dst`` of the
-        session's ``process_group``; None on the other ranks.
-
-        A blocking collective outside the step loop: every rank must call it.  Each violation
-        carries its ``rank`` and ``device``.
-        """
-        if self.distributed is None:
-            fail(CanaryUsageError, "gather_report() needs a session built with a process_group")
-        dst = check_int(dst, "dst", minimum=0)
-        if dst >= self.distributed.world_size:
-            fail(ValueError, f"dst must be a rank of the process_group (< {self.distributed.world_size}), got {dst}")
-        return self.distributed.gather_report(self.report(), dst)
-
     @property
     def overlap_head_write(self) -> bool:
         """Whether the HEAD write runs on the session's side stream (GPU sessions built with
         ``overlap_head_write=True``); fixed at construction."""
         return self._head_write_stream is not None
-
-    def __repr__(self) -> str:
-        s = self.stats
-        c = self.planner.capacities
-        policy = self.on_violation if isinstance(self.on_violation, str) else "callable"
-        window = f", swa_window_size={self.planner.swa_window_size}" if self.planner.swa_window_size else ""
-        return (f"CanarySession(num_slots={self.num_slots}, on={self._placement.describe()}, "
-                f"max_batch_size={self.max_batch_size}, verify_capacity={c.verify_capacity}, "
-                f"ring_capacity={self.log.capacity // len(RING_GROUPS)}, on_violation={policy!r}{window}, "
-                f"steps={s['steps']}, violations={s['violations']}, distinct={s['distinct_violations']})")
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -497,34 +423,3 @@ class CanarySession(StagingMixin, ViolationsMixin):
         if self._head_write_unjoined:
             self._head_write.join()
             self._head_write_unjoined = False
-
-    def _sweep_planner_for(self, bs: int) -> CanaryPlanner:
-        """The sweep's own plan buffers, grown (to a power of two) when a sweep has more sequences."""
-        planner = self._sweep_planner
-        if planner is None or planner.capacities.write_req_capacity < bs:
-            capacity = max(64, 1 << max(bs - 1, 0).bit_length())
-            capacities = CanaryCapacities(self.planner.capacities.verify_capacity, capacity)
-            grown = CanaryPlanner(capacities, like=self._like, **self._planner_options)
-            if planner is not None:  # the out-of-range count carries on (on the device, in stream order)
-                grown.verify_plan.out_of_range_count[...] = planner.verify_plan.out_of_range_count
-            planner = self._sweep_planner = grown
-            self._sweep_zeros = allocate((capacity,), np.int64, like=self._like, fill=0)
-            self._sweep_stager = self._stager(planner)
-            self._sweep_verify = VerifyLauncher(self.tail_canary, planner.verify_plan, log=self._group_logs["sweep"],
-                                                kernel_kind=self.sweep_tag, **self._kv)
-        return planner
-
-
-
-class _Waves:
-    """The write launchers of a step's waves, called in order as one."""
-
-    def __init__(self, launchers):
-        self.launchers = launchers
-
-    def __call__(self, *args) -> None:
-        for launcher in self.launchers:
-            launcher(*args)
-
-    def join(self) -> None:
-        self.launchers[-1].join()  # one side stream: the last wave's join covers the others

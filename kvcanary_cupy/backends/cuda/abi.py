@@ -1,7 +1,7 @@
 """Every C mirror of the GPU side: the structs the kernels take by value, each kernel's parameter
 record, the kernels' compile-time constants and the driver structs of an overlapped launch.
 
-Editing a ``.cu`` struct or constant means editing its mirror here; tests/test_kernels_compile.py
+Editing a ``.cu`` struct or constant means editing its mirror here; tests/cuda/test_kernels_compile.py
 checks each one against the kernel sources (sizes, widths and offsets through devtools/abi_check.py,
 constants by reading them out of the sources).  The mirrors the NumPy reference shares live below
 the backends: the format in :mod:`kvcanary_cupy.constants`, :class:`~kvcanary_cupy.tables.TableKind`,

@@ -148,37 +148,37 @@ def variant_name(family: str) -> str:
 
 
 _lock = threading.Lock()
-_functions: dict = {}
 
 
 def get_function(family: str, name: str):
     """The compiled kernel ``name`` of ``family`` for the current CUDA device (compiled and
-    loaded once; one of LARGE_SHARED_MEM_KERNELS is opted in as it is loaded)."""
+    loaded once, kept in device.cache; one of LARGE_SHARED_MEM_KERNELS is opted in as it is loaded)."""
     device = cuda_device.current_id()
     key = (device, family, name)
-    fn = _functions.get(key)
+    loaded = cuda_device.cache
+    fn = loaded.get(key)
     if fn is None:
         with _lock:
-            fn = _functions.get(key)
+            fn = loaded.get(key)
             if fn is None:
-                fn = _compile(family, name).get_function(name)
+                fn = _module(family, name).get_function(name)
                 if kernel_of(name) in LARGE_SHARED_MEM_KERNELS:
                     cuda_device.allow_all_shared_mem(fn, device)
-                _functions[key] = fn
+                loaded[key] = fn
     return fn
 
 
-@functools.lru_cache(maxsize=None)
-def _compile(family: str, name: str):
-    """The module of one instantiation: a first call waits for the kernel it launches only, not
-    for its whole family (a family's 16-20 instantiations take ~10x longer).  The name on the
-    first line gives each instantiation a source, and so a CuPy disk-cache key, of its own."""
-    cupy = import_cupy()
-    return cupy.RawModule(
-        code=f"// {variant_name(family)} {name}\n" + family_source(family),
-        options=NVRTC_OPTIONS,
-        name_expressions=[name],
-    )
+def _module(family: str, name: str):
+    """The RawModule of one instantiation (one per process: CuPy loads it per device).  A first
+    call waits for the kernels it launches only, not for their whole family (a family's 16-20
+    instantiations take ~10x longer); the name on the first line gives each instantiation a
+    source, and so a CuPy disk-cache key, of its own."""
+    key = ("module", family, name)
+    module = cuda_device.cache.get(key)
+    if module is None:
+        module = cuda_device.cache[key] = cuda_device.load_module(
+            f"// {variant_name(family)} {name}\n" + family_source(family), NVRTC_OPTIONS, [name])
+    return module
 
 
 def _compile_in_parallel(device: int, variants: list) -> None:
@@ -187,7 +187,7 @@ def _compile_in_parallel(device: int, variants: list) -> None:
 
     def build(variant):
         with cupy.cuda.Device(device):
-            _compile(*variant).get_function(variant[1])
+            _module(*variant).get_function(variant[1])
 
     workers = max(1, min(len(variants), os.cpu_count() or 1, WARMUP_THREADS))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvcanary-warmup") as pool:
@@ -225,6 +225,7 @@ def warmup(device: int | None = None) -> None:
         raise RuntimeError(f"kv-canary warmup: {reason}")
     with cupy.cuda.Device(device):
         variants = [(family, name) for family, spec in FAMILIES.items() for name in spec.instantiations()]
-        _compile_in_parallel(cuda_device.current_id(), [v for v in variants if (cuda_device.current_id(), *v) not in _functions])
+        current = cuda_device.current_id()
+        _compile_in_parallel(current, [v for v in variants if (current, *v) not in cuda_device.cache])
         for family, name in variants:
             get_function(family, name)

@@ -30,7 +30,7 @@ from .params import (KernelLaunch, ParamSlots, has_real_kv, kernel_arguments, le
 # What get_backend's callers take (the Backend protocol of kvcanary_cupy.backends), then what the
 # bound launchers bind with.
 __all__ = ["move", "plan", "plan_verify", "plan_verify_stores_entries", "prepare_stage", "scatter", "verify", "write",
-           "BoundLaunch", "BoundStage", "ParamSlots", "has_real_kv", "narrow_layout", "plan_kernels", "plan_params",
+           "BoundLaunch", "BoundStage", "ParamSlots", "get_function", "has_real_kv", "narrow_layout", "plan_kernels", "plan_params",
            "plan_verify_launch", "table_fields", "verify_launch", "write_kernel", "write_launch"]
 
 

@@ -1,4 +1,4 @@
-"""``kvcanary bench --sections cold``: seconds to the first plan, verify and write, and of warmup().
+"""The ``cold`` section: seconds to the first plan, verify and write, and of warmup().
 
 Each figure comes from a fresh process (so CuPy's in-memory cache is empty), first with an empty
 kernel disk cache (``CUPY_CACHE_DIR`` pointed at a new folder), then again with the cache that run

@@ -154,7 +154,7 @@ def test_one_bound_planner_and_write_keep_the_free_launches_as_optional_inputs_c
 
 
 def test_a_bound_planner_picks_each_calls_table_layout_as_the_free_plan_does(monkeypatch):
-    """One planner, one table after another: the table layout it launches (cupy_backend.table_layout,
+    """One planner, one table after another: the table layout it launches (configs.table_layout,
     its per-shape part kept by the planner) follows each call's table as the free function's does:
     a CSR table's kv_indices length (the bound of its rows) crossing 2**31 tokens, its kv_indptr's
     dtype, a block table's id dtype, null block, block size and width, and a req_to_token of the

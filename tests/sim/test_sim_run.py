@@ -16,7 +16,7 @@ from kvcanary_cupy.sim import FAULTS, SimConfig, run, simulate
 from kvcanary_cupy.sim.report import PLOT_HINT
 from kvcanary_cupy.sim.tables import ADDRESSING_MODES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (examples/)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (examples/)
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(kvcanary_cupy.__file__))  # so subprocesses import this copy
 FAULT_KEYS = ["name", "description", "injected", "detected", "detection_rate", "latency_steps_median",
               "latency_steps_max", "first_reason", "detectable", "why_not_detectable"]

@@ -13,13 +13,13 @@ pytest.importorskip("cupy")
 
 
 def _recording_compile(monkeypatch, compile_module):
-    built, real = [], compile_module._compile
+    built, real = [], compile_module._module
 
     def record(family, name):
         built.append((family, name, threading.current_thread().name))
         return real(family, name)
 
-    monkeypatch.setattr(compile_module, "_compile", record)
+    monkeypatch.setattr(compile_module, "_module", record)
     return built
 
 
@@ -57,6 +57,6 @@ def test_warmup_compiles_on_threads_and_raises_the_first_error(monkeypatch):
         def broken(family, name):
             raise RuntimeError(f"kv-canary: {family} failed to compile")
 
-        monkeypatch.setattr(cc, "_compile", broken)
+        monkeypatch.setattr(cc, "_module", broken)
         with pytest.raises(RuntimeError, match="verify failed to compile"):
             cc._compile_in_parallel(0, variants[:3])
