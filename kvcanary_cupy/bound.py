@@ -13,7 +13,6 @@ spellings (``flags.c_contiguous``, ``len(tensor)``) cost more.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
@@ -23,14 +22,8 @@ from .constants import RealKvHashMode
 from .interop import import_cupy, is_torch_tensor
 from .runtime import torch_stream_handle
 from .validation import I32, I64
+from .validation_cache import FULL_VALIDATION_ENV, full_validation_forced  # the one switch of both paths
 
-FULL_VALIDATION_ENV = "KVCANARY_FULL_VALIDATION"
-
-
-
-def full_validation_forced() -> bool:
-    """Whether the environment asks every call to take the fully validating free functions."""
-    return os.environ.get(FULL_VALIDATION_ENV, "") not in ("", "0")
 
 
 _INDEX_DTYPES = (I32, I64)

@@ -8,7 +8,7 @@ searchsorted, gathers), eager, as a user would without this library.
 CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend.
 
     kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4,W5]
-                   [--sections ops,detail,tables,capacity,step,overlap,host,coverage] [--out FILE] [--json FILE]
+                   [--sections ops,detail,tables,capacity,step,overlap,host,coverage,cold] [--out FILE] [--json FILE]
 
 ``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
 next to the equivalent req_to_token at W1, W3 and W4, against what a user writes without them;
@@ -32,6 +32,7 @@ import sys
 
 from kvcanary_cupy.interop import cuda_unavailable_reason
 from .workloads import TABLE_WORKLOADS, WORKLOADS, Workload, build
+from .cold_section import cold_rows
 from .ops_sections import detail_rows, run_gpu
 from .step_sections import (HOST_TARGET_US, STEP_WORKLOADS, host_times, overlap_rows, run_capacity, run_numpy, run_tables,
                             step_rows)
@@ -45,11 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
                         help="cupy: this machine's GPU; numpy: the CPU backend")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
-    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host,coverage",
+    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host,coverage,cold",
                         help="GPU sections: ops (plan/verify/write), detail (verify/write: grids, floors, several "
                              "buffers), tables (engine tables), capacity, step (the fused decode step), overlap "
                              "(overlapped launches against plain ones), host, coverage (the checks past the record "
-                             "in a session step)")
+                             "in a session step), cold (first calls and warmup() in a fresh process, empty kernel cache then warm)")
     parser.add_argument("--out", metavar="FILE", help="also write the table to FILE")
     parser.add_argument("--json", metavar="FILE", help="also write the measurements as JSON to FILE")
 
@@ -86,6 +87,8 @@ def run(args) -> int:
             from .coverage_section import COVERAGE_WORKLOADS, coverage_rows
 
             lines += coverage_rows(cupy, [n for n in names if n in COVERAGE_WORKLOADS], rows)
+        if "cold" in sections:
+            lines += cold_rows(rows)
     else:
         lines = run_numpy(names, rows)
     text = "\n".join(lines)
