@@ -24,9 +24,10 @@ import numpy as np
 
 from .constants import RealKvHashMode, REAL_KV_PARTIAL_BYTES
 from .errors import fail
-from .interop import Array, allocate, backend_view, import_cupy, to_numpy
+from .interop import Array, allocate, backend_view, import_cupy, placement_of, to_numpy
 from .binding import CanaryBuffer, log_views, source_views
 from .plans import allocate_canary_buffer
+from .runtime import launch_stream
 from .sources import RealKvSource
 from .validation import check_count
 
@@ -119,7 +120,8 @@ class KvCoverage:
         self._tail[import_cupy().asarray(host) if self._cu else host, DEEP_FIELD] = 0
 
     def _slots(self, out_cache_loc: Array, limit: int | None = None):
-        view = backend_view(out_cache_loc, "out_cache_loc")
+        with launch_stream(placement_of(out_cache_loc, "out_cache_loc")):  # torch's stream: capture-safe DLPack
+            view = backend_view(out_cache_loc, "out_cache_loc")
         if not view.flags.c_contiguous:  # the kernels read slots[i]
             fail(ValueError, f"out_cache_loc must be contiguous for the coverage checks, got strides {tuple(view.strides)}")
         return view if limit is None or view.shape[0] <= limit else view[:limit]

@@ -185,7 +185,7 @@ def test_fingerprinted_layers_follow_the_option(model):
         cb, gen, _, _ = configs(ENGINE, {})
         model.generate_batch([[1, 2, 3, 4, 5]], generation_config=gen, continuous_batching_config=cb, progress_bar=False)
     assert canary.fingerprinted_layers == ((2,),)
-    with pytest.raises(ValueError, match=r"^kv-canary: fingerprint_layers \[7\] past the model's 3 layers"):
+    with pytest.raises(ValueError, match=r"^kv-canary: fingerprint_layers \[7\] past the model's 5 layers"):
         attach(model, fingerprint_layers=[7])
     assert "init_continuous_batching" not in vars(model)
 

@@ -136,7 +136,7 @@ class BitFlipUnfingerprinted(_KvFlip):
     layer = -1
     description = "One bit of a live request's cached K flips in the last layer, which the canary does not fingerprint."
     why_not_detectable = ("only the fingerprinted layers' bytes are hashed (fingerprint_layers; the sessions' "
-                          "MAX_REAL_KV_SOURCES sources hold two layers' K and V)")
+                          "MAX_REAL_KV_SOURCES sources hold four layers' K and V; the job's model has five)")
 
 
 class StalePrefixHit(Fault):
