@@ -60,7 +60,10 @@ class FailReason(enum.IntFlag):
     not the expected one), ``VERIFY_REAL_KV_HASH_MISMATCH`` (the KV bytes changed since the
     write), ``VERIFY_TOKEN_MISMATCH`` (the stored token is not the expected token).  A write row
     carries ``WRITE_TOKEN_MISMATCH`` / ``WRITE_POSITION_MISMATCH`` (the input or chain-position
-    asserts of :func:`write`).  Reports name a bit by :meth:`label` (``"verify_chain_hash"``).
+    asserts of :func:`write`).  ``VERIFY_TABLE_HOLE`` is this project's own bit (the six above are
+    SGLang's): a position the step reads whose table entry addresses the padding slot (a zeroed
+    entry, a block table's null block), logged only by verifies asked to (``check_holes``); its row
+    layout is docs/format.md's "hole row".  Reports name a bit by :meth:`label` (``"verify_chain_hash"``).
 
     Examples
     --------
@@ -74,6 +77,7 @@ class FailReason(enum.IntFlag):
     WRITE_TOKEN_MISMATCH = 1 << 3
     WRITE_POSITION_MISMATCH = 1 << 4
     VERIFY_TOKEN_MISMATCH = 1 << 5
+    VERIFY_TABLE_HOLE = 1 << 6
 
     @staticmethod
     def label(bits: int) -> str:

@@ -315,7 +315,7 @@ def _write_bound_args(write_plan, log, chain_position_assert, context, xp) -> Wr
 
 
 def _verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_token,
-                  plan_arrays=None):
+                  plan_arrays=None, check_holes=False):
     """A verify's checks that need no view; returns ``(placement, context, arrays by name)``.
 
     ``verify_plan`` is None for plan_and_verify, whose plan's arrays (``plan_arrays``) join the placement."""
@@ -325,11 +325,13 @@ def _verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, re
         named.update(_record_arrays("verify_plan", verify_plan))
     if not isinstance(check_expected_token, (bool, np.bool_)):
         fail(TypeError, f"check_expected_token must be a bool, got {type(check_expected_token).__name__}")
+    if not isinstance(check_holes, (bool, np.bool_)):
+        fail(TypeError, f"check_holes must be a bool, got {type(check_holes).__name__}")
     named.update(plan_arrays or {})
     return common_placement(named), (buffers, mode), named
 
 
-def _verify_args(verify_plan, log, check_expected_token, context, xp) -> VerifyArgs:
+def _verify_args(verify_plan, log, check_expected_token, context, xp, check_holes=False) -> VerifyArgs:
     buffers, mode = context
     targets = _targets(buffers, mode, written=False)
     pv = _plan_views("verify_plan", verify_plan, writable=False, xp=xp)
@@ -337,6 +339,7 @@ def _verify_args(verify_plan, log, check_expected_token, context, xp) -> VerifyA
         targets=targets,
         **{k: pv[k] for k in VerifyArgs._fields if k in pv},
         check_expected_token=bool(check_expected_token),
+        check_holes=bool(check_holes),
         real_kv_hash_mode=mode,
         log=_log_views(log),
     )
@@ -628,6 +631,7 @@ def plan_and_verify(
     kv_token_id_vs_position_offset: int = 0,
     out: tuple[VerifyPlan, WritePlan] | None = None,
     strict: bool = False,
+    check_holes: bool = False,
 ) -> tuple[VerifyPlan, WritePlan]:
     """Plan one step and verify the slots it reads, in one launch: the fused decode step.
 
@@ -655,7 +659,7 @@ def plan_and_verify(
         The engine's own slot table (a bare 2-D int32 array means ``ReqToToken(array)``).
     canary_buf : array
         One canary buffer: int64 ``[num_slots, 4]`` or uint8 ``[num_slots, S]`` (as :func:`verify`).
-    log, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_tokens, check_expected_token
+    log, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_tokens, check_expected_token, check_holes
         As for :func:`verify` (one buffer: one kind, one tuple of sources).
     verify_capacity : int
         The most verify entries one step may plan, ``>= 0``.  A step with more skips its whole
@@ -716,7 +720,7 @@ def plan_and_verify(
     if isinstance(canary_buf, (list, tuple)):
         fail(TypeError, "plan_and_verify verifies one canary buffer, got a sequence; verify several with kc.plan + kc.verify")
     placement, context, named = _verify_setup(canary_buf, None, log, kernel_kind, real_kv_sources, real_kv_hash_mode,
-                                              check_expected_token, c.named)
+                                              check_expected_token, c.named, check_holes)
     xp = array_module(placement)
     with launch_stream(placement):
         backend = get_backend(placement.backend)
@@ -730,8 +734,8 @@ def plan_and_verify(
         targets = _targets(context[0], context[1], written=False)
         verify_args = VerifyArgs(targets=targets, **dict.fromkeys(VERIFY_ENTRY_FIELDS),
                                  verify_num_valid=args.out.verify_num_valid, enable=args.out.enable,
-                                 check_expected_token=bool(check_expected_token), real_kv_hash_mode=context[1],
-                                 log=_log_views(log))
+                                 check_expected_token=bool(check_expected_token), check_holes=bool(check_holes),
+                                 real_kv_hash_mode=context[1], log=_log_views(log))
         if strict:
             strict_checks.check_plan(args, verify_capacity=c.verify_capacity)
         backend.plan_verify(PlanVerifyArgs(args, verify_args, c.verify_capacity))
@@ -866,6 +870,7 @@ def verify(
     check_expected_tokens: bool = False,
     check_expected_token: bool | None = None,
     strict: bool = False,
+    check_holes: bool = False,
 ) -> None:
     """Verify the canary records of every planned slot; violations go to ``log``'s ring.
 
@@ -906,6 +911,11 @@ def verify(
         False: out-of-range values are skipped and counted (capture-safe, no sync).  True: they
         are first copied to the host (a device sync, not capture-safe) and the first one raises a
         ValueError naming the array, the row and the value.
+    check_holes : bool
+        False (SGLang's rule): an entry whose slot is the padding slot is skipped.  True: it is a
+        hole (a position the step reads whose table entry is zeroed or the null block) and logs
+        a ``VERIFY_TABLE_HOLE`` row (docs/format.md, "Holes").  Out-of-window positions of a
+        sliding-window group are never planned, so they are never holes.
 
     Returns
     -------
@@ -931,9 +941,9 @@ def verify(
     check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
                                         "check_expected_token")
     placement, context, _ = _verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode,
-                                          check_expected_token)
+                                          check_expected_token, check_holes=check_holes)
     with launch_stream(placement):
-        args = _verify_args(verify_plan, log, check_expected_token, context, array_module(placement))
+        args = _verify_args(verify_plan, log, check_expected_token, context, array_module(placement), check_holes)
         if strict:
             strict_checks.check_verify(args)
         get_backend(placement.backend).verify(args)

@@ -389,6 +389,20 @@ def verify(a: VerifyArgs) -> None:
         _verify_one(a, target)
 
 
+def is_padding_slot(slot: np.ndarray) -> np.ndarray:
+    """Which verify slots are the padding slot: never checked; with ``check_holes``, holes
+    (is_padding_slot in canary_common.cuh)."""
+    return slot == 0
+
+
+def _hole_rows(kind: int, a: VerifyArgs, entries: np.ndarray, expected_tok: np.ndarray) -> np.ndarray:
+    """The hole rows of the entries ``entries`` (docs/format.md, "Holes"): slot, expected position,
+    stored token -1, stored chain 0, the entry index in expected_aux, VERIFY_TABLE_HOLE."""
+    slot = np.asarray(a.verify_slot_indices, I64)[entries]
+    position = np.asarray(a.verify_expected_positions, I64)[entries]
+    return _rows(kind, slot, position, -1, expected_tok, 0, entries, FailReason.VERIFY_TABLE_HOLE.value)
+
+
 def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     log, kind, canary = a.log, target.kernel_kind, target.canary
     num_slots = canary.shape[0]
@@ -400,13 +414,19 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     slot = np.asarray(a.verify_slot_indices[:active], I64)
     slot_oob = (slot < 0) | (slot >= num_slots)
     errors = int(np.count_nonzero(slot_oob))
-    keep = np.nonzero((slot != 0) & ~slot_oob)[0]
+    padding = is_padding_slot(slot)
+    holes = np.nonzero(padding)[0] if a.check_holes else np.zeros(0, I64)
+    keep = np.nonzero(~padding & ~slot_oob)[0]
     slot = slot[keep]
     prev = np.asarray(a.verify_prev_slot_indices[:active], I64)[keep]
     prev_oob = prev >= num_slots
     errors += int(np.count_nonzero(prev_oob))
     log.out_of_range_counters[kind] += errors
+    all_tok = (np.asarray(a.verify_expected_tokens[:active], I64) if a.check_expected_token
+               else np.full(active, -1, I64))
+    hole_rows = _hole_rows(kind, a, holes, all_tok[holes])
     if keep.size == 0:
+        append_rows(log, kind, hole_rows)
         return
 
     stored = canary[slot, :4]
@@ -419,10 +439,7 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     stored_chain = stored[:, 2].view(np.uint64)
     expected_chain = np.where(reachable, expected_chain, stored_chain)
     expected_pos = np.asarray(a.verify_expected_positions[:active], I64)[keep]
-    if a.check_expected_token:
-        expected_tok = np.asarray(a.verify_expected_tokens[:active], I64)[keep]
-    else:
-        expected_tok = np.full(keep.size, -1, I64)
+    expected_tok = all_tok[keep]
     expected_rkv = _as_i64(real_kv_hashes(target.sources, a.real_kv_hash_mode, slot))
 
     bits = np.where(stored_chain != expected_chain, FailReason.VERIFY_CHAIN_HASH_MISMATCH.value, 0)
@@ -432,12 +449,11 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
         token_bad = (expected_tok != -1) & (stored[:, 0] != expected_tok)
         bits |= np.where(token_bad, FailReason.VERIFY_TOKEN_MISMATCH.value, 0)
     hit = bits != 0
-    append_rows(
-        log,
-        kind,
-        _rows(kind, slot[hit], stored[hit, 1], stored[hit, 0], expected_tok[hit], stored[hit, 2],
-              _as_i64(expected_chain[hit]), bits[hit]),
-    )
+    rows = _rows(kind, slot[hit], stored[hit, 1], stored[hit, 0], expected_tok[hit], stored[hit, 2],
+                 _as_i64(expected_chain[hit]), bits[hit])
+    if holes.size:  # entry order, holes among the checked entries' rows
+        rows = np.concatenate([rows, hole_rows])[np.argsort(np.concatenate([keep[hit], holes]), kind="stable")]
+    append_rows(log, kind, rows)
 
 
 # ----------------------------------------------------------------------------------------------
