@@ -42,7 +42,7 @@ from .launchers import VerifyLauncher, WriteLauncher
 from .ops import move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
-from .reporting import Violation, ViolationReport
+from .reporting import Reader, Violation, ViolationReport
 from .session import CanarySession
 from .tables import BlockTable, PagedKvIndices, ReqToToken
 
@@ -77,6 +77,7 @@ __all__ = [
     "FailReason",
     "PagedKvIndices",
     "RealKvHashMode",
+    "Reader",
     "RealKvSource",
     "ReqToToken",
     "VerifyLauncher",

@@ -13,7 +13,7 @@ import html
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -38,6 +38,7 @@ REASON_WORDS = {
     FailReason.WRITE_TOKEN_MISMATCH: "written token is not the expected input",
     FailReason.WRITE_POSITION_MISMATCH: "written position is not the expected one",
     FailReason.VERIFY_TOKEN_MISMATCH: "stored token is not the expected token",
+    FailReason.VERIFY_TABLE_HOLE: "a read position's table entry addresses the padding slot",
 }
 
 HTML_MAX_ROWS = 200
@@ -53,6 +54,18 @@ def tag_name(kind: int) -> str:
 
 def _reason_members(bits: int) -> list:
     return [member for member in FailReason if int(bits) & member.value]
+
+
+class Reader(NamedTuple):
+    """One read of a violating slot (docs/guide.md, "Containment"): the session step (a sweep: the
+    last step ended before it), the batch row (a sweep: the index of the swept sequence), the
+    label the engine gave that row (``row_labels`` of ``pre_forward`` / ``sweep``; None where it
+    gave none) and whether a sweep read it."""
+
+    step: int
+    batch_row: int
+    row_label: int | str | None = None
+    sweep: bool = False
 
 
 def reason_name(member: FailReason) -> str:
@@ -93,6 +106,11 @@ class Violation:
         Ring rows with this violation's ``key``.
     first_step, last_step : int, optional
         The session steps it was first and last seen in.
+    readers : tuple of Reader
+        Every read of the slot that produced this violation, in every step it was seen in
+        (repeats included), oldest first, at most ``MAX_READERS`` (session.py) of them.
+    readers_dropped : int
+        Reads past that bound: counted, not kept.
 
     Examples
     --------
@@ -115,18 +133,24 @@ class Violation:
     repeats: int = 1
     first_step: int | None = None
     last_step: int | None = None
+    readers: tuple = ()
+    readers_dropped: int = 0
 
     def __post_init__(self):
         if self.is_write and self.expected_position is None:
             object.__setattr__(self, "expected_position", self.expected_aux)
+        if self.is_hole and self.expected_position is None:
+            object.__setattr__(self, "expected_position", self.position)
         object.__setattr__(self, "batch_rows", tuple(int(r) for r in self.batch_rows))
+        object.__setattr__(self, "readers", tuple(r if isinstance(r, Reader) else Reader(**r) if isinstance(r, dict)
+                                                  else Reader(*r) for r in self.readers))
 
     @classmethod
     def from_row(cls, row: Sequence[int]) -> "Violation":
         """Decode one ring row: ``row`` is its 8 int64 values (hashes become unsigned)."""
         v = [int(x) for x in row]
-        is_write = bool(v[7] & _WRITE_BITS)  # write rows carry a position in expected_aux
-        return cls(v[0], v[1], v[2], v[3], v[4], to_unsigned(v[5]), v[6] if is_write else to_unsigned(v[6]), v[7])
+        plain = bool(v[7] & _PLAIN_AUX)  # write rows carry a position in expected_aux, hole rows an entry index
+        return cls(v[0], v[1], v[2], v[3], v[4], to_unsigned(v[5]), v[6] if plain else to_unsigned(v[6]), v[7])
 
     @property
     def key(self) -> tuple:
@@ -136,6 +160,12 @@ class Violation:
     @property
     def is_write(self) -> bool:
         return bool(self.fail_reason_bits & _WRITE_BITS)
+
+    @property
+    def is_hole(self) -> bool:
+        """A hole row (``VERIFY_TABLE_HOLE``): ``position`` is the position read, ``expected_aux`` the
+        plan's entry index; no record was checked."""
+        return bool(self.fail_reason_bits & FailReason.VERIFY_TABLE_HOLE)
 
     @property
     def launch_tag(self) -> str:
@@ -151,11 +181,12 @@ class Violation:
 
     @property
     def expected_chain_hash(self) -> int | None:
-        return None if self.is_write else self.expected_aux
+        return None if self.is_write or self.is_hole else self.expected_aux
 
     def format(self) -> str:
-        """One log line, as SGLang's kv-canary prints a violation."""
-        aux = f"expected_position={self.expected_aux}" if self.is_write else f"expected_chain_hash={self.expected_aux:#018x}"
+        """One log line, as SGLang's kv-canary prints a violation (a hole: its entry index)."""
+        aux = (f"expected_position={self.expected_aux}" if self.is_write else f"entry={self.expected_aux}" if self.is_hole
+               else f"expected_chain_hash={self.expected_aux:#018x}")
         return (
             f"kv_canary violation: launch_tag={self.launch_tag} fail_reason={self.reasons} "
             f"slot_idx={self.slot_idx} position={self.position} stored_token={self.stored_token} "
@@ -168,6 +199,7 @@ class Violation:
         for f in fields(self):
             out[f.name] = getattr(self, f.name)
         out["batch_rows"] = list(self.batch_rows)
+        out["readers"] = [r._asdict() for r in self.readers]
         return out
 
     @classmethod
@@ -176,6 +208,7 @@ class Violation:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
+_PLAIN_AUX = _WRITE_BITS | FailReason.VERIFY_TABLE_HOLE  # rows whose expected_aux is no hash
 _FIELDS = tuple(f.name for f in fields(Violation))
 _COLUMNS = ("launch_tag", "reasons", *_FIELDS)  # the keys of Violation.to_dict, in order
 
@@ -186,12 +219,15 @@ def _html_cell(v: Violation, key: str, value) -> str:
     if key == "reasons":
         value = ", ".join(value) or "none"
         title = f' title="{html.escape(v.reason_words)}"'
-    elif key == "stored_chain_hash" or (key == "expected_aux" and not v.is_write):
+    elif key == "stored_chain_hash" or (key == "expected_aux" and v.expected_chain_hash is not None):
         value = f"{value:#018x}"
     elif key == "expected_token" and value == -1 and not v.is_write:
         value = "not checked"
     elif key == "batch_rows":
         value = ", ".join(map(str, value)) or None
+    elif key == "readers":
+        value = ", ".join(f"{'sweep ' if r['sweep'] else ''}{r['step']}:{r['batch_row']}"
+                          + ("" if r["row_label"] is None else f" ({r['row_label']})") for r in value) or None
     return f"<td{title}>{'&ndash;' if value is None else html.escape(str(value))}</td>"
 
 
@@ -204,7 +240,7 @@ PANDAS_DTYPES = {
     "launch_tag": object, "reasons": object, "kernel_kind": "int64", "slot_idx": "int64", "position": "int64",
     "stored_token": "int64", "expected_token": "int64", "stored_chain_hash": "uint64", "expected_aux": object,
     "fail_reason_bits": "int64", "expected_position": "Int64", "prev_slot_idx": "Int64", "batch_rows": object,
-    "repeats": "int64", "first_step": "Int64", "last_step": "Int64",
+    "repeats": "int64", "first_step": "Int64", "last_step": "Int64", "readers": object, "readers_dropped": "int64",
 }
 
 _I64_RANGE, _U64_RANGE = (-(2**63), 2**63 - 1), (0, 2**64 - 1)
@@ -215,6 +251,7 @@ _RECORD_RANGES = {
     "expected_token": _I64_RANGE, "stored_chain_hash": _U64_RANGE, "expected_aux": (-(2**63), 2**64 - 1),
     "fail_reason_bits": (0, _KNOWN_BITS), "expected_position": _I64_RANGE, "prev_slot_idx": _I64_RANGE,
     "repeats": (1, _I64_RANGE[1]), "first_step": (0, _I64_RANGE[1]), "last_step": (0, _I64_RANGE[1]),
+    "readers_dropped": (0, _I64_RANGE[1]),
 }
 _OPTIONAL = frozenset(("expected_position", "prev_slot_idx", "first_step", "last_step"))
 
@@ -245,6 +282,20 @@ def _json_record(d, where: str) -> Violation:
         fail(TypeError, f"report JSON {where}.batch_rows must be a list of int, got {type(rows).__name__}")
     for i, r in enumerate(rows):
         _json_int(r, f"{where}.batch_rows[{i}]", 0, _I64_RANGE[1])
+    readers = d.get("readers", [])
+    if not isinstance(readers, list):
+        fail(TypeError, f"report JSON {where}.readers must be a list of objects, got {type(readers).__name__}")
+    for i, r in enumerate(readers):
+        at = f"{where}.readers[{i}]"
+        if not isinstance(r, dict) or set(r) != set(Reader._fields):
+            fail(ValueError, f"report JSON {at} must be an object with keys {', '.join(Reader._fields)}, got {r!r}")
+        _json_int(r["step"], f"{at}.step", 0, _I64_RANGE[1])
+        _json_int(r["batch_row"], f"{at}.batch_row", -1, _I64_RANGE[1])
+        if not (r["row_label"] is None or isinstance(r["row_label"], str)
+                or (isinstance(r["row_label"], int) and not isinstance(r["row_label"], bool))):
+            fail(TypeError, f"report JSON {at}.row_label must be an int, a str or null, got {r['row_label']!r}")
+        if not isinstance(r["sweep"], bool):
+            fail(TypeError, f"report JSON {at}.sweep must be a bool, got {r['sweep']!r}")
     return Violation.from_dict(d)
 
 
@@ -428,6 +479,32 @@ class ViolationReport:
         columns = list(_COLUMNS)
         data = {c: [d[c] for d in self.to_dicts()] for c in columns}
         return pandas.DataFrame({c: pandas.Series(data[c], dtype=PANDAS_DTYPES[c]) for c in columns}, columns=columns)
+
+    def victims(self, *, frame: bool = False):
+        """Every read of a violating slot, per violation and step (:func:`kvcanary_cupy.containment.victims`).
+
+        Parameters
+        ----------
+        frame : bool
+            False: a dict of NumPy columns; True: a pandas DataFrame (ImportError without pandas).
+        """
+        from .containment import victims
+
+        return victims(self, frame=frame)
+
+    def poisoned_pages(self, page_size: int, *, frame: bool = False):
+        """The slots and pages the violations poison (:func:`kvcanary_cupy.containment.poisoned_pages`).
+
+        Parameters
+        ----------
+        page_size : int
+            Slots per page (block) of the engine's KV pool, ``>= 1``.
+        frame : bool
+            False: a dict of NumPy columns; True: a pandas DataFrame (ImportError without pandas).
+        """
+        from .containment import poisoned_pages
+
+        return poisoned_pages(self, page_size, frame=frame)
 
     def _repr_html_(self) -> str:
         """What Jupyter shows: :meth:`to_html`."""

@@ -34,7 +34,7 @@ from .interop import Array, allocate, backend_view, import_cupy, placement_of, s
 from .launchers import VerifyLauncher, WriteLauncher, launch_stream_getter
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import ViolationLog, allocate_canary_buffer, check_num_sources
-from .reporting import Violation, ViolationReport, reason_name, tag_name
+from .reporting import Reader, Violation, ViolationReport, reason_name, tag_name
 from .validation import I64, INT32_MAX, check_count, check_int
 
 logger = logging.getLogger("kvcanary_cupy")
@@ -52,6 +52,9 @@ LOG_SUMMARY_AT = 5
 #: GPU): the host may run this many stagings (steps and sweeps) ahead of the device; a staging
 #: past that waits for the oldest copy (counted in ``stats["staging_waits"]``).
 STAGED_RECORDS = 8
+#: Reads of a violating slot one violation keeps (``Violation.readers``); more are counted in its
+#: ``readers_dropped`` and in ``stats["dropped_readers"]``.
+MAX_READERS = 128
 #: The violations an error message lists (the rest are in its ``report``).
 MESSAGE_MAX_LINES = 20
 POLICIES = ("raise", "log", "ignore")
@@ -82,15 +85,15 @@ class _Record:
     its header and counters as one view; ``target``, what the staging writes (the host record
     itself on the CPU, a device record on a GPU) and ``staging``, how the stager takes it (the
     array, or the device address); the ``event`` of its copy; and, while in flight, the ``kind``
-    ("step" or "sweep"), ``step`` (0-based; a sweep: of the last step ended before it) and
-    ``stamp`` of the staging."""
+    ("step" or "sweep"), ``step`` (0-based; a sweep: of the last step ended before it),
+    ``stamp`` and ``labels`` (the engine's row labels, or None) of the staging."""
 
-    __slots__ = ("host", "head", "target", "staging", "host_ptr", "event", "kind", "step", "stamp")
+    __slots__ = ("host", "head", "target", "staging", "host_ptr", "event", "kind", "step", "stamp", "labels")
 
     def __init__(self, host, layout: StageLayout, target, staging, event=None):
         self.host, self.head, self.target, self.staging, self.event = host, host[: layout.ring], target, staging, event
         self.host_ptr = host.ctypes.data
-        self.kind, self.step, self.stamp = None, -1, 0
+        self.kind, self.step, self.stamp, self.labels = None, -1, 0, None
 
 
 class _HostTransport:
@@ -247,6 +250,10 @@ class CanarySession:
         GPU sessions: run the HEAD write on a side stream of the session, overlapping the forward
         pass; ``post_forward`` joins it, so both must be captured in the same CUDA graph (pass
         False to capture them apart).
+    check_holes : bool
+        Report a position a step (or sweep) reads whose table entry addresses the padding slot
+        (``VERIFY_TABLE_HOLE``, ``check_holes`` of :func:`verify`); False keeps SGLang's rule
+        (skipped unseen).
 
     Raises
     ------
@@ -279,7 +286,7 @@ class CanarySession:
                  ring_capacity=DEFAULT_RING_CAPACITY, on_violation="raise", swa_window_size=0,
                  full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
                  real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
-                 sweep_source=None, overlap_head_write=True, write_req_capacity=None):
+                 sweep_source=None, overlap_head_write=True, write_req_capacity=None, check_holes=True):
         num_slots = check_count(num_slots, "num_slots", maximum=2**62)
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
@@ -303,7 +310,8 @@ class CanarySession:
             self.real_kv_hash_mode = RealKvHashMode(real_kv_hash_mode)
         except (ValueError, TypeError):
             fail(ValueError, f"real_kv_hash_mode must be a RealKvHashMode (NONE, PARTIAL or ALL), got {real_kv_hash_mode!r}")
-        for name, flag in (("check_expected_tokens", check_expected_tokens), ("overlap_head_write", overlap_head_write)):
+        for name, flag in (("check_expected_tokens", check_expected_tokens), ("overlap_head_write", overlap_head_write),
+                           ("check_holes", check_holes)):
             if not isinstance(flag, (bool, np.bool_)):
                 fail(TypeError, f"{name} must be a bool, got {type(flag).__name__}")
         self.sweep_every = check_int(sweep_every, "sweep_every", minimum=0)
@@ -320,6 +328,7 @@ class CanarySession:
         self.num_slots = num_slots
         self.on_violation = on_violation
         self.check_expected_tokens = bool(check_expected_tokens)
+        self.check_holes = bool(check_holes)
         self.sweep_source = sweep_source
         self.head_tag, self.tail_tag, self.sweep_tag = _TAGS[window > 0]
         self._like = like
@@ -343,7 +352,7 @@ class CanarySession:
 
         vp, wp = self.planner.verify_plan, self.planner.write_plan
         head_log, tail_log = self._group_logs["head"], self._group_logs["tail"]
-        token = dict(check_expected_tokens=self.check_expected_tokens)
+        token = dict(check_expected_tokens=self.check_expected_tokens, check_holes=self.check_holes)
         self._kv = dict(real_kv_sources=self.real_kv_sources, real_kv_hash_mode=self.real_kv_hash_mode)
         self._head_verify = VerifyLauncher(self.head_canary, vp, log=head_log, kernel_kind=self.head_tag, **token)
         self._tail_verify = VerifyLauncher(self.tail_canary, vp, log=tail_log, kernel_kind=self.tail_tag, **token, **self._kv)
@@ -359,8 +368,9 @@ class CanarySession:
 
         self._stamp = 0
         self._step_inputs = None  # (input_ids, positions, out_cache_loc) between pre_ and post_forward
+        self._step_labels = None  # the row labels pre_forward was given for this step
         self._step_open = False
-        self._distinct = {}  # key -> [Violation, repeats, last step]
+        self._distinct = {}  # key -> [Violation, repeats, last step, readers (list of Reader), readers dropped]
         self._new, self._problems = {}, []  # handled since the policy was last applied: new keys (in order), health messages
         self._undelivered = {}  # key -> entry of new keys evicted before the policy saw them
         self._latest = [0] * self._layout.ring  # the latest handled record's header and four counter arrays
@@ -374,7 +384,7 @@ class CanarySession:
         self._lock = threading.Lock()  # held while handled results change, so another thread can read them
         self._stats = dict(steps=0, verified_entries=0, verify_skipped_steps=0, verify_skipped_sweeps=0, sweeps=0,
                            rows_read=0, health_failures=0, untracked_rows=0, evicted_violations=0,
-                           unattributed_entries=0, staging_waits=0)
+                           unattributed_entries=0, staging_waits=0, dropped_readers=0)
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -383,7 +393,7 @@ class CanarySession:
                     input_ids: Array, positions: Array, out_cache_loc: Array, *,
                     expected_tokens: Array | None = None, expected_tokens_valid_lens: Array | None = None,
                     req_to_verify_expected_tokens: Array | None = None,
-                    req_to_verify_expected_tokens_valid_lens: Array | None = None) -> None:
+                    req_to_verify_expected_tokens_valid_lens: Array | None = None, row_labels=None) -> None:
         """Before the model reads the KV cache: plan the step, verify the HEAD buffer, write it.
 
         Capture-safe: allocates nothing, reads nothing back, never synchronises.  Pass the
@@ -403,6 +413,9 @@ class CanarySession:
             with ``check_expected_tokens``.
         req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens : optional
             The same two arrays under :func:`plan`'s names; give either spelling of each.
+        row_labels : sequence of int or str, optional
+            The engine's name of each batch row (a request id), ``len(prefix_lens)`` of them;
+            the report's ``Violation.readers`` carry them.  Copied (host only: capture-safe).
 
         Raises
         ------
@@ -434,6 +447,7 @@ class CanarySession:
         self._head_write(input_ids, positions, out_cache_loc)
         self._head_write_unjoined = self._head_write_stream is not None
         self._step_inputs = (input_ids, positions, out_cache_loc)
+        self._step_labels = _row_labels(row_labels, bs)
         self._step_open = True
 
     def post_forward(self) -> None:
@@ -467,9 +481,9 @@ class CanarySession:
         self._join_head_write()  # post_forward was not called: the staging reads the log the write fills
         stats = self._stats
         first = self._stamp + 1  # the stamp of this step's staging: it and later ones stay pending
-        self._stage("step", stats["steps"], self._step_stager, stream)
+        self._stage("step", stats["steps"], self._step_stager, stream, self._step_labels)
         stats["steps"] += 1
-        self._step_open, self._step_inputs = False, None
+        self._step_open, self._step_inputs, self._step_labels = False, None, None
         if self.sweep_every and stats["steps"] % self.sweep_every == 0:
             source = self.sweep_source()
             if source is not None:
@@ -493,14 +507,15 @@ class CanarySession:
         return self._out_of_range_skipped()
 
     @public_api
-    def sweep(self, req_pool_indices: Array | None, seq_lens: Array, table: Any) -> None:
+    def sweep(self, req_pool_indices: Array | None, seq_lens: Array, table: Any, *, row_labels=None) -> None:
         """Verify (TAIL buffer, real KV, no token check) every slot of the given cached sequences.
 
         ``seq_lens`` (int64 ``[n]``, ``n <= max_batch_size``): sequence i covers positions ``[0,
         seq_lens[i])`` of table row ``req_pool_indices[i]`` (the window's end only, for SWA); ``table`` is anything :func:`plan` takes
         (``req_pool_indices`` None with a :class:`PagedKvIndices`).  Outside graphs, between
         ``end_step`` and the next ``pre_forward``; staged like a step and handled by the next
-        ``end_step``/``check``.  A violation's ``batch_rows`` are indices into these sequences.
+        ``end_step``/``check``.  A violation's ``batch_rows`` are indices into these sequences;
+        ``row_labels`` (one per sequence, as :meth:`pre_forward`'s) name them in its ``readers``.
         """
         self._refuse_in_policy("sweep")
         stream = self._launch_stream("sweep")
@@ -508,6 +523,7 @@ class CanarySession:
             fail(CanaryUsageError, "sweep() between pre_forward() and end_step() would mix the sweep's violations with the "
                                "step's; call it after end_step()")
         n = _length(seq_lens, "seq_lens")  # req_pool_indices is None with a PagedKvIndices table
+        labels = _row_labels(row_labels, n)
         planner = self._sweep_planner_for(n)
         renamed = None
         try:
@@ -521,7 +537,7 @@ class CanarySession:
             fail(*renamed)  # outside the except block: no "during handling" chain
         self._sweep_verify()
         self._stats["sweeps"] += 1
-        self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
+        self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream, labels)
 
     @property
     def overlap_head_write(self) -> bool:
@@ -636,10 +652,10 @@ class CanarySession:
             self._sweep_zeros = allocate((capacity,), np.int64, like=self._like, fill=0)
             self._sweep_stager = self._stager(planner)
             self._sweep_verify = VerifyLauncher(self.tail_canary, planner.verify_plan, log=self._group_logs["sweep"],
-                                                kernel_kind=self.sweep_tag, **self._kv)
+                                                kernel_kind=self.sweep_tag, check_holes=self.check_holes, **self._kv)
         return planner
 
-    def _stage(self, kind: str, step: int, stager, stream) -> None:
+    def _stage(self, kind: str, step: int, stager, stream, labels=None) -> None:
         """Stage into a free record; it joins the pending ones only once its staging was queued, so
         an exception (an interrupt) on the way leaves it free and the log to the next staging."""
         if not self._free:  # every record is in flight: the host ran STAGED_RECORDS stagings ahead of the device
@@ -648,7 +664,7 @@ class CanarySession:
             self._handle_oldest()  # its results reach the policy with this end_step's (or the next one's)
         record = self._free[-1]
         self._stamp += 1  # a stamp is never reused, even by a staging that failed
-        record.kind, record.step, record.stamp = kind, step, self._stamp
+        record.kind, record.step, record.stamp, record.labels = kind, step, self._stamp, labels
         self._transport.stage(stager, record, self._stamp, stream)
         with self._lock:
             self._pending.append(self._free.pop())
@@ -708,17 +724,19 @@ class CanarySession:
             if seen is not None:
                 seen[1] += 1
                 continue
-            if key in distinct:
-                keys[key] = [None, 1]
-                continue
             v = Violation.from_row(row)
+            matching = ()
             if not v.is_write:
                 if by_slot is None:
                     by_slot = collections.defaultdict(list)
                     for entry in attribution[np.argsort(attribution[:, _ATTRIBUTION["entry"]], kind="stable")].tolist():
                         by_slot[entry[_ATTRIBUTION["slot"]]].append(entry)
-                v = _attribute(v, by_slot.get(v.slot_idx, ()))
-            keys[key] = [replace(v, first_step=record.step), 1]
+                matching = _matching_entries(v, by_slot.get(v.slot_idx, ()))
+            readers = _readers(record, matching)
+            if key in distinct:
+                keys[key] = [None, 1, readers]
+                continue
+            keys[key] = [replace(_attribute(v, matching), first_step=record.step), 1, readers]
         return by_reason, keys
 
     def _commit(self, record: _Record, head, add, problem, by_reason, keys) -> None:
@@ -735,14 +753,15 @@ class CanarySession:
         for k, n in by_reason.items():
             self._rows_by_reason[k] += n
         new = []
-        for key, (v, n) in keys.items():  # known keys first: an eviction below may take one of them
+        for key, (v, n, readers) in keys.items():  # known keys first: an eviction below may take one of them
             if v is None:
                 seen = distinct[key]
                 seen[1] += n
                 seen[2] = step
+                self._add_readers(seen, readers)
             else:
-                new.append((key, v, n))
-        for key, v, n in new:
+                new.append((key, v, n, readers))
+        for key, v, n, readers in new:
             if len(distinct) >= MAX_DISTINCT_VIOLATIONS:
                 oldest = next(iter(distinct))
                 entry = distinct.pop(oldest)
@@ -750,8 +769,16 @@ class CanarySession:
                     self._undelivered[oldest] = entry
                 stats["untracked_rows"] += entry[1]
                 stats["evicted_violations"] += 1
-            distinct[key] = [v, n, step]
+            distinct[key] = entry = [v, n, step, [], 0]
+            self._add_readers(entry, readers)
             self._new[key] = None
+
+    def _add_readers(self, entry, readers) -> None:
+        """Append ``readers`` to a distinct violation's (under the lock), at most MAX_READERS kept."""
+        kept = readers[: max(MAX_READERS - len(entry[3]), 0)]
+        entry[3].extend(kept)
+        entry[4] += len(readers) - len(kept)
+        self._stats["dropped_readers"] += len(readers) - len(kept)
 
     def _warn_after(self, kind: str) -> None:
         """The session's one-time warnings, once the record that calls for them is handled."""
@@ -777,9 +804,11 @@ class CanarySession:
         return np.array(self._latest[STAGE_HEADER_FIELDS:], np.int64).reshape(4, self.log.num_kinds)
 
     def _report(self, entries) -> ViolationReport:
-        """A report of ``entries`` (``[Violation, repeats, last step]`` of the distinct table)."""
+        """A report of ``entries`` (``[Violation, repeats, last step, readers, readers dropped]`` of the
+        distinct table)."""
         c = self._counter_arrays()
-        violations = tuple(replace(v, repeats=n, last_step=last) for v, n, last in entries)
+        violations = tuple(replace(v, repeats=n, last_step=last, readers=tuple(readers), readers_dropped=dropped)
+                           for v, n, last, readers, dropped in entries)
         return ViolationReport(violations=violations, total_violations=int(c[0].sum()), ring_capacity=self.log.capacity,
                                violation_counters=c[0], slot_run_counters=c[1], kernel_run_counters=c[2],
                                out_of_range_counters=c[3],
@@ -834,14 +863,42 @@ def _group_logs(ring_capacity: int, like):
     return log, views
 
 
-def _attribute(v: Violation, entries) -> Violation:
-    """``v`` with the batch rows, expected position and predecessor of the verify entries that
-    read its slot and could have produced it (same position verdict, same expected token)."""
+def _row_labels(labels, n: int):
+    """The row labels of ``n`` batch rows as a tuple (None: none given)."""
+    if labels is None:
+        return None
+    if isinstance(labels, (str, bytes)) or not hasattr(labels, "__len__"):
+        fail(TypeError, f"row_labels must be a sequence of int or str (one per batch row), got {type(labels).__name__}")
+    labels = tuple(x.item() if isinstance(x, np.generic) else x for x in labels)
+    if len(labels) != n:
+        fail(ValueError, f"row_labels must hold one label per batch row ({n}), got {len(labels)}")
+    for x in labels:
+        if isinstance(x, bool) or not isinstance(x, (int, str)):
+            fail(TypeError, f"row_labels must be ints or strs, got {type(x).__name__} {x!r}")
+    return labels
+
+
+def _matching_entries(v: Violation, entries) -> list:
+    """The attribution entries of ``v``'s slot that could have produced it (same position verdict,
+    same expected token), in entry order."""
     position_failed = bool(v.fail_reason_bits & FailReason.VERIFY_POSITION_MISMATCH)
     a = _ATTRIBUTION
-    matching = [e for e in entries
-                if (e[a["expected_position"]] != v.position) == position_failed
-                and (v.expected_token == -1 or e[a["expected_token"]] == v.expected_token)]
+    return [e for e in entries
+            if (e[a["expected_position"]] != v.position) == position_failed
+            and (v.expected_token == -1 or e[a["expected_token"]] == v.expected_token)]
+
+
+def _readers(record: _Record, matching) -> list:
+    """A :class:`Reader` per matching attribution entry of one staged record."""
+    labels, sweep, row = record.labels, record.kind == "sweep", _ATTRIBUTION["batch_row"]
+    return [Reader(record.step, e[row], labels[e[row]] if labels is not None and 0 <= e[row] < len(labels) else None, sweep)
+            for e in matching]
+
+
+def _attribute(v: Violation, matching) -> Violation:
+    """``v`` with the batch rows, expected position and predecessor of the verify entries that
+    read its slot and could have produced it (:func:`_matching_entries`)."""
+    a = _ATTRIBUTION
     if not matching:
         return v
     first = matching[0]

@@ -523,6 +523,7 @@ def scatter(a: ScatterArgs) -> None:
 # session staging (kernels/session.cu)
 
 _WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH.value | FailReason.WRITE_POSITION_MISMATCH.value
+_HOLE_BIT = FailReason.VERIFY_TABLE_HOLE.value
 
 
 def session_stage(a: StageArgs, stamp: int) -> None:
@@ -548,7 +549,9 @@ def session_stage(a: StageArgs, stamp: int) -> None:
     out[layout.ring : layout.ring + n * VIOLATION_FIELDS] = rows.reshape(-1)
     num_slots = a.marks.shape[0]
     slots = rows[:, 1]
-    a.marks[slots[((rows[:, 7] & _WRITE_BITS) == 0) & (slots > 0) & (slots < num_slots)]] = stamp
+    # the padding slot only by a hole row (VERIFY_TABLE_HOLE): its readers are the hole's
+    named = (slots > 0) | ((slots == 0) & ((rows[:, 7] & _HOLE_BIT) != 0))
+    a.marks[slots[((rows[:, 7] & _WRITE_BITS) == 0) & named & (slots < num_slots)]] = stamp
     log.write_index[:] = 0
     if n == 0 or header["enable"] == 0:
         return
@@ -556,7 +559,7 @@ def session_stage(a: StageArgs, stamp: int) -> None:
     active = min(max(header["verify_num_valid"], 0), a.verify_slot_indices.shape[0])
     bs = min(max(header["batch_size"], 0), a.verify_offsets.shape[0] - 1)
     entry_slots = np.asarray(a.verify_slot_indices[:active], I64)
-    in_range = (entry_slots > 0) & (entry_slots < num_slots)
+    in_range = (entry_slots >= 0) & (entry_slots < num_slots)
     entries = np.nonzero(in_range)[0]
     entries = entries[a.marks[entry_slots[entries]] == stamp]
     out[STAGE_HEADER.index("matches")] = entries.size
