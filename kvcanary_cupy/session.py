@@ -428,6 +428,7 @@ class CanarySession:
         bs = _length(prefix_lens, "prefix_lens")  # req_pool_indices is None with a PagedKvIndices table
         if bs > self.max_batch_size:
             fail(ValueError, f"bs={bs} (len(prefix_lens)) exceeds the session's max_batch_size={self.max_batch_size}")
+        labels = _row_labels(row_labels, bs)
         tokens = _length(input_ids, "input_ids")
         for name, x in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
             n = _length(x, name)
@@ -447,7 +448,7 @@ class CanarySession:
         self._head_write(input_ids, positions, out_cache_loc)
         self._head_write_unjoined = self._head_write_stream is not None
         self._step_inputs = (input_ids, positions, out_cache_loc)
-        self._step_labels = _row_labels(row_labels, bs)
+        self._step_labels = labels
         self._step_open = True
 
     def post_forward(self) -> None:
