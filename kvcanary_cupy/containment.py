@@ -35,8 +35,14 @@ def _columns(names, rows: list, frame: bool, what: str):
     return pandas.DataFrame(cols, columns=list(names))
 
 
+def _violations(report) -> tuple:
+    """A report's violations, or the violations themselves (a sequence of Violation)."""
+    return tuple(report.violations if hasattr(report, "violations") else report)
+
+
 def victims(report, *, frame: bool = False):
-    """Every read of a violating slot the report names: one row per ``Violation.readers`` entry.
+    """Every read of a violating slot the report (or a sequence of its violations) names: one row
+    per ``Violation.readers`` entry.
 
     Columns (:data:`VICTIM_COLUMNS`): ``violation`` (index into ``report.violations``), ``step``,
     ``batch_row``, ``row_label`` (the engine's label of that row, None where it gave none),
@@ -46,7 +52,7 @@ def victims(report, *, frame: bool = False):
     keeps at most ``MAX_READERS`` reads per violation; ``Violation.readers_dropped`` counts the rest.
     """
     rows = [(i, r.step, r.batch_row, r.row_label, r.sweep, v.launch_tag, v.slot_idx, v.position, v.reasons)
-            for i, v in enumerate(report.violations) for r in v.readers]
+            for i, v in enumerate(_violations(report)) for r in v.readers]
     return _columns(VICTIM_COLUMNS, rows, frame, "victims")
 
 
@@ -62,7 +68,7 @@ def poisoned_pages(report, page_size: int, *, frame: bool = False):
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
         raise ValueError(f"kv-canary: poisoned_pages page_size must be an int >= 1, got {page_size!r}")
     rows = []
-    for i, v in enumerate(report.violations):
+    for i, v in enumerate(_violations(report)):
         if v.is_hole:
             continue
         rows.append((i, v.slot_idx, v.slot_idx // page_size, False, v.launch_tag, v.reasons))

@@ -108,9 +108,9 @@ class Violation:
         The session steps it was first and last seen in.
     readers : tuple of Reader
         Every read of the slot that produced this violation, in every step it was seen in
-        (repeats included), oldest first, at most ``MAX_READERS`` (session.py) of them.
+        (repeats included), oldest first: the newest ``MAX_READERS`` (session.py) of them.
     readers_dropped : int
-        Reads past that bound: counted, not kept.
+        Older reads past that bound: counted, not kept.
 
     Examples
     --------

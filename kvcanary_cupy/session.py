@@ -52,8 +52,8 @@ LOG_SUMMARY_AT = 5
 #: GPU): the host may run this many stagings (steps and sweeps) ahead of the device; a staging
 #: past that waits for the oldest copy (counted in ``stats["staging_waits"]``).
 STAGED_RECORDS = 8
-#: Reads of a violating slot one violation keeps (``Violation.readers``); more are counted in its
-#: ``readers_dropped`` and in ``stats["dropped_readers"]``.
+#: Reads of a violating slot one violation keeps (``Violation.readers``, the newest); older ones are
+#: counted in its ``readers_dropped`` and in ``stats["dropped_readers"]``.
 MAX_READERS = 128
 #: The violations an error message lists (the rest are in its ``report``).
 MESSAGE_MAX_LINES = 20
@@ -775,11 +775,14 @@ class CanarySession:
             self._new[key] = None
 
     def _add_readers(self, entry, readers) -> None:
-        """Append ``readers`` to a distinct violation's (under the lock), at most MAX_READERS kept."""
-        kept = readers[: max(MAX_READERS - len(entry[3]), 0)]
-        entry[3].extend(kept)
-        entry[4] += len(readers) - len(kept)
-        self._stats["dropped_readers"] += len(readers) - len(kept)
+        """Append ``readers`` to a distinct violation's (under the lock), keeping the newest MAX_READERS:
+        the reads still running are the ones an engine acts on."""
+        entry[3].extend(readers)
+        dropped = len(entry[3]) - MAX_READERS
+        if dropped > 0:
+            del entry[3][:dropped]
+            entry[4] += dropped
+            self._stats["dropped_readers"] += dropped
 
     def _warn_after(self, kind: str) -> None:
         """The session's one-time warnings, once the record that calls for them is handled."""

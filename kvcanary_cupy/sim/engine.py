@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .containment import Aftermaths, contain
 from .kvpool import KvPool
 from .session import (
     Sightings,
@@ -376,6 +377,7 @@ class Engine:
         self.protected: set = set()  # requests a live fault depends on: never aborted or compacted
         self.timer = StepTimer(cupy)
         self.counters = Counter()
+        self.aftermaths = Aftermaths()  # what contained faults left behind (ground truth, measured)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -500,13 +502,15 @@ class Engine:
         if batch is None:
             return
         self.hook.on_batch(self, pool, batch)
+        self.aftermaths.on_batch(pool, batch)
         table = session_table(self.addressing, [r.blocks for r in batch.reqs], [r.tokens for r in batch.reqs],
                               batch.prefix, self.config.block_size, pool.page_map, self.dev)
         d = self.dev
         with self.timer.canary():
             pool.session.pre_forward(table.req_pool_indices, d(batch.prefix), d(batch.extend), table.table,
                                      d(batch.input_ids), d(batch.positions), d(batch.out_cache_loc),
-                                     expected_tokens=table.expected_tokens, expected_tokens_valid_lens=d(batch.prefix))
+                                     expected_tokens=table.expected_tokens, expected_tokens_valid_lens=d(batch.prefix),
+                                     row_labels=[r.rid for r in batch.reqs])
         keep = batch.out_cache_loc >= 0
         keep[list(batch.kv_skip)] = False
         with self.timer.model():
@@ -562,6 +566,7 @@ class Engine:
             copy_to = self.hook.on_transfer(self, req, list(new_blocks))
             src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
             src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
+            self.aftermaths.carry(src.name, src_slots, dst.name, dst_slots)
             copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
             self.finish(src, req)  # the prefill server caches the prompt
             req.alive, req.awaiting_transfer, req.pool, req.blocks = True, False, "decode", new_blocks
@@ -588,6 +593,7 @@ class Engine:
             return None
         old, new = req.blocks[i], pool.allocator.alloc()
         pool.kv.copy_rows(self.dev(pool.block_slots([old])), self.dev(pool.block_slots([new])))
+        self.aftermaths.carry(pool.name, pool.block_slots([old]), pool.name, pool.block_slots([new]))
         if move_canary:
             move_canary_pages(pool.session, self.dev(np.array([old], np.int64)), self.dev(np.array([new], np.int64)),
                               page_size=self.config.block_size, workspace=pool.move_workspace)
@@ -664,6 +670,23 @@ class Engine:
             blocks |= pool.cache.subtree_blocks(blocks)
         slots.update(pool.block_slots(sorted(blocks)).tolist())
         return slots
+
+    def contain(self, reported) -> tuple[set, set]:
+        """The engine's reaction to the violations its canaries reported in a step, from the reports
+        alone (:func:`containment.contain`): ``(aborted request ids, evicted (pool, block) pairs)``."""
+        return contain(self, reported)
+
+    def end_episode(self) -> None:
+        """A detected fault was contained: nothing depends on its victims any more."""
+        self.protected = set()
+        self.hook = NoHook()
+
+    def poisoned_slots(self, ep) -> set:
+        """(pool, slot) pairs holding a fault episode's bad KV (ground truth, for measuring containment):
+        the real slots it wrote or mis-addressed (not the null block's: they hold nobody's KV; the
+        requests reading them through a hole are the episode's victims)."""
+        null = set(range(NULL_BLOCK * self.config.block_size, (NULL_BLOCK + 1) * self.config.block_size))
+        return {(p, s) for p, s in ep.touched if s not in null}
 
     def repair(self, ep) -> None:
         """After fault episode ``ep``: abort every request holding a block it touched or a victim

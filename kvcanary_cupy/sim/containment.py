@@ -1,0 +1,122 @@
+"""Containment in the simulator: what the engine does with a report, and what that leaves behind.
+
+:func:`contain` is the engine's reaction to the violations its canary reported in a step, driven
+by the report alone (:meth:`ViolationReport.victims` and :meth:`~ViolationReport.poisoned_pages`):
+abort the requests that read a violating slot (their row labels are request ids), evict the
+prefix-cache blocks holding a poisoned page (and the blocks below them), abort the running
+requests whose tables hold one of those blocks, and rebuild the allocators' counts from the live
+tables.  Nothing about the fault is used.
+
+:class:`Aftermaths` measures the result against the simulator's own knowledge of the fault: from
+the step after a detection, every real slot the fault wrote or mis-addressed (``episode.touched``,
+the null block's excepted) stays poisoned until the engine writes it again (moves and transfers
+carry it along); a request whose step reads a poisoned slot, and a victim of the fault
+(``episode.victims``: its state came from bad KV, e.g. a table hole) that still runs, *leaked*
+(kept reading poisoned KV after the detection).  Target: none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..containment import poisoned_pages, victims
+from .tables import NULL_BLOCK
+
+
+def contain(engine, reported) -> tuple[set, set]:
+    """React to ``reported`` ((pool name, Violation) pairs of one step) from the report alone.
+    Returns ``(aborted request ids, evicted (pool, block) pairs)``."""
+    bs = engine.config.block_size
+    by_pool: dict = {}
+    for name, v in reported:
+        by_pool.setdefault(name, []).append(v)
+    alive = {r.rid: r for pool in engine.pools.values() for r in pool.running} | {r.rid: r for r in engine.waiting}
+    doomed, evicted = {}, set()
+    for name, violations in by_pool.items():
+        pool = engine.pools[name]
+        read = victims(violations)
+        for label, sweep in zip(read["row_label"].tolist(), read["sweep"].tolist()):
+            if not sweep and label in alive:
+                doomed[label] = alive[label]
+        pages = set(poisoned_pages(violations, bs)["page"].tolist()) - {NULL_BLOCK}
+        if pool.cache is not None and pages:
+            below = pool.cache.subtree_blocks(pages)
+            evicted.update((name, b) for b in below)
+            pool.cache.drop(pages, pool.allocator)
+            pages |= below
+        for req in pool.running:
+            if pages & set(req.blocks):
+                doomed[req.rid] = req
+    for rid in sorted(doomed):  # a fixed order: the free lists depend on it
+        engine.abort(doomed[rid])
+    for pool in engine.pools.values():
+        pool.allocator.rebuild(pool.holders())
+    return set(doomed), evicted
+
+
+@dataclass
+class Aftermath:
+    """One detected fault after its containment."""
+
+    fault: str
+    detected_step: int
+    poisoned: set  # (pool, slot) still holding the fault's bad KV (ground truth)
+    victims: set  # ids of the requests the fault hurt (ground truth): none should run after the detection
+    radius: dict  # pool -> slots: violations there within `until` are late sightings of this fault
+    until: int  # last step whose violations the radius explains
+    aborted: int = 0
+    evicted: int = 0
+    leaked: set = field(default_factory=set)  # ids of requests that read a poisoned slot after the detection
+    leaked_reads: int = 0
+
+
+class Aftermaths:
+    """Every detected fault's aftermath, followed to the end of the run."""
+
+    def __init__(self):
+        self.open: list[Aftermath] = []
+        self.done: list[Aftermath] = []
+
+    def add(self, aftermath: Aftermath) -> None:
+        self.open.append(aftermath)
+
+    def explains(self, pool_name: str, slot: int, step: int) -> bool:
+        """Whether a violation is a late sighting of a contained fault (inside its radius, in time)."""
+        return any(step <= a.until and slot in a.radius.get(pool_name, ()) for a in self.open + self.done)
+
+    def on_batch(self, pool, batch) -> None:
+        """A step of ``pool`` reads its requests' prefixes, then writes the batch's slots."""
+        if not self.open:
+            return
+        for r, req in enumerate(batch.reqs):
+            prefix = int(batch.prefix[r])
+            read = {(pool.name, int(s)) for s in pool.slots(req, 0, prefix)}
+            for a in self.open:
+                bad = len(read & a.poisoned) or (req.rid in a.victims and prefix)
+                if bad:
+                    a.leaked.add(req.rid)
+                    a.leaked_reads += bad
+        keep = np.asarray(batch.out_cache_loc) >= 0
+        keep[list(batch.kv_skip)] = False
+        written = {(pool.name, int(s)) for s in np.asarray(batch.out_cache_loc)[keep]}
+        for a in self.open:
+            a.poisoned -= written
+        self._close()
+
+    def carry(self, src_pool: str, src_slots, dst_pool: str, dst_slots) -> None:
+        """KV bytes copied (a move, a transfer): each destination slot is poisoned as its source is."""
+        pairs = list(zip(np.asarray(src_slots).tolist(), np.asarray(dst_slots).tolist()))
+        for a in self.open:
+            bad = {(dst_pool, d) for s, d in pairs if (src_pool, s) in a.poisoned}
+            a.poisoned -= {(dst_pool, d) for _, d in pairs}
+            a.poisoned |= bad
+
+    def _close(self) -> None:
+        for a in [a for a in self.open if not a.poisoned and not a.victims]:
+            self.open.remove(a)
+            self.done.append(a)
+
+    def all(self) -> list:
+        return self.done + self.open
