@@ -19,7 +19,7 @@ from kvcanary_cupy.sim.tables import ADDRESSING_MODES
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (examples/)
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(kvcanary_cupy.__file__))  # so subprocesses import this copy
 FAULT_KEYS = ["name", "description", "injected", "detected", "detection_rate", "latency_steps_median",
-              "latency_steps_max", "first_reason", "detectable", "why_not_detectable"]
+              "latency_steps_max", "first_reason", "detectable", "why_not_detectable", "contained"]
 
 
 @pytest.fixture(scope="module", params=ADDRESSING_MODES)
@@ -45,10 +45,8 @@ def test_fault_class_is_caught_as_declared(faulty_run, name):
 def test_fault_classes_cover_the_issue_and_name_their_bug():
     assert len(FAULTS) >= 12
     blind = {n for n, f in FAULTS.items() if not f.detectable}
-    assert blind == {"zeroed_table_entry", "kv_store_dropped", "unfingerprinted_layer_bitflip"}
-    # A CSR page table has no null block: a zeroed entry reads page 0's unwritten slots there.
-    assert {n for n, f in FAULTS.items() if not f.detectable_with("flashinfer")} == blind - {"zeroed_table_entry"}
-    assert all(f.detectable_with(m) == f.detectable for f in FAULTS.values() for m in ("sglang", "vllm"))
+    assert blind == {"kv_store_dropped", "unfingerprinted_layer_bitflip"}  # a zeroed entry is a hole now
+    assert all(f.detectable_with(m) == f.detectable for f in FAULTS.values() for m in ADDRESSING_MODES)
 
 
 def test_tables_with_a_null_block_see_the_same_run():
@@ -99,11 +97,14 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert cli.main(["sim", "--steps", "40", "--faults", "off_by_one_position,zeroed_table_entry", "--rate", "1",
                      "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]) == 0
     out = capsys.readouterr().out
-    assert "off_by_one_position" in out and "blind by design, zeroed_table_entry" in out
+    assert "off_by_one_position" in out and "zeroed_table_entry" in out and "blind by design" not in out
     assert "clean run: 40 steps, 0 false positives" in out
+    assert "containment from the reports alone:" in out and "leaked (requests that read poisoned KV after a detection): 0" in out
     doc = json.loads((tmp_path / "r.json").read_text())
     assert [f["name"] for f in doc["faults"]] == ["off_by_one_position", "zeroed_table_entry"]
-    assert doc["faults"][0]["detection_rate"] == 1.0 and doc["faults"][1]["detected"] == 0
+    assert [f["detection_rate"] for f in doc["faults"]] == [1.0, 1.0]
+    assert doc["faults"][1]["first_reason"] == "verify_table_hole"
+    assert doc["faults"][1]["contained"]["leaked_requests"] == 0 and doc["faults"][1]["contained"]["requests_aborted"] >= 1
     assert doc["cost"]["canary_host_us"] > 0 and doc["cost"]["canary_device_us"] is None
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

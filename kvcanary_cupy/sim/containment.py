@@ -2,7 +2,8 @@
 
 :func:`contain` is the engine's reaction to the violations its canary reported in a step, driven
 by the report alone (:meth:`ViolationReport.victims` and :meth:`~ViolationReport.poisoned_pages`):
-abort the requests that read a violating slot (their row labels are request ids), evict the
+abort the requests that read a violating slot (their row labels are request ids) and those whose
+write a write row names (the engine's own batch says who wrote that slot this step), evict the
 prefix-cache blocks holding a poisoned page (and the blocks below them), abort the running
 requests whose tables hold one of those blocks, and rebuild the allocators' counts from the live
 tables.  Nothing about the fault is used.
@@ -37,9 +38,10 @@ def contain(engine, reported) -> tuple[set, set]:
     for name, violations in by_pool.items():
         pool = engine.pools[name]
         read = victims(violations)
-        for label, sweep in zip(read["row_label"].tolist(), read["sweep"].tolist()):
-            if not sweep and label in alive:
-                doomed[label] = alive[label]
+        named = [label for label, sweep in zip(read["row_label"].tolist(), read["sweep"].tolist()) if not sweep]
+        # a write row names the slot written: the engine knows from its own batch which request wrote it
+        named += [pool.writers.get(v.slot_idx) for v in violations if v.is_write]
+        doomed.update((rid, alive[rid]) for rid in named if rid in alive)
         pages = set(poisoned_pages(violations, bs)["page"].tolist()) - {NULL_BLOCK}
         if pool.cache is not None and pages:
             below = pool.cache.subtree_blocks(pages)
@@ -94,7 +96,7 @@ class Aftermaths:
             prefix = int(batch.prefix[r])
             read = {(pool.name, int(s)) for s in pool.slots(req, 0, prefix)}
             for a in self.open:
-                bad = len(read & a.poisoned) or (req.rid in a.victims and prefix)
+                bad = len(read & a.poisoned) or int(req.rid in a.victims and prefix > 0)
                 if bad:
                     a.leaked.add(req.rid)
                     a.leaked_reads += bad

@@ -271,6 +271,7 @@ class Pool:
         self.move_workspace = allocate_move_workspace(1, config.block_size, like=like)  # compaction moves one block
         self.running: list[Request] = []
         self.ran = False  # whether this step ran a forward (and so the canary)
+        self.writers: dict = {}  # slot -> id of the request whose token this step wrote there (the engine's own batch)
 
     def block_slots(self, blocks) -> np.ndarray:
         bs = self.config.block_size
@@ -503,6 +504,8 @@ class Engine:
             return
         self.hook.on_batch(self, pool, batch)
         self.aftermaths.on_batch(pool, batch)
+        pool.writers = {int(s): req.rid for req, lo, hi in zip(batch.reqs, batch.offsets[:-1], batch.offsets[1:])
+                        for s in batch.out_cache_loc[lo:hi]}
         table = session_table(self.addressing, [r.blocks for r in batch.reqs], [r.tokens for r in batch.reqs],
                               batch.prefix, self.config.block_size, pool.page_map, self.dev)
         d = self.dev
@@ -685,6 +688,8 @@ class Engine:
         """(pool, slot) pairs holding a fault episode's bad KV (ground truth, for measuring containment):
         the real slots it wrote or mis-addressed (not the null block's: they hold nobody's KV; the
         requests reading them through a hole are the episode's victims)."""
+        if not ep.fault.poisons_kv:
+            return set()
         null = set(range(NULL_BLOCK * self.config.block_size, (NULL_BLOCK + 1) * self.config.block_size))
         return {(p, s) for p, s in ep.touched if s not in null}
 

@@ -80,6 +80,7 @@ class Episode(NoHook):
 class Fault:
     name = ""
     description = ""
+    poisons_kv = True  # its touched slots hold bad KV (False: only canary rows are wrong, the KV is right)
     detectable = True
     why_not_detectable: str | None = None
     visible_with: tuple = ()  # addressing modes whose tables let the canary see a class blind elsewhere
@@ -272,7 +273,10 @@ class DoubleAllocation(Fault):
     def on_alloc(self, engine, ep, pool, req, block):
         if pool.name == ep.state["pool"] and block == ep.state["block"]:
             ep.hurt(engine, req)
-            ep.fire(engine)
+            # the corruption exists once two live requests hold the block (the first owner may have
+            # finished meanwhile: then this hand-out is the block's only one, and the next is the bug)
+            if any(block in r.blocks for r in pool.running if r is not req):
+                ep.fire(engine)
 
 
 class BlockTableSwap(Fault):
@@ -298,14 +302,9 @@ class BlockTableSwap(Fault):
 class ZeroedTableEntry(Fault):
     name = "zeroed_table_entry"
     description = ("A request's block-table entry is reset to 0 (the null block / padding slot), as by a "
-                   "table cleared too early or a padding fill that hits a live row.")
-    detectable = False
-    why_not_detectable = ("With req_to_token or a block table (sglang, vllm addressing) the entry addresses slot "
-                          "0, the padding slot: verify skips it by design (CUDA-graph padding tokens all write "
-                          "there), and a predecessor of 0 means 'unknown', so the next record's chain check is "
-                          "skipped too. A CSR page table (flashinfer) has no null block: the entry addresses page "
-                          "0, whose slots past the padding slot hold no record of the request, and verify sees it.")
-    visible_with = ("flashinfer",)
+                   "table cleared too early or a padding fill that hits a live row. Seen by the hole check "
+                   "(verify_table_hole): a position read through the padding slot; a CSR table, with no null "
+                   "block, reads page 0, whose other slots also hold no record of the request.")
 
     def inject(self, engine, ep):
         target = _exclusive_block(engine, transferable=False)
@@ -425,6 +424,7 @@ class PageMoveWithoutCanary(_PageMove):
                    "canary rows (a move path that forgets the side buffers): the new place holds another "
                    "block's records.")
     move_canary = False
+    poisons_kv = False  # the KV moved right: only the canary rows are stale
 
 
 class TransferWrongSlots(Fault):
