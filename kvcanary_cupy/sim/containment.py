@@ -3,10 +3,11 @@
 :func:`contain` is the engine's reaction to the violations its canary reported in a step, driven
 by the report alone (:meth:`ViolationReport.victims` and :meth:`~ViolationReport.poisoned_pages`):
 abort the requests that read a violating slot (their row labels are request ids) and those whose
-write a write row names (the engine's own batch says who wrote that slot this step), evict the
-prefix-cache blocks holding a poisoned page (and the blocks below them), abort the running
-requests whose tables hold one of those blocks, and rebuild the allocators' counts from the live
-tables.  Nothing about the fault is used.
+write a write row names (the engine's own batch says who wrote that slot this step), take a
+poisoned page's origin as poisoned too when the engine transferred its KV from another pool,
+evict the prefix-cache blocks holding a poisoned page (and the blocks below them), abort the
+running requests whose tables hold one of those blocks, and rebuild the allocators' counts from
+the live tables.  Nothing about the fault is used: only the reports and the engine's own records.
 
 :class:`Aftermaths` measures the result against the simulator's own knowledge of the fault: from
 the step after a detection, every real slot the fault wrote or mis-addressed (``episode.touched``,
@@ -34,7 +35,7 @@ def contain(engine, reported) -> tuple[set, set]:
     for name, v in reported:
         by_pool.setdefault(name, []).append(v)
     alive = {r.rid: r for pool in engine.pools.values() for r in pool.running} | {r.rid: r for r in engine.waiting}
-    doomed, evicted = {}, set()
+    doomed, evicted, poisoned = {}, set(), {name: set() for name in engine.pools}
     for name, violations in by_pool.items():
         pool = engine.pools[name]
         read = victims(violations)
@@ -43,6 +44,13 @@ def contain(engine, reported) -> tuple[set, set]:
         named += [pool.writers.get(v.slot_idx) for v in violations if v.is_write]
         doomed.update((rid, alive[rid]) for rid in named if rid in alive)
         pages = set(poisoned_pages(violations, bs)["page"].tolist()) - {NULL_BLOCK}
+        poisoned[name] |= pages
+        for page in pages:  # a transferred block's KV came from the sender's block: that one is suspect too
+            if page in pool.origin:
+                src, block = pool.origin[page]
+                poisoned[src].add(block)
+    for name, pages in poisoned.items():
+        pool = engine.pools[name]
         if pool.cache is not None and pages:
             below = pool.cache.subtree_blocks(pages)
             evicted.update((name, b) for b in below)

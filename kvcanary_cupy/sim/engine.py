@@ -272,6 +272,7 @@ class Pool:
         self.running: list[Request] = []
         self.ran = False  # whether this step ran a forward (and so the canary)
         self.writers: dict = {}  # slot -> id of the request whose token this step wrote there (the engine's own batch)
+        self.origin: dict = {}  # block -> (pool name, block) its KV was transferred from
 
     def block_slots(self, blocks) -> np.ndarray:
         bs = self.config.block_size
@@ -384,6 +385,7 @@ class Engine:
 
     def alloc(self, pool: Pool, req: Request) -> int:
         block = pool.alloc()
+        pool.origin.pop(block, None)
         self.hook.on_alloc(self, pool, req, block)
         return block
 
@@ -570,6 +572,7 @@ class Engine:
             src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
             src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
             self.aftermaths.carry(src.name, src_slots, dst.name, dst_slots)
+            dst.origin.update((b, (src.name, a)) for a, b in zip(req.blocks, copy_to))
             copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
             self.finish(src, req)  # the prefill server caches the prompt
             req.alive, req.awaiting_transfer, req.pool, req.blocks = True, False, "decode", new_blocks

@@ -25,6 +25,7 @@ class Episode(NoHook):
         self.touched: set = set()  # (pool, slot) the fault wrote or mis-addressed
         self.victims: set = set()  # requests it hurt
         self.held: set = set()  # (pool, block) its victims wrote into while it was live
+        self.bystanders: set = set()  # victims whose own KV is right (they only hold a block the fault reuses)
         self.read: set = set()  # (pool, block) its victims' tables named while it was live
         self.state: dict = {}
 
@@ -245,6 +246,7 @@ class StalePrefixAfterEviction(Fault):
         if pool.name == "prefill" and block == ep.state["block"]:
             ep.state["reused"] = True
             ep.hurt(engine, req)
+            ep.bystanders.add(req)  # it writes its own KV there; the stale entry's readers get it wrong
             self._maybe_fire(engine, ep)
 
     def on_cache_hit(self, engine, ep, pool, req, blocks):
@@ -273,6 +275,7 @@ class DoubleAllocation(Fault):
     def on_alloc(self, engine, ep, pool, req, block):
         if pool.name == ep.state["pool"] and block == ep.state["block"]:
             ep.hurt(engine, req)
+            ep.bystanders.add(req)  # its own writes land there; the first owner reads them as its KV
             # the corruption exists once two live requests hold the block (the first owner may have
             # finished meanwhile: then this hand-out is the block's only one, and the next is the bug)
             if any(block in r.blocks for r in pool.running if r is not req):
