@@ -150,3 +150,15 @@ def test_the_bound_launcher_checks_holes_as_verify_does(ab):
 def test_check_holes_must_be_a_bool():
     with pytest.raises(TypeError, match="check_holes must be a bool, got int"):
         kc.verify(canary(4), kc.VerifyPlan.allocate(1), log=kc.ViolationLog.allocate(4), check_holes=1)
+
+
+def test_the_bench_times_the_hole_check_off_and_on(tmp_path):
+    import json
+
+    from kvcanary_cupy.devtools import bench
+
+    out = tmp_path / "b.json"
+    assert bench.main(["--backend", "numpy", "--workloads", "W3", "--sections", "holes", "--json", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r.get("section") == "holes"]
+    assert [(r["workload"], r["op"]) for r in rows] == [("W3", op) for op in ("verify", "verify[bound]", "plan_and_verify")]
+    assert all(r["off"] > 0 and r["on"] > 0 and abs(r["ratio"] - r["on"] / r["off"]) < 0.01 * r["ratio"] for r in rows)

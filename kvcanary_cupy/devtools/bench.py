@@ -8,7 +8,7 @@ searchsorted, gathers), eager, as a user would without this library.
 CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend.
 
     kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4,W5]
-                   [--sections ops,detail,tables,capacity,step,overlap,host] [--out FILE] [--json FILE]
+                   [--sections ops,detail,tables,capacity,step,overlap,host,holes] [--out FILE] [--json FILE]
 
 ``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
 next to the equivalent req_to_token at W1, W3 and W4, against what a user writes without them;
@@ -19,8 +19,9 @@ decode step (plan_and_verify + write) against plan + verify + write at W1, W3, W
 ``host`` (issue #10): host microseconds per eager call, back to back, of the free functions and of
 the bound path (CanaryPlanner, VerifyLauncher, WriteLauncher), with CuPy arrays and with CUDA
 torch tensors, against the targets and SGLang's eager calls (``benchmarks/host_profile.py``
-profiles the same front door on the CPU).  ``benchmarks/bench_canary.py`` runs the same from a
-source checkout.
+profiles the same front door on the CPU).  ``holes`` (issue #27): the verify, the bound verify
+and plan_and_verify with ``check_holes`` off and on at W1 and W3 (``devtools/bench_holes.py``; with
+``--backend numpy`` too).  ``benchmarks/bench_canary.py`` runs the same from a source checkout.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import numpy as np
 import kvcanary_cupy as kc
 from kvcanary_cupy.hashing import ANCHOR_HASH
 from kvcanary_cupy.interop import cuda_unavailable_reason
+from kvcanary_cupy.devtools.bench_holes import HOLE_WORKLOADS, hole_rows
 
 # SGLang's kernels beside this project on the same H200 (one run, 2026-11-30), device us per call.
 SGLANG_US = {
@@ -738,10 +740,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
                         help="cupy: this machine's GPU; numpy: the CPU backend")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
-    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host",
+    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host,holes",
                         help="GPU sections: ops (plan/verify/write), detail (verify/write: grids, floors, several "
                              "buffers), tables (engine tables), capacity, step (the fused decode step), overlap "
-                             "(overlapped launches against plain ones), host")
+                             "(overlapped launches against plain ones), host, holes (the hole check's cost, "
+                             "also with --backend numpy)")
     parser.add_argument("--out", metavar="FILE", help="also write the table to FILE")
     parser.add_argument("--json", metavar="FILE", help="also write the measurements as JSON to FILE")
 
@@ -774,8 +777,12 @@ def run(args) -> int:
             lines += overlap_rows(cupy, [n for n in names if n in STEP_WORKLOADS], rows)
         if "host" in sections:
             lines += host_times(cupy, names, rows)
+        if "holes" in sections:
+            lines += hole_rows([n for n in names if n in HOLE_WORKLOADS], rows, cupy=cupy)
     else:
         lines = run_numpy(names, rows)
+        if "holes" in args.sections.split(","):
+            lines += hole_rows([n for n in names if n in HOLE_WORKLOADS], rows)
     text = "\n".join(lines)
     print(text)
     if args.out:
