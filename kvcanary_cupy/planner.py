@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 
 from .errors import CanaryCapacityWarning, fail, public_api, trimmed_argument_error
-from .interop import Array, import_cupy, is_torch_tensor, placement_of, refuse_during_capture, to_numpy
-from .launchers import PlanLauncher
+from .interop import Array, import_cupy, is_torch_tensor, placement_of, to_numpy
+from .runtime import refuse_during_capture
+from .plan_launcher import PlanLauncher
 from .ops import plan as plan_step
 from .plans import VerifyPlan, WritePlan
 from .tables import as_table

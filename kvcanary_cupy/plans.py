@@ -20,7 +20,8 @@ from .constants import (
     VIOLATION_FIELDS,
 )
 from .errors import fail, public_api
-from .interop import Array, allocate, is_capturing, placement_of, refuse_during_capture, to_numpy
+from .interop import Array, allocate, placement_of, to_numpy
+from .runtime import is_capturing, refuse_during_capture
 from .validation import INT32_MAX, _is_int, check_count, check_int, require
 
 if TYPE_CHECKING:

@@ -11,7 +11,8 @@ import numpy as np
 from .args import MoveArgs, PlanArgs, ScatterArgs, VerifyArgs, WriteArgs
 from .backends.numpy_backend import extend_limit, move_pair_checks, plan_row_checks, scatter_row_checks, table_slots, write_range_checks
 from .errors import fail
-from .interop import refuse_view_copy_during_capture, to_numpy
+from .interop import to_numpy
+from .runtime import refuse_view_copy_during_capture
 from .tables import TableKind
 
 

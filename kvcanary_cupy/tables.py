@@ -31,7 +31,7 @@ MAX_TABLE_TOKENS = 2**62  # bound of a row's length in tokens: positions and slo
 
 class TableKind(enum.IntEnum):
     """A table's kind; its value is the kTable of its general layout in kernels/plan.cu (some block
-    and page tables take a narrow one: kvcanary_cupy.jit.TableLayout)."""
+    and page tables take a narrow one: kvcanary_cupy.backends.cuda.abi.TableLayout)."""
 
     REQ_TO_TOKEN = 0
     VIRTUAL_PAGES = 1

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import fail
-from .interop import data_ptr, refuse_view_copy_during_capture
+from .interop import data_ptr
+from .runtime import refuse_view_copy_during_capture
 
 # The one home of the int32 bounds and the index dtypes (np.dtype objects: ``x.dtype is I64`` holds).
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1

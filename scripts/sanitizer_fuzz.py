@@ -71,25 +71,24 @@ def main():
     # or none per block, one pass) and on 3 blocks (several tiles per block).
     from unittest import mock
 
-    from kvcanary_cupy.backends import cupy_backend
+    from kvcanary_cupy.backends.cuda import configs, device as cuda_device
+
+    two_launches = dict(plan_small_max_rows=-1, plan_fused_max_rows=-1, scan_tile_rows=7, plan_scan_state_min_rows=0)
     for blocks in (None, 3):
-        with mock.patch.object(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1), \
-                mock.patch.object(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1), \
-                mock.patch.object(cupy_backend, "plan_scan_max_rows", lambda device_id: 7), \
-                mock.patch.object(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0), \
-                mock.patch.object(cupy_backend.cuda_device, "sm_count", lambda device_id: blocks) if blocks else contextlib.nullcontext():
+        with configs.overridden(**two_launches), \
+                mock.patch.object(cuda_device, "sm_count", lambda device_id: blocks) if blocks else contextlib.nullcontext():
             for seed in range(args.first, args.first + args.cases // 2):
                 case = make_case(seed)
                 assert_same(run_case(numpy_ab, case), run_case(cupy_ab, case), context=f"two-launch seed {seed} ({blocks})")
     # Small batches through plan_fused's block-wide scan instead of plan_small, likewise.
-    with mock.patch.object(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1):
+    with configs.overridden(plan_small_max_rows=-1):
         for seed in range(args.first, args.first + args.cases // 2):
             case = make_case(seed)
             assert_same(run_case(numpy_ab, case), run_case(cupy_ab, case), context=f"block-scan seed {seed}")
     # The fused plan_and_verify step (one canary buffer: multi-buffer cases are left out), likewise,
     # on its usual grid (a warp per 32 entries) and on one block (each warp many chunks).
     fused = [case for case in map(make_case, range(args.first, args.first + args.cases // 2)) if case.buffers == 1]
-    one_block = mock.patch.object(cupy_backend, "plan_one_launch_blocks", lambda verify_capacity, spare=0, per_sm=1: 1)
+    one_block = configs.overridden(one_launch_blocks=1)
     for grid, patch in (("usual grid", contextlib.nullcontext()), ("one block", one_block)):
         with patch:
             for case in fused:

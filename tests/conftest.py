@@ -10,6 +10,7 @@ GPU backends are skipped when no CUDA device is usable, unless ``KVCANARY_EXPECT
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -119,15 +120,26 @@ def _cupy_attributes():
         import cupy
     except ImportError:
         return {}
-    from kvcanary_cupy.backends import cupy_backend
-    from kvcanary_cupy.backends.cuda import device, launch
+    from kvcanary_cupy.backends.cuda import configs, device, launch
 
     found = {(where, name): getattr(cupy.cuda if where else cupy, name) for where, names in _CUPY_GUARDED.items() for name in names}
     # what the fake device patches in the library itself
-    found.update({("kvcanary_cupy.backends.cuda.launch", name): getattr(launch, name) for name in ("driver_launch", "supported")})
-    found[("kvcanary_cupy.backends.cuda.device", "sm_count")] = device.sm_count
-    found[("kvcanary_cupy.backends.cupy_backend", "record_addresses")] = cupy_backend.record_addresses
+    found.update({("kvcanary_cupy.backends.cuda.launch", name): getattr(launch, name)
+                  for name in ("driver_launch", "supported", "record_addresses")})
+    found.update({("kvcanary_cupy.backends.cuda.device", name): getattr(device, name)
+                  for name in ("sm_count", "shared_mem_optin", "max_active_blocks_per_sm")})
+    found[("kvcanary_cupy.backends.cuda.configs", "policy")] = configs.policy()
     return found
+
+
+@pytest.fixture
+def launch_policy():
+    """``launch_policy(**changes)``: the GPU launch policy (backends/cuda/configs.py) with ``changes``
+    for the rest of the test, e.g. ``launch_policy(plan_small_max_rows=-1)`` to force a plan path."""
+    from kvcanary_cupy.backends.cuda import configs
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(configs.overridden(**changes))
 
 
 @pytest.fixture(autouse=True)

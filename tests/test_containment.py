@@ -8,7 +8,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from kvcanary_cupy import FailReason, Reader
-from kvcanary_cupy import session as session_module
+from kvcanary_cupy.session import violations as session_violations
 from canary_builders import a64
 
 HOLE, POSITION, CHAIN = (FailReason.VERIFY_TABLE_HOLE.value, FailReason.VERIFY_POSITION_MISMATCH.value,
@@ -77,7 +77,7 @@ def test_every_read_of_a_violating_slot_is_named(ab):
 
 
 def test_readers_are_bounded_and_the_overflow_counted(ab, monkeypatch):
-    monkeypatch.setattr(session_module, "MAX_READERS", 2)
+    monkeypatch.setattr(session_violations, "MAX_READERS", 2)
     session = _shared_prefix_case(ab)
     report = session.report()
     # the newest two are kept: the reads still running are the ones an engine acts on

@@ -43,17 +43,17 @@ def test_gpu_matches_numpy_wide_batches(backend, seed):
 # passes of 3), 14,000 (one block's shared arrays) -> 896 (4 passes of 9).
 @pytest.mark.parametrize("bs", [1100, 1600, 2600, 4096, 14_000])
 @pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
-def test_gpu_one_launch_plans_of_thousands_of_requests_match_numpy(backend, bs, monkeypatch):
+def test_gpu_one_launch_plans_of_thousands_of_requests_match_numpy(backend, bs, launch_policy):
     """plan_fused and the decode step's plan_verify over batches whose warps scan more than 64
     rows each (scan_rows's blocked passes, a variant for each size above), every table kind, each
-    against NumPy byte for byte.  PLAN_FUSED_MAX_ROWS is raised to what one block's shared memory
+    against NumPy byte for byte.  plan_fused_max_rows is raised to what one block's shared memory
     holds so that 14,000 requests take one launch too."""
     ab = get_backend_or_skip(backend)
-    from kvcanary_cupy.backends import cupy_backend
+    from kvcanary_cupy.backends.cuda import configs, device as cuda_device
 
-    max_rows = cupy_backend.plan_scan_max_rows(cupy_backend.cuda_device.current_id())
+    max_rows = configs.plan_scan_max_rows(cuda_device.current_id())
     assert bs <= max_rows
-    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", max_rows)
+    launch_policy(plan_fused_max_rows=max_rows)
     for seed in range(20_000, 20_000 + len(TABLE_KINDS)):  # one case per table kind
         case = dataclasses.replace(make_case(seed, big=True, bs=bs), buffers=1)
         assert case.steps[0].prefix_lens.shape[0] == bs
@@ -71,11 +71,11 @@ def test_gpu_one_launch_plans_on_a_grid_of_one_block_match_numpy(backend, monkey
     cases with more entries than a block's warps take in one chunk each, and 4 with fewer: the plan
     and the fused step against NumPy byte for byte."""
     ab = get_backend_or_skip(backend)
-    from kvcanary_cupy.backends import cupy_backend
+    from kvcanary_cupy.backends.cuda import abi, device as cuda_device
 
-    monkeypatch.setattr(cupy_backend.cuda_device, "sm_count", lambda device_id: 1)
+    monkeypatch.setattr(cuda_device, "sm_count", lambda device_id: 1)
     cases = [(seed, dataclasses.replace(make_case(seed), buffers=1)) for seed in range(80)]
-    one_chunk_each = 32 * (cupy_backend.PLAN_THREADS // 32)  # past this many entries a warp takes several chunks
+    one_chunk_each = 32 * (abi.PLAN_THREADS // 32)  # past this many entries a warp takes several chunks
     several = [(seed, case) for seed, case in cases if case.verify_capacity > one_chunk_each]
     one = [(seed, case) for seed, case in cases if case.verify_capacity <= one_chunk_each]
     assert len(several) >= 16 and len(one) >= 4
@@ -88,8 +88,8 @@ def test_gpu_one_launch_plans_on_a_grid_of_one_block_match_numpy(backend, monkey
 @pytest.mark.parametrize(("tile_rows", "sm_count"), [(1, None), (1, 3), (5, 3), (37, None), (1000, None), (6000, 3)])
 @pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
 @pytest.mark.parametrize("with_scan_state", [True, False])
-def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, sm_count, with_scan_state, monkeypatch):
-    """Batches past PLAN_FUSED_MAX_ROWS take two launches (plan_offsets: each block its share of
+def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, sm_count, with_scan_state, monkeypatch, launch_policy):
+    """Batches past plan_fused_max_rows take two launches (plan_offsets: each block its share of
     the rows, in one pass when the share fits a row per thread and the shared arrays, else in
     tiles of the shared arrays; then plan_entries): forced here for every batch size.  A grid of
     3 blocks (sm_count) with tiny tiles makes small batches scan several tiles per block; the
@@ -97,22 +97,21 @@ def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, sm_count, with_sc
     their shares from each other through the WritePlan's scan state, or, for a WritePlan without
     one (an engine's own arrays), each by reading every earlier row."""
     ab = get_backend_or_skip(backend)
-    from kvcanary_cupy import launchers, ops
-    from kvcanary_cupy.backends import cupy_backend
+    from kvcanary_cupy import plan_launcher
+    from kvcanary_cupy.ops import planning
+    from kvcanary_cupy.backends.cuda import configs, device as cuda_device
     from kvcanary_cupy.tables import TableKind
 
     if with_scan_state:
-        monkeypatch.setattr(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0)  # every batch, not only the largest
+        launch_policy(plan_scan_state_min_rows=0)  # every batch, not only the largest
     else:
-        monkeypatch.setattr(ops, "scan_state", lambda record: None)
-        monkeypatch.setattr(launchers, "scan_state", lambda record: None)
+        monkeypatch.setattr(planning, "scan_state", lambda record: None)
+        monkeypatch.setattr(plan_launcher, "scan_state", lambda record: None)
 
-    monkeypatch.setattr(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1)
-    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1)
-    monkeypatch.setattr(cupy_backend, "plan_scan_max_rows", lambda device_id: tile_rows)
+    launch_policy(plan_small_max_rows=-1, plan_fused_max_rows=-1, scan_tile_rows=tile_rows)
     if sm_count:
-        monkeypatch.setattr(cupy_backend.cuda_device, "sm_count", lambda device_id: sm_count)
-    assert [k[1].split("<")[0] for k in cupy_backend.plan_kernels(TableKind.REQ_TO_TOKEN, 0, 1, False, False)] == [
+        monkeypatch.setattr(cuda_device, "sm_count", lambda device_id: sm_count)
+    assert [k[1].split("<")[0] for k in configs.plan_kernels(TableKind.REQ_TO_TOKEN, 0, 1, False, False)] == [
         "kvcanary::plan_offsets", "kvcanary::plan_entries"]
     seeds = range(0, 60) if tile_rows < 1000 else range(10_000, 10_002)
     for seed in seeds:
@@ -121,16 +120,16 @@ def test_gpu_two_launch_plan_matches_numpy(backend, tile_rows, sm_count, with_sc
 
 
 @pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
-def test_gpu_block_scan_plan_matches_numpy_on_small_batches(backend, monkeypatch):
-    """Batches of up to PLAN_SMALL_MAX_ROWS requests take plan_small (a warp's scan per warp);
+def test_gpu_block_scan_plan_matches_numpy_on_small_batches(backend, launch_policy):
+    """Batches of up to plan_small_max_rows requests take plan_small (a warp's scan per warp);
     forced here through plan_fused's block-wide scan instead, so that it too meets the small and
     empty batches."""
     ab = get_backend_or_skip(backend)
-    from kvcanary_cupy.backends import cupy_backend
+    from kvcanary_cupy.backends.cuda import configs
     from kvcanary_cupy.tables import TableKind
 
-    monkeypatch.setattr(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1)
-    assert [k[1].split("<")[0] for k in cupy_backend.plan_kernels(TableKind.REQ_TO_TOKEN, 0, 1, False, False)] == [
+    launch_policy(plan_small_max_rows=-1)
+    assert [k[1].split("<")[0] for k in configs.plan_kernels(TableKind.REQ_TO_TOKEN, 0, 1, False, False)] == [
         "kvcanary::plan_fused"]
     for seed in range(60):
         case = make_case(seed)
@@ -156,8 +155,8 @@ def test_torch_cpu_matches_numpy_wide_batches(seed):
 
 
 def _table_layouts(case) -> set:
-    """The table layouts (jit.TableLayout) the case's steps plan through on the GPU."""
-    from kvcanary_cupy.backends.cupy_backend import table_layout
+    """The table layouts (abi.TableLayout) the case's steps plan through on the GPU."""
+    from kvcanary_cupy.backends.cuda.configs import table_layout
     from kvcanary_cupy.tables import TableKind
 
     t = case.table
@@ -175,7 +174,7 @@ def test_fuzz_cases_exercise_every_path():
     """The generator reaches overflow, out-of-range skips, violations and dropped rows, and plans
     through every table kind with out-of-range plan inputs, and through every table layout (block
     and CSR tables of int32 and int64 ids, power-of-two page sizes and others)."""
-    from kvcanary_cupy.jit import TableLayout
+    from kvcanary_cupy.backends.cuda.abi import TableLayout
 
     seen = {"overflow": 0, "out_of_range": 0, "violations": 0, "dropped": 0, "lut": 0, "several_buffers": 0}
     seen.update({f"{kind} plan out of range": 0 for kind in TABLE_KINDS})
@@ -197,7 +196,7 @@ def test_fuzz_cases_exercise_every_path():
 
 
 @pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
-def test_gpu_two_launch_plan_survives_a_scan_state_out_of_step(backend, monkeypatch):
+def test_gpu_two_launch_plan_survives_a_scan_state_out_of_step(backend, launch_policy):
     """A scan state whose flags disagree (as a grid of another size would leave them) costs each
     waiting block its bounded wait, then it sums the rows before its share itself: the plan stays
     byte-identical to NumPy's, plan after plan."""
@@ -205,11 +204,8 @@ def test_gpu_two_launch_plan_survives_a_scan_state_out_of_step(backend, monkeypa
     import numpy as np
 
     import kvcanary_cupy as kc
-    from kvcanary_cupy.backends import cupy_backend
 
-    monkeypatch.setattr(cupy_backend, "PLAN_SMALL_MAX_ROWS", -1)
-    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", -1)
-    monkeypatch.setattr(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0)
+    launch_policy(plan_small_max_rows=-1, plan_fused_max_rows=-1, plan_scan_state_min_rows=0)
     rng = np.random.default_rng(7)
     bs, cols = 3000, 40
     rtt = rng.integers(-2, 5000, (bs + 1, cols)).astype(np.int32)

@@ -122,9 +122,9 @@ TABLES = ("rtt", "block", "csr")
 
 
 def test_shapes_take_every_plan_path():
-    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.backends.cuda import abi, configs
 
-    assert SHAPES["small"]["bs"] <= cb.PLAN_SMALL_MAX_ROWS < SHAPES["fused"]["bs"] <= cb.PLAN_FUSED_MAX_ROWS < SHAPES["two_kernels"]["bs"]
+    assert SHAPES["small"]["bs"] <= abi.PLAN_SMALL_MAX_ROWS < SHAPES["fused"]["bs"] <= configs.policy().plan_fused_max_rows < SHAPES["two_kernels"]["bs"]
 
 
 def reference_run(steps, shape, table="rtt"):
@@ -166,17 +166,17 @@ def test_cupy_graph_capture_and_replay(shape, table, bound):
 
 
 @pytest.mark.parametrize("bound", [False, True], ids=["free", "bound"])
-def test_cupy_graph_replays_the_scan_state_of_the_two_launch_plan(bound, monkeypatch):
+def test_cupy_graph_replays_the_scan_state_of_the_two_launch_plan(bound, launch_policy):
     """Each replay of a captured two-launch plan publishes its blocks' totals in the WritePlan's
     scan state under a new flag (forced for the 4,500-request shape, whatever
-    PLAN_SCAN_STATE_MIN_ROWS)."""
-    from kvcanary_cupy.backends import cupy_backend
+    plan_scan_state_min_rows)."""
+    from kvcanary_cupy.backends.cuda import device as cuda_device
 
-    monkeypatch.setattr(cupy_backend, "PLAN_SCAN_STATE_MIN_ROWS", 0)
+    launch_policy(plan_scan_state_min_rows=0)
     steps, want, engine = _prepare(get_backend_or_skip("cupy"), "two_kernels", bound=bound)
     assert replay_in_cupy_graph(engine, steps, want) == 4
     flags = engine.ab.to_numpy(kc.plans.scan_state(engine.wp))[:kc.plans.SCAN_STATE_TILES]
-    assert (flags[:cupy_backend.cuda_device.sm_count(0)] == 4).all() and not flags[cupy_backend.cuda_device.sm_count(0):].any()  # one per replay
+    assert (flags[:cuda_device.sm_count(0)] == 4).all() and not flags[cuda_device.sm_count(0):].any()  # one per replay
 
 
 def capture_in_cupy_graph(engine, first_inputs, in_capture=lambda: None):
@@ -271,15 +271,15 @@ def test_torch_stream_ordering(bound):
 
 def test_warmup_compiles_every_variant():
     get_backend_or_skip("cupy")
-    from kvcanary_cupy import jit
+    from kvcanary_cupy.backends.cuda import compile as cuda_compile
 
     kc.warmup()
     import cupy
 
     dev = cupy.cuda.Device().id
-    for family, spec in jit.FAMILIES.items():
+    for family, spec in cuda_compile.FAMILIES.items():
         for name in spec.instantiations():
-            assert (dev, family, name) in jit._functions
+            assert (dev, family, name) in cuda_compile._functions
 
 
 # ---- nothing is copied or allocated inside a capture ----------------------------------------------

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from kvcanary_cupy import jit
+from kvcanary_cupy.backends.cuda import abi, compile as cuda_compile
 
 pytest.importorskip("cupy")
 
@@ -19,21 +19,19 @@ from kvcanary_cupy.devtools import abi_check  # noqa: E402
 from kvcanary_cupy.devtools.abi_check import KERNEL_STRUCTS  # noqa: E402
 
 
-@pytest.mark.parametrize("arch", jit.SUPPORTED_ARCHS)
-@pytest.mark.parametrize("family", sorted(jit.FAMILIES))
+@pytest.mark.parametrize("arch", cuda_compile.SUPPORTED_ARCHS)
+@pytest.mark.parametrize("family", sorted(cuda_compile.FAMILIES))
 def test_every_variant_compiles_and_fits_its_launch(family, arch):
     """Every instantiation compiles with the layout asserts of its structs (every field's width and
     the size equal to its NumPy mirror's; offsets: test_every_kernel_struct_matches_its_mirror),
     spills nothing, and its registers fit its block size."""
-    from kvcanary_cupy.backends import cupy_backend as cb
-
     report = abi_check.compile_check(arch, family, abi_check.family_struct_asserts(family))[family]
     assert report.cubin_bytes > 1000
-    assert set(report.registers) == set(jit.FAMILIES[family].instantiations())
-    block = {"plan_offsets": cb.PLAN_THREADS, "plan_fused": cb.PLAN_THREADS, "plan_small": cb.PLAN_THREADS,
-             "plan_verify": cb.PLAN_THREADS, "canary_write": cb.WRITE_THREADS, "canary_verify": cb.VERIFY_THREADS}
+    assert set(report.registers) == set(cuda_compile.FAMILIES[family].instantiations())
+    block = {"plan_offsets": abi.PLAN_THREADS, "plan_fused": abi.PLAN_THREADS, "plan_small": abi.PLAN_THREADS,
+             "plan_verify": abi.PLAN_THREADS, "canary_write": abi.WRITE_THREADS, "canary_verify": abi.VERIFY_THREADS}
     for name, regs in report.registers.items():
-        threads = block.get(name.split("<")[0].split("::")[1], cb.THREADS)
+        threads = block.get(name.split("<")[0].split("::")[1], abi.THREADS)
         assert 0 < regs and regs * threads <= 65536, (name, regs, threads)
     assert set(report.spill_bytes) == set(report.registers)
     assert not any(report.spill_bytes.values()), report.spill_bytes
@@ -42,15 +40,15 @@ def test_every_variant_compiles_and_fits_its_launch(family, arch):
 def test_every_kernel_struct_is_checked_field_by_field():
     """The registry covers every struct of canary_common.cuh and write.cu, and the generated asserts
     pin each field of each mirror (offset and width) plus the total size."""
-    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.backends.cuda import abi
 
-    sources = jit._read("canary_common.cuh") + jit._read("write.cu")
+    sources = cuda_compile._read("canary_common.cuh") + cuda_compile._read("write.cu")
     c_structs = set(re.findall(r"^struct (\w+) \{", sources, re.M)) - {"CanaryRecord", "ChainState", "TokenInputs"}
     assert c_structs <= set(abi_check.KERNEL_STRUCTS), c_structs - set(abi_check.KERNEL_STRUCTS)
-    text = abi_check.struct_asserts(cb.LAUNCH_LOG, "LaunchLog")
+    text = abi_check.struct_asserts(abi.LAUNCH_LOG, "LaunchLog")
     assert "sizeof(kvcanary::LaunchLog) == 56" in text
     assert "sizeof(kvcanary::LaunchLog::capacity) == 4" in text
-    assert text.count("static_assert") == 1 + len(cb.LAUNCH_LOG.names)
+    assert text.count("static_assert") == 1 + len(abi.LAUNCH_LOG.names)
 
 
 @pytest.mark.parametrize("struct", sorted(KERNEL_STRUCTS))
@@ -78,7 +76,7 @@ def test_swapped_mirror_fields_fail_to_compile(struct, first, second):
 
 
 def test_compile_errors_name_the_family(monkeypatch):
-    monkeypatch.setitem(jit.FAMILIES, "broken", jit.KernelFamily("plan.cu", (("no_such_kernel", ()),)))
+    monkeypatch.setitem(cuda_compile.FAMILIES, "broken", cuda_compile.KernelFamily("plan.cu", (("no_such_kernel", ()),)))
     with pytest.raises(RuntimeError, match="plan.cu failed to compile for sm_90"):
         abi_check.compile_check("sm_90", "broken")
 
@@ -86,56 +84,56 @@ def test_compile_errors_name_the_family(monkeypatch):
 def test_instantiation_lists_cover_every_flag_combination():
     layouts = {"plan_req_to_token": 0, "plan_virtual_pages": 1, "plan_block": 2, "plan_paged_kv": 3, "plan_block_narrow": 6,
                "plan_paged_kv_narrow": 7}
-    assert {jit.plan_family(layout): int(layout) for layout in jit.TableLayout} == layouts
-    assert [jit.plan_family(kind) for kind in kc.tables.TableKind] == list(layouts)[:4]  # a kind names its general layout
+    assert {cuda_compile.plan_family(layout): int(layout) for layout in abi.TableLayout} == layouts
+    assert [cuda_compile.plan_family(kind) for kind in kc.tables.TableKind] == list(layouts)[:4]  # a kind names its general layout
     for family, layout in layouts.items():
-        assert jit.FAMILIES[family].instantiations() == [
+        assert cuda_compile.FAMILIES[family].instantiations() == [
             f"kvcanary::{k}<{layout}, {a}, {b}{rows}>" for k in ("plan_small", "plan_fused", "plan_offsets", "plan_entries")
             for a in ("false", "true") for b in ("false", "true")
-            for rows in ((", 1", f", {jit.SCAN_ROWS_PER_LANE}") if k == "plan_fused" else ("",))
+            for rows in ((", 1", f", {abi.SCAN_ROWS_PER_LANE}") if k == "plan_fused" else ("",))
         ]
-        assert jit.FAMILIES[family.replace("plan_", "step_", 1)].instantiations() == [
+        assert cuda_compile.FAMILIES[family.replace("plan_", "step_", 1)].instantiations() == [
             f"kvcanary::plan_verify<{layout}, {a}, {b}, {c}, {d}>" for a in ("false", "true") for b in ("false", "true")
             for c in ("false", "true") for d in ("false", "true")
         ]
-    assert jit.step_family(jit.TableLayout.PAGED_KV_NARROW) == "step_paged_kv_narrow"
-    assert jit.FAMILIES["write"].instantiations() == [
+    assert cuda_compile.step_family(abi.TableLayout.PAGED_KV_NARROW) == "step_paged_kv_narrow"
+    assert cuda_compile.FAMILIES["write"].instantiations() == [
         f"kvcanary::canary_write<{n}, {a}, {b}>" for n in range(1, kc.MAX_CANARY_BUFFERS + 1)
         for a in ("false", "true") for b in ("false", "true")
     ]
-    assert jit.kernel_name("canary_write", 2, True, False) == "kvcanary::canary_write<2, true, false>"
-    assert jit.kernel_name("plan_fused", kc.tables.TableKind.BLOCK, True, False) == "kvcanary::plan_fused<2, true, false>"
-    assert jit.FAMILIES["scatter"].instantiations() == ["kvcanary::scatter_req_token_ids"]
+    assert cuda_compile.kernel_name("canary_write", 2, True, False) == "kvcanary::canary_write<2, true, false>"
+    assert cuda_compile.kernel_name("plan_fused", kc.tables.TableKind.BLOCK, True, False) == "kvcanary::plan_fused<2, true, false>"
+    assert cuda_compile.FAMILIES["scatter"].instantiations() == ["kvcanary::scatter_req_token_ids"]
 
 
 def test_sources_inline_their_headers():
-    for family in jit.FAMILIES:
-        src = jit.family_source(family)
+    for family in cuda_compile.FAMILIES:
+        src = cuda_compile.family_source(family)
         assert '#include "' not in src
         assert "struct LaunchLog" in src  # from canary_common.cuh
 
 
 def test_variant_name_covers_included_headers(monkeypatch):
-    before = jit.variant_name("verify")
-    original = jit._read.__wrapped__
+    before = cuda_compile.variant_name("verify")
+    original = cuda_compile._read.__wrapped__
 
     def edited(filename):
         text = original(filename)
         return text + "\n// edited\n" if filename == "canary_common.cuh" else text
 
-    monkeypatch.setattr(jit, "_read", edited)
-    jit.family_source.cache_clear()
+    monkeypatch.setattr(cuda_compile, "_read", edited)
+    cuda_compile.family_source.cache_clear()
     try:
-        assert jit.variant_name("verify") != before
+        assert cuda_compile.variant_name("verify") != before
     finally:
         monkeypatch.undo()
-        jit.family_source.cache_clear()
-    assert jit.variant_name("verify") == before
+        cuda_compile.family_source.cache_clear()
+    assert cuda_compile.variant_name("verify") == before
 
 
 def _cuh_constant(name, filename="canary_common.cuh"):
     """The value of ``constexpr <type> name = <literal or 1 << n>;`` in a kernel source."""
-    m = re.search(rf"constexpr \w+ {name} = ([^;]+);", jit._read(filename))
+    m = re.search(rf"constexpr \w+ {name} = ([^;]+);", cuda_compile._read(filename))
     assert m, name
     expr = m.group(1).replace("ULL", "")
     if re.fullmatch(r"k\w+( \| k\w+)+", expr):  # constants of the same file or'ed together
@@ -168,16 +166,16 @@ def test_kernel_sources_are_package_data():
 
 
 def test_launch_constants_match_the_kernels():
-    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.backends.cuda import abi
 
-    assert _cuh_constant("kPlanThreads", "plan.cu") == cb.PLAN_THREADS
-    assert _cuh_constant("kPlanSmallRows", "plan.cu") == cb.PLAN_SMALL_MAX_ROWS
-    assert _cuh_constant("kPlanVerifyBlocksPerSm", "step.cu") == cb.PLAN_VERIFY_BLOCKS_PER_SM
+    assert _cuh_constant("kPlanThreads", "plan.cu") == abi.PLAN_THREADS
+    assert _cuh_constant("kPlanSmallRows", "plan.cu") == abi.PLAN_SMALL_MAX_ROWS
+    assert _cuh_constant("kPlanVerifyBlocksPerSm", "step.cu") == abi.PLAN_VERIFY_BLOCKS_PER_SM
     assert _cuh_constant("kScanStateTiles", "plan.cu") == kc.plans.SCAN_STATE_TILES
-    assert _cuh_constant("kScanRowsPerLane", "plan.cu") == jit.SCAN_ROWS_PER_LANE
-    assert _cuh_constant("kScatterMaxGroupRows", "scatter.cu") == cb.SCATTER_MAX_GROUP_ROWS
-    assert _cuh_constant("kVerifyThreads", "verify.cu") == cb.VERIFY_THREADS
-    assert _cuh_constant("kWriteThreads", "write.cu") == cb.WRITE_THREADS
+    assert _cuh_constant("kScanRowsPerLane", "plan.cu") == abi.SCAN_ROWS_PER_LANE
+    assert _cuh_constant("kScatterMaxGroupRows", "scatter.cu") == abi.SCATTER_MAX_GROUP_ROWS
+    assert _cuh_constant("kVerifyThreads", "verify.cu") == abi.VERIFY_THREADS
+    assert _cuh_constant("kWriteThreads", "write.cu") == abi.WRITE_THREADS
 
 
 def test_session_record_layout_matches_python():
@@ -194,11 +192,11 @@ def test_table_kinds_and_layouts_match_the_kernels():
 
     names = {"REQ_TO_TOKEN": "kTableReqToToken", "VIRTUAL_PAGES": "kTableVirtualPages", "BLOCK": "kTableBlock",
              "PAGED_KV": "kTablePagedKv", "BLOCK_NARROW": "kTableBlockNarrow", "PAGED_KV_NARROW": "kTablePagedKvNarrow"}
-    assert set(names) == {k.name for k in jit.TableLayout} > {k.name for k in TableKind}
+    assert set(names) == {k.name for k in abi.TableLayout} > {k.name for k in TableKind}
     for kind in TableKind:
-        assert jit.TableLayout[kind.name] == kind.value
-    assert _cuh_constant("kTableNarrow", "plan.cu") == jit.TABLE_NARROW
-    for layout in jit.TableLayout:
+        assert abi.TableLayout[kind.name] == kind.value
+    assert _cuh_constant("kTableNarrow", "plan.cu") == abi.TABLE_NARROW
+    for layout in abi.TableLayout:
         assert _cuh_constant(names[layout.name], "plan.cu") == layout.value, layout
 
 
@@ -228,10 +226,8 @@ def test_compile_reports_are_cached_by_every_compiled_byte(tmp_path, monkeypatch
 def _kernel_parameter_bytes(kernel, filename):
     """The by-value size of each parameter of ``kernel`` in ``filename`` (pointers: 8 bytes; the
     structs: their NumPy mirrors, whose layouts the struct asserts pin)."""
-    from kvcanary_cupy.backends import cupy_backend as cb
-
     sizes_of = {name: dtype for name, (dtype, _) in abi_check.KERNEL_STRUCTS.items()} | {"i64": np.int64, "int": np.int32}
-    m = re.search(rf"__global__ void (?:__launch_bounds__\([\w, ]+\)\s*)?{kernel}\(([^)]*)\)", jit._read(filename))
+    m = re.search(rf"__global__ void (?:__launch_bounds__\([\w, ]+\)\s*)?{kernel}\(([^)]*)\)", cuda_compile._read(filename))
     assert m, kernel
     sizes = []
     for param in m.group(1).split(","):
@@ -247,21 +243,19 @@ def _kernel_parameter_bytes(kernel, filename):
 ])
 def test_parameter_records_mirror_the_kernel_signatures(kernel, filename, record):
     """Field i of a kernel's parameter record has the size of the kernel's parameter i."""
-    from kvcanary_cupy.backends import cupy_backend as cb
-
-    params = getattr(cb, record)
+    params = getattr(abi, record)
     assert [params.fields[name][0].itemsize for name in params.names] == _kernel_parameter_bytes(kernel, filename)
 
 
 def test_kernel_arguments_are_the_addresses_of_the_parameter_fields():
-    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.backends.cuda import params
 
-    params = np.zeros(1, cb.PLAN_PARAMS)
-    args = cb.kernel_arguments(params)
-    want = [params.ctypes.data + params.dtype.fields[name][1] for name in params.dtype.names]
-    got = [a.ptr if cb._CPointer is not None else a.ctypes.data for a in args]
+    record = np.zeros(1, abi.PLAN_PARAMS)
+    args = params.kernel_arguments(record)
+    want = [record.ctypes.data + record.dtype.fields[name][1] for name in record.dtype.names]
+    got = [a.ptr if params._CPointer is not None else a.ctypes.data for a in args]
     assert got == want
-    view, index = cb.ParamSlots(params)("inputs.bs")
-    assert index * view.itemsize == cb.PLAN_PARAMS.fields["inputs"][1] + cb.PLAN_INPUTS.fields["bs"][1]
+    view, index = params.ParamSlots(record)("inputs.bs")
+    assert index * view.itemsize == abi.PLAN_PARAMS.fields["inputs"][1] + abi.PLAN_INPUTS.fields["bs"][1]
     view[index] = 7
-    assert params["inputs"]["bs"][0] == 7
+    assert record["inputs"]["bs"][0] == 7

@@ -59,11 +59,11 @@ def test_every_kernel_waits_for_the_work_before_it_first():
 
 def test_launch_structs_have_the_layout_of_cuda_h():
     """CUlaunchAttribute and CUlaunchConfig as cuda.h (CUDA 12 and 13) lays them out on 64-bit hosts."""
-    from kvcanary_cupy.backends.cuda.launch import LaunchAttribute, LaunchConfig
+    from kvcanary_cupy.backends.cuda.abi import CuLaunchAttribute, CuLaunchConfig
 
-    assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
-    assert ctypes.sizeof(LaunchConfig) == 56
-    offsets = {name: getattr(LaunchConfig, name).offset for name, _ in LaunchConfig._fields_}
+    assert ctypes.sizeof(CuLaunchAttribute) == 72 and CuLaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(CuLaunchConfig) == 56
+    offsets = {name: getattr(CuLaunchConfig, name).offset for name, _ in CuLaunchConfig._fields_}
     assert offsets == {"gridDimX": 0, "gridDimY": 4, "gridDimZ": 8, "blockDimX": 12, "blockDimY": 16, "blockDimZ": 20,
                        "sharedMemBytes": 24, "hStream": 32, "attrs": 40, "numAttrs": 48}
 

@@ -278,7 +278,7 @@ def test_backend_argument_records_keep_their_field_names():
 def test_plan_records_derive_from_one_field_table():
     """plans.py's field table is the one source of the records, the backends' views and the kernel struct."""
     from kvcanary_cupy.args import PlanOutputs
-    from kvcanary_cupy.backends.cupy_backend import PLAN_OUTPUTS
+    from kvcanary_cupy.backends.cuda.abi import PLAN_OUTPUTS
     from kvcanary_cupy.plans import VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 
     names = [f.name for f in VERIFY_PLAN_FIELDS + WRITE_PLAN_FIELDS]
@@ -621,23 +621,23 @@ def test_scan_kernels_opt_in_to_the_device_limit_once_as_they_load_never_at_a_la
     they are."""
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import FakeDevice, fake_device
-    from kvcanary_cupy import jit
-    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.backends.cuda import abi, compile as cuda_compile
+    from kvcanary_cupy.backends.cuda import configs
 
     with fake_device(record_bytes=False) as dev:
         kc.warmup()
         driver = dev.cupy.cuda.driver
         limit = FakeDevice.SHARED_MEM_OPTIN - FakeDevice.STATIC_SHARED_MEM
         expected = sorted((name, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, limit, False)
-                          for spec in jit.FAMILIES.values() for name in spec.instantiations()
-                          if jit.kernel_of(name) in jit.LARGE_SHARED_MEM_KERNELS)
+                          for spec in cuda_compile.FAMILIES.values() for name in spec.instantiations()
+                          if cuda_compile.kernel_of(name) in cuda_compile.LARGE_SHARED_MEM_KERNELS)
         assert sorted(dev.attributes_set) == expected
-        assert {jit.kernel_of(e[0]) for e in expected} == {"plan_fused", "plan_offsets", "plan_verify"}
-        assert len(expected) == len(jit.TableLayout) * (8 + 4 + 16)  # per table layout: plan_fused, plan_offsets, plan_verify variants
+        assert {cuda_compile.kernel_of(e[0]) for e in expected} == {"plan_fused", "plan_offsets", "plan_verify"}
+        assert len(expected) == len(abi.TableLayout) * (8 + 4 + 16)  # per table layout: plan_fused, plan_offsets, plan_verify variants
 
         dev.current[-1].capturing = True  # a capture of plans too large for 48 KiB, for each plan path
         a = dev.asarray
-        for bs in (cb.PLAN_FUSED_MAX_ROWS, 48 * 1024 // 16 * FakeDevice.SM_COUNT + 1):
+        for bs in (configs.policy().plan_fused_max_rows, 48 * 1024 // 16 * FakeDevice.SM_COUNT + 1):
             rtt = a(np.arange(2 * bs + 2, dtype=np.int32).reshape(bs + 1, 2))
             args = (a(np.arange(1, bs + 1, dtype=np.int64)), a(np.zeros(bs, np.int64)), a(np.ones(bs, np.int64)), rtt)
             canary, log = a(np.zeros((2 * bs + 2, 4), np.int64)), kc.ViolationLog.allocate(4, like=rtt)
@@ -646,69 +646,68 @@ def test_scan_kernels_opt_in_to_the_device_limit_once_as_they_load_never_at_a_la
             kc.plan(*args, verify_capacity=bs, out=out)
             kc.plan_and_verify(*args, canary, log=log, verify_capacity=bs, out=out)
             kc.CanaryPlanner(kc.CanaryCapacities(bs, bs), like=rtt).plan(*args)
-            assert {jit.kernel_of(launch.name) for launch in dev.launches} >= (
-                {"plan_fused", "plan_verify"} if bs <= cb.PLAN_FUSED_MAX_ROWS else {"plan_offsets"})
+            assert {cuda_compile.kernel_of(launch.name) for launch in dev.launches} >= (
+                {"plan_fused", "plan_verify"} if bs <= configs.policy().plan_fused_max_rows else {"plan_offsets"})
         assert len(dev.attributes_set) == len(expected)  # none while capturing
 
 
-def test_scan_launches_fit_the_opt_in_and_only_scan_kernels_take_dynamic_shared_memory(monkeypatch):
+def test_scan_launches_fit_the_opt_in_and_only_scan_kernels_take_dynamic_shared_memory(monkeypatch, launch_policy):
     """Every plan launch with dynamic shared memory is of a kernel that opts in as it loads
-    (jit.LARGE_SHARED_MEM_KERNELS), within the opt-in: the largest scan tile plus the static
+    (compile.LARGE_SHARED_MEM_KERNELS), within the opt-in: the largest scan tile plus the static
     arrays PLAN_SCAN_RESERVED_SMEM keeps."""
     pytest.importorskip("cupy")
-    from kvcanary_cupy import jit
-    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.backends.cuda import compile as cuda_compile
+    from kvcanary_cupy.backends.cuda import configs, device as cuda_device
     from kvcanary_cupy.tables import TableKind
 
     optin = 232_448
-    monkeypatch.setattr(cb.cuda_device, "current_id", lambda: 0)
-    monkeypatch.setattr(cb.cuda_device, "sm_count", lambda device_id: 132)
-    monkeypatch.setattr(cb, "plan_scan_max_rows", lambda device_id: (optin - cb.PLAN_SCAN_RESERVED_SMEM) // 16 - 1)
-    monkeypatch.setattr(cb, "resident_blocks_per_sm", lambda device_id, family, name, block: 4)
+    monkeypatch.setattr(cuda_device, "current_id", lambda: 0)
+    monkeypatch.setattr(cuda_device, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(cuda_device, "shared_mem_optin", lambda device_id: optin)
+    launch_policy(resident_blocks=4)
     launches = [launch for kind in TableKind for bs in (5, 3000, 4096, 4097, 10**6, 10**8)
-                for launch in (*cb.plan_kernels(kind, bs, bs, True, True),
-                               *([] if cb.plan_verify_stores_entries(bs) else [cb.plan_verify_kernel(kind, bs, bs, True, True, True, True)]))]
-    shared = {jit.kernel_of(name): config.shared_mem for _, name, config in launches if config.shared_mem}
-    assert set(shared) == jit.LARGE_SHARED_MEM_KERNELS
-    assert max(shared.values()) > 48 * 1024 and max(shared.values()) + cb.PLAN_SCAN_RESERVED_SMEM <= optin
+                for launch in (*configs.plan_kernels(kind, bs, bs, True, True),
+                               *([] if configs.plan_verify_stores_entries(bs) else [configs.plan_verify_kernel(kind, bs, bs, True, True, True, True)]))]
+    shared = {cuda_compile.kernel_of(name): config.shared_mem for _, name, config in launches if config.shared_mem}
+    assert set(shared) == cuda_compile.LARGE_SHARED_MEM_KERNELS
+    assert max(shared.values()) > 48 * 1024 and max(shared.values()) + configs.PLAN_SCAN_RESERVED_SMEM <= optin
 
 
-def test_plan_path_and_grid_follow_the_shapes(monkeypatch):
+def test_plan_path_and_grid_follow_the_shapes(monkeypatch, launch_policy):
     """Up to PLAN_SMALL_MAX_ROWS requests take plan_small, up to PLAN_FUSED_MAX_ROWS plan_fused
     (scan arrays for the batch), beyond that the two launches; a one-launch plan takes a block per
     PLAN_THREADS entries of verify capacity (a warp per 32; plan_small one more), at least one and
     at most one per SM."""
     pytest.importorskip("cupy")
-    from kvcanary_cupy import jit
-    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.backends.cuda import abi, configs, device as cuda_device
     from kvcanary_cupy.tables import TableKind
 
-    monkeypatch.setattr(cb.cuda_device, "current_id", lambda: 0)
-    monkeypatch.setattr(cb.cuda_device, "sm_count", lambda device_id: 132)
-    monkeypatch.setattr(cb, "plan_scan_max_rows", lambda device_id: 1000)
+    monkeypatch.setattr(cuda_device, "current_id", lambda: 0)
+    monkeypatch.setattr(cuda_device, "sm_count", lambda device_id: 132)
+    launch_policy(scan_tile_rows=1000)
 
     def launches(bs, capacity):
         return [(name.split("<")[0].split("::")[1], config)
-                for _, name, config in cb.plan_kernels(TableKind.BLOCK, bs, capacity, False, True)]
+                for _, name, config in configs.plan_kernels(TableKind.BLOCK, bs, capacity, False, True)]
 
     def fused_scan_rows(bs):  # plan_fused's kScanRows, its last template argument
-        ((_, name, _),) = cb.plan_kernels(TableKind.BLOCK, bs, 10**6, False, True)
+        ((_, name, _),) = configs.plan_kernels(TableKind.BLOCK, bs, 10**6, False, True)
         assert name.startswith("kvcanary::plan_fused<2, false, true, ")
         return int(name[:-1].split(", ")[-1])
 
-    threads = cb.PLAN_THREADS
-    assert launches(0, 0) == [("plan_small", cb.LaunchConfig(1, threads))]
+    threads = abi.PLAN_THREADS
+    assert launches(0, 0) == [("plan_small", configs.LaunchConfig(1, threads))]
     # plan_small: a spare block for the per-request outputs, beside the expansion's.
-    assert launches(1, 1) == [("plan_small", cb.LaunchConfig(2, threads))]
-    assert launches(32, 16_384) == [("plan_small", cb.LaunchConfig(33, threads))]
-    assert launches(32, 16_385) == [("plan_small", cb.LaunchConfig(34, threads))]
-    assert launches(32, 10**6) == [("plan_small", cb.LaunchConfig(132, threads))]
-    assert launches(33, 0) == [("plan_fused", cb.LaunchConfig(1, threads, 34 * 16))]
-    assert launches(256, 524_288) == [("plan_fused", cb.LaunchConfig(132, threads, 257 * 16))]
-    assert launches(4096, 10**9) == [("plan_fused", cb.LaunchConfig(132, threads, 4097 * 16))]
-    assert launches(4097, 0) == [("plan_offsets", cb.LaunchConfig(132, threads, (32 + 1) * 16))]  # 32 rows per block
+    assert launches(1, 1) == [("plan_small", configs.LaunchConfig(2, threads))]
+    assert launches(32, 16_384) == [("plan_small", configs.LaunchConfig(33, threads))]
+    assert launches(32, 16_385) == [("plan_small", configs.LaunchConfig(34, threads))]
+    assert launches(32, 10**6) == [("plan_small", configs.LaunchConfig(132, threads))]
+    assert launches(33, 0) == [("plan_fused", configs.LaunchConfig(1, threads, 34 * 16))]
+    assert launches(256, 524_288) == [("plan_fused", configs.LaunchConfig(132, threads, 257 * 16))]
+    assert launches(4096, 10**9) == [("plan_fused", configs.LaunchConfig(132, threads, 4097 * 16))]
+    assert launches(4097, 0) == [("plan_offsets", configs.LaunchConfig(132, threads, (32 + 1) * 16))]  # 32 rows per block
     # Past 16 warps x 64 rows plan_fused's scan takes its blocked passes too.
-    assert [fused_scan_rows(bs) for bs in (33, 1024, 1025, 4096)] == [1, 1, jit.SCAN_ROWS_PER_LANE, jit.SCAN_ROWS_PER_LANE]
+    assert [fused_scan_rows(bs) for bs in (33, 1024, 1025, 4096)] == [1, 1, abi.SCAN_ROWS_PER_LANE, abi.SCAN_ROWS_PER_LANE]
 
 
 def test_allocated_write_plans_carry_a_zeroed_scan_state_outside_their_fields():
@@ -730,9 +729,9 @@ def test_plan_refuses_allocations_and_copies_while_capturing(op):
     instead, and launch nothing."""
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import fake_device
-    from kvcanary_cupy import interop
+    from kvcanary_cupy import runtime
 
-    asks_the_stream = interop.is_capturing  # the fake device answers "not capturing" without asking
+    asks_the_stream = runtime.is_capturing  # the fake device answers "not capturing" without asking
     values = dict(req_pool_indices=[1, 2], prefix_lens=[3, 4], extend_seq_lens=[1, 1],
                   req_to_verify_expected_tokens_valid_lens=[8, 8], full_to_swa_index_mapping=np.arange(24))
     with fake_device(record_bytes=False) as dev, pytest.MonkeyPatch.context() as mp:
@@ -751,7 +750,7 @@ def test_plan_refuses_allocations_and_copies_while_capturing(op):
             call(kw.pop("req_pool_indices"), kw.pop("prefix_lens"), kw.pop("extend_seq_lens"), rtt, *fused,
                  req_to_verify_expected_tokens=a(np.zeros((3, 8), np.int32)), verify_capacity=16, out=out, **fused_kw, **kw)
 
-        mp.setattr(interop, "is_capturing", asks_the_stream)
+        mp.setattr(runtime, "is_capturing", asks_the_stream)
         dev.current[-1].capturing = True
         with pytest.raises(ValueError, match="^" + re.escape(
                 f"kv-canary: {op} with out=None allocates its VerifyPlan and WritePlan, but the current stream is capturing a "

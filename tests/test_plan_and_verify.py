@@ -222,7 +222,7 @@ def test_fuzz_cases_on_the_cpu(backend):
 def test_fuzz_cases_on_the_gpu(backend):
     """Small batches take the one launch (plan_verify); the big ones (4,000 to 20,000 requests)
     mostly take plan + verify through the VerifyPlan's entries (run_case checks that the entries
-    stay untouched exactly where cupy_backend.plan_verify_stores_entries says so)."""
+    stay untouched exactly where configs.plan_verify_stores_entries says so)."""
     ab = get_backend_or_skip(backend)
     for seed in range(200):
         case = _fused_case(seed)
@@ -232,46 +232,42 @@ def test_fuzz_cases_on_the_gpu(backend):
         assert_same(run_case(NUMPY, case, step="decode"), run_case(ab, case, step="fused"), context=f"{backend} big seed {seed}")
 
 
-def test_gpu_big_batches_in_one_launch(monkeypatch):
-    """The big fuzz cases through plan_verify itself: PLAN_FUSED_MAX_ROWS raised to what one
+def test_gpu_big_batches_in_one_launch(launch_policy):
+    """The big fuzz cases through plan_verify itself: plan_fused_max_rows raised to what one
     block's shared memory holds, so batches of thousands of requests with up to ~100,000 entries
     plan and verify in one launch, each warp many chunks of entries."""
     ab = get_backend_or_skip("cupy")
-    from kvcanary_cupy.backends import cupy_backend
+    from kvcanary_cupy.backends.cuda import configs, device as cuda_device
 
-    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", cupy_backend.plan_scan_max_rows(cupy_backend.cuda_device.current_id()))
+    launch_policy(plan_fused_max_rows=configs.plan_scan_max_rows(cuda_device.current_id()))
     ran = 0
     for seed in range(4):
         case = _fused_case(10_000 + seed, big=True)
-        if cupy_backend.plan_verify_stores_entries(case.steps[0].prefix_lens.shape[0]):
+        if configs.plan_verify_stores_entries(case.steps[0].prefix_lens.shape[0]):
             continue
         assert_same(run_case(NUMPY, case, step="decode"), run_case(ab, case, step="fused"), context=f"big seed {seed}")
         ran += 1
     assert ran >= 2  # 6,662, 11,188 and 9,087 requests fit an H200's 14,399 rows (an A100's 10,303: two)
 
 
-def test_gpu_warps_walk_many_chunks_and_requests(monkeypatch):
+def test_gpu_warps_walk_many_chunks_and_requests(launch_policy):
     """plan_verify on one block: each warp takes hundreds of entries, several steps of the sink's
     chunks, the lanes walking across request boundaries inside and between chunks (the usual grid
     gives each warp 32 entries at these sizes)."""
     ab = get_backend_or_skip("cupy")
-    from kvcanary_cupy.backends import cupy_backend
-
-    monkeypatch.setattr(cupy_backend, "plan_one_launch_blocks", lambda verify_capacity, spare=0, per_sm=1: 1)
+    launch_policy(one_launch_blocks=1)
     for seed in range(60):
         case = _fused_case(seed)
         assert_same(run_case(NUMPY, case, step="decode"), run_case(ab, case, step="fused"), context=f"seed {seed}")
 
 
 @pytest.mark.parametrize("backend", ["cupy", "torch_cuda"])
-def test_gpu_batches_past_one_launch_take_plan_then_verify(backend, monkeypatch):
-    """Past PLAN_FUSED_MAX_ROWS requests (lowered to 5 here) plan_and_verify takes plan + verify:
+def test_gpu_batches_past_one_launch_take_plan_then_verify(backend, launch_policy):
+    """Past plan_fused_max_rows requests (lowered to 5 here) plan_and_verify takes plan + verify:
     the plan (plan_small for these 9 requests) stores the entries in out[0], which must hold
     verify_capacity of them, and the verify reads them; the same bytes."""
     ab = get_backend_or_skip(backend)
-    from kvcanary_cupy.backends import cupy_backend
-
-    monkeypatch.setattr(cupy_backend, "PLAN_FUSED_MAX_ROWS", 5)
+    launch_policy(plan_fused_max_rows=5)
     d = decode_step(bs=9)
     bad = d["canary"].copy()
     bad[int(d["rtt"][4, 1]), 0] ^= 3  # a changed token breaks its successor's chain
@@ -287,19 +283,19 @@ def test_gpu_batches_past_one_launch_take_plan_then_verify(backend, monkeypatch)
 
 @pytest.mark.parametrize("bs", [0, 5, 32, 33, 256, 4096, 4097])
 def test_launches_follow_the_plan_paths_on_a_fake_device(bs):
-    """Up to PLAN_FUSED_MAX_ROWS requests: one launch of plan_verify with plan_fused's grid for the
+    """Up to plan_fused_max_rows requests: one launch of plan_verify with plan_fused's grid for the
     verify capacity (plan_small's batches too: the fused step always scans block-wide; up to two
     blocks per SM where plan_fused takes one, below) and the capacity in its outputs; past it:
     exactly plan's launches then verify's, over out[0]'s entries."""
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import fake_device
-    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.backends.cuda import abi, configs
 
     rtt = np.arange(1, 3 * bs + 4, dtype=np.int32).reshape(bs + 1, 3)
     prefix, extend = np.full(bs, 2, np.int64), np.ones(bs, np.int64)
     vcap = 2 * bs
-    stores = cb.plan_verify_stores_entries(bs)
-    assert stores == (bs > cb.PLAN_FUSED_MAX_ROWS)
+    stores = configs.plan_verify_stores_entries(bs)
+    assert stores == (bs > configs.policy().plan_fused_max_rows)
     with fake_device() as dev:
         a = dev.asarray
         args = (a(np.arange(1, bs + 1, dtype=np.int64)), a(prefix), a(extend), a(rtt))
@@ -310,15 +306,15 @@ def test_launches_follow_the_plan_paths_on_a_fake_device(bs):
         vp, _ = kc.plan(*args, verify_capacity=vcap, out=out if stores else (kc.VerifyPlan.allocate(vcap, like=canary), out[1]))
         kc.verify(canary, vp, log=log)
         unfused = list(dev.launches)
-        grid = (cb.plan_one_launch_blocks(vcap, per_sm=cb.plan_verify_blocks_per_sm(bs, vcap)),)  # the fake device's SMs
+        grid = (configs.plan_one_launch_blocks(vcap, per_sm=configs.plan_verify_blocks_per_sm(bs, vcap)),)  # the fake device's SMs
     if stores:
         assert fused == unfused
         return
     (launch,) = fused
-    assert launch.name.startswith("kvcanary::plan_verify<") and launch.block == (cb.PLAN_THREADS,)
+    assert launch.name.startswith("kvcanary::plan_verify<") and launch.block == (abi.PLAN_THREADS,)
     assert launch.grid == grid
-    assert np.frombuffer(launch.args[1], cb.PLAN_OUTPUTS)["verify_capacity"][0] == vcap
-    if bs > cb.PLAN_SMALL_MAX_ROWS:  # the same grid as plan_fused's
+    assert np.frombuffer(launch.args[1], abi.PLAN_OUTPUTS)["verify_capacity"][0] == vcap
+    if bs > abi.PLAN_SMALL_MAX_ROWS:  # the same grid as plan_fused's
         assert launch.grid == unfused[0].grid and unfused[0].name.startswith("kvcanary::plan_fused<")
 
 
@@ -328,26 +324,26 @@ def test_small_batches_run_two_blocks_per_sm(monkeypatch):
     bounds let an SM hold two), else one per SM (every block scans every row), with the scan's
     shared arrays for the batch."""
     pytest.importorskip("cupy")
-    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.backends.cuda import abi, configs, device as cuda_device
     from kvcanary_cupy.tables import TableKind
 
-    monkeypatch.setattr(cb.cuda_device, "current_id", lambda: 0)
-    monkeypatch.setattr(cb.cuda_device, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(cuda_device, "current_id", lambda: 0)
+    monkeypatch.setattr(cuda_device, "sm_count", lambda device_id: 132)
 
     def config(bs, capacity):
-        family, name, config = cb.plan_verify_kernel(TableKind.REQ_TO_TOKEN, bs, capacity, False, False, False, False)
+        family, name, config = configs.plan_verify_kernel(TableKind.REQ_TO_TOKEN, bs, capacity, False, False, False, False)
         assert (family, name) == ("step_req_to_token", "kvcanary::plan_verify<0, false, false, false, false>")
         return config
 
-    threads, per_row = cb.PLAN_THREADS, cb.PLAN_VERIFY_PACKED_MIN_ENTRIES_PER_ROW
-    assert (cb.PLAN_VERIFY_BLOCKS_PER_SM, per_row) == (2, 1024)
-    assert config(0, 0) == cb.LaunchConfig(1, threads, 16)
-    assert config(256, 100 * threads) == cb.LaunchConfig(100, threads, 257 * 16)
-    assert config(256, 524_288) == cb.LaunchConfig(264, threads, 257 * 16)  # W1's 256 decodes of ~2,048 tokens
-    assert config(256, 256 * per_row - 1) == cb.LaunchConfig(132, threads, 257 * 16)
-    assert config(4096, 4096 * per_row) == cb.LaunchConfig(264, threads, 4097 * 16)
-    assert config(4096, 557_056) == cb.LaunchConfig(132, threads, 4097 * 16)  # W5's 4,096 decodes of ~136 tokens
-    assert [cb.plan_verify_blocks_per_sm(bs, cap) for bs, cap in ((0, 0), (0, per_row), (1, per_row - 1), (1, per_row),
+    threads, per_row = abi.PLAN_THREADS, configs.policy().plan_verify_packed_min_entries_per_row
+    assert (abi.PLAN_VERIFY_BLOCKS_PER_SM, per_row) == (2, 1024)
+    assert config(0, 0) == configs.LaunchConfig(1, threads, 16)
+    assert config(256, 100 * threads) == configs.LaunchConfig(100, threads, 257 * 16)
+    assert config(256, 524_288) == configs.LaunchConfig(264, threads, 257 * 16)  # W1's 256 decodes of ~2,048 tokens
+    assert config(256, 256 * per_row - 1) == configs.LaunchConfig(132, threads, 257 * 16)
+    assert config(4096, 4096 * per_row) == configs.LaunchConfig(264, threads, 4097 * 16)
+    assert config(4096, 557_056) == configs.LaunchConfig(132, threads, 4097 * 16)  # W5's 4,096 decodes of ~136 tokens
+    assert [configs.plan_verify_blocks_per_sm(bs, cap) for bs, cap in ((0, 0), (0, per_row), (1, per_row - 1), (1, per_row),
                                                                   (32, 32 * 512), (4096, 10**9))] == [1, 2, 1, 2, 1, 2]
 
 

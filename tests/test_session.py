@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.session import violations
 from conftest import get_backend_or_skip
 from session_engine import ToyEngine, token_id
 
@@ -147,7 +148,7 @@ def test_a_slot_read_by_two_batch_rows_names_both(ab):
 
 
 def test_many_new_violations_log_a_summary_and_past_the_cap_are_counted(monkeypatch, caplog):
-    monkeypatch.setattr(kc.session, "MAX_DISTINCT_VIOLATIONS", 6)
+    monkeypatch.setattr(violations, "MAX_DISTINCT_VIOLATIONS", 6)
     caplog.set_level(logging.WARNING, logger="kvcanary_cupy")
     engine = ToyEngine()
     session = make_session(NUMPY, engine, ring_capacity=8, on_violation="log")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from kvcanary_cupy.session import violations
 from conftest import get_backend_or_skip
 from session_engine import ToyEngine
 from test_session import HEAD, REAL_KV, SWEEP, TAIL, make_session, run_step, sync
@@ -127,7 +128,7 @@ def test_an_interrupted_staging_leaks_no_record(ab, monkeypatch):
 def test_an_interrupted_decoding_keeps_counts_exact(ab, monkeypatch):
     want = _summary(_fault_run(ab, make_session(ab, ToyEngine(), on_violation="ignore")))
     session = make_session(ab, ToyEngine(), on_violation="ignore")
-    attribute = kc.session._attribute
+    attribute = violations._attribute
     calls = []
 
     def interrupted(*args):
@@ -136,7 +137,7 @@ def test_an_interrupted_decoding_keeps_counts_exact(ab, monkeypatch):
             raise _Injected("interrupt")
         return attribute(*args)
 
-    monkeypatch.setattr(kc.session, "_attribute", interrupted)
+    monkeypatch.setattr(violations, "_attribute", interrupted)
     got = _summary(_fault_run(ab, session))
     assert len(calls) > 4
     assert got == want
@@ -181,7 +182,7 @@ def test_report_and_stats_from_a_second_thread_while_the_loop_runs():
 
 
 def test_a_new_fault_after_the_distinct_table_filled_still_reaches_the_policy(ab, monkeypatch):
-    monkeypatch.setattr(kc.session, "MAX_DISTINCT_VIOLATIONS", 20)
+    monkeypatch.setattr(violations, "MAX_DISTINCT_VIOLATIONS", 20)
     received = []
     engine = ToyEngine(max_len=64)
     session = make_session(ab, engine, ring_capacity=64, on_violation=received.append)

@@ -83,8 +83,7 @@ def test_end_step_launches_the_bound_staging_and_creates_nothing():
     """Every end_step launches session_stage and session_attribute with the parameters packed in the
     constructor (only the stamp and the record's address change) and creates no array, event,
     stream, parameter record or kernel handle."""
-    from kvcanary_cupy import jit
-    from kvcanary_cupy.backends import cupy_backend
+    from kvcanary_cupy.backends.cuda import abi, compile as cuda_compile, ops as cuda_ops
 
     # The counting patches wrap the fake device's own patches, so they must be undone inside its
     # block: undone after it, they would restore the fake (cupy.cuda.Stream...) for later tests.
@@ -104,8 +103,8 @@ def test_end_step_launches_the_bound_staging_and_creates_nothing():
 
         for module, names in ((np, ("zeros", "empty", "full", "array", "ascontiguousarray")),
                               (cupy, ("empty", "full", "zeros", "asarray")), (cupyx, ("empty_pinned",)),
-                              (cupy.cuda, ("Event", "Stream")), (cupy_backend, ("kernel_arguments", "get_function")),
-                              (jit, ("get_function",))):
+                              (cupy.cuda, ("Event", "Stream")), (cuda_ops, ("kernel_arguments", "get_function")),
+                              (cuda_compile, ("get_function",))):
             for name in names:
                 counting(module, name)
         dev.launches.clear()
@@ -122,7 +121,7 @@ def test_end_step_launches_the_bound_staging_and_creates_nothing():
     used = set()
     for k, (stage, attribute) in enumerate(zip(dev.launches[::2], dev.launches[1::2])):
         assert attribute.args == stage.args[:1]  # the same SessionStage
-        s = np.frombuffer(stage.args[0], cupy_backend.SESSION_STAGE)[0]
+        s = np.frombuffer(stage.args[0], abi.SESSION_STAGE)[0]
         assert int(np.frombuffer(stage.args[1], np.int64)[0]) == k + 1  # the stamp
         assert {f: int(s[f]) for f in ("ring", "write_index", "violation_counters", "kernel_run_counters")} == {
             f: log_ptrs[f] for f in ("ring", "write_index", "violation_counters", "kernel_run_counters")}

@@ -334,9 +334,9 @@ def test_version_and_help_show_the_defaults(capsys):
 
 def test_warmup_without_a_gpu_raises_one_line(monkeypatch):
     pytest.importorskip("cupy")
-    from kvcanary_cupy import jit
+    from kvcanary_cupy.backends.cuda import compile as cuda_compile
 
-    monkeypatch.setattr(jit, "cuda_unavailable_reason", lambda: "no CUDA GPU found (test)")
+    monkeypatch.setattr(cuda_compile, "cuda_unavailable_reason", lambda: "no CUDA GPU found (test)")
     with pytest.raises(RuntimeError) as info:
         kvcanary_cupy.warmup()
     assert str(info.value) == "kv-canary warmup: no CUDA GPU found (test)" and info.value.__cause__ is None

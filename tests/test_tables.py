@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from kvcanary_cupy import jit
+from kvcanary_cupy.backends.cuda import abi
 from canary_builders import (
     INT64_MAX,
     assert_plan_equals_oracle,
@@ -407,7 +407,7 @@ def test_strided_inputs_plan_as_contiguous_ones(ab):
 @pytest.mark.parametrize("page_size", [1, 2, 3, 5, 7, 16, 48, 1000, 2**20 + 1, 2**31 - 1])
 def test_page_division_is_exact_below_2_62(page_size):
     """The kernels divide positions (< 2**62) by the page size with a shift or a multiply-high."""
-    from kvcanary_cupy.backends.cupy_backend import page_division
+    from kvcanary_cupy.backends.cuda.configs import page_division
 
     shift, magic, magic_shift = page_division(page_size)
     rng = np.random.default_rng(page_size)
@@ -425,12 +425,12 @@ def test_page_division_is_exact_below_2_62(page_size):
 # ---- the narrow and the general layouts of block and page tables ------------------------------------------
 
 
-L = jit.TableLayout
+L = abi.TableLayout
 BIG_PAGE = 2**30  # rows of 1 and 2 such pages: 2**30 and 2**31 tokens, the second past the narrow layout's bound
 _BT = np.array([[5, 0, 7, -(2**31)], [2**31 - 1, 3, 0, 1]])
 _INDICES = np.array([9, -3, 2**31 - 1, 0, 4])
 
-LAYOUT_CASES = {  # name: (table, req_pool_indices, prefix_lens, swa_window_size, the layout cupy_backend picks)
+LAYOUT_CASES = {  # name: (table, req_pool_indices, prefix_lens, swa_window_size, the layout configs.table_layout picks)
     "block int32, size 4": (dict(block_table=_BT.astype(I32), block_size=4), [1, 0, 2, -1], [16, 9, 3, 4], 0, L.BLOCK_NARROW),
     "block int32, null block int32 min": (dict(block_table=_BT.astype(I32), block_size=4, null_block=-(2**31)), [0, 1],
                                           [16, 17], 0, L.BLOCK_NARROW),
@@ -490,18 +490,18 @@ LAYOUT_BOUNDS = [  # (kind, row_tokens, page_size, null_block, int64 ids, int64 
 
 @pytest.mark.parametrize("args, layout", LAYOUT_BOUNDS)
 def test_the_layout_choice_at_its_bounds(args, layout):
-    """cupy_backend.table_layout: the narrow layout takes a block table of int32 ids, a power-of-two
+    """configs.table_layout: the narrow layout takes a block table of int32 ids, a power-of-two
     block size, an int32 null block and rows of at most 2**31 - 1 tokens, and a CSR table of int32
     kv_indptr and kv_indices, a power-of-two page size and at most 2**31 - 1 tokens of kv_indices;
     any other table, and every req_to_token, its kind's general layout.  narrow_layout, which a
     planner keeps per table shape, gives the same."""
-    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.backends.cuda import configs
 
     kind, row_tokens, *shape = args
-    assert cb.table_layout(*args) == layout
-    max_row_tokens, narrow = cb.narrow_layout(kind, *shape)
+    assert configs.table_layout(*args) == layout
+    max_row_tokens, narrow = configs.narrow_layout(kind, *shape)
     assert (narrow if row_tokens <= max_row_tokens else kind) == layout
-    assert narrow in (kind, kind | jit.TABLE_NARROW) and (max_row_tokens < 0) == (narrow == kind)
+    assert narrow in (kind, kind | abi.TABLE_NARROW) and (max_row_tokens < 0) == (narrow == kind)
 
 
 def _table_slot(t, r, rp, p):
@@ -527,15 +527,15 @@ def _table_row(t, r, rp):
 def _layouts_launched(monkeypatch) -> list:
     """The table layouts the CuPy backend plans through from now on, one per plan (plan_kernels or
     plan_verify_kernel: the free functions, a planner and plan_and_verify alike)."""
-    from kvcanary_cupy.backends import cupy_backend as cb
+    from kvcanary_cupy.backends.cuda import ops as cuda_ops
 
     seen = []
     for name in ("plan_kernels", "plan_verify_kernel"):
-        def spy(layout, *args, _choose=getattr(cb, name)):
+        def spy(layout, *args, _choose=getattr(cuda_ops, name)):
             seen.append(L(layout))
             return _choose(layout, *args)
 
-        monkeypatch.setattr(cb, name, spy)
+        monkeypatch.setattr(cuda_ops, name, spy)
     return seen
 
 

@@ -645,13 +645,13 @@ def test_random_out_of_range_values_match_oracle(ab, seed):
     (10**6, 1, 132 * 16),  # never more than the resident warps
     (10**6, 4, 132 * 16),
 ])
-def test_write_grid(monkeypatch, capacity, buffers, blocks):
+def test_write_grid(monkeypatch, launch_policy, capacity, buffers, blocks):
     """The write grid on a 132-SM device holding 16 write blocks per SM: a warp per request up to one
     per warp scheduler, then a warp per 32 requests, for each canary buffer."""
-    from kvcanary_cupy.backends import cupy_backend
+    from kvcanary_cupy.backends.cuda import abi, configs, device as cuda_device
 
-    monkeypatch.setattr(cupy_backend.cuda_device, "current_id", lambda: 0)
-    monkeypatch.setattr(cupy_backend.cuda_device, "sm_count", lambda device_id: 132)
-    monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block: 16)
-    config = cupy_backend.write_config("kvcanary::canary_write<1, false, false>", capacity, buffers)
-    assert config == cupy_backend.LaunchConfig(blocks, cupy_backend.WRITE_THREADS)
+    monkeypatch.setattr(cuda_device, "current_id", lambda: 0)
+    monkeypatch.setattr(cuda_device, "sm_count", lambda device_id: 132)
+    launch_policy(resident_blocks=16)
+    config = configs.write_config("kvcanary::canary_write<1, false, false>", capacity, buffers)
+    assert config == configs.LaunchConfig(blocks, abi.WRITE_THREADS)

@@ -17,7 +17,7 @@ from ..args import (ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_ENTRY
 
 
 class Backend(Protocol):
-    """What a backend module provides (numpy_backend, the reference, and cupy_backend)."""
+    """What a backend module provides (numpy_backend, the reference, and cuda.ops)."""
 
     def plan(self, a: PlanArgs) -> None: ...
 
@@ -43,6 +43,6 @@ def get_backend(name: str) -> Backend:
         from . import numpy_backend
 
         return numpy_backend
-    from . import cupy_backend
+    from .cuda import ops
 
-    return cupy_backend
+    return ops

@@ -1,6 +1,6 @@
 """Checks of the kernels against their Python side, without a GPU (dev tooling, not imported at run time).
 
-The ABI: every struct a kernel takes by value has a NumPy mirror in ``backends/cupy_backend.py``;
+The ABI: every struct a kernel takes by value has a NumPy mirror in ``backends/cuda/abi.py``;
 :func:`struct_asserts` pins its size and member widths as C++ ``static_assert`` lines and
 :func:`struct_offsets_differ` reads its member offsets back from the PTX of a probe kernel.
 The compile check: :func:`compile_check` compiles each kernel family with NVRTC as ``RawModule``
@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import jit
-from ..backends.cupy_backend import (CANARY_BUFFER, CANARY_TARGETS, LAUNCH_LOG, PLAN_INPUTS, PLAN_OUTPUTS, REAL_KV_SOURCES,
-                                     SESSION_STAGE, WRITE_INPUTS)
+from ..backends.cuda import compile as cuda_compile
+from ..backends.cuda.abi import (CANARY_BUFFER, CANARY_TARGETS, LAUNCH_LOG, PLAN_INPUTS, PLAN_OUTPUTS, REAL_KV_SOURCES,
+                                 SESSION_STAGE, WRITE_INPUTS)
 from ..interop import import_cupy
 from ..tables import TableKind
 
@@ -34,8 +34,8 @@ KERNEL_STRUCTS = {
     "CanaryTargets": (CANARY_TARGETS, "verify"),
     "LaunchLog": (LAUNCH_LOG, "verify"),
     "WriteInputs": (WRITE_INPUTS, "write"),
-    "PlanInputs": (PLAN_INPUTS, jit.plan_family(TableKind.REQ_TO_TOKEN)),
-    "PlanOutputs": (PLAN_OUTPUTS, jit.plan_family(TableKind.REQ_TO_TOKEN)),
+    "PlanInputs": (PLAN_INPUTS, cuda_compile.plan_family(TableKind.REQ_TO_TOKEN)),
+    "PlanOutputs": (PLAN_OUTPUTS, cuda_compile.plan_family(TableKind.REQ_TO_TOKEN)),
     "SessionStage": (SESSION_STAGE, "session"),
 }
 
@@ -88,7 +88,7 @@ def _nvrtc_options(arch: str) -> list:
     """The options RawModule compiles with (CuPy's include paths and flags) for ``arch``."""
     from cupy._core import core  # private: the include paths CuPy adds for RawModule
 
-    return list(core.assemble_cupy_compiler_options(jit.NVRTC_OPTIONS)) + [
+    return list(core.assemble_cupy_compiler_options(cuda_compile.NVRTC_OPTIONS)) + [
         "-ftz=true", f"-arch={arch}", "--device-as-default-execution-space"]
 
 
@@ -104,12 +104,12 @@ def ptx_stored_constants(family: str, extra_source: str, kernel: str, arch: str 
     """
     nvrtc = _nvrtc()
     options = _nvrtc_options(arch.replace("sm_", "compute_"))
-    prog = nvrtc.createProgram(jit.family_source(family) + extra_source, jit.FAMILIES[family].filename, [], [])
+    prog = nvrtc.createProgram(cuda_compile.family_source(family) + extra_source, cuda_compile.FAMILIES[family].filename, [], [])
     try:
         try:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"kv-canary: {jit.FAMILIES[family].filename} failed to compile for {arch}:\n{nvrtc.getProgramLog(prog)}") from exc
+            raise RuntimeError(f"kv-canary: {cuda_compile.FAMILIES[family].filename} failed to compile for {arch}:\n{nvrtc.getProgramLog(prog)}") from exc
         ptx = nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
@@ -141,11 +141,11 @@ def compile_check(arch: str = "sm_90", family: str | None = None, extra_source: 
     nvrtc = _nvrtc()
     cache_dir = _compile_cache_dir()
     sizes = {}
-    for fam in [family] if family else jit.FAMILIES:
+    for fam in [family] if family else cuda_compile.FAMILIES:
         options = _nvrtc_options(arch) + ["--ptxas-options=-v"]
-        filename = jit.FAMILIES[fam].filename
-        source = jit.family_source(fam) + extra_source
-        exprs = jit.FAMILIES[fam].instantiations()
+        filename = cuda_compile.FAMILIES[fam].filename
+        source = cuda_compile.family_source(fam) + extra_source
+        exprs = cuda_compile.FAMILIES[fam].instantiations()
         key = hashlib.sha256("\0".join([source, *options, *exprs, repr(nvrtc.getVersion())]).encode()).hexdigest()
         path = os.path.join(cache_dir, f"{fam}-{arch}-{key[:32]}.json") if cache_dir else None
         if path and os.path.exists(path):

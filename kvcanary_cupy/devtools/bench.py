@@ -456,21 +456,18 @@ extern "C" __global__ void two_chain_floor(long long n, unsigned long long* out)
 
 
 def _legacy_grids():
-    """Patch the persistent grids back to 8 blocks per SM (the launches read it at call time)."""
-    from unittest import mock
+    """The persistent grids back at 8 blocks per SM (the launches read the policy at call time)."""
+    from ..backends.cuda import configs
 
-    from ..backends import cupy_backend
-
-    return mock.patch.object(cupy_backend, "resident_blocks_per_sm", lambda *args: LEGACY_BLOCKS_PER_SM)
+    return configs.overridden(resident_blocks=LEGACY_BLOCKS_PER_SM)
 
 
 def detail_rows(cupy, names, rows: list):
     """verify and write in detail: grids sized by occupancy against 8 blocks per SM, a verify in
     which every entry fails, two buffers in one launch, and the floors of the gather and the chain."""
-    from .. import jit
-    from ..backends import cupy_backend
+    from ..backends.cuda import compile as cuda_compile, configs
 
-    module = cupy.RawModule(code=jit._read("canary_common.cuh") + REFERENCE_KERNELS, options=jit.NVRTC_OPTIONS)
+    module = cupy.RawModule(code=cuda_compile._read("canary_common.cuh") + REFERENCE_KERNELS, options=cuda_compile.NVRTC_OPTIONS)
     gather, chain = module.get_function("gather_floor"), module.get_function("chain_floor")
     two_chains, lane_chain = module.get_function("two_chain_floor"), module.get_function("lane_chain_floor")
     out = cupy.zeros(2, cupy.int64)
@@ -509,7 +506,7 @@ def detail_rows(cupy, names, rows: list):
             timed["write[chain floor]"] = lambda: chain((1,), (1,), (per_request, out))
             timed["write[lane chain floor]"] = lambda: lane_chain((1,), (1,), (per_request, out))
             timed["write[2-chain floor]"] = lambda: two_chains((1,), (1,), (per_request, out))
-        if d["bs"] > cupy_backend.PLAN_FUSED_MAX_ROWS:
+        if d["bs"] > configs.policy().plan_fused_max_rows:
             timed["plan"] = ops["plan"]
             timed["plan[grid 8/SM]"] = ("legacy", ops["plan"])
         against = {"verify[grid 8/SM]": "verify", "verify[all entries fail]": "verify", "verify[2 buffers]": "verify",
@@ -546,12 +543,12 @@ STEP_WORKLOADS = ("W1", "W3", "W4", "W5")  # W5: the largest batch of one launch
 def step_calls(cupy, d) -> dict:
     """A decode step's calls on fixed buffers of their own: the plan, plan_and_verify (+ write) and
     plan + verify (+ write); checked to verify clean."""
-    from ..backends import cupy_backend
+    from ..backends.cuda import configs
 
     ops = gpu_ops(cupy, d)
     vcap = d["total_verify"]
     log = kc.ViolationLog.allocate(1024, like=d["rp"])
-    stored = cupy_backend.plan_verify_stores_entries(d["bs"])  # plan_and_verify takes plan + verify
+    stored = configs.plan_verify_stores_entries(d["bs"])  # plan_and_verify takes plan + verify
     out = (kc.VerifyPlan.allocate(vcap if stored else 0, like=d["rp"]), kc.WritePlan.allocate(d["bs"], like=d["rp"]))
     inputs = (d["rp"], d["prefix"], d["extend"], d["rtt"])
 
@@ -581,7 +578,7 @@ def step_rows(cupy, names, rows: list):
     """A whole decode step, device us: plan_and_verify + write (2 launches, the verify entries
     never stored) against plan + verify + write (3 launches), and plan_and_verify alone against
     plan + verify; SGLang's plan + verify + write for reference."""
-    from ..backends import cupy_backend
+    from ..backends.cuda import configs
 
     lines = [
         "fused decode step: device us per step (graph of 50 steps); target: W1 plan_and_verify + write <= "
@@ -591,7 +588,7 @@ def step_rows(cupy, names, rows: list):
     for key in names:
         d = build(WORKLOADS[key], cupy)
         calls = step_calls(cupy, d)
-        stored = cupy_backend.plan_verify_stores_entries(d["bs"])
+        stored = configs.plan_verify_stores_entries(d["bs"])
         sglang = [SGLANG_US.get((key, op)) for op in ("plan", "verify", "write")]
         sglang = sum(sglang) if None not in sglang else None
         for op, ref, theirs in (("plan_and_verify + write", "plan + verify + write", sglang),
@@ -603,7 +600,7 @@ def step_rows(cupy, names, rows: list):
             lines.append(f"{WORKLOADS[key].name:<16} {op:<28} {us:>10.2f} {ref_us:>11.2f} {us / ref_us:>10.2f} "
                          f"{_cell(target and us / target, '9.2f')} {_cell(theirs, '10.1f')}{' (stored)' if stored else ''}")
     lines.append("(unfused: plan + verify + write, resp. plan + verify; SGLang: its plan + verify + write; stored: past "
-                 f"{cupy_backend.PLAN_FUSED_MAX_ROWS:,} requests plan_and_verify stores the entries and takes plan + verify)")
+                 f"{configs.policy().plan_fused_max_rows:,} requests plan_and_verify stores the entries and takes plan + verify)")
     return lines
 
 

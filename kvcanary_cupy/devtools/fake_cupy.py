@@ -102,7 +102,7 @@ class FakeDevice:
     ``emulated``: kernel name -> a function of the launch's argument bytes run at the launch
     (needs ``record_bytes``); ``on_copy``: a function of ``(dst, src, nbytes)`` run after each
     copy (a stand-in for what the device would have written).  Kernels are loaded through the
-    library's own ``jit.get_function`` (a fake module per family, a cache of this device's own);
+    library's own ``compile.get_function`` (a fake module per family, a cache of this device's own);
     ``attributes_set`` lists each kernel attribute the driver was asked to set, as ``(kernel,
     attribute, value, whether the current stream was capturing)``.  ``overlap``: the device is an
     sm_90 one whose driver (version ``driver_version``, 13.0 unless set) has cuLaunchKernelEx, so
@@ -113,7 +113,6 @@ class FakeDevice:
     SM_COUNT = 132
     SHARED_MEM_OPTIN = 232_448  # an H200's MaxSharedMemoryPerBlockOptin
     STATIC_SHARED_MEM = 2_000  # every kernel's static shared memory, bytes
-    PLAN_SCAN_MAX_ROWS = 14_400  # an H200's opt-in shared memory in pairs of int64 offsets
 
     def __init__(self, record_bytes: bool = True, overlap: bool = False):
         import cupy
@@ -174,8 +173,8 @@ class FakeDevice:
         return np.frombuffer(bytes(buf), x.dtype).reshape(x.shape)
 
     def install(self, monkeypatch) -> None:
-        from kvcanary_cupy import interop, jit
-        from kvcanary_cupy.backends import cupy_backend
+        from kvcanary_cupy import runtime
+        from kvcanary_cupy.backends.cuda import compile, device as cuda_device, launch, params
 
         device = self
 
@@ -241,18 +240,18 @@ class FakeDevice:
         monkeypatch.setattr(self.cupy.cuda.runtime, "getDevice", lambda: 0)
         monkeypatch.setattr(self.cupy.cuda.runtime, "getDeviceCount", lambda: 1)  # warmup asks first
         monkeypatch.setattr(self.cupy.cuda.runtime, "driverGetVersion", lambda: self.driver_version)
-        monkeypatch.setattr(interop, "is_capturing", lambda placement: False)  # no stream to ask
-        monkeypatch.setattr(jit, "_compile", lambda family: RawModule())
-        monkeypatch.setattr(jit, "_functions", {})
+        monkeypatch.setattr(runtime, "is_capturing", lambda placement: False)  # no stream to ask
+        monkeypatch.setattr(compile, "_compile", lambda family: RawModule())
+        monkeypatch.setattr(compile, "_functions", {})
         monkeypatch.setattr(self.cupy.cuda.driver, "funcSetAttribute", set_attribute)
         monkeypatch.setattr(self.cupy.cuda.driver, "funcGetAttribute", get_attribute)
-        monkeypatch.setattr(cupy_backend.cuda_device, "sm_count", lambda device_id: FakeDevice.SM_COUNT)
-        monkeypatch.setattr(cupy_backend, "resident_blocks_per_sm", lambda device_id, family, name, block: 4)
-        monkeypatch.setattr(cupy_backend, "plan_scan_max_rows", lambda device_id: FakeDevice.PLAN_SCAN_MAX_ROWS)
-        overlap = cupy_backend.launch_overlap
+        monkeypatch.setattr(cuda_device, "sm_count", lambda device_id: FakeDevice.SM_COUNT)
+        monkeypatch.setattr(cuda_device, "shared_mem_optin", lambda device_id: FakeDevice.SHARED_MEM_OPTIN)
+        monkeypatch.setattr(cuda_device, "max_active_blocks_per_sm", lambda fn, block: 4)
+        overlap = launch
         monkeypatch.setattr(overlap, "supported", functools.lru_cache(maxsize=None)(overlap.supported.__wrapped__))
         field_sizes = {}  # address -> size of each parameter record field the library handed out
-        record_addresses = cupy_backend.record_addresses
+        record_addresses = launch.record_addresses
 
         def sized_record_addresses(params):
             addresses = record_addresses(params)
@@ -272,10 +271,10 @@ class FakeDevice:
                                c.sharedMemBytes)
             return 0
 
-        monkeypatch.setattr(cupy_backend, "record_addresses", sized_record_addresses)
+        monkeypatch.setattr(launch, "record_addresses", sized_record_addresses)
         monkeypatch.setattr(overlap, "driver_launch", lambda: launch_kernel_ex if self.overlap else None)
         if self.record_bytes:  # the arguments as one-element NumPy views, whose bytes can be read back
-            monkeypatch.setattr(cupy_backend, "_CPointer", None)
+            monkeypatch.setattr(params, "_CPointer", None)
 
 
 def host_view(ptr: int, dtype, count: int) -> np.ndarray:
@@ -287,7 +286,7 @@ def host_view(ptr: int, dtype, count: int) -> np.ndarray:
 def _session_stage_on_host(args) -> None:
     from kvcanary_cupy.args import LogViews, StageArgs, StageLayout
     from kvcanary_cupy.backends import numpy_backend
-    from kvcanary_cupy.backends.cupy_backend import SESSION_STAGE
+    from kvcanary_cupy.backends.cuda.abi import SESSION_STAGE
     from kvcanary_cupy.constants import VIOLATION_FIELDS
 
     s = np.frombuffer(args[0], SESSION_STAGE)[0]

@@ -1,7 +1,8 @@
 """Every query the GPU side makes of the CUDA device, in one place: the seam a fake device replaces.
 
-Only the SM count is cached here (it never changes for a device); the launch policy caches what
-it derives from these answers itself.
+The SM count and the opt-in shared memory are cached here (they never change for a device; CuPy
+reads every attribute of the device to answer one); the launch policy caches occupancies per loaded
+kernel, so a fake device's kernels never see a real one's answers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def sm_count(device_id: int) -> int:
     return import_cupy().cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
+@functools.lru_cache(maxsize=None)
 def shared_mem_optin(device_id: int) -> int:
     """The most shared memory (bytes) one block of ``device_id`` may opt into."""
     return import_cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]

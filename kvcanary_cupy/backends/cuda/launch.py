@@ -13,6 +13,9 @@ programmatic edge).
 
 ``KVCANARY_LAUNCH_OVERLAP=0`` in the environment (read once per process and device) launches
 plainly through CuPy everywhere.
+
+:class:`BoundLaunch` makes the overlapped-or-plain decision for both roads: a bound launcher
+keeps one per parameter record, a free function builds one per call (:func:`launch_record`).
 """
 
 from __future__ import annotations
@@ -22,28 +25,16 @@ import ctypes
 import functools
 import os
 
+from ...interop import import_cupy
+from ...runtime import wrapped_torch_stream
 from . import device
+from .abi import PROGRAMMATIC_STREAM_SERIALIZATION, CuLaunchAttribute, CuLaunchConfig
+from .compile import get_function
+from .params import KernelLaunch, kernel_arguments, record_addresses
 
 LAUNCH_OVERLAP_ENV = "KVCANARY_LAUNCH_OVERLAP"
 MIN_COMPUTE_CAPABILITY = 90  # griddepcontrol (PTX ISA 7.8) and the launch attribute: sm_90 and later
 MIN_DRIVER_VERSION = 12030  # CUDA 12.3, whose graphs first keep a captured launch's programmatic edge
-PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
-
-
-class LaunchAttribute(ctypes.Structure):
-    """cuda.h's ``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union (of which
-    this attribute reads the first int)."""
-
-    _fields_ = [("id", ctypes.c_uint), ("_pad", ctypes.c_ubyte * 4), ("value", ctypes.c_int), ("_rest", ctypes.c_ubyte * 60)]
-
-
-class LaunchConfig(ctypes.Structure):
-    """cuda.h's ``CUlaunchConfig`` (ctypes pads ``hStream`` to its 8-byte alignment, as C does)."""
-
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,8 +67,8 @@ def supported(device_id: int) -> bool:
             and driver_launch() is not None)
 
 
-# plain_launches blocks entered and not left.  Bound launchers read it at every launch (an
-# attribute read: no call on their per-step path) beside supported(), asked once when bound.
+# plain_launches blocks entered and not left, read at every launch beside supported() (asked once
+# per BoundLaunch).
 plain_depth = 0
 
 
@@ -114,8 +105,8 @@ class OverlappedLaunch:
     __slots__ = ("_attribute", "_config", "_config_ref", "_function", "_arguments")
 
     def __init__(self, function_ptr: int, grid: int, block: int, shared_mem: int, argument_addresses):
-        self._attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        self._config = LaunchConfig(grid, 1, 1, block, 1, 1, shared_mem, None, ctypes.pointer(self._attribute), 1)
+        self._attribute = CuLaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self._config = CuLaunchConfig(grid, 1, 1, block, 1, 1, shared_mem, None, ctypes.pointer(self._attribute), 1)
         self._config_ref = ctypes.pointer(self._config)
         self._function = ctypes.c_void_p(function_ptr)
         self._arguments = (ctypes.c_void_p * len(argument_addresses))(*argument_addresses)
@@ -126,3 +117,48 @@ class OverlappedLaunch:
         if status != 0:
             raise RuntimeError(f"kv-canary: cuLaunchKernelEx failed with {_error_name(status)} "
                                f"(set {LAUNCH_OVERLAP_ENV}=0 to launch through CuPy instead)")
+
+
+class BoundLaunch:
+    """The launches of one parameter record on one device, on the caller's stream: torch's current
+    one when ``torch_stream`` (a function returning its raw handle) is given, else CuPy's; behind
+    it on ``side`` (a :class:`~kvcanary_cupy.runtime.SideStream`) when given.  Overlapping the work
+    before it where the device allows, else through CuPy.  ``params`` must stay alive and in place
+    while this is used: the launches read the arguments at its field addresses."""
+
+    __slots__ = ("params", "arguments", "device", "_torch_stream", "_side", "_supported", "_overlapped", "_get_device")
+
+    def __init__(self, params, device_id: int, torch_stream=None, side=None):
+        self.params, self.device = params, device_id
+        self.arguments = kernel_arguments(params)
+        self._torch_stream, self._side = torch_stream, side
+        self._supported = supported(device_id)  # fixed per process and device
+        self._overlapped = {}  # (function, grid, block, shared_mem) -> its OverlappedLaunch
+        self._get_device = import_cupy().cuda.runtime.getDevice
+
+    def __call__(self, fn, grid: tuple, block: tuple, shared_mem: int = 0) -> None:
+        """Launch the loaded kernel ``fn`` (a ``RawKernel.kernel``) with this record's arguments."""
+        if self._get_device() != self.device:
+            with import_cupy().cuda.Device(self.device):
+                self(fn, grid, block, shared_mem)
+            return
+        stream = None if self._torch_stream is None else wrapped_torch_stream(self._torch_stream())
+        if self._side is not None:
+            self._side.fork(import_cupy().cuda.get_current_stream() if stream is None else stream)
+            stream = self._side.stream
+        if plain_depth or not self._supported:
+            fn(grid, block, self.arguments, shared_mem=shared_mem, stream=stream)
+            return
+        key = (fn, grid, block, shared_mem)
+        overlapped = self._overlapped.get(key)
+        if overlapped is None:
+            overlapped = self._overlapped[key] = OverlappedLaunch(fn.ptr, grid[0], block[0], shared_mem,
+                                                                  record_addresses(self.params))
+        overlapped((import_cupy().cuda.get_current_stream() if stream is None else stream).ptr)
+
+
+def launch_record(launch: KernelLaunch) -> None:
+    """A free function's launch of one parameter record, on CuPy's current stream and device."""
+    c = launch.config
+    BoundLaunch(launch.params, device.current_id())(get_function(launch.family, launch.name).kernel, (c.grid,), (c.block,),
+                                                   c.shared_mem)

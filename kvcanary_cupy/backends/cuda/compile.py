@@ -1,15 +1,18 @@
-"""Run-time compilation of the CUDA sources in ``kernels/`` (package data) through CuPy.
+"""What to compile and how it is loaded: the CUDA sources in ``kernels/`` (package data), through CuPy.
 
 One :class:`KernelFamily` per ``.cu`` file lists every template instantiation it compiles.  The
 source handed to NVRTC has its local ``#include "..."`` files inlined, so CuPy's disk-cache key
 (which hashes the source string, not included headers) covers every header; the SHA-256 of that
 text names the variant in :func:`variant_name`.  Modules are compiled once per device, on first
 use or ahead of time with :func:`warmup` (do that before capturing a CUDA graph).
+
+The loaded kernels are memoized per device here rather than with ``cupy.memoize(for_each_device=True)``:
+that keys on CuPy's own current device, past :mod:`.device`, the one seam a fake device replaces,
+and each kernel that takes large shared memory is opted in once as it loads.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import hashlib
 import importlib.resources
@@ -18,10 +21,10 @@ import re
 import threading
 from typing import NamedTuple
 
-from .backends.cuda import device as cuda_device
-from .constants import MAX_CANARY_BUFFERS
-from .interop import cuda_unavailable_reason, import_cupy
-from .tables import TableKind
+from ...constants import MAX_CANARY_BUFFERS
+from ...interop import cuda_unavailable_reason, import_cupy
+from . import device as cuda_device
+from .abi import SCAN_ROWS_PER_LANE, TableLayout
 
 NVRTC_OPTIONS = ("--std=c++17",)
 SUPPORTED_ARCHS = ("sm_80", "sm_90")
@@ -44,23 +47,6 @@ class KernelFamily(NamedTuple):
                 for args in itertools.product(*(values for _, values in params))]
 
 
-TABLE_NARROW = 4  # kTableNarrow in kernels/plan.cu
-
-
-class TableLayout(enum.IntEnum):
-    """The table layouts the plan kernels are instantiated for (kTable in kernels/plan.cu): each
-    table kind's general layout, of its :class:`~kvcanary_cupy.tables.TableKind` value, and the
-    narrow layout (TABLE_NARROW added) of a block or page table with int32 ids, a power-of-two
-    page size and rows of at most 2**31 - 1 tokens, which ``cupy_backend.table_layout`` picks."""
-
-    REQ_TO_TOKEN = TableKind.REQ_TO_TOKEN
-    VIRTUAL_PAGES = TableKind.VIRTUAL_PAGES
-    BLOCK = TableKind.BLOCK
-    PAGED_KV = TableKind.PAGED_KV
-    BLOCK_NARROW = TableKind.BLOCK | TABLE_NARROW
-    PAGED_KV_NARROW = TableKind.PAGED_KV | TABLE_NARROW
-
-
 def plan_family(layout: int) -> str:
     """The plan kernels of one table layout (a TableKind is its general layout) are a family of
     their own: compiled on first use of it."""
@@ -74,7 +60,6 @@ def step_family(layout: int) -> str:
 
 BUFFERS = ("kBuffers", tuple(range(1, MAX_CANARY_BUFFERS + 1)))  # canary buffers of one write/verify launch
 
-SCAN_ROWS_PER_LANE = 9  # kScanRowsPerLane in kernels/plan.cu: the most rows a lane sums in a pass of a long scan
 # plan_fused's kScanRows: the strided scan passes alone (1), or those and the blocked ones
 PLAN_FUSED_SCAN_ROWS = ("kScanRows", (1, SCAN_ROWS_PER_LANE))
 
@@ -96,7 +81,7 @@ FAMILIES = {
 
 
 # The kernels launched with the plan's scan arrays as dynamic shared memory
-# (cupy_backend.plan_scan_config): past 48 KiB (about 3,000 rows a block) a launch needs its
+# (configs.plan_scan_config): past 48 KiB (about 3,000 rows a block) a launch needs its
 # kernel opted in first.  Each is opted in, to all a block of the device may take, when it is
 # loaded (kc.warmup() loads every kernel): no launch, captured or not, ever makes that driver call.
 # (Raising the limit per launch size would also leave it at the last size set, too low for a

@@ -1,0 +1,456 @@
+"""CanarySession's step loop: construction, ``pre_forward`` / ``post_forward`` / ``end_step``,
+``check`` and ``sweep``.  The staging transport is in :mod:`.staging`, the violation bookkeeping and
+policy in :mod:`.violations`; docs/guide.md ("Using the canary in an engine") explains every choice.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..args import StageLayout
+from ..backends import get_backend
+from ..constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
+from ..errors import CanaryUsageError, fail, public_api, trimmed_argument_error
+from ..interop import Array, allocate, import_cupy, placement_of
+from ..launchers import VerifyLauncher, WriteLauncher
+from ..planner import CanaryCapacities, CanaryPlanner
+from ..plans import allocate_canary_buffer, check_num_sources
+from ..reporting import reason_name
+from ..validation import I64, INT32_MAX, check_count, check_int
+from .staging import STAGED_RECORDS, StagingMixin, _CudaTransport, _HostTransport
+from .violations import POLICIES, RING_GROUPS, ViolationsMixin, _group_logs
+
+
+#: ``verify_capacity`` defaults to this many times ``num_slots`` (``CanaryCapacities.from_engine``'s
+#: headroom: radix sharing lets a batch's summed prefixes exceed the pool).
+VERIFY_HEADROOM = 3
+
+_TAGS = {  # (head, tail, sweep) launch tags of a FULL and of an SWA session
+    False: (CanaryLaunchTag.HEAD_K_FULL, CanaryLaunchTag.TAIL_K_FULL, CanaryLaunchTag.SWEEP_K_FULL),
+    True: (CanaryLaunchTag.HEAD_K_SWA, CanaryLaunchTag.TAIL_K_SWA, CanaryLaunchTag.SWEEP_K_SWA),
+}
+_STEP_ORDER = "pre_forward(), post_forward(), end_step() per step"
+
+
+def _one_of(alias, value, alias_name: str, name: str):
+    """An argument given under either of its two spellings (both: only if they are the same array)."""
+    if alias is None:
+        return value
+    if value is not None and value is not alias:
+        fail(ValueError, f"{alias_name} and {name} are two spellings of one argument; pass one")
+    return alias
+
+
+def _length(x, name: str) -> int:
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        fail(TypeError, f"{name} must be a NumPy array, a CuPy array or a PyTorch tensor, got {type(x).__name__}")
+    if len(shape) != 1:
+        fail(ValueError, f"{name} must be 1-D, got shape {tuple(shape)}")
+    return int(shape[0])
+
+
+def _row_labels(labels, n: int):
+    """The row labels of ``n`` batch rows as a tuple (None: none given)."""
+    if labels is None:
+        return None
+    if isinstance(labels, (str, bytes)) or not hasattr(labels, "__len__"):
+        fail(TypeError, f"row_labels must be a sequence of int or str (one per batch row), got {type(labels).__name__}")
+    labels = tuple(x.item() if isinstance(x, np.generic) else x for x in labels)
+    if len(labels) != n:
+        fail(ValueError, f"row_labels must hold one label per batch row ({n}), got {len(labels)}")
+    for x in labels:
+        if isinstance(x, bool) or not isinstance(x, (int, str)):
+            fail(TypeError, f"row_labels must be ints or strs, got {type(x).__name__} {x!r}")
+    return labels
+
+
+class CanarySession(StagingMixin, ViolationsMixin):
+    """The canary of one KV pool group inside an engine's step loop.
+
+    ``num_slots`` canary slots (slot 0 is the padding slot) in a HEAD buffer (chain-only, checked
+    and written before the forward) and a TAIL buffer (after it, with real-KV fingerprints).  Per
+    step: :meth:`pre_forward`, the model's forward, :meth:`post_forward` (both capture-safe), then
+    :meth:`end_step` outside any CUDA graph, which hands the violations of earlier steps to the
+    ``on_violation`` policy without blocking.  :meth:`report` and :attr:`stats` say what was found.
+
+    Parameters
+    ----------
+    num_slots : int
+        Canary slots, ``>= 1``: the KV pool's slot count.
+    max_batch_size : int
+        The most requests one step may hold (``write_req_capacity`` of its plans).
+    write_req_capacity : int, optional
+        The same limit under :func:`plan`'s name; give either (both must agree).
+    verify_capacity : int, optional
+        The most verify entries (slots read) one step may plan; a step with more skips its
+        verify, counted in ``stats["verify_skipped_steps"]`` and warned.  Default
+        ``VERIFY_HEADROOM * num_slots``.
+    like : array, optional
+        NumPy (None), CuPy or torch, and the device of every buffer.
+    ring_capacity : int
+        Violation rows a step keeps per launch group (HEAD, TAIL, sweep: :data:`RING_GROUPS`),
+        ``>= 1``; each group has its own share of ``log.ring``, so one group's flood cannot
+        crowd out another's rows.  More in one step are counted (``stats["dropped_rows"]``),
+        never lost from the totals.
+    on_violation : {"raise", "log", "ignore"} or callable
+        ``"raise"``: :class:`CanaryViolationError` from ``end_step`` / ``check``; ``"log"``: a
+        WARNING per distinct violation to the ``"kvcanary_cupy"`` logger; ``"ignore"``: only
+        recorded; a callable receives the :class:`ViolationReport` of the new violations.
+    swa_window_size : int
+        ``> 0`` makes it a sliding-window group (SWA launch tags; the LUT translates slots).
+    full_to_swa_index_mapping : int64 array, optional
+        The full -> SWA slot LUT, required with ``swa_window_size > 0``.
+    kv_token_id_vs_position_offset : int
+        As for :func:`plan`.
+    real_kv_sources : sequence of RealKvSource
+        The KV pools the TAIL buffer fingerprints (up to ``MAX_REAL_KV_SOURCES``).
+    real_kv_hash_mode : RealKvHashMode
+        ``NONE``, ``PARTIAL`` or ``ALL``, for the TAIL buffer.
+    check_expected_tokens : bool
+        Check stored tokens against the ``expected_tokens`` pool given to :meth:`pre_forward`
+        (``check_expected_tokens`` of :func:`verify`).
+    sweep_every : int
+        With ``sweep_source``, run :meth:`sweep` from every ``sweep_every``-th ``end_step``
+        (0: never).
+    sweep_source : callable, optional
+        Returns ``(req_pool_indices, seq_lens, table)`` of the cached sequences to sweep, or None.
+    overlap_head_write : bool
+        GPU sessions: run the HEAD write on a side stream of the session, overlapping the forward
+        pass; ``post_forward`` joins it, so both must be captured in the same CUDA graph (pass
+        False to capture them apart).
+    check_holes : bool
+        Report a position a step (or sweep) reads whose table entry addresses the padding slot
+        (``VERIFY_TABLE_HOLE``, ``check_holes`` of :func:`verify`); False keeps SGLang's rule
+        (skipped unseen).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument; the message names it.
+
+    Examples
+    --------
+    >>> session = kc.CanarySession(64, max_batch_size=4, on_violation="ignore")
+    >>> req_to_token = np.arange(64, dtype=np.int32).reshape(4, 16)
+    >>> session.pre_forward(np.array([1]), np.array([0]), np.array([3]), req_to_token,
+    ...                     np.array([5, 6, 7]), np.arange(3), np.array([16, 17, 18]))
+    >>> session.post_forward()
+    >>> session.end_step()
+    >>> session.check()  # slots never verified: the canary covers the pool
+    0
+    >>> session.stats["steps"], session.stats["violations"]
+    (1, 0)
+
+    Notes
+    -----
+    Every launch goes through launchers bound once here (:mod:`kvcanary_cupy.launchers`): the
+    planner's plan, the HEAD verify and write, the TAIL verify and write, and (bound with the sweep's
+    plan buffers) the sweep's verify; ``end_step``'s staging kernels through parameters packed
+    here too (``prepare_stage`` of the backend).
+    """
+
+    @public_api
+    def __init__(self, num_slots, *, max_batch_size=None, verify_capacity=None, like=None,
+                 ring_capacity=DEFAULT_RING_CAPACITY, on_violation="raise", swa_window_size=0,
+                 full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
+                 real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
+                 sweep_source=None, overlap_head_write=True, write_req_capacity=None, check_holes=True):
+        num_slots = check_count(num_slots, "num_slots", maximum=2**62)
+        if num_slots == 0:
+            fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
+        if max_batch_size is None and write_req_capacity is None:
+            fail(TypeError, "CanarySession needs max_batch_size (or its other spelling, write_req_capacity)")
+        if write_req_capacity is not None:
+            write_req_capacity = check_count(write_req_capacity, "write_req_capacity")
+            if max_batch_size is not None and check_count(max_batch_size, "max_batch_size") != write_req_capacity:
+                fail(ValueError, f"max_batch_size={max_batch_size} and write_req_capacity={write_req_capacity} name the "
+                                 "same limit and disagree; pass one")
+            max_batch_size = write_req_capacity
+        self.max_batch_size = check_count(max_batch_size, "max_batch_size")
+        ring_capacity = check_count(ring_capacity, "ring_capacity", positive=True, maximum=INT32_MAX // len(RING_GROUPS))
+        if not (callable(on_violation) or (isinstance(on_violation, str) and on_violation in POLICIES)):
+            fail(ValueError, f"on_violation must be one of {POLICIES} or a callable taking a ViolationReport, got {on_violation!r}")
+        window = check_int(swa_window_size, "swa_window_size", minimum=0)
+        if window > 0 and full_to_swa_index_mapping is None:
+            fail(ValueError, "a session with swa_window_size > 0 needs full_to_swa_index_mapping (the full->SWA slot LUT, int64)")
+        self.real_kv_sources = check_num_sources(real_kv_sources)
+        try:
+            self.real_kv_hash_mode = RealKvHashMode(real_kv_hash_mode)
+        except (ValueError, TypeError):
+            fail(ValueError, f"real_kv_hash_mode must be a RealKvHashMode (NONE, PARTIAL or ALL), got {real_kv_hash_mode!r}")
+        for name, flag in (("check_expected_tokens", check_expected_tokens), ("overlap_head_write", overlap_head_write),
+                           ("check_holes", check_holes)):
+            if not isinstance(flag, (bool, np.bool_)):
+                fail(TypeError, f"{name} must be a bool, got {type(flag).__name__}")
+        self.sweep_every = check_int(sweep_every, "sweep_every", minimum=0)
+        if self.sweep_every and not callable(sweep_source):
+            fail(ValueError, "sweep_every > 0 needs sweep_source: a callable returning (req_pool_indices, seq_lens, table) or None")
+        if like is not None:
+            placement_of(like, "like")
+
+        if verify_capacity is None:
+            capacities = CanaryCapacities.from_engine(kv_pool_size=num_slots, max_running_requests=self.max_batch_size,
+                                                      verify_headroom=VERIFY_HEADROOM)
+        else:
+            capacities = CanaryCapacities(check_count(verify_capacity, "verify_capacity"), self.max_batch_size)
+        self.num_slots = num_slots
+        self.on_violation = on_violation
+        self.check_expected_tokens = bool(check_expected_tokens)
+        self.check_holes = bool(check_holes)
+        self.sweep_source = sweep_source
+        self.head_tag, self.tail_tag, self.sweep_tag = _TAGS[window > 0]
+        self._like = like
+        self._planner_options = dict(swa_window_size=window, full_to_swa_index_mapping=full_to_swa_index_mapping,
+                                     kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
+        self.planner = CanaryPlanner(capacities, like=like, **self._planner_options)
+        self.head_canary = allocate_canary_buffer(num_slots, like=like)
+        self.tail_canary = allocate_canary_buffer(num_slots, like=like)
+        self.log, self._group_logs = _group_logs(ring_capacity, like)
+        self._layout = StageLayout(self.log.num_kinds, self.log.capacity, attribution_capacity=ring_capacity)
+        self._marks = allocate((num_slots,), np.int64, like=like, fill=0)
+        self._placement = placement = placement_of(self.log.ring, "like")
+        self._backend = get_backend(placement.backend)
+        self._transport = (_HostTransport() if placement.backend == "numpy"
+                           else _CudaTransport(placement, like, self._layout))
+        self._records = tuple(self._transport.new_record(self._layout) for _ in range(STAGED_RECORDS))
+        self._free = list(self._records)
+        self._pending = collections.deque()  # records staged and not handled yet, oldest first
+        self._step_stager = self._stager(self.planner)
+        self._sweep_planner = self._sweep_stager = self._sweep_zeros = self._sweep_verify = None
+
+        vp, wp = self.planner.verify_plan, self.planner.write_plan
+        head_log, tail_log = self._group_logs["head"], self._group_logs["tail"]
+        token = dict(check_expected_tokens=self.check_expected_tokens, check_holes=self.check_holes)
+        self._kv = dict(real_kv_sources=self.real_kv_sources, real_kv_hash_mode=self.real_kv_hash_mode)
+        self._head_verify = VerifyLauncher(self.head_canary, vp, log=head_log, kernel_kind=self.head_tag, **token)
+        self._tail_verify = VerifyLauncher(self.tail_canary, vp, log=tail_log, kernel_kind=self.tail_tag, **token, **self._kv)
+        self._tail_write = WriteLauncher(self.tail_canary, wp, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
+        self._head_write_stream = None
+        if overlap_head_write and placement.backend == "cupy":
+            cupy = import_cupy()
+            with cupy.cuda.Device(placement.device):
+                self._head_write_stream = cupy.cuda.Stream(non_blocking=True)
+        self._head_write = WriteLauncher(self.head_canary, wp, log=head_log, kernel_kind=self.head_tag,
+                                         stream=self._head_write_stream)
+        self._head_write_unjoined = False
+
+        self._stamp = 0
+        self._step_inputs = None  # (input_ids, positions, out_cache_loc) between pre_ and post_forward
+        self._step_labels = None  # the row labels pre_forward was given for this step
+        self._step_open = False
+        self._distinct = {}  # key -> [Violation, repeats, last step, readers (list of Reader), readers dropped]
+        self._new, self._problems = {}, []  # handled since the policy was last applied: new keys (in order), health messages
+        self._undelivered = {}  # key -> entry of new keys evicted before the policy saw them
+        self._latest = [0] * self._layout.ring  # the latest handled record's header and four counter arrays
+        runs = self._layout.counters + 2 * self.log.num_kinds  # where the kernel-run counters start
+        self._runs_at = (runs + self.head_tag, runs + self.tail_tag)
+        self._runs_at_last_step = (0, 0)  # kernel runs of the HEAD and TAIL tags at the last step handled
+        self._rows_by_reason = {reason_name(m): 0 for m in FailReason}
+        self._plan_out_of_range = {"step": 0, "sweep": 0}  # the plans' cumulative counts, as last handled
+        self._capacity_warned = self._coverage_warned = self._eviction_warned = False
+        self._in_policy = False  # inside the on_violation callback
+        self._lock = threading.Lock()  # held while handled results change, so another thread can read them
+        self._stats = dict(steps=0, verified_entries=0, verify_skipped_steps=0, verify_skipped_sweeps=0, sweeps=0,
+                           rows_read=0, health_failures=0, untracked_rows=0, evicted_violations=0,
+                           unattributed_entries=0, staging_waits=0, dropped_readers=0)
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    @public_api
+    def pre_forward(self, req_pool_indices: Array | None, prefix_lens: Array, extend_seq_lens: Array, table: Any,
+                    input_ids: Array, positions: Array, out_cache_loc: Array, *,
+                    expected_tokens: Array | None = None, expected_tokens_valid_lens: Array | None = None,
+                    req_to_verify_expected_tokens: Array | None = None,
+                    req_to_verify_expected_tokens_valid_lens: Array | None = None, row_labels=None) -> None:
+        """Before the model reads the KV cache: plan the step, verify the HEAD buffer, write it.
+
+        Capture-safe: allocates nothing, reads nothing back, never synchronises.  Pass the
+        per-step arrays contiguous (they are used in place).  With ``overlap_head_write`` the
+        HEAD write runs on the session's side stream until :meth:`post_forward` joins it:
+        ``input_ids``, ``positions`` and ``out_cache_loc`` must stay alive and unchanged until
+        then (the TAIL write reads them there too).
+
+        Parameters
+        ----------
+        req_pool_indices, prefix_lens, extend_seq_lens, table
+            As for :func:`plan`; ``len(prefix_lens)`` at most ``max_batch_size``.
+        input_ids, positions, out_cache_loc : int64 arrays [T]
+            As for :func:`write`.
+        expected_tokens, expected_tokens_valid_lens : optional
+            The expected-token pool and its valid lengths, checked when the session was built
+            with ``check_expected_tokens``.
+        req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens : optional
+            The same two arrays under :func:`plan`'s names; give either spelling of each.
+        row_labels : sequence of int or str, optional
+            The engine's name of each batch row (a request id), ``len(prefix_lens)`` of them;
+            the report's ``Violation.readers`` carry them.  Copied (host only: capture-safe).
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad argument (a batch past ``max_batch_size``, lengths that differ, ...).
+        """
+        if self._step_inputs is not None:
+            fail(CanaryUsageError, f"pre_forward() twice without post_forward() or end_step() in between; call {_STEP_ORDER} "
+                                   "(a repeated HEAD write without its TAIL write would read as KV corruption)")
+        bs = _length(prefix_lens, "prefix_lens")  # req_pool_indices is None with a PagedKvIndices table
+        if bs > self.max_batch_size:
+            fail(ValueError, f"bs={bs} (len(prefix_lens)) exceeds the session's max_batch_size={self.max_batch_size}")
+        labels = _row_labels(row_labels, bs)
+        tokens = _length(input_ids, "input_ids")
+        for name, x in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
+            n = _length(x, name)
+            if n != tokens:
+                fail(ValueError, f"{name} length must be len(input_ids)={tokens}, got {n}")
+            dtype = x.dtype
+            if dtype is not I64 and str(dtype) not in ("int64", "torch.int64"):  # str() of a NumPy dtype costs ~1.5 us
+                fail(TypeError, f"{name} must have dtype int64, got {dtype}")
+        self._join_head_write()  # a post_forward that raised may have left the HEAD write unjoined
+        self.planner.plan(req_pool_indices, prefix_lens, extend_seq_lens, table,
+                          req_to_verify_expected_tokens=_one_of(expected_tokens, req_to_verify_expected_tokens,
+                                                                "expected_tokens", "req_to_verify_expected_tokens"),
+                          req_to_verify_expected_tokens_valid_lens=_one_of(
+                              expected_tokens_valid_lens, req_to_verify_expected_tokens_valid_lens,
+                              "expected_tokens_valid_lens", "req_to_verify_expected_tokens_valid_lens"))
+        self._head_verify()
+        self._head_write(input_ids, positions, out_cache_loc)
+        self._head_write_unjoined = self._head_write_stream is not None
+        self._step_inputs = (input_ids, positions, out_cache_loc)
+        self._step_labels = labels
+        self._step_open = True
+
+    def post_forward(self) -> None:
+        """After the forward: verify the TAIL buffer (real KV included) and write it, on this step's plan,
+        then make the step's stream wait for the HEAD write when it ran on the side stream.
+
+        Capture-safe like :meth:`pre_forward`.
+        """
+        if self._step_inputs is None:
+            fail(CanaryUsageError, f"post_forward() needs a pre_forward() of the same step before it; call {_STEP_ORDER}")
+        self._tail_verify()
+        self._tail_write(*self._step_inputs)
+        self._join_head_write()
+        self._step_inputs = None
+
+    def end_step(self) -> None:
+        """Outside CUDA graphs, once per step: stage this step's log and handle earlier steps.
+
+        Never blocks, unless the host has run ``STAGED_RECORDS`` stagings ahead of the device:
+        then it waits for the oldest one's copy (counted in ``stats["staging_waits"]``).  Raises
+        :class:`CanaryViolationError` / :class:`CanaryHealthError` under ``on_violation="raise"``
+        when a handled step brought new violations / ran no canary kernel, and
+        :class:`CanaryUsageError` when called from inside the ``on_violation`` callback.
+
+        An exception (an interrupt) before the step is staged leaves it open: call ``end_step``
+        again.  One while earlier records are handled leaves them pending for the next call; the
+        step itself is ended.  Either way no row or count is lost.
+        """
+        self._refuse_in_policy("end_step")
+        stream = self._launch_stream("end_step")
+        self._join_head_write()  # post_forward was not called: the staging reads the log the write fills
+        stats = self._stats
+        first = self._stamp + 1  # the stamp of this step's staging: it and later ones stay pending
+        self._stage("step", stats["steps"], self._step_stager, stream, self._step_labels)
+        stats["steps"] += 1
+        self._step_open, self._step_inputs, self._step_labels = False, None, None
+        if self.sweep_every and stats["steps"] % self.sweep_every == 0:
+            source = self.sweep_source()
+            if source is not None:
+                self.sweep(*source)
+        self._drain(first)
+        self._apply_policy()
+
+    def check(self) -> int:
+        """Block until every staged step and sweep is handled, then apply the policy.
+
+        A host sync (not capture-safe): call it at shutdown, in tests, or whenever the latest
+        steps must be judged now.  Raises as :meth:`end_step` does.  Returns how many plan inputs
+        and kernel items were skipped as out of range of the canary so far, never verified
+        (``stats["out_of_range_skipped"]``; 0 when the canary covers the pool).
+        """
+        self._refuse_in_policy("check")
+        self._launch_stream("check")
+        self._transport.synchronize()
+        self._drain(None)
+        self._apply_policy()
+        return self._out_of_range_skipped()
+
+    @public_api
+    def sweep(self, req_pool_indices: Array | None, seq_lens: Array, table: Any, *, row_labels=None) -> None:
+        """Verify (TAIL buffer, real KV, no token check) every slot of the given cached sequences.
+
+        ``seq_lens`` (int64 ``[n]``, ``n <= max_batch_size``): sequence i covers positions ``[0,
+        seq_lens[i])`` of table row ``req_pool_indices[i]`` (the window's end only, for SWA); ``table`` is anything :func:`plan` takes
+        (``req_pool_indices`` None with a :class:`PagedKvIndices`).  Outside graphs, between
+        ``end_step`` and the next ``pre_forward``; staged like a step and handled by the next
+        ``end_step``/``check``.  A violation's ``batch_rows`` are indices into these sequences;
+        ``row_labels`` (one per sequence, as :meth:`pre_forward`'s) name them in its ``readers``.
+        """
+        self._refuse_in_policy("sweep")
+        stream = self._launch_stream("sweep")
+        if self._step_open:
+            fail(CanaryUsageError, "sweep() between pre_forward() and end_step() would mix the sweep's violations with the "
+                               "step's; call it after end_step()")
+        n = _length(seq_lens, "seq_lens")  # req_pool_indices is None with a PagedKvIndices table
+        labels = _row_labels(row_labels, n)
+        planner = self._sweep_planner_for(n)
+        renamed = None
+        try:
+            planner.plan(req_pool_indices, seq_lens, self._sweep_zeros[:n], table)
+        except (TypeError, ValueError) as exc:  # the planner calls seq_lens prefix_lens: name the caller's
+            message = str(exc).removeprefix("kv-canary: ")
+            if trimmed_argument_error(exc) is None or "prefix_lens" not in message:
+                raise
+            renamed = type(exc), re.sub(r"\bprefix_lens\b", "seq_lens", message)
+        if renamed is not None:
+            fail(*renamed)  # outside the except block: no "during handling" chain
+        self._sweep_verify()
+        self._stats["sweeps"] += 1
+        self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream, labels)
+
+    @property
+    def overlap_head_write(self) -> bool:
+        """Whether the HEAD write runs on the session's side stream (GPU sessions built with
+        ``overlap_head_write=True``); fixed at construction."""
+        return self._head_write_stream is not None
+
+    def __repr__(self) -> str:
+        s = self.stats
+        c = self.planner.capacities
+        policy = self.on_violation if isinstance(self.on_violation, str) else "callable"
+        window = f", swa_window_size={self.planner.swa_window_size}" if self.planner.swa_window_size else ""
+        return (f"CanarySession(num_slots={self.num_slots}, on={self._placement.describe()}, "
+                f"max_batch_size={self.max_batch_size}, verify_capacity={c.verify_capacity}, "
+                f"ring_capacity={self.log.capacity // len(RING_GROUPS)}, on_violation={policy!r}{window}, "
+                f"steps={s['steps']}, violations={s['violations']}, distinct={s['distinct_violations']})")
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _join_head_write(self) -> None:
+        """The step's stream waits for the HEAD write queued on the side stream (when one is)."""
+        if self._head_write_unjoined:
+            self._head_write.join()
+            self._head_write_unjoined = False
+
+    def _sweep_planner_for(self, bs: int) -> CanaryPlanner:
+        """The sweep's own plan buffers, grown (to a power of two) when a sweep has more sequences."""
+        planner = self._sweep_planner
+        if planner is None or planner.capacities.write_req_capacity < bs:
+            capacity = max(64, 1 << max(bs - 1, 0).bit_length())
+            capacities = CanaryCapacities(self.planner.capacities.verify_capacity, capacity)
+            grown = CanaryPlanner(capacities, like=self._like, **self._planner_options)
+            if planner is not None:  # the out-of-range count carries on (on the device, in stream order)
+                grown.verify_plan.out_of_range_count[...] = planner.verify_plan.out_of_range_count
+            planner = self._sweep_planner = grown
+            self._sweep_zeros = allocate((capacity,), np.int64, like=self._like, fill=0)
+            self._sweep_stager = self._stager(planner)
+            self._sweep_verify = VerifyLauncher(self.tail_canary, planner.verify_plan, log=self._group_logs["sweep"],
+                                                kernel_kind=self.sweep_tag, check_holes=self.check_holes, **self._kv)
+        return planner
+
