@@ -357,7 +357,8 @@ def test_bench_numpy_backend_writes_json(tmp_path, capsys):
     assert cli.main(["bench", "--backend", "numpy", "--workloads", "W3", "--json", str(tmp_path / "b.json")]) == 0
     assert "W3 small decode" in capsys.readouterr().out
     doc = json.loads((tmp_path / "b.json").read_text())
-    assert doc["backend"] == "numpy" and {r["op"] for r in doc["rows"]} == {"plan", "verify", "write"}
+    assert doc["backend"] == "numpy" and {r["op"] for r in doc["rows"] if "section" not in r} == {"plan", "verify", "write"}
+    assert {r["op"] for r in doc["rows"] if r.get("section") == "holes"} == {"verify", "verify[bound]", "plan_and_verify"}
 
 
 @pytest.mark.gpu
