@@ -162,3 +162,49 @@ def test_the_bench_times_the_hole_check_off_and_on(tmp_path):
     rows = [r for r in json.loads(out.read_text())["rows"] if r.get("section") == "holes"]
     assert [(r["workload"], r["op"]) for r in rows] == [("W3", op) for op in ("verify", "verify[bound]", "plan_and_verify")]
     assert all(r["off"] > 0 and r["on"] > 0 and abs(r["ratio"] - r["on"] / r["off"]) < 0.01 * r["ratio"] for r in rows)
+
+
+@pytest.mark.gpu
+def test_a_captured_session_reports_holes_as_the_numpy_one_does():
+    """pre_forward/post_forward captured once in a CuPy graph, replayed over steps whose table gets
+    a zeroed entry: the same holes, readers and counts as an eager NumPy session."""
+    from conftest import get_backend_or_skip
+    from session_engine import ToyEngine
+
+    ab = get_backend_or_skip("cupy")
+    import cupy
+
+    kc.warmup()
+    engine, steps = ToyEngine(), []
+    for step, rows in enumerate([[1, 2], [1, 2, 3], [2, 1, 3], [1, 2, 3], [3, 1, 2]]):
+        arrays = engine.step(rows)
+        if step == 2:
+            engine.rtt[1, 1] = 0  # row 1's position 1 cleared too early
+        steps.append((arrays, engine.rtt.copy()))
+    reference = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, on_violation="ignore")
+    for a, table in steps:
+        reference.pre_forward(a["rp"], a["prefix"], a["extend"], table, a["ids"], a["pos"], a["loc"])
+        reference.post_forward()
+        reference.end_step()
+    reference.check()
+    session = kc.CanarySession(engine.num_slots, max_batch_size=engine.bs, like=ab.like, on_violation="ignore")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        bufs = {k: ab.asarray(v) for k, v in steps[0][0].items()}
+        table = ab.asarray(steps[0][1])
+        stream.synchronize()
+        stream.begin_capture()
+        session.pre_forward(bufs["rp"], bufs["prefix"], bufs["extend"], table, bufs["ids"], bufs["pos"], bufs["loc"])
+        session.post_forward()
+        graph = stream.end_capture()
+        for arrays, rtt in steps:
+            for k, v in arrays.items():
+                bufs[k][...] = ab.asarray(v)
+            table[...] = ab.asarray(rtt)
+            graph.launch(stream)
+            stream.synchronize()
+            session.end_step()
+        session.check()
+    want = reference.report()
+    assert any(v.is_hole for v in want.violations)
+    assert session.report().to_dicts() == want.to_dicts()
