@@ -12,9 +12,11 @@ the live tables.  Nothing about the fault is used: only the reports and the engi
 :class:`Aftermaths` measures the result against the simulator's own knowledge of the fault: from
 the step after a detection, every real slot the fault wrote or mis-addressed (``episode.touched``,
 the null block's excepted) stays poisoned until the engine writes it again (moves and transfers
-carry it along); a request whose step reads a poisoned slot, and a victim of the fault
-(``episode.victims``: its state came from bad KV, e.g. a table hole) that still runs, *leaked*
-(kept reading poisoned KV after the detection).  Target: none.
+carry it along).  A read is bad when the slot's bytes are not the KV of the reader's own token at
+that position (every layer).  A victim of the fault (``episode.victims``, bystanders excepted)
+that still reads bad KV after the detection (a table hole, a swapped token), and a request that
+reads a poisoned slot wrong in two steps after it (the first read is the canary's next sighting,
+which containment acts on), *leaked*: it kept reading poisoned KV.  Target: none.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..containment import poisoned_pages, victims
+from .kvpool import kv_rows
 from .tables import NULL_BLOCK
 
 
@@ -66,6 +69,18 @@ def contain(engine, reported) -> tuple[set, set]:
     return set(doomed), evicted
 
 
+def _wrong_positions(pool, req, prefix: int) -> list:
+    """Positions of ``req``'s prefix whose slot does not hold the KV bytes of its own token there
+    (every layer, K and V): what it really reads wrong."""
+    xp = pool.kv.xp
+    if prefix == 0:
+        return []
+    want = kv_rows(xp, req.tokens[:prefix], np.arange(prefix), pool.kv.num_layers, pool.kv.row_bytes)
+    have = pool.kv.data[:, :, xp.asarray(pool.slots(req, 0, prefix))].transpose(2, 0, 1, 3)
+    differs = (want != have).reshape(prefix, -1).any(axis=1)
+    return np.nonzero(differs.get() if hasattr(differs, "get") else differs)[0].tolist()
+
+
 @dataclass
 class Aftermath:
     """One detected fault after its containment."""
@@ -74,12 +89,14 @@ class Aftermath:
     detected_step: int
     poisoned: set  # (pool, slot) still holding the fault's bad KV (ground truth)
     victims: set  # ids of the requests the fault hurt (ground truth): none should run after the detection
+    bystanders: set  # ids of requests that hold a block the fault reused but read their own, right KV there
     radius: dict  # pool -> slots: violations there within `until` are late sightings of this fault
     until: int  # last step whose violations the radius explains
     aborted: int = 0
     evicted: int = 0
-    leaked: set = field(default_factory=set)  # ids of requests that read a poisoned slot after the detection
+    leaked: set = field(default_factory=set)  # ids of requests that kept reading poisoned KV after the detection
     leaked_reads: int = 0
+    read_once: set = field(default_factory=set)  # ids of requests whose first poisoned read came after the detection
 
 
 class Aftermaths:
@@ -102,12 +119,24 @@ class Aftermaths:
             return
         for r, req in enumerate(batch.reqs):
             prefix = int(batch.prefix[r])
-            read = {(pool.name, int(s)) for s in pool.slots(req, 0, prefix)}
+            read_slots = pool.slots(req, 0, prefix)
+            read = {(pool.name, int(s)) for s in read_slots}
+            wrong = None  # positions whose KV bytes are not this request's own (computed once, if needed)
             for a in self.open:
-                bad = len(read & a.poisoned) or int(req.rid in a.victims and prefix > 0)
-                if bad:
+                if req.rid in a.bystanders or not (req.rid in a.victims or read & a.poisoned):
+                    continue
+                if wrong is None:
+                    wrong = _wrong_positions(pool, req, prefix)
+                suspect = wrong if req.rid in a.victims else [p for p in wrong if (pool.name, int(read_slots[p])) in a.poisoned]
+                if not suspect:
+                    continue
+                # a victim read bad KV before the detection; any other request may read it once (then
+                # the canary reports it); reading it again is what containment should have stopped
+                if req.rid in a.victims or req.rid in a.read_once:
                     a.leaked.add(req.rid)
-                    a.leaked_reads += bad
+                    a.leaked_reads += len(suspect)
+                else:
+                    a.read_once.add(req.rid)
         keep = np.asarray(batch.out_cache_loc) >= 0
         keep[list(batch.kv_skip)] = False
         written = {(pool.name, int(s)) for s in np.asarray(batch.out_cache_loc)[keep]}

@@ -309,6 +309,7 @@ class ZeroedTableEntry(Fault):
                    "table cleared too early or a padding fill that hits a live row. Seen by the hole check "
                    "(verify_table_hole): a position read through the padding slot; a CSR table, with no null "
                    "block, reads page 0, whose other slots also hold no record of the request.")
+    poisons_kv = False  # the KV is right; the victim reads the padding slot (it is the episode's victim)
 
     def inject(self, engine, ep):
         target = _exclusive_block(engine, transferable=False)

@@ -233,6 +233,7 @@ def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, Ru
             if hits:
                 aftermath = Aftermath(episode.fault.name, step, engine.poisoned_slots(episode),
                                       {r.rid for r in episode.victims - episode.bystanders if r.alive},
+                                      {r.rid for r in episode.bystanders},
                                       {p: frozenset(r) for p, r in radius.items()}, step + config.window,
                                       aborted=len(aborted), evicted=len(evicted))
                 engine.aftermaths.add(aftermath)
