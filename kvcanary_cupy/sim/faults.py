@@ -276,10 +276,11 @@ class DoubleAllocation(Fault):
         if pool.name == ep.state["pool"] and block == ep.state["block"]:
             ep.hurt(engine, req)
             ep.bystanders.add(req)  # its own writes land there; the first owner reads them as its KV
-            # the corruption exists once the block is held twice, by two requests or one (a live
-            # holder's list already names it; the first owner may have finished meanwhile: then this
-            # hand-out is the block's only one, and the next is the bug)
-            if any(block in r.blocks for r in pool.running):
+            # the corruption exists once the block is held twice: a live request's list or the prefix
+            # cache (the first owner finished and cached it) already holds it; when neither does, this
+            # hand-out is the block's only one, and the next is the bug
+            cached = pool.cache is not None and any(e.block == block for e in pool.cache.entries.values())
+            if cached or any(block in r.blocks for r in pool.running):
                 ep.fire(engine)
 
 
