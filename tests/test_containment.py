@@ -159,3 +159,28 @@ def test_row_labels_are_checked(ab):
         session.pre_forward(*args, row_labels=[1.5])
     with pytest.raises(TypeError, match=r"^kv-canary: row_labels must be a sequence of int or str"):
         session.pre_forward(*args, row_labels="a")
+
+
+def test_the_simulated_engine_contains_a_hole_from_the_report_alone():
+    """A zeroed block-table entry: the hole's reader is named by its request id, aborted by the
+    engine's reaction to the report, and nothing else is touched (no fault knowledge is used)."""
+    from kvcanary_cupy.sim.engine import Engine, EngineConfig
+    from kvcanary_cupy.sim.tables import NULL_BLOCK
+
+    engine = Engine(EngineConfig(), seed=3, addressing="vllm", xp=np)
+    for _ in range(12):
+        engine.step()
+        assert engine.take_violations() == []
+    pool = engine.pools["prefill"]
+    victim = next(r for r in pool.running if engine.exclusive_blocks(pool, r) and r.total_len - r.computed >= 2)
+    victim.blocks[engine.exclusive_blocks(pool, victim)[0]] = NULL_BLOCK
+    others = {r.rid for p in engine.pools.values() for r in p.running} - {victim.rid}
+    engine.step()
+    reported = engine.take_violations()
+    assert reported and all(v.is_hole and v.slot_idx == 0 for _, v in reported)
+    assert {r.row_label for _, v in reported for r in v.readers} == {victim.rid}
+    aborted, evicted = engine.contain(reported)
+    assert aborted == {victim.rid} and evicted == set() and not victim.alive
+    assert others <= {r.rid for p in engine.pools.values() for r in p.running}  # nobody else
+    engine.step()
+    assert engine.take_violations() == []

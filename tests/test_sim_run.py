@@ -37,6 +37,8 @@ def test_fault_class_is_caught_as_declared(faulty_run, name):
     assert f.description and (f.why_not_detectable is None) == f.detectable
     if f.detectable:
         assert f.detected == f.injected and f.first_reason and max(f.latencies) < SimConfig.window
+        # contained from the reports alone: no request kept reading the fault's poisoned KV
+        assert f.to_json()["contained"]["leaked_requests"] == 0
     else:
         assert f.detected == 0 and f.first_reason is None
     assert stats.unattributed == 0, stats.unattributed_examples

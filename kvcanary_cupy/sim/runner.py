@@ -11,9 +11,9 @@ first detection or ``window`` steps after it fired.
 alone (:func:`containment.contain`: abort the requests they name, evict the cached blocks holding
 a poisoned page and the blocks below them, abort the requests holding those blocks).  A detected
 episode ends there: nothing of the simulator's knowledge of the fault repairs it.  From the next
-step on, :class:`containment.Aftermaths` follows the slots the fault poisoned (ground truth) and
-counts the requests that still read one (``leaked``; target 0); for ``window`` steps, violations
-inside the episode's blast radius are late sightings of it.  An episode the canary missed (or
+step on, :class:`containment.Aftermaths` measures what is left against the simulator's knowledge
+(the requests that kept reading poisoned KV: ``leaked``, target 0); for ``window`` steps,
+violations inside the episode's blast radius are late sightings of it.  An episode the canary missed (or
 whose trigger never came) is repaired with the simulator's knowledge (:meth:`Engine.repair`), so
 the next one starts clean.  Any other violation is counted as *unattributed*: it would be a false
 positive of the canary or a bug of the simulator.  A clean run (no faults, same seed and length)
