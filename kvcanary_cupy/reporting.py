@@ -108,7 +108,7 @@ class Violation:
         The session steps it was first and last seen in.
     readers : tuple of Reader
         Every read of the slot that produced this violation, in every step it was seen in
-        (repeats included), oldest first: the newest ``MAX_READERS`` (session.py) of them.
+        (repeats included), oldest first: the newest ``kvcanary_cupy.session.MAX_READERS`` of them.
     readers_dropped : int
         Older reads past that bound: counted, not kept.
 

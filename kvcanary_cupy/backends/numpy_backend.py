@@ -396,7 +396,7 @@ def is_padding_slot(slot: np.ndarray) -> np.ndarray:
 
 
 def _hole_rows(kind: int, a: VerifyArgs, entries: np.ndarray, expected_tok: np.ndarray) -> np.ndarray:
-    """The hole rows of the entries ``entries`` (docs/format.md, "Holes"): slot, expected position,
+    """The hole rows of the entries ``entries`` (docs/format.md, sections 5 and 6): slot, expected position,
     stored token -1, stored chain 0, the entry index in expected_aux, VERIFY_TABLE_HOLE."""
     slot = np.asarray(a.verify_slot_indices, I64)[entries]
     position = np.asarray(a.verify_expected_positions, I64)[entries]

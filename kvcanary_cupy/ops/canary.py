@@ -188,7 +188,7 @@ def verify(
     check_holes : bool
         False (SGLang's rule): an entry whose slot is the padding slot is skipped.  True: it is a
         hole (a position the step reads whose table entry is zeroed or the null block) and logs
-        a ``VERIFY_TABLE_HOLE`` row (docs/format.md, "Holes").  Out-of-window positions of a
+        a ``VERIFY_TABLE_HOLE`` row (docs/format.md, sections 5 and 6).  Out-of-window positions of a
         sliding-window group are never planned, so they are never holes.
 
     Returns
