@@ -85,7 +85,8 @@ class ViolationsMixin:
         ``health_failures``, ``out_of_range_skipped``, ``evicted_violations`` (distinct keys evicted
         from the full table, oldest first), ``untracked_rows`` (the rows of the evicted keys: the
         report's repeats plus these are ``rows_read``), ``unattributed_entries`` (verify entries of
-        violating slots past the attribution capacity), ``staging_waits`` (stagings that waited for the oldest
+        violating slots past the attribution capacity), ``dropped_readers`` (reads of violating slots
+        past ``MAX_READERS`` per violation), ``staging_waits`` (stagings that waited for the oldest
         staged record: the host was ``STAGED_RECORDS`` stagings ahead of the device).  Safe to
         read from another thread.
         """
