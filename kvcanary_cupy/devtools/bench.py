@@ -733,6 +733,11 @@ def numpy_ops(d):
     }
 
 
+def _hole_workloads(names, xp) -> dict:
+    """name -> (title, inputs) of the workloads of ``names`` the holes section times."""
+    return {n: (WORKLOADS[n].name, build(WORKLOADS[n], xp)) for n in names if n in HOLE_WORKLOADS}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
                         help="cupy: this machine's GPU; numpy: the CPU backend")
@@ -775,11 +780,11 @@ def run(args) -> int:
         if "host" in sections:
             lines += host_times(cupy, names, rows)
         if "holes" in sections:
-            lines += hole_rows([n for n in names if n in HOLE_WORKLOADS], rows, cupy=cupy)
+            lines += hole_rows(_hole_workloads(names, cupy), rows, cupy=cupy, timers=(time_graph, eager_us))
     else:
         lines = run_numpy(names, rows)
         if "holes" in args.sections.split(","):
-            lines += hole_rows([n for n in names if n in HOLE_WORKLOADS], rows)
+            lines += hole_rows(_hole_workloads(names, np), rows)
     text = "\n".join(lines)
     print(text)
     if args.out:

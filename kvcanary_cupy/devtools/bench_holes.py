@@ -37,27 +37,27 @@ def hole_ops(d, check_holes: bool) -> dict:
     return ops
 
 
-def hole_rows(names, rows: list, *, cupy=None) -> list:
-    """The table lines (and JSON ``rows``) of the hole check's cost at ``names`` (of HOLE_WORKLOADS)."""
-    from .bench import WORKLOADS, build, eager_us, time_graph
-
+def hole_rows(workloads: dict, rows: list, *, cupy=None, timers=None) -> list:
+    """The table lines (and JSON ``rows``) of the hole check's cost at ``workloads`` (name -> the
+    inputs of bench.build); on a GPU (``cupy``), ``timers`` = (device us of a call in a graph, host
+    us per eager call), bench's own timers."""
     gpu = cupy is not None
     unit = "device us (graph of 50) / host us (eager)" if gpu else "wall ms (median of 5)"
     lines = [f"hole check (check_holes): {unit}, off -> on, and the ratio on/off",
              f"{'workload':<16} {'op':<16} {'off':>9} {'on':>9} {'on/off':>7}" + (f" {'host off':>9} {'host on':>9}" if gpu else "")]
-    for key in names:
-        d = build(WORKLOADS[key], cupy if gpu else __import__("numpy"))
+    for key, (title, d) in workloads.items():
         ops = {flag: hole_ops(d, flag) for flag in (False, True)}
         for op in ops[False]:
             if gpu:
-                dev = {flag: time_graph(cupy, ops[flag][op]) for flag in (False, True)}
-                host = {flag: eager_us(cupy, ops[flag][op]) for flag in (False, True)}
+                device_us, host_us = timers
+                dev = {flag: device_us(cupy, ops[flag][op]) for flag in (False, True)}
+                host = {flag: host_us(cupy, ops[flag][op]) for flag in (False, True)}
             else:
                 dev = {flag: _wall_ms(ops[flag][op]) for flag in (False, True)}
                 host = None
             row = {"section": "holes", "workload": key, "op": op, "off": round(dev[False], 3), "on": round(dev[True], 3),
                    "ratio": round(dev[True] / dev[False], 3), "unit": "device_us" if gpu else "wall_ms"}
-            line = f"{WORKLOADS[key].name:<16} {op:<16} {dev[False]:>9.2f} {dev[True]:>9.2f} {dev[True] / dev[False]:>7.3f}"
+            line = f"{title:<16} {op:<16} {dev[False]:>9.2f} {dev[True]:>9.2f} {dev[True] / dev[False]:>7.3f}"
             if host is not None:
                 row.update(host_us_off=round(host[False], 1), host_us_on=round(host[True], 1))
                 line += f" {host[False]:>9.1f} {host[True]:>9.1f}"
