@@ -23,7 +23,7 @@ constexpr i64 kVerifyRealKvHashMismatch = 1 << 2;
 constexpr i64 kWriteTokenMismatch = 1 << 3;
 constexpr i64 kWritePositionMismatch = 1 << 4;
 constexpr i64 kVerifyTokenMismatch = 1 << 5;
-constexpr i64 kVerifyTableHole = 1 << 6;  // this project's own bit: a read position addressing the padding slot
+constexpr i64 kVerifyTableHole = 1 << 16;  // this project's own bit: a read position addressing the padding slot
 
 __host__ __device__ constexpr u64 splitmix64(u64 x) {
   x ^= x >> 30;
@@ -50,6 +50,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 struct RealKvSources {
   u64 data[kMaxRealKvSources];  // device addresses, 16-byte aligned
   i64 row_stride[kMaxRealKvSources];  // bytes between dim-0 rows, a multiple of 16
+  i64 slot_offset[kMaxRealKvSources];  // canary slot s holds the KV of pool slot s - slot_offset
   int page_size[kMaxRealKvSources];
   int num_bytes_per_token[kMaxRealKvSources];
   int nbytes[kMaxRealKvSources];
@@ -57,17 +58,18 @@ struct RealKvSources {
 };
 
 // Fingerprint of one slot's real KV bytes (docs/format.md §3).  The host checked that every source
-// covers every canary slot, so `slot` in [0, num_slots) never reads out of bounds.  The kernels
+// covers every canary slot from its slot_offset on, so `slot` in [0, num_slots) never reads out of
+// bounds; a slot below a source's slot_offset has no KV bytes there and folds a zero strip.  The kernels
 // take the sources as a __grid_constant__ parameter, so the runtime index reads them in place
 // (no copy to local memory).
 __device__ __forceinline__ u64 real_kv_fold(const RealKvSources& s, i64 slot) {
   u64 acc = 0;
   for (int i = 0; i < s.num_sources; ++i) {
-    const i64 page = s.page_size[i];
+    const i64 page = s.page_size[i], pool_slot = slot - s.slot_offset[i];
     const unsigned char* strip = reinterpret_cast<const unsigned char*>(s.data[i]) +
-                                 (slot / page) * s.row_stride[i] + (slot % page) * s.num_bytes_per_token[i];
+                                 (pool_slot / page) * s.row_stride[i] + (pool_slot % page) * s.num_bytes_per_token[i];
     u64 h = 0;
-    for (int b = 0; b < s.nbytes[i]; b += 16) {
+    for (int b = 0; pool_slot >= 0 && b < s.nbytes[i]; b += 16) {
       const ulonglong2 w = *reinterpret_cast<const ulonglong2*>(strip + b);
       h = splitmix64(h ^ w.x);
       h = splitmix64(h ^ w.y);

@@ -23,6 +23,8 @@ namespace kvcanary {
 
 constexpr int kWriteThreads = 128;
 constexpr int kWriteWarps = kWriteThreads / 32;
+// A deferred request (SEED_DEFERRED in constants.py): written by a later launch of the step.
+constexpr i64 kSeedDeferred = -2;
 
 // One lane's token: slot -1 past the request's range.
 template <bool kInputAssert>
@@ -118,7 +120,7 @@ __global__ void canary_write(const __grid_constant__ CanaryTargets t, WriteInput
     if (pass >= num_reqs) break;
 
     // This lane's request: its clamped token range and seed (each out-of-range value counts once).
-    if (r >= num_reqs) start_raw = end_raw = 0, seed = -1;
+    if (r >= num_reqs || seed == kSeedDeferred) start_raw = end_raw = 0, seed = -1;
     const i64 start = start_raw < 0 ? 0 : (start_raw > num_tokens ? num_tokens : start_raw);
     const i64 end = end_raw < start ? start : (end_raw > num_tokens ? num_tokens : end_raw);
     errors += start_raw < 0 || start_raw > num_tokens || end_raw < start_raw || end_raw > num_tokens;

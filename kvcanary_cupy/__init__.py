@@ -28,23 +28,29 @@ from .constants import (
     MAX_REAL_KV_SOURCES,
     NUM_LAUNCH_TAGS,
     REQ_POOL_IDX_PADDING,
+    SEED_DEFERRED,
     TOKEN_TO_KV_SLOT_PADDING,
     VIOLATION_FIELDS,
     CanaryLaunchTag,
     FailReason,
     RealKvHashMode,
 )
+from .digest import (DIGEST_FORMAT_VERSION, DIGEST_NUM_KINDS, DIGEST_RECORD_BYTES, DigestBatch, DigestFailReason,
+                     DigestLaunchTag, DigestRecord, DigestSpec, DigestVerdict, KvLayout, digest_pages, restamp,
+                     verify_digest)
 from .errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError
 from .hashing import ANCHOR_HASH, mix3, real_kv_fold, splitmix64, to_signed, to_unsigned
 from .runtime import join_stream
 from .backends.cuda.compile import warmup
 from .launchers import VerifyLauncher, WriteLauncher
-from .ops import move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
+from .ops import copy_pages, move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
-from .reporting import Reader, Violation, ViolationReport
+from .reporting import Reader, ReplicaMismatch, Violation, ViolationReport
+from .same_step import SameStepReads, resolve_same_step_reads
 from .session import CanarySession
 from .tables import BlockTable, PagedKvIndices, ReqToToken
+from . import distributed, metrics  # submodules: kc.distributed.REPLICATED_WINDOW, kc.metrics.SessionMetrics
 
 __version__ = "0.1.0"
 
@@ -58,10 +64,14 @@ __all__ = [
     "CANARY_FIELD_TOKEN",
     "CANARY_FIELDS_PER_SLOT",
     "CANARY_SLOT_BYTES",
+    "DIGEST_FORMAT_VERSION",
+    "DIGEST_NUM_KINDS",
+    "DIGEST_RECORD_BYTES",
     "MAX_CANARY_BUFFERS",
     "MAX_REAL_KV_SOURCES",
     "NUM_LAUNCH_TAGS",
     "REQ_POOL_IDX_PADDING",
+    "SEED_DEFERRED",
     "TOKEN_TO_KV_SLOT_PADDING",
     "VIOLATION_FIELDS",
     "BlockTable",
@@ -74,12 +84,21 @@ __all__ = [
     "CanarySession",
     "CanaryUsageError",
     "CanaryViolationError",
+    "DigestBatch",
+    "DigestFailReason",
+    "DigestLaunchTag",
+    "DigestRecord",
+    "DigestSpec",
+    "DigestVerdict",
+    "KvLayout",
     "FailReason",
     "PagedKvIndices",
     "RealKvHashMode",
     "Reader",
     "RealKvSource",
+    "ReplicaMismatch",
     "ReqToToken",
+    "SameStepReads",
     "VerifyLauncher",
     "VerifyPlan",
     "Violation",
@@ -88,17 +107,22 @@ __all__ = [
     "WriteLauncher",
     "WritePlan",
     "allocate_canary_buffer",
+    "copy_pages",
+    "digest_pages",
     "join_stream",
     "mix3",
     "move_pages",
     "plan",
     "plan_and_verify",
     "real_kv_fold",
+    "resolve_same_step_reads",
+    "restamp",
     "scatter_req_token_ids",
     "splitmix64",
     "to_signed",
     "to_unsigned",
     "verify",
+    "verify_digest",
     "warmup",
     "write",
 ]

@@ -71,6 +71,7 @@ class SourceView(NamedTuple):
     page_size: int
     num_bytes_per_token: int
     read_bytes: int
+    slot_offset: int = 0  # canary slot s reads pool slot s - slot_offset (none below it)
 
 
 class CanaryTarget(NamedTuple):
@@ -119,6 +120,16 @@ class PlanVerifyArgs(NamedTuple):
 
 class MoveArgs(NamedTuple):
     canary: Any  # [N, F] int64, C-contiguous
+    src_pages: Any  # [n] int32 or int64, contiguous
+    dst_pages: Any  # [n], same dtype as src_pages
+    page_size: int
+    workspace: Optional[Any]  # int64, contiguous, >= n * page_size * F elements (GPU staging), or None
+    out_of_range_count: Optional[Any]  # [1] int64 or None
+
+
+class CopyArgs(NamedTuple):
+    src_canary: Any  # [Ns, F] int64, C-contiguous
+    dst_canary: Any  # [Nd, F] int64, C-contiguous (may be src_canary itself)
     src_pages: Any  # [n] int32 or int64, contiguous
     dst_pages: Any  # [n], same dtype as src_pages
     page_size: int

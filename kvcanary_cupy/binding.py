@@ -219,13 +219,14 @@ def source_views(buffer: CanaryBuffer, mode: int, num_slots: int) -> tuple:
         name = f"{buffer.sources_name}[{i}].tensor"
         data = byte_rows_view(src.tensor, name)
         check_aligned(data, name, 16, "real KV is read 16 bytes at a time")
-        if data.shape[0] * src.page_size < num_slots:
+        if data.shape[0] * src.page_size + src.slot_offset < num_slots:
             fail(
                 ValueError,
                 f"{name} has {data.shape[0]} rows x page_size={src.page_size} = {data.shape[0] * src.page_size} "
-                f"slots but {buffer.name} has {num_slots}; every canary slot needs its real-KV bytes",
+                f"slots" + (f" from slot_offset={src.slot_offset}" if src.slot_offset else "")
+                + f" but {buffer.name} has {num_slots}; every canary slot needs its real-KV bytes",
             )
-        views.append(SourceView(data, src.page_size, src.num_bytes_per_token, src.read_bytes))
+        views.append(SourceView(data, src.page_size, src.num_bytes_per_token, src.read_bytes, src.slot_offset))
     return tuple(views)
 
 

@@ -36,6 +36,10 @@ REAL_KV_SOURCE_FIELD_PAGE_SIZE = 0
 REAL_KV_SOURCE_FIELD_NUM_BYTES_PER_TOKEN = 1
 REAL_KV_SOURCE_FIELD_READ_BYTES = 2
 REAL_KV_PARTIAL_BYTES = 16
+#: A write seed that defers its request: the write skips it (kSeedDeferred in write.cu).  The
+#: same-step pass (kvcanary_cupy.same_step) defers a request whose chain continues from a slot
+#: another request writes in the same step to a later write launch of that step.
+SEED_DEFERRED = -2
 
 # Canary buffers one write or verify launch takes with one plan (e.g. the K and V halves).
 MAX_CANARY_BUFFERS = 4
@@ -77,7 +81,7 @@ class FailReason(enum.IntFlag):
     WRITE_TOKEN_MISMATCH = 1 << 3
     WRITE_POSITION_MISMATCH = 1 << 4
     VERIFY_TOKEN_MISMATCH = 1 << 5
-    VERIFY_TABLE_HOLE = 1 << 6
+    VERIFY_TABLE_HOLE = 1 << 16  # bits 6-10 are the transfer digest's (DigestFailReason)
 
     @staticmethod
     def label(bits: int) -> str:

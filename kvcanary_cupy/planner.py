@@ -117,6 +117,50 @@ class CanaryCapacities:
         )
         return cls(verify, write, tuple(notes))
 
+    @classmethod
+    @public_api
+    def from_block_pool(cls, *, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int | None = None,
+                        warn_bytes: int | None = None) -> "CanaryCapacities":
+        """Capacities from a paged engine's block pool (vLLM: ``num_gpu_blocks``, ``block_size``,
+        ``max_num_seqs``, ``max_model_len``), warning when the canary would be large.
+
+        The pool has ``num_blocks * block_size`` slots (:meth:`canary_slots`); ``verify_capacity``
+        is :meth:`from_engine`'s ``3 x`` the pool, bounded by ``max_num_seqs * max_model_len``
+        when given (no batch can read more: each request's prefix is shorter than the model's
+        length).  A :class:`CanaryCapacityWarning` names the bytes when a session's buffers
+        (:meth:`session_bytes`) would exceed ``warn_bytes`` (default :data:`LARGE_CANARY_BYTES`).
+
+        Examples
+        --------
+        >>> kc.CanaryCapacities.from_block_pool(num_blocks=64, block_size=32, max_num_seqs=8, max_model_len=512)
+        CanaryCapacities(verify_capacity=4096, write_req_capacity=8, notes=())
+        """
+        blocks, size = check_int(num_blocks, "num_blocks", minimum=0), check_int(block_size, "block_size", minimum=1)
+        seqs = check_int(max_num_seqs, "max_num_seqs", minimum=1)
+        caps = cls.from_engine(kv_pool_size=blocks * size, max_running_requests=seqs)
+        if max_model_len is not None:
+            bound = seqs * check_int(max_model_len, "max_model_len", minimum=1)
+            caps = cls(min(caps.verify_capacity, bound), caps.write_req_capacity, caps.notes)
+        limit = LARGE_CANARY_BYTES if warn_bytes is None else check_int(warn_bytes, "warn_bytes", minimum=0)
+        need = cls.session_bytes(blocks * size, caps)
+        if need > limit:
+            warnings.warn(f"kv-canary: a canary for {blocks} blocks x {size} slots ({blocks * size} slots, "
+                          f"verify_capacity={caps.verify_capacity}) takes {need / 2**20:.0f} MiB (two canary buffers, "
+                          "the plans and the same-step marks); give the engine a smaller KV pool, or the canary a "
+                          "smaller verify_capacity, to use less", CanaryCapacityWarning, stacklevel=2)
+        return caps
+
+    @staticmethod
+    def session_bytes(num_slots: int, capacities: "CanaryCapacities") -> int:
+        """Bytes a :class:`CanarySession` with ``same_step_reads`` allocates for ``num_slots`` slots
+        (HEAD and TAIL buffers of 32 bytes a slot, 8 bytes of same-step marks, 32 bytes a verify
+        entry, ~40 bytes a request)."""
+        return num_slots * (2 * 32 + 8) + capacities.verify_capacity * 32 + capacities.write_req_capacity * 40
+
+
+#: Bytes of canary buffers past which :meth:`CanaryCapacities.from_block_pool` warns.
+LARGE_CANARY_BYTES = 256 * 2**20
+
 
 class CanaryPlanner:
     """Holds one (VerifyPlan, WritePlan) pair at fixed addresses and refills it every step.

@@ -409,6 +409,12 @@ class RealKvSource:
     read_bytes : int
         Bytes read per slot under ``ALL``: a positive multiple of 16, at most
         ``num_bytes_per_token``.
+    slot_offset : int
+        ``>= 0``: canary slot ``s`` fingerprints pool slot ``s - slot_offset`` (above, read as
+        ``s``), so an engine whose slot 0 is a real slot can keep the canary's padding slot 0
+        apart: give the canary ``slot_offset`` more slots and add it to the slots its tables
+        and ``out_cache_loc`` name.  Canary slots below it have no KV bytes in this source (its
+        strip folds as zero).  The rows must then cover ``num_slots - slot_offset`` slots.
 
     Raises
     ------
@@ -427,11 +433,14 @@ class RealKvSource:
     page_size: int
     num_bytes_per_token: int
     read_bytes: int
+    slot_offset: int = 0
 
     @public_api
     def __post_init__(self):
         require(self.tensor, "RealKvSource.tensor")
         p, n, r = self.page_size, self.num_bytes_per_token, self.read_bytes
+        if not _is_int(self.slot_offset) or not 0 <= self.slot_offset < 2**62:
+            fail(ValueError, f"RealKvSource.slot_offset must be an int in [0, 2**62), got {self.slot_offset!r}")
         if not _is_int(p) or p < 1:
             fail(ValueError, f"RealKvSource.page_size must be >= 1, got {p}")
         if not _is_int(n) or n <= 0 or n % 16:

@@ -111,6 +111,18 @@ class Violation:
         (repeats included), oldest first: the newest ``kvcanary_cupy.session.MAX_READERS`` of them.
     readers_dropped : int
         Older reads past that bound: counted, not kept.
+    rank : int, optional
+        The rank (in the session's ``process_group``) whose canary found it; None without a group.
+    device : str, optional
+        That rank's device, to join with ECC / Xid logs: ``"GPU-<uuid>"`` (as ``nvidia-smi -L``
+        prints it) with the PCI bus id, or ``"cpu@<host>"``; None without a group.
+    request_ids : tuple of str
+        The engine's ids of the requests behind ``batch_rows`` (filled by an engine integration,
+        :mod:`kvcanary_cupy.integrations`; empty where unknown).
+    finding : str, optional
+        What an engine integration knows the violation to be when it is the engine's own
+        documented behaviour rather than corruption (docs/engines.md lists the labels); None:
+        unexplained.
 
     Examples
     --------
@@ -135,6 +147,10 @@ class Violation:
     last_step: int | None = None
     readers: tuple = ()
     readers_dropped: int = 0
+    rank: int | None = None
+    device: str | None = None
+    request_ids: tuple = ()
+    finding: str | None = None
 
     def __post_init__(self):
         if self.is_write and self.expected_position is None:
@@ -144,6 +160,7 @@ class Violation:
         object.__setattr__(self, "batch_rows", tuple(int(r) for r in self.batch_rows))
         object.__setattr__(self, "readers", tuple(r if isinstance(r, Reader) else Reader(**r) if isinstance(r, dict)
                                                   else Reader(*r) for r in self.readers))
+        object.__setattr__(self, "request_ids", tuple(str(r) for r in self.request_ids))
 
     @classmethod
     def from_row(cls, row: Sequence[int]) -> "Violation":
@@ -187,10 +204,11 @@ class Violation:
         """One log line, as SGLang's kv-canary prints a violation (a hole: its entry index)."""
         aux = (f"expected_position={self.expected_aux}" if self.is_write else f"entry={self.expected_aux}" if self.is_hole
                else f"expected_chain_hash={self.expected_aux:#018x}")
+        where = "" if self.rank is None else f" rank={self.rank} device={self.device}"
         return (
             f"kv_canary violation: launch_tag={self.launch_tag} fail_reason={self.reasons} "
             f"slot_idx={self.slot_idx} position={self.position} stored_token={self.stored_token} "
-            f"expected_token={self.expected_token} stored_chain_hash={self.stored_chain_hash:#018x} {aux}"
+            f"expected_token={self.expected_token} stored_chain_hash={self.stored_chain_hash:#018x} {aux}{where}"
         )
 
     def to_dict(self) -> dict:
@@ -200,6 +218,7 @@ class Violation:
             out[f.name] = getattr(self, f.name)
         out["batch_rows"] = list(self.batch_rows)
         out["readers"] = [r._asdict() for r in self.readers]
+        out["request_ids"] = list(self.request_ids)
         return out
 
     @classmethod
@@ -209,6 +228,51 @@ class Violation:
 
 
 _PLAIN_AUX = _WRITE_BITS | FailReason.VERIFY_TABLE_HOLE  # rows whose expected_aux is no hash
+#: The kind of violation a replicated-KV comparison finds (docs/distributed.md).
+REPLICATED_KV_MISMATCH = "replicated_kv_mismatch"
+
+
+@dataclass(frozen=True)
+class ReplicaMismatch:
+    """A ``replicated_kv_mismatch``: one slot's TAIL real-KV fingerprint differs between two ranks
+    that must hold identical KV (a session built with ``replicated_kv=True``).
+
+    Parameters
+    ----------
+    slot_idx : int
+        The canary (and KV pool) slot.
+    rank, other_rank : int
+        The rank whose fingerprint differs, and a rank holding the value most ranks hold (the
+        lowest such rank); both ranks of the group.
+    real_kv_hash, other_real_kv_hash : int
+        Their fingerprints (unsigned).
+    step : int
+        The 0-based session step after which the fingerprints were compared.
+    """
+
+    slot_idx: int
+    rank: int
+    other_rank: int
+    real_kv_hash: int
+    other_real_kv_hash: int
+    step: int
+
+    @property
+    def kind(self) -> str:
+        """``"replicated_kv_mismatch"``: the violation kind, as reports and JSON name it."""
+        return REPLICATED_KV_MISMATCH
+
+    def format(self) -> str:
+        """One log line naming the slot and both ranks."""
+        return (f"kv_canary {REPLICATED_KV_MISMATCH}: slot_idx={self.slot_idx} rank={self.rank} "
+                f"real_kv_hash={self.real_kv_hash:#018x} other_rank={self.other_rank} "
+                f"other_real_kv_hash={self.other_real_kv_hash:#018x} step={self.step}")
+
+    def to_dict(self) -> dict:
+        """The JSON-ready record: ``kind``, then every field by name (hashes unsigned)."""
+        return {"kind": REPLICATED_KV_MISMATCH, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+
 _FIELDS = tuple(f.name for f in fields(Violation))
 _COLUMNS = ("launch_tag", "reasons", *_FIELDS)  # the keys of Violation.to_dict, in order
 
@@ -223,7 +287,7 @@ def _html_cell(v: Violation, key: str, value) -> str:
         value = f"{value:#018x}"
     elif key == "expected_token" and value == -1 and not v.is_write:
         value = "not checked"
-    elif key == "batch_rows":
+    elif key in ("batch_rows", "request_ids"):
         value = ", ".join(map(str, value)) or None
     elif key == "readers":
         value = ", ".join(f"{'sweep ' if r['sweep'] else ''}{r['step']}:{r['batch_row']}"
@@ -241,6 +305,7 @@ PANDAS_DTYPES = {
     "stored_token": "int64", "expected_token": "int64", "stored_chain_hash": "uint64", "expected_aux": object,
     "fail_reason_bits": "int64", "expected_position": "Int64", "prev_slot_idx": "Int64", "batch_rows": object,
     "repeats": "int64", "first_step": "Int64", "last_step": "Int64", "readers": object, "readers_dropped": "int64",
+    "rank": "Int64", "device": object, "request_ids": object, "finding": object,
 }
 
 _I64_RANGE, _U64_RANGE = (-(2**63), 2**63 - 1), (0, 2**64 - 1)
@@ -252,8 +317,9 @@ _RECORD_RANGES = {
     "fail_reason_bits": (0, _KNOWN_BITS), "expected_position": _I64_RANGE, "prev_slot_idx": _I64_RANGE,
     "repeats": (1, _I64_RANGE[1]), "first_step": (0, _I64_RANGE[1]), "last_step": (0, _I64_RANGE[1]),
     "readers_dropped": (0, _I64_RANGE[1]),
+    "rank": (0, INT32_MAX),
 }
-_OPTIONAL = frozenset(("expected_position", "prev_slot_idx", "first_step", "last_step"))
+_OPTIONAL = frozenset(("expected_position", "prev_slot_idx", "first_step", "last_step", "rank"))
 
 
 def _json_int(value, name: str, lo: int, hi: int, *, optional: bool = False):
@@ -277,6 +343,8 @@ def _json_record(d, where: str) -> Violation:
             _json_int(d[key], f"{where}.{key}", lo, hi, optional=key in _OPTIONAL)
     if d["fail_reason_bits"] & ~_KNOWN_BITS:
         fail(ValueError, f"report JSON {where}.fail_reason_bits has bits no FailReason names: {d['fail_reason_bits']:#x}")
+    if not isinstance(d.get("device"), (str, type(None))):
+        fail(TypeError, f"report JSON {where}.device must be a string or null, got {type(d['device']).__name__}")
     rows = d.get("batch_rows", [])
     if not isinstance(rows, list):
         fail(TypeError, f"report JSON {where}.batch_rows must be a list of int, got {type(rows).__name__}")
@@ -296,7 +364,26 @@ def _json_record(d, where: str) -> Violation:
             fail(TypeError, f"report JSON {at}.row_label must be an int, a str or null, got {r['row_label']!r}")
         if not isinstance(r["sweep"], bool):
             fail(TypeError, f"report JSON {at}.sweep must be a bool, got {r['sweep']!r}")
+    ids = d.get("request_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
+        fail(TypeError, f"report JSON {where}.request_ids must be a list of str, got {ids!r}")
+    finding = d.get("finding")
+    if finding is not None and not isinstance(finding, str):
+        fail(TypeError, f"report JSON {where}.finding must be a str or null, got {type(finding).__name__}")
     return Violation.from_dict(d)
+
+
+_MISMATCH_RANGES = {"slot_idx": _I64_RANGE, "rank": (0, INT32_MAX), "other_rank": (0, INT32_MAX),
+                    "real_kv_hash": _U64_RANGE, "other_real_kv_hash": _U64_RANGE, "step": (0, _I64_RANGE[1])}
+
+
+def _json_mismatch(d, where: str) -> ReplicaMismatch:
+    if not isinstance(d, dict):
+        fail(TypeError, f"report JSON {where} must be an object, got {type(d).__name__}")
+    missing = [k for k in _MISMATCH_RANGES if k not in d]
+    if missing:
+        fail(ValueError, f"report JSON {where} lacks {', '.join(missing)}")
+    return ReplicaMismatch(**{k: _json_int(d[k], f"{where}.{k}", lo, hi) for k, (lo, hi) in _MISMATCH_RANGES.items()})
 
 
 @dataclass(frozen=True, repr=False)
@@ -321,6 +408,11 @@ class ViolationReport:
         Ring rows decoded (a log: ``len(violations)``; a session: over all its steps).
     steps : int, optional
         A session's steps so far.
+    ranks : tuple of int
+        A session with a ``process_group``: the ranks whose new violations (or replicated-KV
+        mismatches) the verdict that produced this report covers; empty otherwise.
+    replica_mismatches : tuple of ReplicaMismatch
+        The ``replicated_kv_mismatch`` violations (sessions built with ``replicated_kv=True``).
 
     Examples
     --------
@@ -338,10 +430,45 @@ class ViolationReport:
     out_of_range_counters: np.ndarray
     rows_read: int | None = None  # ring rows decoded (a log: len(violations); a session: over all steps)
     steps: int | None = None  # a session's steps so far
+    ranks: tuple = ()  # a distributed verdict's ranks with new violations
+    replica_mismatches: tuple = ()  # of ReplicaMismatch
 
     def __post_init__(self):
         if self.rows_read is None:
             object.__setattr__(self, "rows_read", len(self.violations))
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        object.__setattr__(self, "replica_mismatches", tuple(self.replica_mismatches))
+
+    @classmethod
+    def merge(cls, *reports: "ViolationReport") -> "ViolationReport":
+        """One report of several ranks' (or logs') reports, e.g. :meth:`CanarySession.gather_report`'s.
+
+        Violations and mismatches are concatenated in the order given (each violation keeps its
+        ``rank``); totals, ``rows_read`` and ring capacities add up; the counters add up per
+        launch kind (every report must have the same number of kinds); ``steps`` is the largest
+        given; ``ranks`` is the sorted union.
+
+        Raises
+        ------
+        TypeError, ValueError
+            No report, something that is not a ViolationReport, or counters of different kinds.
+        """
+        if not reports:
+            fail(ValueError, "ViolationReport.merge needs at least one report")
+        for i, r in enumerate(reports):
+            if not isinstance(r, ViolationReport):
+                fail(TypeError, f"ViolationReport.merge: reports[{i}] must be a ViolationReport, got {type(r).__name__}")
+            if len(r.violation_counters) != len(reports[0].violation_counters):
+                fail(ValueError, f"ViolationReport.merge: reports[{i}] has {len(r.violation_counters)} launch kinds, "
+                                 f"reports[0] has {len(reports[0].violation_counters)}")
+        steps = [r.steps for r in reports if r.steps is not None]
+        mismatches = {m: None for r in reports for m in r.replica_mismatches}  # every rank finds the same ones
+        return cls(violations=tuple(v for r in reports for v in r.violations),
+                   total_violations=sum(r.total_violations for r in reports),
+                   ring_capacity=sum(r.ring_capacity for r in reports),
+                   **{k: np.sum([getattr(r, k) for r in reports], axis=0, dtype=np.int64) for k in _COUNTERS},
+                   rows_read=sum(r.rows_read for r in reports), steps=max(steps) if steps else None,
+                   ranks=sorted({k for r in reports for k in r.ranks}), replica_mismatches=tuple(mismatches))
 
     def __eq__(self, other) -> bool:
         """Equal fields, the counter arrays compared value by value."""
@@ -375,7 +502,7 @@ class ViolationReport:
 
     def format(self) -> str:
         """Every violation's :meth:`Violation.format` line, then a totals line."""
-        lines = [v.format() for v in self.violations]
+        lines = [v.format() for v in self.violations] + [m.format() for m in self.replica_mismatches]
         lines.append(
             f"total_violations={self.total_violations} shown={len(self.violations)} dropped={self.dropped} "
             f"out_of_range_skipped={int(self.out_of_range_counters.sum())}"
@@ -406,8 +533,10 @@ class ViolationReport:
         """One line: how many, read and dropped, then rows by reason and violations by tag."""
         by_reason = " ".join(f"{k}={n}" for k, n in self.rows_by_reason().items()) or "-"
         by_tag = " ".join(f"{k}={n}" for k, n in self.counts_by_tag().items()) or "-"
+        ranks = f"; ranks with new violations: {list(self.ranks)}" if self.ranks else ""
+        mismatches = f"; {len(self.replica_mismatches)} {REPLICATED_KV_MISMATCH}" if self.replica_mismatches else ""
         return (f"kv_canary summary: {len(self.violations)} violations listed, {self.total_violations} counted, "
-                f"{self.rows_read} read, {self.dropped} dropped; by reason: {by_reason}; by tag: {by_tag}")
+                f"{self.rows_read} read, {self.dropped} dropped; by reason: {by_reason}; by tag: {by_tag}{ranks}{mismatches}")
 
     def to_dicts(self) -> list:
         """One :meth:`Violation.to_dict` per violation."""
@@ -437,6 +566,8 @@ class ViolationReport:
             "kernel_run_counters": [int(x) for x in self.kernel_run_counters],
             "out_of_range_counters": [int(x) for x in self.out_of_range_counters],
             "violations": self.to_dicts(),
+            "ranks": list(self.ranks),
+            "replica_mismatches": [m.to_dict() for m in self.replica_mismatches],
         }
         return json.dumps(doc, indent=indent)
 
@@ -462,7 +593,14 @@ class ViolationReport:
                 fail(ValueError, f"report JSON {key} has {len(values)} kinds but violation_counters has {len(doc['violation_counters'])}")
         if not isinstance(doc["violations"], list):
             fail(TypeError, f"report JSON violations must be a list of records, got {type(doc['violations']).__name__}")
+        ranks = doc.get("ranks", [])
+        mismatches = doc.get("replica_mismatches", [])
+        for key, value in (("ranks", ranks), ("replica_mismatches", mismatches)):
+            if not isinstance(value, list):
+                fail(TypeError, f"report JSON {key} must be a list, got {type(value).__name__}")
         return cls(violations=tuple(_json_record(d, f"violations[{i}]") for i, d in enumerate(doc["violations"])),
+                   ranks=[_json_int(r, f"ranks[{i}]", 0, INT32_MAX) for i, r in enumerate(ranks)],
+                   replica_mismatches=tuple(_json_mismatch(d, f"replica_mismatches[{i}]") for i, d in enumerate(mismatches)),
                    total_violations=_json_int(doc["total_violations"], "total_violations", 0, top),
                    ring_capacity=_json_int(doc["ring_capacity"], "ring_capacity", 1, 2**31 - 1),
                    rows_read=_json_int(doc["rows_read"], "rows_read", 0, top),

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .args import MoveArgs, PlanArgs, ScatterArgs, VerifyArgs, WriteArgs
-from .backends.numpy_backend import extend_limit, move_pair_checks, plan_row_checks, scatter_row_checks, table_slots, write_range_checks
+from .args import CopyArgs, MoveArgs, PlanArgs, ScatterArgs, VerifyArgs, WriteArgs
+from .backends.numpy_backend import copy_pair_checks, extend_limit, move_pair_checks, plan_row_checks, scatter_row_checks, table_slots, write_range_checks
 from .errors import fail
 from .interop import to_numpy
 from .runtime import refuse_view_copy_during_capture
@@ -171,3 +171,13 @@ def check_move(a: MoveArgs) -> None:
         i, j = np.nonzero(dst == repeated[0])[0][:2]
         fail(ValueError, f"dst_pages[{i}] and dst_pages[{j}] are both {int(repeated[0])}; a page can receive one source only")
 
+
+def check_copy(a: CopyArgs) -> None:
+    h = _host(a)
+    src, dst, src_ok, dst_ok = copy_pair_checks(h)
+    for name, buffer, ids, ok in (("src_pages", "src_canary", src, src_ok), ("dst_pages", "dst_canary", dst, dst_ok)):
+        bad = np.nonzero(~ok)[0]
+        if bad.size:
+            i, slots = int(bad[0]), getattr(h, buffer).shape[0]
+            fail(ValueError, f"{name}[{i}] = {int(ids[i])} is outside [0, {slots // h.page_size}) ({buffer}'s "
+                             f"{slots} slots hold {slots // h.page_size} whole pages of page_size={h.page_size})")

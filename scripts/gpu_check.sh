@@ -64,7 +64,8 @@ pytest_slice() {  # pytest_slice I JOBS [pytest args...]: every JOBS-th test id,
 }
 sanitizer() {
   compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases "${SANITIZER_CASES:-16}" &&
-    compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 4
+    compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases 4 &&
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_digest.py --cases 12
 }
 export -f pytest_slice sanitizer
 pids=()
@@ -90,5 +91,8 @@ fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   stage bench "${BENCH_S:-240}" python3 -m kvcanary_cupy bench --out "$OUT/bench.txt" --json "$OUT/bench.json"
   stage bench-session 60 python3 benchmarks/bench_session.py --out "$OUT/bench-session.txt"
+  stage bench-digest 120 python3 benchmarks/bench_digest.py --out "$OUT/bench-digest.txt"
+  ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 1)
+  stage bench-distributed 90 python3 benchmarks/bench_distributed.py --backend nccl --world "$(( ngpu >= 2 ? 2 : 1 ))" --workloads W3,W1
 fi
 exit $status

@@ -153,8 +153,8 @@ def test_row_labels_are_checked(ab):
     session = kc.CanarySession(64, max_batch_size=4, like=ab.like, on_violation="ignore")
     rtt = np.zeros((4, 16), np.int32)
     args = (a64(ab, [1]), a64(ab, [0]), a64(ab, [1]), ab.asarray(rtt), a64(ab, [1]), a64(ab, [0]), a64(ab, [5]))
-    with pytest.raises(ValueError, match=r"^kv-canary: row_labels must hold one label per batch row \(1\), got 2$"):
-        session.pre_forward(*args, row_labels=["a", "b"])
+    with pytest.raises(ValueError, match=r"^kv-canary: row_labels must name every batch row: 1 rows \(len\(prefix_lens\)\), got 0 labels$"):
+        session.pre_forward(*args, row_labels=[])
     with pytest.raises(TypeError, match=r"^kv-canary: row_labels must be ints or strs, got float 1.5$"):
         session.pre_forward(*args, row_labels=[1.5])
     with pytest.raises(TypeError, match=r"^kv-canary: row_labels must be a sequence of int or str"):

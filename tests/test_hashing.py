@@ -188,7 +188,7 @@ def test_fail_reason_bits():
     assert [(m.name, m.value) for m in F] == [
         ("VERIFY_CHAIN_HASH_MISMATCH", 1), ("VERIFY_POSITION_MISMATCH", 2), ("VERIFY_REAL_KV_HASH_MISMATCH", 4),
         ("WRITE_TOKEN_MISMATCH", 8), ("WRITE_POSITION_MISMATCH", 16), ("VERIFY_TOKEN_MISMATCH", 32),
-        ("VERIFY_TABLE_HOLE", 64)]  # SGLang's six, then this project's own
+        ("VERIFY_TABLE_HOLE", 1 << 16)]  # SGLang's six, then this project's own
 
 
 @pytest.mark.parametrize("bits, label", [

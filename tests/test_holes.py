@@ -19,7 +19,8 @@ def hole_row(kind, position, entry, slot=0, expected_token=-1):
 
 
 def test_the_bit_and_its_label():
-    assert HOLE == 64 and FailReason.label(HOLE) == "verify_table_hole"
+    assert HOLE == 1 << 16 and FailReason.label(HOLE) == "verify_table_hole"
+    assert not HOLE & sum(kc.DigestFailReason)  # clear of the transfer digest's bits
     # SGLang's six bits are unchanged
     assert [m.value for m in FailReason][:6] == [1, 2, 4, 8, 16, 32]
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 # The records used to live here; they stay importable from here for code written against that.
 from ..args import (ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_ENTRY_FIELDS, VERIFY_INPUT_FIELDS,  # noqa: F401
-                    CanaryTarget, LogViews, MoveArgs, PlanArgs, PlanOutputs, PlanVerifyArgs, ScatterArgs, SourceView,
+                    CanaryTarget, CopyArgs, LogViews, MoveArgs, PlanArgs, PlanOutputs, PlanVerifyArgs, ScatterArgs, SourceView,
                     StageArgs, StageLayout, TableView, VerifyArgs, WriteArgs)
 
 
@@ -31,6 +31,8 @@ class Backend(Protocol):
     def plan_verify(self, a: PlanVerifyArgs) -> None: ...
 
     def move(self, a: MoveArgs) -> None: ...
+
+    def copy(self, a: CopyArgs) -> None: ...
 
     def scatter(self, a: ScatterArgs) -> None: ...
 

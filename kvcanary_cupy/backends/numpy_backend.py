@@ -12,12 +12,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..args import (STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_ENTRY_FIELDS, CanaryTarget, LogViews, MoveArgs, PlanArgs,
+from ..args import (STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_ENTRY_FIELDS, CanaryTarget, CopyArgs, LogViews, MoveArgs, PlanArgs,
                     PlanVerifyArgs, ScatterArgs, SourceView, StageArgs, TableView, VerifyArgs, WriteArgs, stage_rings)
 from ..constants import (
     FailReason,
     RealKvHashMode,
     REAL_KV_PARTIAL_BYTES,
+    SEED_DEFERRED,
     VIOLATION_FIELDS,
 )
 from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_array
@@ -222,12 +223,16 @@ HASH_CHUNK_BYTES = 1 << 20
 
 
 def _strip_hashes(src: SourceView, nbytes: int, slots: np.ndarray) -> np.ndarray:
-    row = slots // src.page_size
-    col = (slots % src.page_size) * src.num_bytes_per_token
+    pool_slots = slots - src.slot_offset
+    below = pool_slots < 0  # no KV bytes: the strip's hash stays 0, as the kernels fold it
+    pool_slots = np.where(below, 0, pool_slots)
+    row = pool_slots // src.page_size
+    col = (pool_slots % src.page_size) * src.num_bytes_per_token
     words = np.ascontiguousarray(src.data[row[:, None], col[:, None] + np.arange(nbytes)]).view("<u8")
     h = np.zeros(slots.shape[0], np.uint64)
     for w in range(words.shape[1]):
         h = splitmix64_array(h ^ words[:, w])
+    h[below] = 0
     return h
 
 
@@ -311,10 +316,13 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
     if num_reqs == 0:
         return
     num_tokens = a.input_ids.shape[0]
+    seed = np.asarray(a.write_seed_slot_indices[:num_reqs], I64)
+    deferred = seed == SEED_DEFERRED  # written by a later launch of the step: an empty range here
     start, end, bad_range = write_range_checks(a.write_offsets, num_reqs, num_tokens)
+    start, end, bad_range = np.where(deferred, 0, start), np.where(deferred, 0, end), bad_range & ~deferred
+    seed = np.where(deferred, -1, seed)
     errors = int(np.count_nonzero(bad_range))
 
-    seed = np.asarray(a.write_seed_slot_indices[:num_reqs], I64)
     seed_oob = seed >= num_slots
     errors += int(np.count_nonzero(seed_oob))
     seed_ok = (seed > 0) & ~seed_oob  # seed 0 is the padding slot: no predecessor, like -1
@@ -604,3 +612,30 @@ def move(a: MoveArgs) -> None:
     keep = dst.shape[0] - 1 - last
     pages[dst[keep]] = rows[keep]
 
+
+# ----------------------------------------------------------------------------------------------
+# copy_pages
+
+
+def copy_pair_checks(a: CopyArgs):
+    """``(src, dst, src_ok, dst_ok)``: the page ids as int64 and which lie in their buffer's whole pages."""
+    src, dst = np.asarray(a.src_pages, I64), np.asarray(a.dst_pages, I64)
+    src_pages, dst_pages = a.src_canary.shape[0] // a.page_size, a.dst_canary.shape[0] // a.page_size
+    return src, dst, (src >= 0) & (src < src_pages), (dst >= 0) & (dst < dst_pages)
+
+
+def copy(a: CopyArgs) -> None:
+    src, dst, src_ok, dst_ok = copy_pair_checks(a)
+    if a.out_of_range_count is not None:
+        a.out_of_range_count[0] += int(np.count_nonzero(~src_ok) + np.count_nonzero(~dst_ok))
+    keep = src_ok & dst_ok
+    src, dst = src[keep], dst[keep]
+    if src.size == 0:
+        return
+    size = a.page_size
+    src_view = a.src_canary[: (a.src_canary.shape[0] // size) * size].reshape(-1, size * a.src_canary.shape[1])
+    dst_view = a.dst_canary[: (a.dst_canary.shape[0] // size) * size].reshape(-1, size * a.dst_canary.shape[1])
+    rows = src_view[src]  # a copy first: a destination that is also a source gets its rows from before
+    _, last = np.unique(dst[::-1], return_index=True)  # a repeated destination takes its last pair
+    keep = dst.shape[0] - 1 - last
+    dst_view[dst[keep]] = rows[keep]

@@ -21,6 +21,7 @@ import numpy as np
 from ..backends.cuda import compile as cuda_compile
 from ..backends.cuda.abi import (CANARY_BUFFER, CANARY_TARGETS, LAUNCH_LOG, PLAN_INPUTS, PLAN_OUTPUTS, REAL_KV_SOURCES,
                                  SESSION_STAGE, WRITE_INPUTS)
+from ..digest.cuda import DIGEST_POOL, DIGEST_REQUESTS, DIGEST_TABLE
 from ..interop import import_cupy
 from ..tables import TableKind
 
@@ -37,6 +38,9 @@ KERNEL_STRUCTS = {
     "PlanInputs": (PLAN_INPUTS, cuda_compile.plan_family(TableKind.REQ_TO_TOKEN)),
     "PlanOutputs": (PLAN_OUTPUTS, cuda_compile.plan_family(TableKind.REQ_TO_TOKEN)),
     "SessionStage": (SESSION_STAGE, "session"),
+    "DigestTable": (DIGEST_TABLE, "digest"),
+    "DigestPool": (DIGEST_POOL, "digest"),
+    "DigestRequests": (DIGEST_REQUESTS, "digest"),
 }
 
 

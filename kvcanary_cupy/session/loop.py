@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -15,12 +16,14 @@ import numpy as np
 from ..args import StageLayout
 from ..backends import get_backend
 from ..constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
+from ..distributed import RankReducer
 from ..errors import CanaryUsageError, fail, public_api, trimmed_argument_error
 from ..interop import Array, allocate, import_cupy, placement_of
 from ..launchers import VerifyLauncher, WriteLauncher
 from ..planner import CanaryCapacities, CanaryPlanner
 from ..plans import allocate_canary_buffer, check_num_sources
-from ..reporting import reason_name
+from ..reporting import ViolationReport, reason_name
+from ..same_step import SameStepReads, resolve_same_step_reads
 from ..validation import I64, INT32_MAX, check_count, check_int
 from .staging import STAGED_RECORDS, StagingMixin, _CudaTransport, _HostTransport
 from .violations import POLICIES, RING_GROUPS, ViolationsMixin, _group_logs
@@ -55,15 +58,15 @@ def _length(x, name: str) -> int:
     return int(shape[0])
 
 
-def _row_labels(labels, n: int):
-    """The row labels of ``n`` batch rows as a tuple (None: none given)."""
+def _checked_labels(labels, n: int):
+    """The labels of ``n`` batch rows (the first ``n`` of ``labels``) as a tuple (None: none given)."""
     if labels is None:
         return None
     if isinstance(labels, (str, bytes)) or not hasattr(labels, "__len__"):
         fail(TypeError, f"row_labels must be a sequence of int or str (one per batch row), got {type(labels).__name__}")
-    labels = tuple(x.item() if isinstance(x, np.generic) else x for x in labels)
-    if len(labels) != n:
-        fail(ValueError, f"row_labels must hold one label per batch row ({n}), got {len(labels)}")
+    if len(labels) < n:
+        fail(ValueError, f"row_labels must name every batch row: {n} rows (len(prefix_lens)), got {len(labels)} labels")
+    labels = tuple(x.item() if isinstance(x, np.generic) else x for x in labels[:n])
     for x in labels:
         if isinstance(x, bool) or not isinstance(x, (int, str)):
             fail(TypeError, f"row_labels must be ints or strs, got {type(x).__name__} {x!r}")
@@ -127,7 +130,31 @@ class CanarySession(StagingMixin, ViolationsMixin):
     check_holes : bool
         Report a position a step (or sweep) reads whose table entry addresses the padding slot
         (``VERIFY_TABLE_HOLE``, ``check_holes`` of :func:`verify`); False keeps SGLang's rule
-        (skipped unseen).
+        (skipped unseen).  Off with ``same_step_reads``, which marks the entries it verified as
+        written with the padding slot (:attr:`check_holes` says what the session does).
+    same_step_reads : bool
+        The engine lets a request read, in the same step, slots another request writes (vLLM's
+        prefix cache matches blocks at scheduling time): each step runs
+        :func:`resolve_same_step_reads`, so such reads are verified as written and a request's
+        chain that continues from such a slot is written after it (``stats["same_step_verified"]``,
+        ``stats["same_step_deeper"]``).
+    process_group : torch.distributed.ProcessGroup, optional
+        A group *dedicated* to the canary (``dist.new_group(...)``; gloo for NumPy arrays and CPU
+        tensors, nccl for CUDA arrays): each rank keeps its own canary, and every
+        ``reduce_every`` steps the ranks' totals and verdicts are all-reduced over it without a
+        host sync, so that every rank applies its policy on the same step (docs/distributed.md).
+        Building the session is then a collective that checks the ranks agree on the pool size,
+        the canary size and the capacities.  :attr:`distributed` holds the group's totals.
+    reduce_every : int
+        With a group: reduce every ``reduce_every``-th ``end_step`` (``>= 1``).
+    replicated_kv : bool
+        With a group whose ranks hold identical KV (MLA caches; GQA caches when tensor parallelism
+        exceeds the KV-head count): compare the ranks' TAIL real-KV fingerprints, a window of
+        ``kc.distributed.REPLICATED_WINDOW`` slots per reduction; a difference is a
+        ``replicated_kv_mismatch`` (:class:`ReplicaMismatch`) naming both ranks and the slot.
+    allow_default_group : bool
+        Accept the default (WORLD) group as ``process_group``: only when nothing else (the model,
+        a KV transfer) issues collectives on it.
 
     Raises
     ------
@@ -160,7 +187,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
                  ring_capacity=DEFAULT_RING_CAPACITY, on_violation="raise", swa_window_size=0,
                  full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
                  real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
-                 sweep_source=None, overlap_head_write=True, write_req_capacity=None, check_holes=True):
+                 sweep_source=None, overlap_head_write=True, write_req_capacity=None, process_group=None,
+                 reduce_every=1, replicated_kv=False, allow_default_group=False, same_step_reads=False, check_holes=True):
         num_slots = check_count(num_slots, "num_slots", maximum=2**62)
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
@@ -184,13 +212,17 @@ class CanarySession(StagingMixin, ViolationsMixin):
             self.real_kv_hash_mode = RealKvHashMode(real_kv_hash_mode)
         except (ValueError, TypeError):
             fail(ValueError, f"real_kv_hash_mode must be a RealKvHashMode (NONE, PARTIAL or ALL), got {real_kv_hash_mode!r}")
+        reduce_every = check_count(reduce_every, "reduce_every", positive=True)
         for name, flag in (("check_expected_tokens", check_expected_tokens), ("overlap_head_write", overlap_head_write),
-                           ("check_holes", check_holes)):
+                           ("replicated_kv", replicated_kv), ("allow_default_group", allow_default_group),
+                           ("same_step_reads", same_step_reads), ("check_holes", check_holes)):
             if not isinstance(flag, (bool, np.bool_)):
                 fail(TypeError, f"{name} must be a bool, got {type(flag).__name__}")
         self.sweep_every = check_int(sweep_every, "sweep_every", minimum=0)
         if self.sweep_every and not callable(sweep_source):
             fail(ValueError, "sweep_every > 0 needs sweep_source: a callable returning (req_pool_indices, seq_lens, table) or None")
+        if process_group is None and (replicated_kv or reduce_every != 1):
+            fail(ValueError, "replicated_kv and reduce_every apply to a session with a process_group; pass one")
         if like is not None:
             placement_of(like, "like")
 
@@ -202,7 +234,9 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self.num_slots = num_slots
         self.on_violation = on_violation
         self.check_expected_tokens = bool(check_expected_tokens)
-        self.check_holes = bool(check_holes)
+        # same_step_reads marks an entry verified as written with the padding slot, which a hole
+        # check would report: the two do not compose yet (docs/guide.md, "Containment")
+        self.check_holes = bool(check_holes) and not same_step_reads
         self.sweep_source = sweep_source
         self.head_tag, self.tail_tag, self.sweep_tag = _TAGS[window > 0]
         self._like = like
@@ -238,11 +272,19 @@ class CanarySession(StagingMixin, ViolationsMixin):
                 self._head_write_stream = cupy.cuda.Stream(non_blocking=True)
         self._head_write = WriteLauncher(self.head_canary, wp, log=head_log, kernel_kind=self.head_tag,
                                          stream=self._head_write_stream)
+        self.same_step = None
+        if same_step_reads:  # one write launch per wave, each in both buffers
+            self.same_step = SameStepReads.allocate(num_slots, self.max_batch_size, like=like)
+            waves = self.same_step.wave_plans(wp)
+            self._tail_write = _Waves([WriteLauncher(self.tail_canary, w, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
+                                       for w in waves])
+            self._head_write = _Waves([WriteLauncher(self.head_canary, w, log=head_log, kernel_kind=self.head_tag,
+                                                     stream=self._head_write_stream) for w in waves])
+        self._row_labels = None  # the engine's labels of this step's batch rows (pre_forward's row_labels)
         self._head_write_unjoined = False
 
         self._stamp = 0
         self._step_inputs = None  # (input_ids, positions, out_cache_loc) between pre_ and post_forward
-        self._step_labels = None  # the row labels pre_forward was given for this step
         self._step_open = False
         self._distinct = {}  # key -> [Violation, repeats, last step, readers (list of Reader), readers dropped]
         self._new, self._problems = {}, []  # handled since the policy was last applied: new keys (in order), health messages
@@ -256,9 +298,18 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self._capacity_warned = self._coverage_warned = self._eviction_warned = False
         self._in_policy = False  # inside the on_violation callback
         self._lock = threading.Lock()  # held while handled results change, so another thread can read them
+        # Held by end_step, sweep and check while they stage and handle records: check() from another thread
+        # than the engine's (docs/guide.md, "Threads") waits for the engine's end_step instead of racing it.
+        self._handling = threading.RLock()
         self._stats = dict(steps=0, verified_entries=0, verify_skipped_steps=0, verify_skipped_sweeps=0, sweeps=0,
                            rows_read=0, health_failures=0, untracked_rows=0, evicted_violations=0,
                            unattributed_entries=0, staging_waits=0, dropped_readers=0)
+        self._origin = {}  # the rank and device a distributed session's violations carry
+        self.distributed = None  # RankReducer: the group's verdicts and totals
+        if process_group is not None:
+            self.distributed = RankReducer(self, process_group, reduce_every=reduce_every, replicated_kv=replicated_kv,
+                                           allow_default_group=allow_default_group)
+            self._origin = dict(rank=self.distributed.rank, device=self.distributed.device)
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -267,7 +318,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
                     input_ids: Array, positions: Array, out_cache_loc: Array, *,
                     expected_tokens: Array | None = None, expected_tokens_valid_lens: Array | None = None,
                     req_to_verify_expected_tokens: Array | None = None,
-                    req_to_verify_expected_tokens_valid_lens: Array | None = None, row_labels=None) -> None:
+                    req_to_verify_expected_tokens_valid_lens: Array | None = None,
+                    row_labels: Sequence | None = None) -> None:
         """Before the model reads the KV cache: plan the step, verify the HEAD buffer, write it.
 
         Capture-safe: allocates nothing, reads nothing back, never synchronises.  Pass the
@@ -288,8 +340,11 @@ class CanarySession(StagingMixin, ViolationsMixin):
         req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens : optional
             The same two arrays under :func:`plan`'s names; give either spelling of each.
         row_labels : sequence of int or str, optional
-            The engine's name of each batch row (a request id), ``len(prefix_lens)`` of them;
-            the report's ``Violation.readers`` carry them.  Copied (host only: capture-safe).
+            The engine's name of each batch row this step (its request id; at least
+            ``len(prefix_lens)`` of them, the first ones used): the violations the step's verify
+            finds carry the labels of the rows that read them (``request_ids``, and every read in
+            ``Violation.readers``), so reports name requests even when rows move between steps.
+            Copied (a host-side sequence: no device work, capture-safe).
 
         Raises
         ------
@@ -302,7 +357,7 @@ class CanarySession(StagingMixin, ViolationsMixin):
         bs = _length(prefix_lens, "prefix_lens")  # req_pool_indices is None with a PagedKvIndices table
         if bs > self.max_batch_size:
             fail(ValueError, f"bs={bs} (len(prefix_lens)) exceeds the session's max_batch_size={self.max_batch_size}")
-        labels = _row_labels(row_labels, bs)
+        labels = _checked_labels(row_labels, bs)
         tokens = _length(input_ids, "input_ids")
         for name, x in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
             n = _length(x, name)
@@ -312,17 +367,22 @@ class CanarySession(StagingMixin, ViolationsMixin):
             if dtype is not I64 and str(dtype) not in ("int64", "torch.int64"):  # str() of a NumPy dtype costs ~1.5 us
                 fail(TypeError, f"{name} must have dtype int64, got {dtype}")
         self._join_head_write()  # a post_forward that raised may have left the HEAD write unjoined
+        if self.distributed is not None:
+            self.distributed.note_table(table)
         self.planner.plan(req_pool_indices, prefix_lens, extend_seq_lens, table,
                           req_to_verify_expected_tokens=_one_of(expected_tokens, req_to_verify_expected_tokens,
                                                                 "expected_tokens", "req_to_verify_expected_tokens"),
                           req_to_verify_expected_tokens_valid_lens=_one_of(
                               expected_tokens_valid_lens, req_to_verify_expected_tokens_valid_lens,
                               "expected_tokens_valid_lens", "req_to_verify_expected_tokens_valid_lens"))
+        if self.same_step is not None:
+            vp, wp = self.planner.verify_plan, self.planner.write_plan
+            resolve_same_step_reads(self.same_step, vp, wp, input_ids, positions, out_cache_loc)
+        self._row_labels = labels
         self._head_verify()
         self._head_write(input_ids, positions, out_cache_loc)
         self._head_write_unjoined = self._head_write_stream is not None
         self._step_inputs = (input_ids, positions, out_cache_loc)
-        self._step_labels = labels
         self._step_open = True
 
     def post_forward(self) -> None:
@@ -355,31 +415,41 @@ class CanarySession(StagingMixin, ViolationsMixin):
         stream = self._launch_stream("end_step")
         self._join_head_write()  # post_forward was not called: the staging reads the log the write fills
         stats = self._stats
-        first = self._stamp + 1  # the stamp of this step's staging: it and later ones stay pending
-        self._stage("step", stats["steps"], self._step_stager, stream, self._step_labels)
-        stats["steps"] += 1
-        self._step_open, self._step_inputs, self._step_labels = False, None, None
-        if self.sweep_every and stats["steps"] % self.sweep_every == 0:
-            source = self.sweep_source()
-            if source is not None:
-                self.sweep(*source)
-        self._drain(first)
-        self._apply_policy()
+        with self._handling:
+            first = self._stamp + 1  # the stamp of this step's staging: it and later ones stay pending
+            self._stage("step", stats["steps"], self._step_stager, stream, labels=self._row_labels)
+            self._row_labels = None
+            stats["steps"] += 1
+            self._step_open, self._step_inputs = False, None
+            if self.sweep_every and stats["steps"] % self.sweep_every == 0:
+                source = self.sweep_source()
+                if source is not None:
+                    self.sweep(*source)
+            self._drain(first)
+            if self.distributed is None:
+                self._apply_policy()
+            else:  # every reduce_every-th step: the group's verdict, the same on every rank
+                self.distributed.end_step(self)
 
     def check(self) -> int:
         """Block until every staged step and sweep is handled, then apply the policy.
 
         A host sync (not capture-safe): call it at shutdown, in tests, or whenever the latest
-        steps must be judged now.  Raises as :meth:`end_step` does.  Returns how many plan inputs
+        steps must be judged now.  With a ``process_group`` it is a collective: every rank must call
+        it at the same point.  Raises as :meth:`end_step` does.  Returns how many plan inputs
         and kernel items were skipped as out of range of the canary so far, never verified
         (``stats["out_of_range_skipped"]``; 0 when the canary covers the pool).
         """
         self._refuse_in_policy("check")
         self._launch_stream("check")
-        self._transport.synchronize()
-        self._drain(None)
-        self._apply_policy()
-        return self._out_of_range_skipped()
+        with self._handling:
+            self._transport.synchronize()
+            self._drain(None)
+            if self.distributed is None:
+                self._apply_policy()
+            else:
+                self.distributed.check(self)
+            return self._out_of_range_skipped()
 
     @public_api
     def sweep(self, req_pool_indices: Array | None, seq_lens: Array, table: Any, *, row_labels=None) -> None:
@@ -398,7 +468,7 @@ class CanarySession(StagingMixin, ViolationsMixin):
             fail(CanaryUsageError, "sweep() between pre_forward() and end_step() would mix the sweep's violations with the "
                                "step's; call it after end_step()")
         n = _length(seq_lens, "seq_lens")  # req_pool_indices is None with a PagedKvIndices table
-        labels = _row_labels(row_labels, n)
+        labels = _checked_labels(row_labels, n)
         planner = self._sweep_planner_for(n)
         renamed = None
         try:
@@ -411,8 +481,23 @@ class CanarySession(StagingMixin, ViolationsMixin):
         if renamed is not None:
             fail(*renamed)  # outside the except block: no "during handling" chain
         self._sweep_verify()
-        self._stats["sweeps"] += 1
-        self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream, labels)
+        with self._handling:
+            self._stats["sweeps"] += 1
+            self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream, labels)
+
+    def gather_report(self, dst: int = 0) -> ViolationReport | None:
+        """Every rank's :meth:`report` merged (:meth:`ViolationReport.merge`) on rank ``dst`` of the
+        session's ``process_group``; None on the other ranks.
+
+        A blocking collective outside the step loop: every rank must call it.  Each violation
+        carries its ``rank`` and ``device``.
+        """
+        if self.distributed is None:
+            fail(CanaryUsageError, "gather_report() needs a session built with a process_group")
+        dst = check_int(dst, "dst", minimum=0)
+        if dst >= self.distributed.world_size:
+            fail(ValueError, f"dst must be a rank of the process_group (< {self.distributed.world_size}), got {dst}")
+        return self.distributed.gather_report(self.report(), dst)
 
     @property
     def overlap_head_write(self) -> bool:
@@ -454,3 +539,17 @@ class CanarySession(StagingMixin, ViolationsMixin):
                                                 kernel_kind=self.sweep_tag, check_holes=self.check_holes, **self._kv)
         return planner
 
+
+
+class _Waves:
+    """The write launchers of a step's waves, called in order as one."""
+
+    def __init__(self, launchers):
+        self.launchers = launchers
+
+    def __call__(self, *args) -> None:
+        for launcher in self.launchers:
+            launcher(*args)
+
+    def join(self) -> None:
+        self.launchers[-1].join()  # one side stream: the last wave's join covers the others

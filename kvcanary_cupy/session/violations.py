@@ -103,6 +103,9 @@ class ViolationsMixin:
                 dropped_rows=total - s["rows_read"],
                 out_of_range_skipped=self._out_of_range_skipped(),
             )
+        if self.same_step is not None:  # a host read of three counters
+            counts = self.same_step.counts()
+            s.update(same_step_verified=counts["verified_as_written"], same_step_deeper=counts["deeper_than_waves"])
         return s
 
     def _refuse_in_policy(self, what: str) -> None:
@@ -165,7 +168,7 @@ class ViolationsMixin:
             if key in distinct:
                 keys[key] = [None, 1, readers]
                 continue
-            keys[key] = [replace(_attribute(v, matching), first_step=record.step), 1, readers]
+            keys[key] = [replace(_attribute(v, matching, record.labels), first_step=record.step), 1, readers]
         return by_reason, keys
 
     def _commit(self, record: _Record, head, add, problem, by_reason, keys) -> None:
@@ -239,20 +242,36 @@ class ViolationsMixin:
         """A report of ``entries`` (``[Violation, repeats, last step, readers, readers dropped]`` of the
         distinct table)."""
         c = self._counter_arrays()
-        violations = tuple(replace(v, repeats=n, last_step=last, readers=tuple(readers), readers_dropped=dropped)
-                           for v, n, last, readers, dropped in entries)
+        violations = tuple(replace(v, repeats=n, last_step=last, readers=tuple(readers), readers_dropped=dropped,
+                                   **self._origin) for v, n, last, readers, dropped in entries)
         return ViolationReport(violations=violations, total_violations=int(c[0].sum()), ring_capacity=self.log.capacity,
                                violation_counters=c[0], slot_run_counters=c[1], kernel_run_counters=c[2],
                                out_of_range_counters=c[3],
                                rows_read=self._stats["rows_read"], steps=self._stats["steps"])
 
     def _apply_policy(self) -> None:
-        new, problems = self._new, self._problems
-        if not new and not problems:
+        self._deliver(*self._take_new())
+
+    def _take_new(self):
+        """The new violation keys, health problems and evicted new entries handled since the last take."""
+        taken = self._new, self._problems, self._undelivered
+        self._new, self._problems, self._undelivered = {}, [], {}
+        return taken
+
+    def _deliver(self, new, problems, undelivered, verdict=None) -> None:
+        """Apply the policy to ``new`` keys and ``problems``; with a group, to its ``verdict`` too
+        (the same on every rank: what any rank found, with this rank's own findings)."""
+        elsewhere = verdict is not None and verdict.violations_anywhere
+        if verdict is not None:
+            problems = problems + verdict.remote_problems()
+        if not new and not problems and not elsewhere:
             return
-        undelivered, self._undelivered = self._undelivered, {}
-        self._new, self._problems = {}, []
-        report = self._report([self._distinct.get(k) or undelivered[k] for k in new]) if new else None
+        report = None
+        if new or elsewhere:
+            report = self._report([self._distinct.get(k) or undelivered[k] for k in new])
+        if elsewhere:
+            report = replace(report, ranks=verdict.ranks, replica_mismatches=verdict.mismatches)
+        headline = f"kv-canary: {len(new)} new violation(s)" + (verdict.where() if verdict is not None else "")
         policy = self.on_violation
         if policy == "raise":
             if report is not None:
@@ -261,8 +280,8 @@ class ViolationsMixin:
                 lines = [v.format() for v in report.violations[:MESSAGE_MAX_LINES]]
                 if len(report.violations) > MESSAGE_MAX_LINES:
                     lines.append(f"... {len(report.violations) - MESSAGE_MAX_LINES} more in the error's .report")
-                raise CanaryViolationError(f"kv-canary: {len(new)} new violation(s):\n" + "\n".join(lines)
-                                           + "\n" + report.summary(), report)
+                lines += [m.format() for m in report.replica_mismatches[:MESSAGE_MAX_LINES]]
+                raise CanaryViolationError(headline + ":\n" + "\n".join(lines) + "\n" + report.summary(), report)
             if problems:
                 raise CanaryHealthError("\n".join(problems))
             return
@@ -273,6 +292,10 @@ class ViolationsMixin:
         if policy == "log":
             for v in report.violations:
                 logger.warning(v.format())
+            for m in report.replica_mismatches:
+                logger.warning(m.format())
+            if elsewhere:
+                logger.warning(headline)
             if len(new) >= LOG_SUMMARY_AT:
                 logger.warning(report.summary())
         elif callable(policy):
@@ -312,14 +335,18 @@ def _readers(record: "_Record", matching) -> list:
             for e in matching]
 
 
-def _attribute(v: Violation, matching) -> Violation:
+def _attribute(v: Violation, matching, labels=None) -> Violation:
     """``v`` with the batch rows, expected position and predecessor of the verify entries that
-    read its slot and could have produced it (:func:`_matching_entries`)."""
+    read its slot and could have produced it (:func:`_matching_entries`), and with ``labels`` (the
+    step's row labels) the request ids of those rows."""
     a = _ATTRIBUTION
     if not matching:
         return v
     first = matching[0]
     chain_failed = bool(v.fail_reason_bits & FailReason.VERIFY_CHAIN_HASH_MISMATCH)
-    return replace(v, batch_rows=tuple(sorted({e[a["batch_row"]] for e in matching if e[a["batch_row"]] >= 0})),
+    rows = tuple(sorted({e[a["batch_row"]] for e in matching if e[a["batch_row"]] >= 0}))
+    if labels is not None:  # pre_forward's row_labels: the engine's request ids of these rows
+        v = replace(v, request_ids=tuple(dict.fromkeys(str(labels[r]) for r in rows if r < len(labels))))
+    return replace(v, batch_rows=rows,
                    expected_position=first[a["expected_position"]],
                    prev_slot_idx=first[a["prev_slot"]] if chain_failed else None)

@@ -57,6 +57,7 @@ class EngineConfig:
     sweep_every: int = 8  # steps between sweeps of the prefix cache
     num_layers: int = 2
     kv_row_bytes: int = 16  # bytes of one token's K (and V) row per layer
+    transfer_digest: str = "off"  # "full" / "default": transfers go through a host tier, digested (sim/transfer.py)
     vocab: int = 32000
 
     @property
@@ -380,6 +381,11 @@ class Engine:
         self.timer = StepTimer(cupy)
         self.counters = Counter()
         self.aftermaths = Aftermaths()  # what contained faults left behind (ground truth, measured)
+        self.digest = None
+        if config.transfer_digest != "off":
+            from .transfer_path import DigestPath
+
+            self.digest = DigestPath(self, config.transfer_digest)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -390,8 +396,9 @@ class Engine:
         return block
 
     def take_violations(self) -> list:
-        """(pool name, Violation) of every violation seen since the last take."""
-        return [(name, v) for name, pool in self.pools.items() for v in pool.sightings.take()]
+        """(pool name, Violation) of every violation seen since the last take (digest verdicts included)."""
+        seen = [(name, v) for name, pool in self.pools.items() for v in pool.sightings.take()]
+        return seen + (self.digest.take() if self.digest is not None else [])
 
     def dev(self, a):
         return a if self.xp is np else self.xp.asarray(a)
@@ -569,11 +576,15 @@ class Engine:
                 return
             new_blocks = [self.alloc(dst, req) for _ in req.blocks]
             copy_to = self.hook.on_transfer(self, req, list(new_blocks))
+            if self.digest is not None:
+                self.digest.transfer(self, src, dst, req, copy_to, new_blocks)
+            else:
+                src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
+                src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
+                copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
             src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
-            src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
             self.aftermaths.carry(src.name, src_slots, dst.name, dst_slots)
             dst.origin.update((b, (src.name, a)) for a, b in zip(req.blocks, copy_to))
-            copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
             self.finish(src, req)  # the prefill server caches the prompt
             req.alive, req.awaiting_transfer, req.pool, req.blocks = True, False, "decode", new_blocks
             dst.running.append(req)

@@ -13,7 +13,7 @@ def _fmt(value, spec="", none="-"):
     return none if value is None else format(value, spec)
 
 
-def format_table(result) -> str:
+def format_table(result, *, step_name: str = "simulated step") -> str:
     doc = result.to_json()
     lines = [f"{'fault class':<30} {'by design':<10} {'injected':>8} {'detected':>8} {'rate':>7} "
              f"{'latency med/max':>15} {'leaked':>6}  first reason"]
@@ -38,7 +38,7 @@ def format_table(result) -> str:
               if cost["canary_device_us"] is not None else "")
     fraction = _fmt(cost["canary_host_fraction"] and 100 * cost["canary_host_fraction"], ".0f")
     lines.append(f"canary cost per step (median, {cost['measured_on']}): host {_fmt(cost['canary_host_us'])} us of a "
-                 f"{_fmt(cost['engine_step_host_us'])} us simulated step ({fraction}%){device}")
+                 f"{_fmt(cost['engine_step_host_us'])} us {step_name} ({fraction}%){device}")
     if result.partial:
         lines.append(f"PARTIAL: interrupted after {result.faulty.steps} of {result.config.steps} faulty steps and "
                      f"{result.clean.steps} clean ones; the counts above cover only those")
@@ -91,7 +91,7 @@ def write_json(result, path: str) -> str:
     return _write_atomically(path, lambda f: f.write(text.encode()))
 
 
-def write_plot(result, path: str) -> str | None:
+def write_plot(result, path: str, *, name: str = "kvcanary sim") -> str | None:
     """Write the PNG atomically: per fault class, the share of injected faults the canary reported and
     how many steps after the fault it did.  Returns None, or the one line to print when matplotlib is
     missing."""
@@ -138,7 +138,7 @@ def write_plot(result, path: str) -> str | None:
         ax.grid(axis="x", color="0.9")
         ax.set_axisbelow(True)
     cfg = result.config
-    title = (f"kvcanary sim: {result.faulty.steps:,} steps with faults injected one at a time, then "
+    title = (f"{name}: {result.faulty.steps:,} steps with faults injected one at a time, then "
              f"{result.clean.steps:,} clean steps: {result.clean.violations} false positives")
     if result.partial:
         title = "PARTIAL (interrupted) " + title

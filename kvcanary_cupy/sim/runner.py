@@ -30,9 +30,14 @@ import numpy as np
 
 from ..constants import FailReason
 from .containment import Aftermath
+from ..digest import DigestFailReason
 from .engine import Engine, EngineConfig
 from .faults import FAULTS, Episode
 from .tables import ADDRESSING_MODES
+from .transfer import TRANSFER_FAULTS
+from .transfer_path import DIGEST_MODES
+
+KNOWN_FAULTS = {**FAULTS, **TRANSFER_FAULTS}  # the transfer classes run with a transfer digest only
 
 DEVICES = ("cpu", "cuda")
 
@@ -50,9 +55,15 @@ class SimConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
-        unknown = [f for f in self.faults if f not in FAULTS]
+        unknown = [f for f in self.faults if f not in KNOWN_FAULTS]
         if unknown:
-            raise ValueError(f"kvcanary sim: unknown fault class {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+            raise ValueError(f"kvcanary sim: unknown fault class {', '.join(unknown)}; known: {', '.join(KNOWN_FAULTS)}")
+        if self.engine.transfer_digest not in DIGEST_MODES:
+            raise ValueError(f"kvcanary sim: transfer_digest must be one of {', '.join(DIGEST_MODES)}, got {self.engine.transfer_digest!r}")
+        needs = [f for f in self.faults if f in TRANSFER_FAULTS]
+        if needs and self.engine.transfer_digest == "off":
+            raise ValueError(f"kvcanary sim: fault class {', '.join(needs)} acts on the digested transfer path; "
+                             "pass --transfer-digest full or default")
         if self.addressing not in ADDRESSING_MODES:
             raise ValueError(f"kvcanary sim: addressing must be one of {', '.join(ADDRESSING_MODES)}, got {self.addressing!r}")
         if self.device not in DEVICES:
@@ -175,6 +186,13 @@ def _array_modules(device: str):
     return cupy, cupy
 
 
+def reason_label(bits: int) -> str:
+    """The canary's and the digest's fail-reason names of ``bits``, joined by ``+``."""
+    names = [n for n in FailReason.label(bits).split("+") if n != "none"]
+    names += [m.name.lower() for m in DigestFailReason if bits & m.value]
+    return "+".join(names) or "none"
+
+
 def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, RunStats]:
     """One run of ``config.steps`` steps with ``faults`` (default: the config's) injected."""
     names = config.faults if faults is None else faults
@@ -182,10 +200,10 @@ def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, Ru
     engine = Engine(config.engine, seed=config.seed, addressing=config.addressing, xp=xp, cupy=cupy)
     results = {}
     for n in names:
-        cls = FAULTS[n]
+        cls = KNOWN_FAULTS[n]
         detectable = cls.detectable_with(config.addressing)
         results[n] = FaultResult(n, cls.description, detectable, None if detectable else cls.why_not_detectable)
-    rotation = [FAULTS[n]() for n in names]
+    rotation = [KNOWN_FAULTS[n]() for n in names]
     turn = 0
     episode: Episode | None = None
     stats = RunStats()
@@ -258,7 +276,7 @@ def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, Ru
                     bits = 0
                     for v in hits:
                         bits |= v.fail_reason_bits
-                    result.first_reason = FailReason.label(bits)
+                    result.first_reason = reason_label(bits)
                 engine.end_episode()  # contained from the report alone
             elif step - episode.fired_step >= config.window - 1:
                 result.injected += 1
@@ -271,6 +289,8 @@ def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, Ru
     stats.violations = seen
     stats.engine_counters = dict(engine.counters)
     stats.session_stats = {name: dict(pool.session.stats) for name, pool in engine.pools.items()}
+    if engine.digest is not None:
+        stats.engine_counters["digest_verdicts"] = engine.digest.verdicts
     return list(results.values()), stats
 
 

@@ -24,7 +24,7 @@ from ...tables import TableKind
 # checks each one's size, widths and offsets against its C struct.
 CANARY_BUFFER = np.dtype([("data", "u8"), ("num_slots", "i8"), ("fields", "i4"), ("vec", "i4")], align=True)
 REAL_KV_SOURCES = np.dtype(
-    [("data", "u8", 4), ("row_stride", "i8", 4), ("page_size", "i4", 4), ("num_bytes_per_token", "i4", 4),
+    [("data", "u8", 4), ("row_stride", "i8", 4), ("slot_offset", "i8", 4), ("page_size", "i4", 4), ("num_bytes_per_token", "i4", 4),
      ("nbytes", "i4", 4), ("num_sources", "i4")],
     align=True,
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...args import (VERIFY_ENTRY_FIELDS, VERIFY_INPUT_FIELDS, MoveArgs, PlanArgs, PlanVerifyArgs, ScatterArgs, StageArgs,
+from ...args import (VERIFY_ENTRY_FIELDS, VERIFY_INPUT_FIELDS, CopyArgs, MoveArgs, PlanArgs, PlanVerifyArgs, ScatterArgs, StageArgs,
                      VerifyArgs, WriteArgs, stage_rings)
 from ...interop import import_cupy
 from .abi import PLAN_PARAMS, PLAN_VERIFY_PARAMS, STAGE_PARAMS, THREADS, VERIFY_PARAMS, VERIFY_THREADS, WRITE_PARAMS
@@ -160,6 +160,21 @@ def move(a: MoveArgs) -> None:
     _launch("move", kernel_name("move_gather"), config, (a.canary, *pairs, a.workspace, a.out_of_range_count))
     _launch("move", kernel_name("move_clear"), config, (a.canary, *pairs))
     _launch("move", kernel_name("move_scatter"), config, (a.canary, *pairs, a.workspace))
+
+
+def copy(a: CopyArgs) -> None:
+    n = a.src_pages.shape[0]
+    if n == 0:
+        return
+    src_pages, dst_pages = a.src_canary.shape[0] // a.page_size, a.dst_canary.shape[0] // a.page_size
+    # No whole page in either buffer: every pair is skipped; one element per pair still counts its ids.
+    page_elems = a.page_size * a.src_canary.shape[1] if src_pages and dst_pages else 1
+    config = move_config(n, page_elems)
+    pairs = (np.int64(src_pages), np.int64(dst_pages), np.int64(page_elems), a.src_pages, a.dst_pages,
+             np.int32(a.src_pages.dtype == np.int64), np.int64(n))
+    # Two launches: every copied page is staged before any destination is written.
+    _launch("move", kernel_name("copy_gather"), config, (a.src_canary, *pairs, a.workspace, a.out_of_range_count))
+    _launch("move", kernel_name("copy_scatter"), config, (a.dst_canary, *pairs, a.workspace))
 
 
 def scatter(a: ScatterArgs) -> None:

@@ -45,6 +45,7 @@ def targets_struct(targets: tuple, mode: int) -> np.ndarray:
         for i, view in enumerate(target.sources):
             src["data"][i] = view.data.data.ptr
             src["row_stride"][i] = view.data.strides[0]
+            src["slot_offset"][i] = view.slot_offset
             src["page_size"][i] = view.page_size
             src["num_bytes_per_token"][i] = view.num_bytes_per_token
             src["nbytes"][i] = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else view.read_bytes

@@ -1,0 +1,297 @@
+// Transfer digests (docs/transfer.md): a keyed splitmix64 sum over logical KV coordinates plus
+// a provenance sum, per request; kvcanary_cupy/digest/reference.py computes the same bytes.
+//
+// digest_init writes each request's record header and zero sums (plus its seam term), then
+// digest_accumulate adds the KV and per-position provenance terms with integer atomics: a sum
+// modulo 2**64 is exact in any order, so the result is the reference's bit for bit.  Every table
+// entry, page id and record slot is range-checked before it is dereferenced; an out-of-range
+// request or position is skipped and counted once.  digest_verify compares two record arrays.
+#include "canary_common.cuh"
+
+namespace kvcanary {
+
+constexpr u64 kDigestSeed = 0x4B56444947455354ULL;
+constexpr u64 kDigestWordStride = 0x9E3779B97F4A7C15ULL;
+constexpr u64 kDigestLayerRotation = 0x5A5AULL;
+constexpr u64 kDigestRecLayer = 0xFFFFULL;
+constexpr i64 kDigestMaxPosition = 1LL << 32;
+constexpr i64 kSlotLimit = 1LL << 62;
+constexpr u64 kDigestMagic = 0x4744564BULL;
+constexpr u64 kDigestVersion = 1;
+constexpr u64 kFlagPresent = 1;
+constexpr i64 kDigestMismatchKv = 1 << 6, kDigestMismatchRec = 1 << 7, kDigestMissing = 1 << 8,
+              kDigestIncomparable = 1 << 9, kDigestRange = 1 << 10;
+constexpr int kDigestThreads = 256;
+constexpr int kRecNone = 0, kRecSender = 1, kRecReceiver = 2;
+constexpr int kTableReqToToken = 0, kTableVirtualPages = 1, kTableBlock = 2, kTablePagedKv = 3;
+
+// The engine table (kvcanary_cupy/tables.py), mirrored by DIGEST_TABLE in digest/cuda.py.
+struct DigestTable {
+  u64 entries, indptr, v2p;  // device addresses (indptr: PAGED_KV; v2p: VIRTUAL_PAGES)
+  i64 rows, cols, row_stride, nnz, v2p_len, page_size, null_block;
+  int kind, entries_i64, indptr_i64, pad;
+};
+
+// The pool (KvLayout), mirrored by DIGEST_POOL.
+struct DigestPool {
+  u64 pointers;  // u64 [num_layers * halves]: the base address of each (local layer, half)
+  i64 page_stride, token_stride, head_stride, num_pages, page_size;
+  int strip_words, num_heads, num_layers, halves, layer_offset, head_offset;
+};
+
+// One call's requests, spec and outputs, mirrored by DIGEST_REQUESTS.
+struct DigestRequests {
+  u64 req_pool_indices, starts, ends, sample_keys, records, expected, valid_lens, seam, out, out_of_range;
+  i64 bs, rec_num_slots, exp_rows, exp_cols, exp_row_stride, token_offset;
+  u64 header, signature;
+  int rec_fields, exp_i64, mode, num_layers_total, sample_layers, window_words;
+};
+
+__device__ __forceinline__ u64 digest_key(u64 layer, u64 half, u64 head, u64 pos) {
+  return splitmix64(kDigestSeed ^ splitmix64(layer << 48 | half << 47 | head << 32 | pos));
+}
+
+__device__ __forceinline__ i64 page_slot_of(i64 id, i64 page_size, i64 pos) {
+  return (id >= 0 && id < kSlotLimit / page_size) ? id * page_size + pos % page_size : -1;
+}
+
+struct RowInfo {
+  bool ok;
+  i64 base, length, pool_row;
+};
+
+__device__ __forceinline__ RowInfo row_info(const DigestTable& t, const DigestRequests& q, i64 b) {
+  RowInfo r;
+  if (t.kind == kTablePagedKv) {
+    const i64 lo = load_index(reinterpret_cast<const void*>(t.indptr), t.indptr_i64, b);
+    const i64 hi = load_index(reinterpret_cast<const void*>(t.indptr), t.indptr_i64, b + 1);
+    r.ok = lo >= 0 && lo <= hi && hi <= t.nnz;
+    r.base = lo;
+    r.length = r.ok ? (hi - lo) * t.page_size : 0;
+    r.pool_row = b;
+  } else {
+    const i64 rp = reinterpret_cast<const i64*>(q.req_pool_indices)[b];
+    r.ok = rp >= 0 && rp < t.rows;
+    r.base = rp;
+    r.length = t.cols * (t.kind == kTableBlock ? t.page_size : 1);
+    r.pool_row = rp;
+  }
+  return r;
+}
+
+// The slot of position pos (0 <= pos < the row's length) of a valid row, or -1 (reference.resolve_slots).
+__device__ __forceinline__ i64 table_slot_of(const DigestTable& t, i64 base, i64 pos) {
+  const void* e = reinterpret_cast<const void*>(t.entries);
+  if (t.kind == kTableReqToToken) return load_index(e, t.entries_i64, base * t.row_stride + pos);
+  if (t.kind == kTableVirtualPages) {
+    const i64 v = load_index(e, t.entries_i64, base * t.row_stride + pos);
+    if (v < 0) return -1;
+    const i64 page = v / t.page_size;
+    if (page >= t.v2p_len) return -1;
+    return page_slot_of(reinterpret_cast<const i64*>(t.v2p)[page], t.page_size, v);
+  }
+  if (t.kind == kTableBlock) {
+    const i64 id = load_index(e, t.entries_i64, base * t.row_stride + pos / t.page_size);
+    return id == t.null_block ? -1 : page_slot_of(id, t.page_size, pos);
+  }
+  return page_slot_of(load_index(e, t.entries_i64, base + pos / t.page_size), t.page_size, pos);
+}
+
+__device__ __forceinline__ bool slot_ok(const DigestPool& pool, const DigestRequests& q, i64 slot) {
+  return slot >= 0 && slot / pool.page_size < pool.num_pages && (q.records == 0 || slot < q.rec_num_slots);
+}
+
+__device__ __forceinline__ const i64* record_row(const DigestRequests& q, i64 slot) {
+  return reinterpret_cast<const i64*>(q.records) + slot * q.rec_fields;
+}
+
+__device__ __forceinline__ bool range_ok(const RowInfo& row, i64 start, i64 end) {
+  const i64 limit = row.length < kDigestMaxPosition ? row.length : kDigestMaxPosition;
+  return row.ok && start >= 0 && start <= end && end <= limit;
+}
+
+// The chain hash at start the provenance sum carries, and whether its lookup was out of range.
+__device__ u64 seam_hash(const DigestTable& t, const DigestPool& pool, const DigestRequests& q, i64 b, const RowInfo& row,
+                         i64 start, i64* skipped) {
+  if (q.mode == kRecSender) {
+    const i64 slot = table_slot_of(t, row.base, start);
+    return slot_ok(pool, q, slot) ? static_cast<u64>(record_row(q, slot)[2]) : 0;
+  }
+  i64 seam;
+  if (q.seam) {
+    seam = reinterpret_cast<const i64*>(q.seam)[b];
+  } else if (start == 0) {
+    seam = -1;
+  } else {
+    seam = table_slot_of(t, row.base, start - 1);
+    if (seam < 0) { *skipped += 1; return 0; }
+  }
+  if (seam == -1) return kAnchorHash;
+  if (seam < 0 || seam >= q.rec_num_slots) { *skipped += 1; return 0; }
+  const i64* r = record_row(q, seam);
+  return mix3(static_cast<u64>(r[2]), static_cast<u64>(r[0]), static_cast<u64>(r[1]));
+}
+
+__global__ void digest_init(const __grid_constant__ DigestTable t, const __grid_constant__ DigestPool pool,
+                            const __grid_constant__ DigestRequests q) {
+  wait_for_prior_grids();
+  const i64 b = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  i64 skipped = 0;
+  if (b < q.bs) {
+    const RowInfo row = row_info(t, q, b);
+    const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
+    u64 rec = 0;
+    if (!range_ok(row, start, end)) {
+      skipped = 1;
+    } else if (start < end && q.mode != kRecNone) {
+      const u64 prev = seam_hash(t, pool, q, b, row, start, &skipped);
+      rec = splitmix64(prev ^ digest_key(kDigestRecLayer, 0, 1, static_cast<u64>(start)));
+    }
+    i64* out = reinterpret_cast<i64*>(q.out) + b * 8;
+    out[0] = static_cast<i64>(q.header);
+    out[1] = static_cast<i64>(q.signature);
+    out[2] = reinterpret_cast<const i64*>(q.sample_keys)[b];
+    out[3] = start;
+    out[4] = end;
+    out[5] = 0;
+    out[6] = static_cast<i64>(rec);
+    out[7] = 0;
+  }
+  warp_add(reinterpret_cast<unsigned long long*>(q.out_of_range), skipped);
+}
+
+__device__ __forceinline__ u64 warp_sum(u64 v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(kFullMask, v, o);
+  return v;
+}
+
+// Grid (x: warps sharing a request, y: requests).  For each candidate layer (the local layers when
+// every layer is sampled, else the spec's rotated layers, of which those outside this pool's layers
+// add no KV), the warps stride over the request's positions; lanes stride over (head, word).  The
+// pass of candidate 0 also adds each position's provenance terms and counts the positions whose
+// slot is out of range (once each).
+__global__ void __launch_bounds__(kDigestThreads) digest_accumulate(const __grid_constant__ DigestTable t,
+                                                                    const __grid_constant__ DigestPool pool,
+                                                                    const __grid_constant__ DigestRequests q) {
+  wait_for_prior_grids();
+  const int lane = threadIdx.x & 31;
+  const i64 warps = static_cast<i64>(gridDim.x) * (kDigestThreads / 32);
+  const i64 warp = static_cast<i64>(blockIdx.x) * (kDigestThreads / 32) + (threadIdx.x >> 5);
+  const u64* pointers = reinterpret_cast<const u64*>(pool.pointers);
+  const unsigned L = static_cast<unsigned>(q.num_layers_total);
+  const bool all_layers = q.sample_layers == 0 || static_cast<unsigned>(q.sample_layers) >= L;
+  const unsigned candidates = all_layers ? static_cast<unsigned>(pool.num_layers) : static_cast<unsigned>(q.sample_layers);
+  for (i64 b = blockIdx.y; b < q.bs; b += gridDim.y) {
+    const RowInfo row = row_info(t, q, b);
+    const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
+    if (!range_ok(row, start, end)) continue;  // uniform across the block: counted by digest_init
+    const u64 key = static_cast<u64>(reinterpret_cast<const i64*>(q.sample_keys)[b]);
+    const unsigned first = all_layers ? 0u : static_cast<unsigned>(splitmix64(key ^ kDigestLayerRotation) % L);
+    u64 kv = 0, words = 0, rec = 0;
+    i64 skipped = 0;
+    for (unsigned ci = 0; ci < candidates; ++ci) {
+      const int layer = static_cast<int>(all_layers ? pool.layer_offset + ci : (first + ci * L / q.sample_layers) % L);
+      const int local = layer - pool.layer_offset;
+      const bool in_pool = local >= 0 && local < pool.num_layers;
+      if (!in_pool && ci != 0) continue;
+      int w0 = 0, nw = pool.strip_words;
+      if (q.window_words > 0 && q.window_words < pool.strip_words) {
+        const u64 pick = splitmix64(key ^ (static_cast<u64>(layer + 1) * kDigestWordStride)) %
+                         static_cast<u64>(pool.strip_words / q.window_words);
+        w0 = static_cast<int>(pick) * q.window_words;
+        nw = q.window_words;
+      }
+      for (i64 p = start + warp; p < end; p += warps) {
+        const i64 slot = table_slot_of(t, row.base, p);
+        if (!slot_ok(pool, q, slot)) {
+          skipped += (ci == 0 && lane == 0);
+          continue;
+        }
+        if (ci == 0 && lane == 0 && q.mode != kRecNone) {
+          i64 token, position = p;
+          if (q.mode == kRecSender) {
+            const i64* r = record_row(q, slot);
+            token = r[0];
+            position = r[1];
+          } else {
+            const i64 idx = p + q.token_offset;
+            i64 limit = q.exp_cols;
+            if (q.valid_lens) {
+              const i64 v = reinterpret_cast<const i64*>(q.valid_lens)[b];
+              limit = v < 0 ? 0 : (v < limit ? v : limit);
+            }
+            const bool known = idx >= 0 && idx < limit && row.pool_row >= 0 && row.pool_row < q.exp_rows;
+            token = known ? load_index(reinterpret_cast<const void*>(q.expected), q.exp_i64, row.pool_row * q.exp_row_stride + idx) : -1;
+          }
+          rec += splitmix64(static_cast<u64>(token) ^ digest_key(kDigestRecLayer, 0, 0, static_cast<u64>(p)));
+          rec += splitmix64(static_cast<u64>(position) ^ digest_key(kDigestRecLayer, 1, 0, static_cast<u64>(p)));
+        }
+        if (!in_pool) continue;
+        const i64 page = slot / pool.page_size, tok = slot - page * pool.page_size;
+        const i64 at = page * pool.page_stride + tok * pool.token_stride;
+        for (int c = 0; c < pool.halves; ++c) {
+          const unsigned char* base = reinterpret_cast<const unsigned char*>(pointers[local * pool.halves + c]) + at;
+          for (int j = lane; j < pool.num_heads * nw; j += 32) {
+            const int h = j / nw, w = w0 + (j - h * nw);
+            const u64 word = *reinterpret_cast<const u64*>(base + h * pool.head_stride + w * 8);
+            const u64 k = digest_key(static_cast<u64>(layer), static_cast<u64>(c), static_cast<u64>(pool.head_offset + h),
+                                     static_cast<u64>(p));
+            kv += splitmix64(word ^ (k + static_cast<u64>(w) * kDigestWordStride));
+            words += 1;
+          }
+        }
+      }
+    }
+    kv = warp_sum(kv);
+    words = warp_sum(words);
+    rec = warp_sum(rec);
+    unsigned long long* out = reinterpret_cast<unsigned long long*>(q.out) + b * 8;
+    if (lane == 0) {
+      if (kv) atomicAdd(out + 5, kv);
+      if (rec) atomicAdd(out + 6, rec);
+      if (words) atomicAdd(out + 7, words);
+    }
+    warp_add(reinterpret_cast<unsigned long long*>(q.out_of_range), skipped);
+  }
+}
+
+__device__ __forceinline__ bool record_present(const i64* r) {
+  const u64 h = static_cast<u64>(r[0]);
+  return (h & 0xFFFFFFFFULL) == kDigestMagic && ((h >> 48) & kFlagPresent) != 0;
+}
+
+// Row b of expected vs actual (int64 [n, 8] record rows): the verdict code into out[b] and, when
+// it is not MATCH, a violation row (reference.verdicts / reference.verify).
+__global__ void digest_verify(const i64* __restrict__ expected, const i64* __restrict__ actual, i64 n,
+                              int* __restrict__ out, const __grid_constant__ LaunchLog log, int kind) {
+  wait_for_prior_grids();
+  const i64 b = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool valid = b < n;
+  int code = 0;
+  i64 bits = 0;
+  const i64* e = expected + (valid ? b : 0) * 8;
+  const i64* x = actual + (valid ? b : 0) * 8;
+  if (valid) {
+    const u64 good = kDigestMagic | kDigestVersion << 32, mask = (1ULL << 48) - 1;
+    const bool missing = !record_present(e) || !record_present(x) || e[7] == 0 || x[7] == 0;
+    const bool version = (static_cast<u64>(e[0]) & mask) != good || (static_cast<u64>(x[0]) & mask) != good || e[1] != x[1];
+    const bool range = e[2] != x[2] || e[3] != x[3] || e[4] != x[4];
+    const bool kv = e[5] != x[5] || e[7] != x[7], rec = e[6] != x[6];
+    if (missing) {
+      code = 3; bits = kDigestMissing;
+    } else if (version || range) {
+      code = 4; bits = kDigestIncomparable | (range ? kDigestRange : 0);
+    } else {
+      bits = (kv ? kDigestMismatchKv : 0) | (rec ? kDigestMismatchRec : 0);
+      code = kv ? 1 : rec ? 2 : 0;
+    }
+    out[b] = code;
+  }
+  const bool hit = valid && code != 0;
+  log.append_rows(hit, kind, -1 - b, x[3], x[4], x[7], x[5], e[5], bits);
+  warp_add(log.violation_counters + kind, hit);
+  warp_add(log.slot_run_counters + kind, valid);
+  if (b == 0) atomicAdd(log.kernel_run_counters + kind, 1ULL);
+}
+
+}  // namespace kvcanary

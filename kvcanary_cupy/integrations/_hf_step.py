@@ -1,0 +1,277 @@
+"""The canary in one ``ContinuousBatchProcessor``'s step: what its attention reads and writes.
+
+Per step (``ModelRunner.compute_batch``): the batch's own tensors (``cu_seq_lens_q`` / ``_k``,
+``read_index``, ``write_index``, ``block_table``, ``input_ids``, ``position_ids``) go to
+``CanarySession.pre_forward`` before the forward and ``post_forward`` / ``end_step`` after it.
+The engine's tensors are read, never written: where the canary's slots differ from the engine's
+indices (5.17's ``slot_offset``) or its dtypes from the session's, they are shifted or widened into
+the canary's own buffers, on the engine's compute stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+
+from ..ops import copy_pages
+from ..plans import RealKvSource
+from ..tables import BlockTable, PagedKvIndices
+from ._hf_layout import Layout, hook_cache, wrap
+
+#: The label of 5.17's in-place rewrite of a complete, shared block (docs/engines.md).
+SHARED_BLOCK_REWRITE = "engine_rewrote_shared_block"
+
+
+class _History:
+    """The engine's token history of one request (``initial_tokens + generated_tokens``), int32, grown in place."""
+
+    __slots__ = ("state", "tokens", "n", "prompt")
+
+    def __init__(self, state):
+        self.state, self.prompt = state, len(state.initial_tokens)
+        self.tokens = np.zeros(max(64, 2 * (self.prompt + len(state.generated_tokens))), np.int32)
+        self.tokens[: self.prompt] = state.initial_tokens
+        self.n = self.prompt
+
+    def update(self) -> np.ndarray:
+        generated = self.state.generated_tokens
+        end = self.prompt + len(generated)
+        if end > self.tokens.shape[0]:
+            grown = np.zeros(2 * end, np.int32)
+            grown[: self.n] = self.tokens[: self.n]
+            self.tokens = grown
+        if end > self.n:
+            self.tokens[self.n : end] = generated[self.n - self.prompt :]
+            self.n = end
+        return self.tokens
+
+
+class StepCanary:
+    """The canary of one processor (one full-attention KV group): its session, buffers and hooks."""
+
+    def __init__(self, owner, processor, layout: Layout, index: int):
+        import torch
+
+        self.torch, self.owner, self.processor, self.layout, self.index = torch, owner, processor, layout, index
+        io = processor.inputs_and_outputs
+        self.io = io
+        first_k = next(iter(layout.kv.values()))[0]
+        self.device = first_k.device
+        self.stream = io.compute_stream
+        max_bs = io.max_requests_per_batch
+        max_tokens = io.write_index_storage.shape[1]
+        reads = io.read_index_storage.shape[1]
+        options = owner.options
+        chosen = options.layers(len(layout.layers))
+        sources = []
+        for i in chosen:
+            k, v = layout.kv[layout.layers[i]]
+            for t in (k, v):
+                flat = t.reshape(t.shape[0], -1)
+                width = flat.shape[1] * flat.element_size()
+                sources.append(RealKvSource(flat, 1, width, width, slot_offset=layout.slot_offset))
+        self.fingerprinted = tuple(layout.layers[i] for i in chosen)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self.session = owner.new_session(layout.num_slots, max_batch_size=max_bs, like=first_k, real_kv_sources=tuple(sources),
+                                         verify_capacity=options.verify_capacity or max(reads, 1),
+                                         sweep_every=options.sweep_every, sweep_source=self._sweep_source if options.sweep_every else None)
+        self._ext, self._pre = torch.zeros(max_bs, **i64), torch.zeros(max_bs, **i64)
+        self._zeros, self._rows = torch.zeros(max_bs + 1, **i64), torch.arange(max_bs, **i64)
+        self._ids, self._pos, self._loc = (torch.zeros(max_tokens, **i64) for _ in range(3))
+        self._slots = torch.zeros(max_bs, **i64)  # the decode path's write slots
+        self._read = torch.zeros(reads, **i64) if layout.slot_offset else None
+        width = max(64, layout.block_size)
+        self._pool_host = np.zeros((max_bs, width), np.int32)
+        self._pool = None  # the device copy on a GPU (grown with the host pool)
+        self._histories: dict = {}
+        self.rewrites: set = set()  # (step, canary slot) of writes into complete blocks (5.17's shared rewrite)
+        self.step = 0
+        self._sweep_at = 0
+        self._undo: list = []
+        wrap(processor.model_runner, "compute_batch", self._wrap_compute, self._undo)
+        hook_cache(layout, self._on_copy, self._undo)
+
+    def uninstall(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+    def _on_stream(self):
+        return self.torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def _wrap_compute(self, original):
+        def compute_batch(model, batch_data):
+            with self._on_stream():
+                self._pre_forward(batch_data)
+            original(model, batch_data)
+            with self._on_stream():
+                self.session.post_forward()
+                self.owner.label_step(self.step, [fs.state.request_id for fs in self.io.requests_in_batch])
+                self.step += 1
+                self.owner.count("engine_steps")
+                self.session.end_step()
+        return compute_batch
+
+    def _shifted(self, x, buffer):
+        """``x`` as canary slots: itself, or ``x + slot_offset`` in ``buffer`` (no allocation)."""
+        if not self.layout.slot_offset:
+            return x
+        out = buffer[: x.shape[0]]
+        self.torch.add(x, self.layout.slot_offset, out=out)
+        return out
+
+    def _pre_forward(self, batch_data: dict) -> None:
+        torch, layout, requests = self.torch, self.layout, self.io.requests_in_batch
+        bs = len(requests)
+        cu_q = batch_data["cu_seq_lens_q"][: bs + 1]
+        cu_k = batch_data["cu_seq_lens_k"]
+        if isinstance(cu_k, dict):
+            cu_k = cu_k["full_attention"]
+        cu_k = cu_k[: bs + 1]
+        ext, pre = self._ext[:bs], self._pre[:bs]
+        torch.sub(cu_q[1:], cu_q[:-1], out=ext)
+        torch.sub(cu_k[1:], cu_k[:-1], out=pre)
+        pre.sub_(ext)
+        block_table = batch_data.get("block_table")
+        tables = layout.block_tables()
+        pasts = [fs.state.position_offset - fs.query_length for fs in requests]
+        if block_table is not None:  # the decode fast path reads the block table (flash_attn_with_kvcache)
+            table = self._block_table(block_table[layout.group, :bs])
+            rp = self._rows[:bs]
+            loc = self._decode_slots(requests, pasts, tables)
+        else:
+            read = batch_data["read_index"][layout.group]
+            if read.numel() == 0:  # fresh prefills only: nothing is read
+                table = PagedKvIndices(self._zeros[: bs + 1], read, page_size=1)
+            else:
+                table = PagedKvIndices(cu_k, self._shifted(read, self._read), page_size=1)
+            rp = None
+            loc = self._shifted(batch_data["write_index"][layout.group], self._loc)
+        tokens = loc.shape[0]
+        ids, pos = self._ids[:tokens], self._pos[:tokens]
+        ids.copy_(batch_data["input_ids"][0, :tokens])
+        pos.copy_(batch_data["position_ids"][0, :tokens])
+        self._note_rewrites(requests, pasts, tables)
+        pool = self._expected(requests, pasts) if self.owner.options.check_expected_tokens else None
+        self.session.pre_forward(rp, pre, ext, table, ids, pos, loc, expected_tokens=pool,
+                                 expected_tokens_valid_lens=pre if pool is not None else None)
+
+    def _block_table(self, rows):
+        """The decode path's block table as canary pages (5.17: block + page_base; 5.23: already in pages)."""
+        base = self.layout.page_base
+        if base:
+            out = self._loc[: rows.numel()].view(rows.shape)
+            self.torch.add(rows, base, out=out)
+            rows = out
+        return BlockTable(rows, self.layout.block_size, null_block=base - 1)
+
+    def _decode_slots(self, requests, pasts, tables):
+        """The decode path writes each request's token at its past length (no write_index is built)."""
+        layout = self.layout
+        slots = [layout.canary_page(tables[fs.state.request_id][p // layout.block_size]) * layout.block_size
+                 + p % layout.block_size for fs, p in zip(requests, pasts)]
+        out = self._slots[: len(slots)]
+        out.copy_(self.torch.tensor(slots, dtype=self.torch.int64))
+        return out
+
+    def _note_rewrites(self, requests, pasts, tables) -> None:
+        """Writes into complete blocks this step (5.17 recomputes a prompt's last token into its cached block)."""
+        layout, size = self.layout, self.layout.block_size
+        for fs, past in zip(requests, pasts):
+            blocks = tables.get(fs.state.request_id, ())
+            end = past + fs.query_length
+            for b in range(past // size, min((end - 1) // size + 1, len(blocks))):
+                if layout.is_complete(blocks[b]):
+                    for p in range(max(past, b * size), min(end, (b + 1) * size)):
+                        self.rewrites.add((self.step, layout.canary_page(blocks[b]) * size + p % size))
+
+    def _expected(self, requests, pasts):
+        """The expected-token pool, one row per batch row: the engine's own history of the request."""
+        width = max(pasts, default=0)
+        host = self._pool_host
+        if width > host.shape[1] or len(requests) > host.shape[0]:
+            host = self._pool_host = np.zeros((max(host.shape[0], len(requests)), 2 * width), np.int32)
+            self._pool = None
+        live = {}
+        for i, (fs, past) in enumerate(zip(requests, pasts)):
+            state = fs.state
+            h = self._histories.get(state.request_id)
+            if h is None or h.state is not state:
+                h = _History(state)
+            live[state.request_id] = h
+            host[i, :past] = h.update()[:past]
+        if len(self._histories) > 4 * host.shape[0]:
+            self._histories = live
+        else:
+            self._histories.update(live)
+        bs = len(requests)
+        if self.device.type == "cpu":
+            return self.torch.from_numpy(host)[:bs, : max(width, 1)]
+        if self._pool is None:
+            self._pool_pinned = self.torch.from_numpy(host).pin_memory()
+            self._pool = self.torch.zeros(host.shape, dtype=self.torch.int32, device=self.device)
+        self._pool_pinned[:bs, :width].copy_(self.torch.from_numpy(host[:bs, :width]))
+        self._pool[:bs, :width].copy_(self._pool_pinned[:bs, :width], non_blocking=True)
+        return self._pool[:bs, : max(width, 1)]
+
+    # -- forks and the prefix cache -----------------------------------------------------------------
+
+    def _on_copy(self, src_blocks, dst_blocks) -> None:
+        """A fork copied engine blocks: copy their canary rows in both buffers (after the engine's copy)."""
+        torch, layout = self.torch, self.layout
+        src = torch.tensor([layout.canary_page(b) for b in src_blocks], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([layout.canary_page(b) for b in dst_blocks], dtype=torch.int64, device=self.device)
+        for buf in (self.session.head_canary, self.session.tail_canary):
+            copy_pages(buf, buf, src, dst, page_size=layout.block_size)
+        self.owner.count("fork_copied_blocks", len(src_blocks))
+
+    def sweep_sequences(self, budget: int):
+        """The prefix cache's complete blocks as root-to-leaf paths (the engine's own parent links), at
+        most ``budget`` slots in all, rotating over sweeps: ``(leaf blocks, pages per path)``."""
+        layout = self.layout
+        hashed = layout.hashed_blocks()
+        known = {}
+        for block in hashed:
+            link = layout.parent(block, hashed)
+            if link is not None:
+                known[block] = link
+        parents = {p for _, p in known.values() if p is not None}
+        paths = []
+        for block in sorted(known):
+            if block in parents:
+                continue
+            path, b = [], block
+            while b is not None and b in known:
+                path.append(b)
+                b = known[b][1]
+            if b is None and len(path) == known[block][0] + 1:  # reaches the root through complete blocks
+                paths.append((block, path[::-1]))
+        if not paths:
+            return [], []
+        start = self._sweep_at % len(paths)
+        chosen, used = [], 0
+        for leaf, path in paths[start:] + paths[:start]:
+            if used + len(path) * layout.block_size > budget:
+                break
+            chosen.append((leaf, path))
+            used += len(path) * layout.block_size
+        self._sweep_at = start + len(chosen)
+        return [leaf for leaf, _ in chosen], [p for _, p in chosen]
+
+    def _sweep_source(self):
+        torch, layout = self.torch, self.layout
+        leaves, paths = self.sweep_sequences(self.session.planner.capacities.verify_capacity)
+        if not paths:
+            return None
+        indptr = np.zeros(len(paths) + 1, np.int64)
+        indptr[1:] = np.cumsum([len(p) for p in paths])
+        pages = [layout.canary_page(b) for p in paths for b in p]
+        self.owner.label_sweep(self.step - 1, [f"cached-block-{leaf}" for leaf in leaves])
+        self.owner.count("swept_blocks", len(pages))
+        to = lambda a: torch.as_tensor(np.asarray(a, np.int64)).to(self.device)
+        table = PagedKvIndices(to(indptr), to(pages), page_size=layout.block_size)
+        return None, to([len(p) * layout.block_size for p in paths]), table

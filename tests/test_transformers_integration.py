@@ -1,0 +1,190 @@
+"""The canary inside Hugging Face transformers' real continuous batching (tiny random-weight models
+built from configs, nothing downloaded): clean configurations report nothing unexplained and generate
+the same tokens as without the canary; every fault class is caught, or missed where the design is
+blind; the engine is left as it was; unsupported modes and versions are refused by name.  Runs on
+CPU torch here and in CI, on CUDA torch in the GPU run (``device`` parameter)."""
+
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kvcanary_cupy import ViolationReport  # noqa: E402
+from kvcanary_cupy.hf import CLEAN_CONFIGS, FAULTS, HfEngineConfig  # noqa: E402
+from kvcanary_cupy.hf.runner import configs, run_engine, tiny_llama  # noqa: E402
+from kvcanary_cupy.integrations._hf_layout import FLAT_CACHE, parse_version  # noqa: E402
+from kvcanary_cupy.integrations.transformers import SHARED_BLOCK_REWRITE, attach  # noqa: E402
+
+VERSION = parse_version(transformers.__version__)
+ENGINE = HfEngineConfig()
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def model(request):
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return tiny_llama(ENGINE, request.param, seed=0)
+
+
+def _tokens(outputs) -> dict:
+    return {k: list(v.generated_tokens) for k, v in outputs.items()}
+
+
+@pytest.mark.parametrize("name", list(CLEAN_CONFIGS))
+def test_clean_configurations_report_nothing_unexplained_and_generate_the_same_tokens(model, name):
+    overrides = CLEAN_CONFIGS[name]
+    plain = run_engine(model, ENGINE, overrides, seed=7, canary=False)
+    seen = run_engine(model, ENGINE, overrides, seed=7)
+    assert _tokens(seen.outputs) == _tokens(plain.outputs)
+    assert all(v.error is None for v in seen.outputs.values())
+    assert seen.violations == ()
+    s = seen.stats
+    assert s["engine_steps"] == seen.steps == plain.steps > 0
+    assert s["verified_entries"] > 0 and s["out_of_range_skipped"] == 0 and s["verify_skipped_steps"] == 0
+    assert s["health_failures"] == 0 and s["dropped_rows"] == 0
+    if overrides.get("num_return_sequences", 1) > 1:
+        assert s["fork_copied_blocks"] > 0  # the forks' last, incomplete blocks were copied, their canary rows with them
+    if overrides.get("allow_block_sharing", True):
+        assert s["swept_blocks"] > 0
+    if name == "tight_cache_soft_resets":
+        assert len(seen.outputs) == 8 and s["engine_steps"] > plain.steps - 1
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_each_fault_class_is_caught_or_documented_as_missed(model, name):
+    fault = FAULTS[name]()
+    outcome = run_engine(model, ENGINE, {}, seed=11, fault=fault)
+    assert fault.fired_step is not None, f"{name} never fired"
+    before = [v for v in outcome.violations if v.first_step < fault.fired_step]
+    after = [v for v in outcome.violations if v.first_step >= fault.fired_step]
+    assert before == []
+    if not fault.detectable_with():
+        assert after == [], f"{name} is documented as missed by design but was reported"
+        return
+    assert after, f"{name} was not reported"
+    assert min(v.first_step for v in after) - fault.fired_step <= 1
+    named = {r for v in after for r in v.request_ids}
+    request_victims = [v for v in fault.victims if not v.startswith("block ")]
+    # A misdirected write, a double free and a stale hit are reported by whoever reads the slots they
+    # spoiled (the writer may have finished); the other faults spoil what their victims themselves read.
+    if request_victims and name not in ("write_index_off_by_one", "double_free", "stale_prefix_hit"):
+        assert named & set(request_victims), (named, fault.victims)
+    assert named  # every report row names the requests (or the swept cached paths) behind it
+
+
+def test_the_517_rewrite_of_a_shared_block_is_a_labelled_finding(model):
+    """5.17 recomputes the last token of a prompt that is exactly its cached blocks into the shared,
+    complete block while others read it; 5.23 and later stop the prefix match before that token."""
+    outcome = run_engine(model, ENGINE, {}, seed=3)
+    assert outcome.violations == ()
+    if VERSION >= FLAT_CACHE:
+        assert outcome.findings == ()
+        return
+    assert outcome.findings
+    for v in outcome.findings:
+        assert v.finding == SHARED_BLOCK_REWRITE and v.reasons == "verify_real_kv_hash" and v.launch_tag == "TAIL_K_FULL"
+        assert v.request_ids
+    assert outcome.stats["findings"] == len(outcome.findings)
+
+
+def _manager(model, **overrides):
+    cb, gen, _, _ = configs(ENGINE, overrides)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.warmup()  # creates the batch processor, its cache and scheduler (no graphs: a no-op otherwise)
+    return manager
+
+
+def _free(cache):
+    """The allocator's free capacity (5.17: free blocks; 5.23 on: free bytes)."""
+    return cache.get_num_free_blocks() if hasattr(cache, "get_num_free_blocks") else cache.compute_free_capacity(relative=False)
+
+
+def _instance_state(*objects) -> list:
+    return [dict(vars(o)) for o in objects]
+
+
+def test_detach_leaves_the_engine_as_it_was(model):
+    manager = _manager(model)
+    processor = manager.batch_processor
+    parts = (model, manager, processor, processor.model_runner, processor.cache)
+    before = _instance_state(*parts)
+    free = _free(processor.cache)
+    canary = attach(manager)
+    assert "compute_batch" in vars(processor.model_runner) and "_create_batch_processor" in vars(manager)
+    assert _free(processor.cache) == free  # nothing taken from the allocator
+    canary.detach()
+    canary.detach()  # idempotent
+    assert _instance_state(*parts) == before
+    with attach(model) as c:
+        assert "init_continuous_batching" in vars(model)
+    assert "init_continuous_batching" not in vars(model) and not c.attached
+    manager.destroy()
+
+
+def test_report_names_request_ids_and_round_trips_through_json(model):
+    outcome = run_engine(model, ENGINE, {}, seed=11, fault=FAULTS["read_index_other_request"]())
+    report = ViolationReport((*outcome.violations, *outcome.findings), len(outcome.violations), 8,
+                             *(np.zeros(12, np.int64),) * 4)
+    back = ViolationReport.from_json(report.to_json())
+    assert [v.request_ids for v in back.violations] == [v.request_ids for v in report.violations]
+    assert all(r.startswith("req_") for v in outcome.violations for r in v.request_ids)
+    assert [v.finding for v in back.violations] == [v.finding for v in report.violations]
+
+
+@pytest.mark.parametrize("mode, overrides, needle", [
+    ("async", {"use_async_batching": True}, "async batching"),
+    ("offload", {"cpu_offload_space": 1.0}, "CPU offload pools"),
+])
+def test_unsupported_manager_modes_are_refused_by_name(model, mode, overrides, needle):
+    cb, gen, _, _ = configs(ENGINE, overrides)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    with pytest.raises(ValueError, match=f"^kv-canary: attach\\(\\) does not support {needle}"):
+        attach(manager)
+    assert "_create_batch_processor" not in vars(manager)
+
+
+def test_cuda_graphs_and_compile_of_the_engine_are_refused_by_name(model):
+    cb, gen, _, _ = configs(ENGINE, {})
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.continuous_batching_config.use_cuda_graph = (True, False)  # as decide_use_cuda_graphs leaves it on a GPU
+    with pytest.raises(ValueError, match=r"^kv-canary: attach\(\) does not support CUDA graphs of the engine"):
+        attach(manager)
+    manager.continuous_batching_config.use_cuda_graph = (False, False)
+    manager.continuous_batching_config.varlen_compile_config = transformers.CompileConfig()
+    with pytest.raises(ValueError, match=r"^kv-canary: attach\(\) does not support torch.compile of the engine"):
+        attach(manager)
+
+
+def test_sliding_window_models_are_refused_by_name():
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=128, sliding_window=16)
+    model = transformers.MistralForCausalLM(config)
+    with pytest.raises(ValueError, match=r"^kv-canary: attach\(\) does not support sliding-window attention groups"):
+        attach(model)
+    assert "init_continuous_batching" not in vars(model)
+
+
+def test_bad_options_targets_and_versions_are_refused(model, monkeypatch):
+    with pytest.raises(TypeError, match=r"^kv-canary: transformers attach\(\) got unknown option\(s\) sweep; the options are"):
+        attach(model, sweep=3)
+    with pytest.raises(ValueError, match=r"^kv-canary: on_violation must be one of"):
+        attach(model, on_violation="shout")
+    with pytest.raises(TypeError, match=r"^kv-canary: attach\(\) takes a transformers model with continuous batching"):
+        attach(object())
+    # transformers' lazy module may have been re-registered since this file imported it: patch the live one
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.16.1")
+    with pytest.raises(ImportError, match=r"^kv-canary: transformers 5.16.1 is outside the supported range 5.17.0 <= version < 5.26$"):
+        attach(model)
+
+
+def test_fingerprinted_layers_follow_the_option(model):
+    with attach(model, fingerprint_layers=[2]) as canary:
+        cb, gen, _, _ = configs(ENGINE, {})
+        model.generate_batch([[1, 2, 3, 4, 5]], generation_config=gen, continuous_batching_config=cb, progress_bar=False)
+    assert canary.fingerprinted_layers == ((2,),)
+    with pytest.raises(ValueError, match=r"^kv-canary: fingerprint_layers \[7\] past the model's 3 layers"):
+        attach(model, fingerprint_layers=[7])
+    assert "init_continuous_batching" not in vars(model)
