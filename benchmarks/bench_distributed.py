@@ -6,12 +6,18 @@ a session without a group, with a dedicated group (``reduce_every=1``), and with
 ``replicated_kv=True``; every step is pre_forward + post_forward (the device finished before the
 timed call, and the ranks meet at a barrier on the default group, not timed), then the timed
 ``end_step``, which reads the previous reduction (landed by then) and starts this step's.  Rank 0
-prints, per workload and variant, the median and 90th percentile host (wall) time of ``end_step``,
-the median added over the session without a group and that as a ratio of issue 25's target (``x
-target``: <= 1 meets 30 us); then the same from the calling thread's CPU time, which leaves out
-the time a loaded machine (or a wait) keeps the thread off the CPU.
+prints, per workload and variant, the median and 90th percentile host (wall) time of ``end_step``
+on the step's thread (the critical path), the median added over the session without a group and
+that as a ratio of issue 25's target (``x target``: <= 1 meets 30 us); then the same from the
+calling thread's CPU time, which leaves out the time a loaded machine (or a wait) keeps the
+thread off the CPU; then the median wall and CPU time of the group's own part of ``end_step``
+(``session.distributed.end_step``, on the step's thread: the critical path the group adds,
+without the other variants' noise); then the reduction worker thread's CPU time per reduction
+(off the critical path: the collective's issue, its wait, the decode).  ``--profile`` adds, for the "group"
+variant of the first workload, rank 0's cProfile of ``end_step`` on the step's thread (top 25
+cumulative lines).
 
-    python benchmarks/bench_distributed.py [--backend gloo|nccl] [--world 2] [--workloads W3] [--steps 300]
+    python benchmarks/bench_distributed.py [--backend gloo|nccl] [--world 2] [--workloads W3] [--steps 300] [--profile]
 """
 
 from __future__ import annotations
@@ -33,7 +39,45 @@ ADDED_TARGET_US = 30.0  # issue 25: end_step's added host time with a group, per
 VARIANTS = (("no group", {}), ("group", {"group": True}), ("group + replicated_kv", {"group": True, "replicated_kv": True}))
 
 
-def _rank(rank, world, backend, port, workloads, steps):
+def _thread_cpu(thread) -> float:
+    """The CPU seconds ``thread`` has used (0 without a thread or a per-thread clock)."""
+    if thread is None or not hasattr(time, "pthread_getcpuclockid"):
+        return 0.0
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def _timed(method, into: list):
+    """``method`` recording each call's (wall, thread CPU) seconds into ``into``."""
+    def timed(*args):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return method(*args)
+        finally:
+            into.append((time.perf_counter() - t0, time.thread_time() - c0))
+    return timed
+
+
+def _profile(session, d, sync, barrier, steps: int, show: bool) -> None:
+    """``steps`` more steps on every rank (the same collectives), ``end_step`` under cProfile; printed if ``show``."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        session.pre_forward(d["rp"], d["prefix"], d["extend"], d["rtt"], d["ids"], d["pos"], d["loc"])
+        session.post_forward()
+        sync()
+        barrier()
+        profiler.enable()
+        session.end_step()
+        profiler.disable()
+    if show:
+        print(f"cProfile of end_step with a group on the step's thread, {steps} steps (the worker thread is not "
+              "profiled); cumulative:")
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
+
+
+def _rank(rank, world, backend, port, workloads, steps, profile):
     import torch
     import torch.distributed as dist
 
@@ -64,32 +108,48 @@ def _rank(rank, world, backend, port, workloads, steps):
                                        like=d["rp"], on_violation="raise", **options)
             session.head_canary[...] = d["canary"]
             session.tail_canary[...] = d["canary"]
-            times, cpu = [], []
+            times, cpu, worker_cpu, part = [], [], 0.0, []
+            if session.distributed is not None:
+                session.distributed.end_step = _timed(session.distributed.end_step, part)
             for i in range(steps + 20):
                 session.pre_forward(d["rp"], d["prefix"], d["extend"], d["rtt"], d["ids"], d["pos"], d["loc"])
                 session.post_forward()
                 sync()
                 dist.barrier()
+                if i == 20 and session.distributed is not None:  # warm-up steps first
+                    worker_cpu = -_thread_cpu(session.distributed.worker_thread)
                 t0, c0 = time.perf_counter(), time.thread_time()
                 session.end_step()
-                if i >= 20:  # warm-up steps first
+                if i >= 20:
                     times.append(time.perf_counter() - t0)
                     cpu.append(time.thread_time() - c0)
+            if session.distributed is not None:
+                sync()
+                dist.barrier()  # the last reduction done on the worker
+                worker_cpu += _thread_cpu(session.distributed.worker_thread)
+                if profile and label == "group" and name == workloads[0]:
+                    _profile(session, d, sync, dist.barrier, 200, show=rank == 0)
             session.check()
+            session.close()
             us = sorted(t * 1e6 for t in times)
             median, p90, cpu_us = statistics.median(us), us[int(0.9 * (len(us) - 1))], statistics.median(cpu) * 1e6
             base = (median, cpu_us) if base is None else base
             waits = session.distributed.stats["reduce_waits"] if session.distributed is not None else 0
-            rows.append((WORKLOADS[name].name, label, median, p90, median - base[0], cpu_us, cpu_us - base[1], waits))
+            part = part[20:] or [(0.0, 0.0)]
+            rows.append((WORKLOADS[name].name, label, median, p90, median - base[0], cpu_us, cpu_us - base[1], waits,
+                         statistics.median(w for w, _ in part) * 1e6, statistics.median(c for _, c in part) * 1e6,
+                         worker_cpu / steps * 1e6))
     if rank == 0:
         load = os.getloadavg()[0]
         print(f"{backend}, {world} ranks, {steps} steps, load average {load:.1f} on {os.cpu_count()} CPUs; end_step us: "
               f"wall median, p90, added over no group, x target ({ADDED_TARGET_US:.0f} us); thread CPU median, added, "
-              "x target; reduce waits")
-        for workload, label, median, p90, added, cpu_us, cpu_added, waits in rows:
+              "x target; reduce waits; the group's part on the step's thread, wall and CPU median; the worker "
+              "thread's CPU us per reduction (off the critical path)")
+        for workload, label, median, p90, added, cpu_us, cpu_added, waits, part_wall, part_cpu, worker_us in rows:
             ratio = (lambda x: "" if label == "no group" else f"{x / ADDED_TARGET_US:.2f}x")
             print(f"  {workload:<16} {label:<22} wall {median:7.1f} {p90:7.1f} +{added:6.1f} {ratio(added):>6}   "
-                  f"cpu {cpu_us:6.1f} +{cpu_added:6.1f} {ratio(cpu_added):>6}   waits {waits}")
+                  f"cpu {cpu_us:6.1f} +{cpu_added:6.1f} {ratio(cpu_added):>6}   waits {waits:3d}   "
+                  f"group part {part_wall:5.1f} {part_cpu:5.1f}   worker {worker_us:6.1f}")
     dist.destroy_process_group()
 
 
@@ -99,13 +159,14 @@ def main(argv=None) -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--workloads", default="W3")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--profile", action="store_true", help="print rank 0's cProfile of end_step (group variant)")
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(args.world, args.backend, port, args.workloads.split(","), args.steps),
+    mp.start_processes(_rank, args=(args.world, args.backend, port, args.workloads.split(","), args.steps, args.profile),
                        nprocs=args.world, start_method="spawn")
 
 

@@ -14,7 +14,8 @@ constexpr u64 kSplitmix64Mul1 = 0xBF58476D1CE4E5B9ULL;
 constexpr u64 kSplitmix64Mul2 = 0x94D049BB133111EBULL;
 constexpr int kCanaryFieldsPerSlot = 4;
 constexpr int kViolationFields = 8;
-constexpr int kMaxRealKvSources = 4;
+constexpr int kMaxRealKvSources = 8;
+constexpr int kMaxPieceLevels = 2;
 constexpr int kRealKvPartialBytes = 16;
 
 constexpr i64 kVerifyChainHashMismatch = 1 << 0;
@@ -23,6 +24,9 @@ constexpr i64 kVerifyRealKvHashMismatch = 1 << 2;
 constexpr i64 kWriteTokenMismatch = 1 << 3;
 constexpr i64 kWritePositionMismatch = 1 << 4;
 constexpr i64 kVerifyTokenMismatch = 1 << 5;
+// This project's coverage bits (kernels/coverage.cu); SGLang's six above are unchanged.
+constexpr i64 kWriteKvNotStored = 1 << 11;
+constexpr i64 kVerifyDeepKvMismatch = 1 << 12;
 constexpr i64 kVerifyTableHole = 1 << 16;  // this project's own bit: a read position addressing the padding slot
 
 __host__ __device__ constexpr u64 splitmix64(u64 x) {
@@ -47,15 +51,77 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // The real-KV sources of one canary buffer, passed by value (mirrored by a NumPy structured
 // dtype in kvcanary_cupy/backends/cupy_backend.py).  num_sources is 0 when the mode is NONE;
 // nbytes[i] is already resolved from the mode (16 for PARTIAL, read_bytes for ALL).
+//
+// A slot's bytes are a stream that starts byte_offset + (slot % page) * token_stride bytes into
+// row slot / page: pieces of piece_bytes bytes, piece (i0, i1) at i0 * piece_stride[0] +
+// i1 * piece_stride[1] (piece_count[1] pieces per outer step).  unit 16: one contiguous piece,
+// 16-byte aligned, read 16 bytes at a time; else the stream is read `unit` (1, 2, 4 or 8) bytes
+// at a time, every address a multiple of it (RealKvSource checks both).
 struct RealKvSources {
-  u64 data[kMaxRealKvSources];  // device addresses, 16-byte aligned
-  i64 row_stride[kMaxRealKvSources];  // bytes between dim-0 rows, a multiple of 16
+  u64 data[kMaxRealKvSources];  // device addresses, aligned to unit
+  i64 row_stride[kMaxRealKvSources];  // bytes between dim-0 rows, a multiple of unit
   i64 slot_offset[kMaxRealKvSources];  // canary slot s holds the KV of pool slot s - slot_offset
+  i64 token_stride[kMaxRealKvSources];
+  i64 byte_offset[kMaxRealKvSources];
+  i64 piece_stride[kMaxRealKvSources][kMaxPieceLevels];
+  int piece_count[kMaxRealKvSources][kMaxPieceLevels];
   int page_size[kMaxRealKvSources];
-  int num_bytes_per_token[kMaxRealKvSources];
   int nbytes[kMaxRealKvSources];
+  int piece_bytes[kMaxRealKvSources];
+  int unit[kMaxRealKvSources];
   int num_sources;
 };
+
+// The layout of one source's stream within a row (the fields of RealKvSources for one source,
+// or a row of a coverage source table, kernels/coverage.cu).
+struct StreamLayout {
+  i64 stride0, stride1;  // bytes between outer / inner pieces
+  int inner, piece_bytes, unit, nbytes;  // inner pieces per outer step; nbytes: how many bytes are folded
+};
+
+// Word `b / 8` (b a multiple of 8) of a strided stream starting at `token`: eight bytes of
+// consecutive stream positions, `unit` bytes per load, little-endian like the contiguous path.
+__device__ __forceinline__ u64 strided_word(const unsigned char* token, const StreamLayout& l, int b) {
+  u64 w = 0;
+  for (int u = 0; u < 8; u += l.unit) {
+    const int c = b + u, piece = c / l.piece_bytes, within = c - piece * l.piece_bytes;
+    const int i0 = piece / l.inner, i1 = piece - i0 * l.inner;
+    const unsigned char* p = token + i0 * l.stride0 + i1 * l.stride1 + within;
+    u64 v;
+    if (l.unit == 8) v = *reinterpret_cast<const u64*>(p);
+    else if (l.unit == 4) v = *reinterpret_cast<const unsigned*>(p);
+    else if (l.unit == 2) v = *reinterpret_cast<const unsigned short*>(p);
+    else v = *p;
+    w |= v << (8 * u);
+  }
+  return w;
+}
+
+// The fold of one source's stream (docs/format.md §3): its first nbytes bytes as little-endian
+// words; unit 16 reads a contiguous, 16-byte aligned stream 16 bytes at a time.
+__device__ __forceinline__ u64 fold_stream(const unsigned char* token, const StreamLayout& l) {
+  u64 h = 0;
+  if (l.unit == 16) {
+    for (int b = 0; b < l.nbytes; b += 16) {
+      const ulonglong2 w = *reinterpret_cast<const ulonglong2*>(token + b);
+      h = splitmix64(h ^ w.x);
+      h = splitmix64(h ^ w.y);
+    }
+  } else {
+    for (int b = 0; b < l.nbytes; b += 8) h = splitmix64(h ^ strided_word(token, l, b));
+  }
+  return h;
+}
+
+// The fold of source i of one slot: 0 for a slot below the source's slot_offset (no KV bytes there).
+__device__ __forceinline__ u64 source_fold(const RealKvSources& s, int i, i64 slot) {
+  const i64 page = s.page_size[i], pool_slot = slot - s.slot_offset[i];
+  if (pool_slot < 0) return 0;
+  const unsigned char* token = reinterpret_cast<const unsigned char*>(s.data[i]) + (pool_slot / page) * s.row_stride[i] +
+                               s.byte_offset[i] + (pool_slot % page) * s.token_stride[i];
+  const StreamLayout l{s.piece_stride[i][0], s.piece_stride[i][1], s.piece_count[i][1], s.piece_bytes[i], s.unit[i], s.nbytes[i]};
+  return fold_stream(token, l);
+}
 
 // Fingerprint of one slot's real KV bytes (docs/format.md §3).  The host checked that every source
 // covers every canary slot from its slot_offset on, so `slot` in [0, num_slots) never reads out of
@@ -64,18 +130,7 @@ struct RealKvSources {
 // (no copy to local memory).
 __device__ __forceinline__ u64 real_kv_fold(const RealKvSources& s, i64 slot) {
   u64 acc = 0;
-  for (int i = 0; i < s.num_sources; ++i) {
-    const i64 page = s.page_size[i], pool_slot = slot - s.slot_offset[i];
-    const unsigned char* strip = reinterpret_cast<const unsigned char*>(s.data[i]) +
-                                 (pool_slot / page) * s.row_stride[i] + (pool_slot % page) * s.num_bytes_per_token[i];
-    u64 h = 0;
-    for (int b = 0; pool_slot >= 0 && b < s.nbytes[i]; b += 16) {
-      const ulonglong2 w = *reinterpret_cast<const ulonglong2*>(strip + b);
-      h = splitmix64(h ^ w.x);
-      h = splitmix64(h ^ w.y);
-    }
-    acc = splitmix64(acc ^ h);
-  }
+  for (int i = 0; i < s.num_sources; ++i) acc = splitmix64(acc ^ source_fold(s, i, slot));
   return acc;
 }
 

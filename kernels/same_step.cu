@@ -9,7 +9,7 @@ namespace kvcanary {
 
 constexpr int kStampShift = 32;
 constexpr i64 kTokenMask = (i64{1} << kStampShift) - 1;
-constexpr i64 kSameStepSeedDeferred = -2;  // SEED_DEFERRED
+constexpr i64 kSameStepSeedDeferred = -9223372036854775807LL - 1;  // SEED_DEFERRED, INT64_MIN
 
 struct SameStepArgs {
   unsigned long long* written_at;  // [num_slots]

@@ -24,20 +24,26 @@ namespace kvcanary {
 constexpr int kWriteThreads = 128;
 constexpr int kWriteWarps = kWriteThreads / 32;
 // A deferred request (SEED_DEFERRED in constants.py): written by a later launch of the step.
-constexpr i64 kSeedDeferred = -2;
+constexpr i64 kSeedDeferred = -9223372036854775807LL - 1;  // INT64_MIN
+
+// Element i of an int64 (is_int64) or int32 array, read through the read-only data cache.
+__device__ __forceinline__ i64 ldg_index(const void* p, int is_int64, i64 i) {
+  return is_int64 ? __ldg(static_cast<const i64*>(p) + i) : static_cast<i64>(__ldg(static_cast<const int*>(p) + i));
+}
 
 // One lane's token: slot -1 past the request's range.
 template <bool kInputAssert>
 struct TokenInputs {
   i64 slot, token, pos, expected_token, expected_pos;
 
-  __device__ __forceinline__ void load(i64 i, i64 end, const i64* input_ids, const i64* positions,
-                                       const i64* out_cache_loc, const i64* expected_tokens,
+  __device__ __forceinline__ void load(i64 i, i64 end, const void* input_ids, const void* positions,
+                                       const void* out_cache_loc, int wide, const i64* expected_tokens,
                                        const i64* expected_positions) {
     const bool in_range = i < end;
-    slot = in_range ? __ldg(out_cache_loc + i) : -1;  // the inputs are read-only for the whole launch
-    token = in_range ? __ldg(input_ids + i) : 0;
-    pos = in_range ? __ldg(positions + i) : 0;
+    // the inputs are read-only for the whole launch; bit k of `wide`: input k is int64 (else int32)
+    slot = in_range ? ldg_index(out_cache_loc, wide & 4, i) : -1;
+    token = in_range ? ldg_index(input_ids, wide & 1, i) : 0;
+    pos = in_range ? ldg_index(positions, wide & 2, i) : 0;
     expected_token = kInputAssert && in_range ? __ldg(expected_tokens + i) : 0;
     expected_pos = kInputAssert && in_range ? __ldg(expected_positions + i) : 0;
   }
@@ -48,18 +54,19 @@ struct WriteInputs {
   const i64* write_offsets;  // [write_req_capacity + 1]
   const i64* seeds;  // [write_req_capacity]
   const int* write_num_valid_reqs;
-  const i64* input_ids;  // [num_tokens]
-  const i64* positions;
-  const i64* out_cache_loc;
+  const void* input_ids;  // [num_tokens], int64 or int32 (input_widths says which)
+  const void* positions;
+  const void* out_cache_loc;
   const i64* expected_tokens;  // null without the write-input assert
   const i64* expected_positions;
   const int* pos_assert_flag;  // null: pos_assert_value decides
   i64 write_req_capacity, num_tokens;
   int pos_assert_value;
+  int input_widths;  // bit 0: input_ids int64, bit 1: positions, bit 2: out_cache_loc (else int32)
 
   template <bool kInputAssert>
   __device__ __forceinline__ void load_token(TokenInputs<kInputAssert>& tok, i64 i, i64 end) const {
-    tok.load(i, end, input_ids, positions, out_cache_loc, expected_tokens, expected_positions);
+    tok.load(i, end, input_ids, positions, out_cache_loc, input_widths, expected_tokens, expected_positions);
   }
 };
 

@@ -45,7 +45,8 @@ from .backends.cuda.compile import warmup
 from .launchers import VerifyLauncher, WriteLauncher
 from .ops import copy_pages, move_pages, plan, plan_and_verify, scatter_req_token_ids, verify, write
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
-from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, allocate_canary_buffer
+from .log import ViolationLog
+from .plans import RealKvSource, VerifyPlan, WritePlan, allocate_canary_buffer
 from .reporting import Reader, ReplicaMismatch, Violation, ViolationReport
 from .same_step import SameStepReads, resolve_same_step_reads
 from .session import CanarySession

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
+import numpy as np
+
 from .plans import VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 
 
@@ -65,13 +67,35 @@ class LogViews(NamedTuple):
 
 
 class SourceView(NamedTuple):
-    """One real-KV source as bytes: ``data`` is ``uint8 [rows, row_bytes]`` with any row stride."""
+    """One real-KV source as bytes: ``data`` is ``uint8 [rows, row_bytes]`` with any row stride.
+
+    A slot's stream of bytes starts ``byte_offset + (s % page_size) * token_stride`` bytes into
+    row ``s // page_size``; it is pieces of ``piece_bytes`` bytes at the ``levels``' strides
+    (two ``(count, stride)`` pairs, outer first; a contiguous source has one piece).  ``unit``:
+    16 for a contiguous source read 16 bytes at a time, else the bytes of each load (1 to 8)."""
 
     data: Any
     page_size: int
     num_bytes_per_token: int
     read_bytes: int
+    token_stride: int | None = None  # None: num_bytes_per_token
+    byte_offset: int = 0
+    piece_bytes: int | None = None  # None: num_bytes_per_token
+    levels: tuple = ((1, 0), (1, 0))
+    unit: int = 16
     slot_offset: int = 0  # canary slot s reads pool slot s - slot_offset (none below it)
+
+    @property
+    def stride(self) -> int:
+        return self.num_bytes_per_token if self.token_stride is None else self.token_stride
+
+    def stream_offsets(self, nbytes: int):
+        """Byte offsets, from a slot's first byte, of the first ``nbytes`` bytes of its stream."""
+        b = np.arange(nbytes, dtype=np.int64)
+        piece, within = np.divmod(b, self.piece_bytes or self.num_bytes_per_token)
+        (_, s0), (n1, s1) = self.levels
+        i0, i1 = np.divmod(piece, n1)
+        return i0 * s0 + i1 * s1 + within
 
 
 class CanaryTarget(NamedTuple):

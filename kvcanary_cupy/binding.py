@@ -18,7 +18,8 @@ from .args import CanaryTarget, LogViews, SourceView, VerifyArgs, WriteArgs
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES, MAX_CANARY_BUFFERS, RealKvHashMode
 from .errors import fail
 from .interop import backend_view, byte_rows_view, check_aligned, common_placement, is_torch_tensor
-from .plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, check_num_sources
+from .log import ViolationLog
+from .plans import RealKvSource, VerifyPlan, WritePlan, check_num_sources
 from .validation import (I32, I64, INT32_MAX, check_1d, check_contiguous_output, check_disjoint, check_int,
                          contiguous_input, require)
 
@@ -145,7 +146,7 @@ class CanaryBuffer(NamedTuple):
     name: str  # canary_buf, or canary_buf[i] for a sequence of buffers
     sources_name: str  # real_kv_sources, or real_kv_sources[i]
     buffer: object
-    kind: int
+    tag: int  # its launch tag (the call's kernel_kind)
     sources: tuple  # of RealKvSource
 
 
@@ -203,7 +204,7 @@ def targets(buffers: list, mode: int, *, written: bool) -> tuple:
         if targets and canary.shape[0] != targets[0].canary.shape[0]:
             fail(ValueError, f"{b.name} has {canary.shape[0]} slots but {buffers[0].name} has {targets[0].canary.shape[0]}; "
                              "the canary buffers of one call share its plan and need the same num_slots")
-        targets.append(CanaryTarget(canary, b.kind, source_views(b, mode, canary.shape[0])))
+        targets.append(CanaryTarget(canary, b.tag, source_views(b, mode, canary.shape[0])))
     if written:
         check_disjoint({b.name: t.canary for t, b in zip(targets, buffers)},
                        "each canary buffer written by one call needs its own memory")
@@ -218,7 +219,8 @@ def source_views(buffer: CanaryBuffer, mode: int, num_slots: int) -> tuple:
     for i, src in enumerate(buffer.sources):
         name = f"{buffer.sources_name}[{i}].tensor"
         data = byte_rows_view(src.tensor, name)
-        check_aligned(data, name, 16, "real KV is read 16 bytes at a time")
+        unit = min(8, src.stream_piece & -src.stream_piece) if src.is_strided else 16
+        check_aligned(data, name, unit, f"real KV is read {unit} bytes at a time")
         if data.shape[0] * src.page_size + src.slot_offset < num_slots:
             fail(
                 ValueError,
@@ -226,7 +228,9 @@ def source_views(buffer: CanaryBuffer, mode: int, num_slots: int) -> tuple:
                 f"slots" + (f" from slot_offset={src.slot_offset}" if src.slot_offset else "")
                 + f" but {buffer.name} has {num_slots}; every canary slot needs its real-KV bytes",
             )
-        views.append(SourceView(data, src.page_size, src.num_bytes_per_token, src.read_bytes, src.slot_offset))
+        token_stride = src.num_bytes_per_token if src.token_stride is None else src.token_stride
+        views.append(SourceView(data, src.page_size, src.num_bytes_per_token, src.read_bytes, token_stride,
+                                src.byte_offset, src.stream_piece, src.levels, unit, src.slot_offset))
     return tuple(views)
 
 

@@ -13,7 +13,6 @@ spellings (``flags.c_contiguous``, ``len(tensor)``) cost more.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
@@ -23,14 +22,8 @@ from .constants import RealKvHashMode
 from .interop import import_cupy, is_torch_tensor
 from .runtime import torch_stream_handle
 from .validation import I32, I64
+from .validation_cache import FULL_VALIDATION_ENV, full_validation_forced  # the one switch of both paths
 
-FULL_VALIDATION_ENV = "KVCANARY_FULL_VALIDATION"
-
-
-
-def full_validation_forced() -> bool:
-    """Whether the environment asks every call to take the fully validating free functions."""
-    return os.environ.get(FULL_VALIDATION_ENV, "") not in ("", "0")
 
 
 _INDEX_DTYPES = (I32, I64)
@@ -202,11 +195,12 @@ def viewed_in_place(arrays) -> bool:
 class BoundState:
     """What every bound launcher holds, fixed when it binds: where it runs, how it takes per-step
     arrays there (``arrays``), its bound torch tensors and their addresses, the NumPy backend's
-    record (``args``) or, on a GPU, its kernel parameter record, the record's field slots and its
-    launch (on the caller's stream, or behind it on ``side``).  Each launcher adds what it keeps
+    record (``args``) or, on a GPU, the GPU wing's face (``gpu``: backends/cuda/ops.py), its kernel
+    parameter record, the record's field slots and its launch (on the caller's stream, or behind it
+    on ``side``).  Each launcher adds what it keeps
     per call in a subclass; the slots make every read on the per-call path a fixed offset."""
 
-    __slots__ = ("numpy", "tensors", "stamp", "arrays", "args", "cb", "device", "side", "_torch_stream", "_functions",
+    __slots__ = ("numpy", "tensors", "stamp", "arrays", "args", "gpu", "device", "side", "_torch_stream", "_functions",
                  "params", "param_slots", "launch")
 
     def __init__(self, placement, named: dict, side=None):
@@ -219,7 +213,7 @@ class BoundState:
             return
         from .backends.cuda import ops as cuda_ops
 
-        self.cb = cuda_ops
+        self.gpu = cuda_ops
         self.device = placement.device
         self.arrays = _TorchArrays(self.device) if torch else _CupyArrays(self.device)
         self._torch_stream = torch_stream_handle(self.device) if torch else None
@@ -234,18 +228,16 @@ class BoundState:
         """A compiled kernel on the bound device (compiled on first use; ``kc.warmup()`` does all)."""
         fn = self._functions.get((family, name))
         if fn is None:
-            from .backends.cuda.compile import get_function
-
             with import_cupy().cuda.Device(self.device):
-                fn = self._functions[(family, name)] = get_function(family, name).kernel
+                fn = self._functions[(family, name)] = self.gpu.get_function(family, name).kernel
         return fn
 
     def pack(self, params: np.ndarray) -> None:
         """Keep a kernel parameter record, its field slots and its launch (:class:`~kvcanary_cupy.backends.cuda.launch.BoundLaunch`:
         on the bound device, on the caller's stream or behind it on ``side``)."""
         self.params = params
-        self.param_slots = self.cb.ParamSlots(params)
-        self.launch = self.cb.BoundLaunch(params, self.device, self._torch_stream, self.side)
+        self.param_slots = self.gpu.ParamSlots(params)
+        self.launch = self.gpu.BoundLaunch(params, self.device, self._torch_stream, self.side)
 
     def setter(self, *names: str):
         """A function writing the record's fields ``names`` from a sequence of values in that order."""

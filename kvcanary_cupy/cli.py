@@ -51,18 +51,24 @@ def _add_sim(sub) -> None:
     p.add_argument("--device", choices=DEVICES, default=defaults.device, help="cpu: NumPy; cuda: CuPy on the GPU")
     p.add_argument("--json", default="kvcanary-sim.json", metavar="PATH", help="report file ('' for none)")
     p.add_argument("--plot", default="kvcanary-sim.png", metavar="PATH", help="PNG plot ('' for none; needs matplotlib)")
+    p.add_argument("--sglang-coverage", action="store_true",
+                   help="fingerprint layer 0 only and skip the lost-store check, as SGLang's canary does "
+                        "(two fault classes are then blind)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
     p.add_argument("--list-faults", action="store_true", help="print the fault classes and exit")
 
 
 def _run_sim(args) -> int:
     from .sim import FAULTS, SimConfig, run
+    from .sim.engine import EngineConfig
 
+    coverage = dict(deep_kv=False, lost_stores=False) if args.sglang_coverage else {}
+    engine = EngineConfig(transfer_digest=args.transfer_digest, **coverage)
     if args.list_faults:
         from .sim.runner import KNOWN_FAULTS
 
         for name, cls in KNOWN_FAULTS.items():
-            print(f"{name}: {cls.description}" + ("" if cls.detectable_with(args.addressing)
+            print(f"{name}: {cls.description}" + ("" if cls.detectable_with(args.addressing, engine)
                                                   else f" [blind by design: {cls.why_not_detectable}]"))
         return 0
     if args.device == "cuda":
@@ -71,11 +77,8 @@ def _run_sim(args) -> int:
             print(f"kvcanary sim: --device cuda: {reason}", file=sys.stderr)
             return 2
     try:
-        from .sim import EngineConfig
-
         config = SimConfig(steps=args.steps, seed=args.seed, faults=args.faults, rate=args.rate,
-                           addressing=args.addressing, device=args.device,
-                           engine=EngineConfig(transfer_digest=args.transfer_digest))
+                           addressing=args.addressing, device=args.device, engine=engine)
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2

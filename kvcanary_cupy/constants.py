@@ -30,7 +30,10 @@ VIOLATION_FIELD_STORED_CHAIN_HASH = 5
 VIOLATION_FIELD_EXPECTED_AUX = 6
 VIOLATION_FIELD_FAIL_REASON_BITS = 7
 
-MAX_REAL_KV_SOURCES = 4
+# Real-KV sources of one canary buffer (SGLang's ABI took 4; raised for strided per-head and per-layer sources).
+MAX_REAL_KV_SOURCES = 8
+# (count, stride) levels of a strided source's pieces (RealKvSource.pieces; kMaxPieceLevels).
+MAX_PIECE_LEVELS = 2
 REAL_KV_SOURCE_FIELDS_PER_ENTRY = 3
 REAL_KV_SOURCE_FIELD_PAGE_SIZE = 0
 REAL_KV_SOURCE_FIELD_NUM_BYTES_PER_TOKEN = 1
@@ -39,7 +42,7 @@ REAL_KV_PARTIAL_BYTES = 16
 #: A write seed that defers its request: the write skips it (kSeedDeferred in write.cu).  The
 #: same-step pass (kvcanary_cupy.same_step) defers a request whose chain continues from a slot
 #: another request writes in the same step to a later write launch of that step.
-SEED_DEFERRED = -2
+SEED_DEFERRED = -(2**63)  # the one int64 no caller passes as a seed (any other negative seed is the anchor)
 
 # Canary buffers one write or verify launch takes with one plan (e.g. the K and V halves).
 MAX_CANARY_BUFFERS = 4
@@ -81,6 +84,11 @@ class FailReason(enum.IntFlag):
     WRITE_TOKEN_MISMATCH = 1 << 3
     WRITE_POSITION_MISMATCH = 1 << 4
     VERIFY_TOKEN_MISMATCH = 1 << 5
+    # This project's coverage past the record (docs/format.md section 9), logged only when a
+    # CanarySession is asked to (check_lost_stores, deep_kv_sources); SGLang's six bits unchanged.
+    # Above the transfer digests' bits (DigestFailReason, 1 << 6 to 1 << 10), below the table-hole bit.
+    WRITE_KV_NOT_STORED = 1 << 11
+    VERIFY_DEEP_KV_MISMATCH = 1 << 12
     VERIFY_TABLE_HOLE = 1 << 16  # bits 6-10 are the transfer digest's (DigestFailReason)
 
     @staticmethod

@@ -5,9 +5,11 @@ Every rank keeps its own canary, planner and log.  Every ``reduce_every``-th ``e
 how many new violations and health problems it handled since the last reduction, its table shape
 and, with ``replicated_kv``, a window of its TAIL real-KV fingerprints), leaves the other rows
 zero and starts an asynchronous SUM all-reduce of it over the session's dedicated group: every
-rank then holds every rank's row.  On a GPU the row is copied and reduced on a side stream
-ordered after the step's kernels, and copied back to pinned memory behind an event, so the host
-never waits in the step.  The next reduction (``reduce_every`` steps later, on every rank at the
+rank then holds every rank's row.  The row is built, reduced and decoded on one worker thread
+per session (kvcanary_cupy/rank_worker.py): ``end_step`` only takes a snapshot of the session's
+numbers and of the replicated window, records (on a GPU) an event on the step's stream that the
+worker's side stream waits for, hands the job over and picks up the previous job's verdict.  The
+next reduction (``reduce_every`` steps later, on every rank at the
 same step count) reads the result and applies the verdict: when any rank found something, every
 rank applies its policy on that same step, with a report naming the ranks.  Only a result still
 in flight a whole reduction later is waited for (counted in ``stats["reduce_waits"]``): then a
@@ -22,25 +24,28 @@ docs/distributed.md explains the rest.
 
 from __future__ import annotations
 
-import logging
 import socket
-from dataclasses import dataclass
+import weakref
+from functools import partial
 
 import numpy as np
 
 from .args import STAGE_HEADER_FIELDS
 from .constants import CANARY_FIELD_REAL_KV_HASH, MAX_REAL_KV_SOURCES, FailReason
-from .errors import fail
+from .errors import CanaryUsageError, fail
 from .hashing import to_unsigned
 from .interop import backend_view
-from .reporting import REPLICATED_KV_MISMATCH, ReplicaMismatch, ViolationReport, reason_name, tag_name
-
-logger = logging.getLogger("kvcanary_cupy")
+from .rank_exchange import DeviceExchange, HostExchange
+from .rank_verdict import Verdict, _Contribution
+from .rank_worker import ReductionWorker
+from .reporting import ReplicaMismatch, ViolationReport, reason_name, tag_name
 
 #: Slots of the TAIL canary compared across ranks per reduction (``replicated_kv=True``): the
 #: window moves on by this much each reduction, so a pool of ``n`` slots is compared in full
 #: every ``ceil(n / REPLICATED_WINDOW)`` reductions.
 REPLICATED_WINDOW = 4096
+#: Replicated-KV mismatches remembered (so that each is reported once); past this the oldest is forgotten.
+MAX_SEEN_MISMATCHES = 65536
 #: Each rank's totals in the reduction, summed into ``RankReducer.totals`` (names of ``session.stats``).
 TOTALS = ("steps", "handled_steps", "verified_entries", "violations", "rows_read", "dropped_rows",
           "distinct_violations", "verify_skipped_steps", "verify_skipped_sweeps", "health_failures",
@@ -49,6 +54,9 @@ TOTALS = ("steps", "handled_steps", "verified_entries", "violations", "rows_read
 _VERDICT = ("new_violations", "health_problems")
 _SHAPE = ("table_rows", "table_cols")
 _REASONS = tuple(reason_name(m) for m in FailReason)
+#: Seconds a reduction may take beyond the group's own timeout before end_step/check stop waiting
+#: for the worker thread with a TimeoutError (the collective itself raises at the group's timeout).
+WAIT_MARGIN_S = 30.0
 
 
 def import_torch_distributed():
@@ -61,22 +69,6 @@ def import_torch_distributed():
     if not dist.is_available():
         raise ImportError("kv-canary: process_group needs torch.distributed, which this torch build lacks")
     return torch, dist
-
-
-def all_reduce_fn(dist, group, tensor):
-    """A function starting the in-place SUM all-reduce of ``tensor`` over ``group`` and returning
-    its work: the group's own method with options made once (a third of ``dist.all_reduce``'s
-    host time, which checks its arguments at every call), or ``dist.all_reduce`` where a torch
-    build lacks it."""
-    method = getattr(group, "allreduce", None)
-    options = getattr(dist, "AllreduceOptions", None)
-    if method is None or options is None:
-        return lambda: dist.all_reduce(tensor, group=group, async_op=True)
-    opts, tensors = options(), [tensor]
-    opts.reduceOp = dist.ReduceOp.SUM
-    if hasattr(opts, "asyncOp"):
-        opts.asyncOp = True  # as dist.all_reduce(..., async_op=True) sets it
-    return lambda: method(tensors, opts)
 
 
 def device_id(placement) -> str:
@@ -117,160 +109,6 @@ def _agreed_values(session, reducer) -> dict:
         values[f"real_kv_sources[{i}].num_bytes_per_token"] = 0 if src is None else src.num_bytes_per_token
         values[f"real_kv_sources[{i}].read_bytes"] = 0 if src is None else src.read_bytes
     return values
-
-
-@dataclass
-class _Contribution:
-    """What a rank put into one reduction: the findings it handled since the previous one."""
-
-    new: dict
-    problems: list
-    undelivered: dict
-    step: int  # 0-based step of the end_step that issued it
-    offset: int  # first slot of its replicated window
-    slots: int
-
-
-@dataclass
-class Verdict:
-    """One reduction's result as every rank sees it (plus this rank's own findings in it)."""
-
-    contribution: _Contribution
-    rank: int
-    new_by_rank: dict  # rank -> new violations it handled (nonzero only)
-    problems_by_rank: dict  # rank -> health problems (nonzero only)
-    mismatches: tuple = ()  # of ReplicaMismatch not reported before
-    world_size: int = 1
-    device: str = ""
-
-    @property
-    def ranks(self) -> list:
-        """The ranks with new violations or replicated-KV mismatches."""
-        found = set(self.new_by_rank)
-        for m in self.mismatches:
-            found.update((m.rank, m.other_rank))
-        return sorted(found)
-
-    @property
-    def flagged(self) -> bool:
-        return bool(self.new_by_rank or self.problems_by_rank or self.mismatches)
-
-    @property
-    def violations_anywhere(self) -> bool:
-        return bool(self.new_by_rank or self.mismatches)
-
-    def remote_problems(self) -> list:
-        return [f"kv-canary: rank {r} handled {n} health problem(s) by step {self.contribution.step} "
-                "(that rank's log has the message)" for r, n in sorted(self.problems_by_rank.items()) if r != self.rank]
-
-    def where(self) -> str:
-        """The headline's distributed part: this rank, and what every rank found."""
-        counts = ", ".join(f"rank {r}: {n}" for r, n in sorted(self.new_by_rank.items())) or "none"
-        mismatches = f"; {len(self.mismatches)} {REPLICATED_KV_MISMATCH}(es)" if self.mismatches else ""
-        return (f" on rank {self.rank} ({self.device}); over the {self.world_size} ranks by step "
-                f"{self.contribution.step}: new violations on ranks {self.ranks} ({counts}){mismatches}")
-
-    def joined(self, later: "Verdict") -> "Verdict":
-        """This verdict and a later one, applied as one (``check()`` reads two at once)."""
-        a, b = self.contribution, later.contribution
-        both = _Contribution({**a.new, **b.new}, a.problems + b.problems, {**a.undelivered, **b.undelivered},
-                             b.step, b.offset, b.slots)
-        add = lambda x, y: {r: x.get(r, 0) + y.get(r, 0) for r in sorted(set(x) | set(y))}
-        return Verdict(both, self.rank, add(self.new_by_rank, later.new_by_rank),
-                       add(self.problems_by_rank, later.problems_by_rank), self.mismatches + later.mismatches,
-                       self.world_size, self.device)
-
-
-class _HostExchange:
-    """gloo: the rows are a CPU tensor, reduced in place on gloo's thread."""
-
-    def __init__(self, torch, dist, group, rank: int, rows: int, width: int, column):
-        self.buffer = torch.zeros((rows, width), dtype=torch.int64)
-        self._all_reduce = all_reduce_fn(dist, group, self.buffer)
-        self.rows = self.buffer.numpy()
-        self._own = self.rows[rank]
-        self._column = column  # the TAIL canary's real_kv_hash column (NumPy view), or None
-        self._work = None
-
-    def start(self, host_values: np.ndarray, offset: int, slots: int) -> None:
-        self.rows.fill(0)
-        own, h = self._own, len(host_values)
-        own[:h] = host_values
-        if slots:
-            own[h : h + slots] = self._column[offset : offset + slots]
-        self._work = self._all_reduce()
-
-    def ready(self) -> bool:
-        return self._work.is_completed()
-
-    def finish(self) -> np.ndarray:
-        """The reduced rows (valid until the next start)."""
-        self._work.wait()
-        self._work = None
-        return self.rows
-
-
-class _DeviceExchange:
-    """NCCL: the rows live on the session's GPU; a side stream, ordered after the step's stream by
-    an event, zeroes them, copies this rank's totals from pinned memory and its fingerprints from
-    the TAIL canary (the step's stream then waits for that copy only), runs the all-reduce (``work.wait()`` there makes the side stream, not the host,
-    wait for NCCL's), copies the result to pinned memory and records an event."""
-
-    def __init__(self, torch, dist, group, rank: int, rows: int, width: int, column, device: int, launch_stream):
-        self._torch, self._rank = torch, rank
-        self._device = torch.device("cuda", device)
-        self.buffer = torch.zeros((rows, width), dtype=torch.int64, device=self._device)
-        self._all_reduce = all_reduce_fn(dist, group, self.buffer)
-        self._host_in = None
-        self._host_out = torch.zeros((rows, width), dtype=torch.int64, pin_memory=True)
-        self.rows = self._host_out.numpy()
-        self._column = column  # torch view of the TAIL canary's real_kv_hash column, or None
-        self._side = torch.cuda.Stream(device=self._device)
-        self._done = torch.cuda.Event()
-        self._snapshot = torch.cuda.Event()
-        self._launch_stream = launch_stream
-        self._external = {}  # CuPy stream pointer -> torch.cuda.ExternalStream
-
-    def _step_stream(self):
-        ptr = self._launch_stream().ptr
-        if ptr == 0:  # CuPy's null stream is the legacy default stream, torch's default stream
-            return self._torch.cuda.default_stream(self._device)
-        stream = self._external.get(ptr)
-        if stream is None:
-            stream = self._external[ptr] = self._torch.cuda.ExternalStream(ptr, device=self._device)
-        return stream
-
-    def start(self, host_values: np.ndarray, offset: int, slots: int) -> None:
-        torch = self._torch
-        if self._host_in is None:
-            self._host_in = torch.zeros(len(host_values), dtype=torch.int64, pin_memory=True)
-            self._host_in_np = self._host_in.numpy()
-        self._host_in_np[:] = host_values  # its previous copy has completed: finish() came first
-        h = len(host_values)
-        step_stream = self._step_stream()
-        self._side.wait_stream(step_stream)
-        with torch.cuda.stream(self._side):
-            self.buffer.zero_()
-            own = self.buffer[self._rank]
-            own[:h].copy_(self._host_in, non_blocking=True)
-            if slots:
-                own[h : h + slots].copy_(self._column[offset : offset + slots])
-                # the next step's TAIL write waits for the snapshot (not for the all-reduce), so that
-                # every rank compares the canary as this step left it
-                self._snapshot.record(self._side)
-                step_stream.wait_event(self._snapshot)
-            work = self._all_reduce()  # NCCL's stream waits for the side stream's copies
-            work.wait()
-            self._host_out.copy_(self.buffer, non_blocking=True)
-            self._done.record(self._side)
-
-    def ready(self) -> bool:
-        return self._done.query()
-
-    def finish(self) -> np.ndarray:
-        """The reduced rows (valid until the next start)."""
-        self._done.synchronize()
-        return self.rows
 
 
 class RankReducer:
@@ -322,21 +160,26 @@ class RankReducer:
         self._num_kinds = session.log.num_kinds
         self._window = min(session.num_slots, REPLICATED_WINDOW) if replicated_kv else 0
         self._host_width = len(_VERDICT) + len(TOTALS) + len(_SHAPE) + self._num_kinds + len(_REASONS)
-        self._row = np.zeros(self._host_width, np.int64)
         column = None
         if replicated_kv:
             column = self._canary_column(session.tail_canary)
         rows, width = self.world_size, self._host_width + self._window
         if on_gpu:
-            self._exchange = _DeviceExchange(torch, dist, process_group, self.rank, rows, width, column,
-                                             session._placement.device, session._transport.launch_stream)
+            self._exchange = DeviceExchange(torch, dist, process_group, self.rank, rows, width, self._host_width,
+                                             column, session._placement.device, session._transport.launch_stream)
         else:
-            self._exchange = _HostExchange(torch, dist, process_group, self.rank, rows, width, column)
+            self._exchange = HostExchange(torch, dist, process_group, self.rank, rows, width, self._host_width, column)
+        # the thread holds the worker, never this reducer: dropping the session stops it (and so does exit)
+        self._worker = ReductionWorker(f"kvcanary-reduce-rank{self.rank}", _group_timeout(torch, dist, process_group,
+                                       on_gpu) + WAIT_MARGIN_S, setup=self._exchange.setup_thread if on_gpu else None)
+        self._finalizer = weakref.finalize(self, self._worker.close)
         self._check_agreement(_agreed_values(session, self))
+        self._stat_columns = _stat_columns()
+        # the kernels' out-of-range counters in a handled record's header (as session._out_of_range_skipped reads them)
+        self._kernel_out_of_range = slice(session._layout.counters + 3 * self._num_kinds, session._layout.ring)
         self._table_shape = (0, 0)
-        self._in_flight = None  # the _Contribution of the reduction in flight
         self._offset = 0
-        self._seen_mismatches = set()
+        self._seen_mismatches = {}  # (slot, rank, value, reference) reported, oldest first
         self._totals_rows = [[0] * self._host_width for _ in range(self.world_size)]  # as last reduced
         self.stats = dict(reductions=0, reduce_waits=0, replicated_slots_compared=0, replica_mismatches=0)
 
@@ -354,6 +197,15 @@ class RankReducer:
     def check(self, session) -> None:
         """``check()`` on every rank: read the reduction in flight, reduce everything handled now, wait, apply."""
         self._reduce(session, wait=True)
+
+    def close(self) -> None:
+        """Stop the worker thread (after the reduction it runs, if any); later reductions are refused."""
+        self._finalizer()
+
+    @property
+    def worker_thread(self):
+        """The worker thread (None before the first reduction)."""
+        return self._worker.thread
 
     def gather_report(self, report: ViolationReport, dst: int):
         """Every rank's ``report`` merged on rank ``dst`` (None on the others); a blocking collective."""
@@ -405,6 +257,8 @@ class RankReducer:
     def _gather_rows(self, values: np.ndarray) -> np.ndarray:
         """Every rank's ``values`` (int64, the same length on every rank), blocking."""
         torch = self._torch
+        if self._worker.pending():  # one thread issues collectives at a time: every rank in the same order
+            self._worker.wait()
         rows = torch.zeros((self.world_size, len(values)), dtype=torch.int64)
         rows[self.rank] = torch.from_numpy(np.ascontiguousarray(values, np.int64))
         if self._on_gpu:
@@ -423,20 +277,34 @@ class RankReducer:
                                  + ", ".join(f"rank {r} has {int(column[r])}" for r in odd)
                                  + "; build every rank's session with the same sizes")
 
-    def _host_values(self, session, new: int, problems: int) -> np.ndarray:
-        """This rank's row: the verdict, then ``session.stats``'s numbers read from the session's
-        bookkeeping directly (``stats`` builds dicts and arrays: on the cold cache a step leaves,
-        most of a reduction's host time; the clean multi-rank test checks the two agree)."""
-        st, k = session._stats, self._num_kinds
-        by_tag = session._latest[STAGE_HEADER_FIELDS : STAGE_HEADER_FIELDS + k]  # exact violations per kind
+    def _snapshot(self, session, new: int, problems: int) -> tuple:
+        """On the step's thread: what this rank's row needs of the session, as of now, with as
+        little work as possible (the row itself is built on the worker by :meth:`_fill_row`).
+        ``session._latest`` is replaced, never changed, when a record is handled: a reference is
+        a snapshot; the two dicts are copied."""
+        return (new, problems, session._stats.copy(), session._latest,
+                sum(r.origin == "step" for r in session._pending), len(session._distinct),
+                session._plan_out_of_range["step"] + session._plan_out_of_range["sweep"],
+                session._rows_by_reason.copy(), self._table_shape)
+
+    def _fill_row(self, snapshot: tuple) -> None:
+        """On the worker: this rank's row into the exchange's staging: the verdict, then
+        ``session.stats``'s numbers (read from the session's bookkeeping directly: ``stats``
+        builds dicts and arrays; the clean multi-rank test checks the two agree), the table
+        shape, the exact violations per kind and the rows read per reason."""
+        new, problems, st, latest, pending_steps, distinct, plan_out_of_range, by_reason, shape = snapshot
+        by_tag = latest[STAGE_HEADER_FIELDS : STAGE_HEADER_FIELDS + self._num_kinds]  # exact violations per kind
         violations = sum(by_tag)
-        derived = {"handled_steps": st["steps"] - sum(r.kind == "step" for r in session._pending),
-                   "violations": violations, "dropped_rows": violations - st["rows_read"],
-                   "distinct_violations": len(session._distinct), "out_of_range_skipped": session._out_of_range_skipped()}
-        by_reason = session._rows_by_reason
-        self._row[:] = ([new, problems] + [derived[key] if key in derived else st[key] for key in TOTALS]
-                        + list(self._table_shape) + by_tag + [by_reason[name] for name in _REASONS])
-        return self._row
+        out_of_range = sum(latest[self._kernel_out_of_range]) + plan_out_of_range  # session._out_of_range_skipped()
+        derived = (st["steps"] - pending_steps, violations, violations - st["rows_read"], distinct, out_of_range)
+        self._exchange.staging[: self._host_width] = (
+            [new, problems] + [derived[key] if key.__class__ is int else st[key] for key in self._stat_columns]
+            + list(shape) + by_tag + [by_reason[name] for name in _REASONS])
+
+    def _job(self, snapshot: tuple, c: "_Contribution"):
+        """The worker's part of one reduction: the row, the collective, the decode."""
+        self._fill_row(snapshot)
+        return self._decode(self._exchange.run(c.slots), c)
 
     def _reduce(self, session, *, wait: bool) -> None:
         verdict = self._collect()
@@ -449,36 +317,41 @@ class RankReducer:
                              verdict.contribution.undelivered, verdict)
 
     def _issue(self, session) -> None:
+        """On the step's thread: this rank's row and window, then the collective on the worker."""
+        if self._worker.closed:
+            fail(CanaryUsageError, "the session was closed (session.close()): its process_group reductions are stopped")
         new, problems, undelivered = session._take_new()
         offset, slots = self._offset, 0
         if self._window:
             slots = min(self._window, session.num_slots - offset)
             self._offset = 0 if offset + slots >= session.num_slots else offset + slots
-        self._exchange.start(self._host_values(session, len(new), len(problems)), offset, slots)
-        self._in_flight = _Contribution(new, problems, undelivered, session._stats["steps"] - 1, offset, slots)
+        snapshot = self._snapshot(session, len(new), len(problems))
+        self._exchange.prepare(offset, slots)
+        c = _Contribution(new, problems, undelivered, session._stats["steps"] - 1, offset, slots)
+        self._worker.submit(partial(self._job, snapshot, c), f"the canary's reduction issued at step {c.step}")
         self.stats["reductions"] += 1
 
     def _collect(self):
-        """The verdict of the reduction in flight (waiting for it if it has not landed), or None."""
-        contribution = self._in_flight
-        if contribution is None:
+        """The verdict of the reduction in flight (waiting, bounded, if the worker has not finished it), or None."""
+        if not self._worker.pending():
             return None
-        if not self._exchange.ready():
+        if not self._worker.ready():
             self.stats["reduce_waits"] += 1
-        rows = self._exchange.finish()
-        self._in_flight = None
-        return self._decode(rows, contribution)
+        verdict, self._totals_rows = self._worker.result()
+        return verdict
 
-    def _decode(self, rows: np.ndarray, c: _Contribution) -> Verdict:
+    def _decode(self, rows: np.ndarray, c: _Contribution):
+        """On the worker: the reduced rows as a Verdict, and the rows' host part (for ``per_rank``)."""
         h = self._host_width
         shape_at = len(_VERDICT) + len(TOTALS)
-        host = self._totals_rows = rows[:, :h].tolist()  # per_rank decodes them when asked
+        host = rows[:, :h].tolist()
         shapes = [tuple(row[shape_at : shape_at + len(_SHAPE)]) for row in host]
         if shapes.count(shapes[0]) != len(shapes):
             self._check_table_shapes(shapes)
         mismatches = self._mismatches(rows[:, h : h + c.slots], c) if c.slots else ()
-        return Verdict(c, self.rank, {r: row[0] for r, row in enumerate(host) if row[0]},
-                       {r: row[1] for r, row in enumerate(host) if row[1]}, mismatches, self.world_size, self.device)
+        verdict = Verdict(c, self.rank, {r: row[0] for r, row in enumerate(host) if row[0]},
+                          {r: row[1] for r, row in enumerate(host) if row[1]}, mismatches, self.world_size, self.device)
+        return verdict, host
 
     def _check_table_shapes(self, shapes: list) -> None:
         known = [r for r, shape in enumerate(shapes) if any(shape)]  # (0, 0): no 2-D table seen yet
@@ -492,7 +365,7 @@ class RankReducer:
     def _mismatches(self, hashes: np.ndarray, c: _Contribution) -> tuple:
         """The new mismatches of one window: per slot whose ranks differ, each rank holding another
         value than the most common one (ties: the lowest rank's), named with the lowest rank holding it."""
-        self.stats["replicated_slots_compared"] += c.slots
+        self.stats["replicated_slots_compared"] += c.slots  # the worker thread: these two keys have no other writer
         found = []
         for j in np.flatnonzero((hashes != hashes[0]).any(axis=0)).tolist():
             column = hashes[:, j].tolist()
@@ -504,11 +377,30 @@ class RankReducer:
             for r, value in enumerate(column):
                 key = (c.offset + j, r, value, reference)
                 if value != reference and key not in self._seen_mismatches:
-                    self._seen_mismatches.add(key)
+                    if len(self._seen_mismatches) >= MAX_SEEN_MISMATCHES:  # forget the oldest (reported again if seen)
+                        del self._seen_mismatches[next(iter(self._seen_mismatches))]
+                    self._seen_mismatches[key] = None
                     found.append(ReplicaMismatch(c.offset + j, r, ref_rank, to_unsigned(value), to_unsigned(reference),
                                                  c.step))
         self.stats["replica_mismatches"] += len(found)
         return tuple(found)
+
+
+_DERIVED = ("handled_steps", "violations", "dropped_rows", "distinct_violations", "out_of_range_skipped")
+
+
+def _stat_columns() -> tuple:
+    """:data:`TOTALS` in order, each a ``session._stats`` key or the index of a derived value (``_DERIVED``)."""
+    return tuple(_DERIVED.index(key) if key in _DERIVED else key for key in TOTALS)
+
+
+def _group_timeout(torch, dist, group, on_gpu: bool) -> float:
+    """The group's collective timeout in seconds (its backend's options), else torch's default."""
+    try:
+        backend = group._get_backend(torch.device("cuda" if on_gpu else "cpu"))
+        return backend.options._timeout.total_seconds()
+    except Exception:  # a torch without these internals
+        return dist.default_pg_timeout.total_seconds()
 
 
 def _is_default_group(dist, group) -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 from .errors import fail
 # CuPy's import and the capture check of a copy live with the streams; examples and engines ask
 # interop for cuda_unavailable_reason, so it stays importable from here.
-from .runtime import GPU_EXTRAS_HINT, cuda_unavailable_reason, import_cupy, refuse_view_copy_during_capture  # noqa: F401
+from .runtime import cuda_unavailable_reason, import_cupy, refuse_view_copy_during_capture  # noqa: F401
 
 #: What a type hint names for an array argument: a NumPy or CuPy array or a PyTorch tensor.
 Array = Any

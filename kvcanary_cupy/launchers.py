@@ -39,7 +39,8 @@ from .runtime import SideStream, launch_stream
 from .validation import bool_keyword
 
 if TYPE_CHECKING:
-    from .plans import VerifyPlan, ViolationLog, WritePlan
+    from .log import ViolationLog
+    from .plans import VerifyPlan, WritePlan
 
 
 class _BoundWrite(BoundState):
@@ -135,14 +136,14 @@ class WriteLauncher:
                     return
                 b.args = args
             else:
-                cb = b.cb
-                launch = cb.write_launch(args)
+                gpu = b.gpu
+                launch = gpu.write_launch(args)
                 b.pack(launch.params)
                 b.set_tokens = b.setter("inputs.input_ids", "inputs.positions", "inputs.out_cache_loc", "inputs.num_tokens")
                 b.set_expected = b.optional_setter("inputs.expected_tokens", "inputs.expected_positions")
                 b.grid, b.block = (launch.config.grid,), (launch.config.block,)
-                real_kv = cb.has_real_kv(args.targets, args.real_kv_hash_mode)
-                b.kernels = {checked: b.function("write", cb.write_kernel(len(args.targets), checked, real_kv))
+                real_kv = gpu.has_real_kv(args.targets, args.real_kv_hash_mode)
+                b.kernels = {checked: b.function("write", gpu.write_kernel(len(args.targets), checked, real_kv))
                              for checked in (False, True)}
         self._bound = b
 
@@ -249,7 +250,7 @@ class VerifyLauncher:
             if b.numpy:
                 b.args = args
             else:
-                launch = b.cb.verify_launch(args)
+                launch = b.gpu.verify_launch(args)
                 b.pack(launch.params)
                 b.grid, b.block = (launch.config.grid,), (launch.config.block,)
                 b.kernel = b.function("verify", launch.name)
@@ -272,3 +273,17 @@ class VerifyLauncher:
             if trimmed is None:
                 raise
             raise trimmed  # the same exception, its traceback ending here
+
+
+class WriteWaves:
+    """Write launchers called in order as one (a session's waves of writes within a step), joined as one."""
+
+    def __init__(self, launchers):
+        self.launchers = launchers
+
+    def __call__(self, *args) -> None:
+        for launcher in self.launchers:
+            launcher(*args)
+
+    def join(self) -> None:
+        self.launchers[-1].join()  # one side stream: the last wave's join covers the others

@@ -126,7 +126,7 @@ class PlanLauncher:
         if b.numpy:
             b.args = args
         else:
-            b.pack(b.cb.plan_params(args))
+            b.pack(b.gpu.plan_params(args))
             b.set_inputs = b.setter(*(f"inputs.{k}" for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens", "bs", "table",
                                                        "table_rows")), "outputs.clear_whole_capacity")
             # what only some tables (kv_indptr, virtual_to_physical) and expected tokens use
@@ -146,17 +146,17 @@ class PlanLauncher:
         with import_cupy().cuda.Device(b.device):  # grids are sized from the bound device's SM count
             kernels = b.kernels[key] = tuple(
                 (b.function(family, name), (config.grid,), (config.block,), config.shared_mem)
-                for family, name, config in b.cb.plan_kernels(layout, bs, b.verify_capacity, b.has_lut, has_pool))
+                for family, name, config in b.gpu.plan_kernels(layout, bs, b.verify_capacity, b.has_lut, has_pool))
         return kernels
 
     @staticmethod
     def _write_table_shape(b, kind, shape: tuple) -> None:
         """Writes the table fields of ``shape`` and keeps the part of the layout choice that they decide."""
-        for name, value in b.cb.table_fields(*shape):
+        for name, value in b.gpu.table_fields(*shape):
             view, index = b.param_slots(f"inputs.{name}")
             view[index] = value
         page_size, null_block, _, _, entries_int64, kv_indptr_int64, _ = shape
-        b.narrow_row_tokens, b.narrow_layout = b.cb.narrow_layout(kind, page_size, null_block, entries_int64, kv_indptr_int64)
+        b.narrow_row_tokens, b.narrow_layout = b.gpu.narrow_layout(kind, page_size, null_block, entries_int64, kv_indptr_int64)
         b.table_shape, b.table_kind = shape, kind
 
     def __call__(self, req_pool_indices, prefix_lens, extend_seq_lens, table,

@@ -121,14 +121,25 @@ class CanaryCapacities:
     @public_api
     def from_block_pool(cls, *, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int | None = None,
                         warn_bytes: int | None = None) -> "CanaryCapacities":
-        """Capacities from a paged engine's block pool (vLLM: ``num_gpu_blocks``, ``block_size``,
-        ``max_num_seqs``, ``max_model_len``), warning when the canary would be large.
+        """Capacities from a paged engine's block pool (``num_blocks``: vLLM's ``num_gpu_blocks``;
+        ``block_size``, ``max_num_seqs``, ``max_model_len``), warning when the canary would be large.
 
         The pool has ``num_blocks * block_size`` slots (:meth:`canary_slots`); ``verify_capacity``
         is :meth:`from_engine`'s ``3 x`` the pool, bounded by ``max_num_seqs * max_model_len``
         when given (no batch can read more: each request's prefix is shorter than the model's
         length).  A :class:`CanaryCapacityWarning` names the bytes when a session's buffers
         (:meth:`session_bytes`) would exceed ``warn_bytes`` (default :data:`LARGE_CANARY_BYTES`).
+
+        Parameters
+        ----------
+        num_blocks, block_size : int
+            The pool's blocks (vLLM's ``num_gpu_blocks``) and slots per block.
+        max_num_seqs : int
+            The engine's batch limit (``write_req_capacity``).
+        max_model_len : int, optional
+            The longest sequence the engine serves.
+        warn_bytes : int, optional
+            The size past which a warning names the bytes.
 
         Examples
         --------
@@ -154,7 +165,15 @@ class CanaryCapacities:
     def session_bytes(num_slots: int, capacities: "CanaryCapacities") -> int:
         """Bytes a :class:`CanarySession` with ``same_step_reads`` allocates for ``num_slots`` slots
         (HEAD and TAIL buffers of 32 bytes a slot, 8 bytes of same-step marks, 32 bytes a verify
-        entry, ~40 bytes a request)."""
+        entry, ~40 bytes a request).
+
+        Parameters
+        ----------
+        num_slots : int
+            The canary's slots.
+        capacities : CanaryCapacities
+            The session's capacities.
+        """
         return num_slots * (2 * 32 + 8) + capacities.verify_capacity * 32 + capacities.write_req_capacity * 40
 
 

@@ -1,4 +1,4 @@
-"""The buffers a canary step reads and writes: plans, violation log, real-KV sources, canary buffer.
+"""The buffers a canary step reads and writes: plans, real-KV sources, canary buffer.
 
 Every class here is a frozen record of arrays of one framework (NumPy, CuPy or PyTorch).  Each
 has an ``allocate`` that creates it once, at fixed addresses, in the framework and on the device
@@ -7,38 +7,21 @@ of ``like`` (NumPy when ``like`` is None), so a whole canary step can be capture
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from .constants import (
-    CANARY_FIELDS_PER_SLOT,
-    DEFAULT_RING_CAPACITY,
-    MAX_REAL_KV_SOURCES,
-    NUM_LAUNCH_TAGS,
-    VIOLATION_FIELDS,
-)
-from .errors import fail, public_api
+from .constants import CANARY_FIELDS_PER_SLOT
+from .errors import public_api
 from .interop import Array, allocate, placement_of, to_numpy
-from .runtime import is_capturing, refuse_during_capture
-from .validation import INT32_MAX, _is_int, check_count, check_int, require
-
-if TYPE_CHECKING:
-    from .reporting import ViolationReport
-
-
-def _refuse_allocation_during_capture(like, owner: str) -> None:
-    if like is not None:
-        refuse_during_capture(placement_of(like, "like"), f"{owner} allocates new arrays",
-                              f"call {owner} before capturing and reuse what it returns")
+from .runtime import is_capturing
+from .validation import check_count
+from .log import ViolationLog  # noqa: F401  (it lived here before log.py)
+from .records import ArrayRecord, refuse_allocation_during_capture
+from .sources import RealKvSource, check_num_sources  # noqa: F401  (they lived here before sources.py)
 
 
-class _ArrayRecord:
-    """Shared helpers of the frozen array records below."""
-
-    def arrays(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class PlanField(NamedTuple):
@@ -90,7 +73,7 @@ def _plan_record(spec: tuple, capacity_field: str, capacity_name: str):
     return wrap
 
 
-class _PlanRecord(_ArrayRecord):
+class _PlanRecord(ArrayRecord):
     FIELDS: tuple
     CAPACITY_FIELD: str
     CAPACITY_NAME: str
@@ -119,7 +102,7 @@ class _PlanRecord(_ArrayRecord):
     @classmethod
     def _allocate(cls, capacity: int, like):
         cap = check_count(capacity, f"{cls.__name__} {cls.CAPACITY_NAME}")
-        _refuse_allocation_during_capture(like, f"{cls.__name__}.allocate")
+        refuse_allocation_during_capture(like, f"{cls.__name__}.allocate")
         record = cls(**{f.name: allocate((f.length(cap),), f.dtype, like=like, fill=f.fill) for f in cls.FIELDS})
         mark_clean(record)
         return record
@@ -273,218 +256,6 @@ class WritePlan(_PlanRecord):
         return int(to_numpy(self.verify_offsets[bs : bs + 1])[0])
 
 
-@dataclass(frozen=True)
-class ViolationLog(_ArrayRecord):
-    """The device-side violation ring and the per-launch-kind counters (docs/format.md section 5).
-
-    Build one with :meth:`allocate`; :func:`write` and :func:`verify` append to it and
-    :meth:`read` decodes it on the host.
-
-    Attributes
-    ----------
-    ring : int64 array [ring_capacity, 8]
-        Fill-once: row k holds the violation that drew ticket k (the columns are
-        :class:`Violation`'s first eight fields).
-    write_index : int32 array [1]
-        Tickets drawn, only while the ring has room: it ends at ``min(violations since the last
-        reset, capacity)`` and never wraps or goes negative.
-    violation_counters : int64 array [num_kinds]
-        Every violation per ``kernel_kind``, exactly, the ones the full ring dropped included.
-    slot_run_counters : int64 array [num_kinds]
-        Entries each launch scanned or tokens it wrote.
-    kernel_run_counters : int64 array [num_kinds]
-        +1 per launch.
-    out_of_range_counters : int64 array [num_kinds]
-        Out-of-range items each launch skipped.
-    """
-
-    ring: Any  # [capacity, 8] int64
-    write_index: Any  # [1] int32, tickets drawn (at most capacity)
-    violation_counters: Any  # [num_kinds] int64, every violation
-    slot_run_counters: Any  # [num_kinds] int64
-    kernel_run_counters: Any  # [num_kinds] int64
-    out_of_range_counters: Any  # [num_kinds] int64
-
-    @property
-    def capacity(self) -> int:
-        return int(self.ring.shape[0])
-
-    def __repr__(self) -> str:
-        try:
-            where = placement_of(self.ring, "ring").describe()
-            return f"<ViolationLog ring_capacity={self.capacity} num_kinds={self.num_kinds} on {where}>"
-        except (TypeError, ValueError, AttributeError, IndexError):
-            return "<ViolationLog (not a record of arrays)>"
-
-    @property
-    def num_kinds(self) -> int:
-        return int(self.kernel_run_counters.shape[0])
-
-    @classmethod
-    @public_api
-    def allocate(cls, ring_capacity: int = DEFAULT_RING_CAPACITY, num_kinds: int = NUM_LAUNCH_TAGS, *,
-                 like: Array | None = None) -> "ViolationLog":
-        """A zeroed log.
-
-        Parameters
-        ----------
-        ring_capacity : int
-            Ring rows, ``>= 1``: the violations kept between resets (later ones are counted only).
-        num_kinds : int
-            Counter entries, ``>= 1``: one per launch kind (``NUM_LAUNCH_TAGS`` = 12 tags).
-        like : array, optional
-            Allocate in this array's framework and on its device; None: NumPy.
-
-        Returns
-        -------
-        ViolationLog
-
-        Raises
-        ------
-        ValueError
-            ``ring_capacity`` or ``num_kinds`` below 1, or ``like`` on a capturing stream.
-
-        Examples
-        --------
-        >>> kc.ViolationLog.allocate(16)
-        <ViolationLog ring_capacity=16 num_kinds=12 on numpy>
-        """
-        ring_capacity = check_count(ring_capacity, "ViolationLog ring_capacity", positive=True)
-        num_kinds = check_count(num_kinds, "ViolationLog num_kinds", positive=True)
-        _refuse_allocation_during_capture(like, "ViolationLog.allocate")
-        return cls(
-            ring=allocate((ring_capacity, VIOLATION_FIELDS), np.int64, like=like, fill=0),
-            write_index=allocate((1,), np.int32, like=like, fill=0),
-            violation_counters=allocate((num_kinds,), np.int64, like=like, fill=0),
-            slot_run_counters=allocate((num_kinds,), np.int64, like=like, fill=0),
-            kernel_run_counters=allocate((num_kinds,), np.int64, like=like, fill=0),
-            out_of_range_counters=allocate((num_kinds,), np.int64, like=like, fill=0),
-        )
-
-    def reset(self) -> None:
-        """Zero the ring, the write index and every counter (in place, addresses unchanged).
-
-        Runs on the arrays' framework and device (queued on the current stream for device arrays).
-        """
-        for arr in self.arrays().values():
-            arr[...] = 0
-
-    def read(self) -> "ViolationReport":
-        """Copy the log to the host and decode it (a host sync; not capture-safe).
-
-        Returns
-        -------
-        ViolationReport
-            One :class:`Violation` per ring row taken, in ring order, and the exact counters.
-
-        Examples
-        --------
-        >>> kc.ViolationLog.allocate(16).read().total_violations
-        0
-        """
-        from .reporting import ViolationReport
-
-        return ViolationReport.from_log(self)
-
-
-@dataclass(frozen=True)
-class RealKvSource:
-    """A view of one live KV pool whose bytes are fingerprinted into ``real_kv_hash``.
-
-    For canary slot ``s`` the bytes ``[(s % page_size) * num_bytes_per_token, ... + read_bytes)``
-    of row ``s // page_size`` of ``tensor`` (viewed as bytes, one row per dim-0 index) are read
-    (16 of them under ``RealKvHashMode.PARTIAL``) and folded as :func:`real_kv_fold` does.
-
-    Parameters
-    ----------
-    tensor : array, at least 2-D
-        The KV pool, kept as given, never copied; any dtype (bfloat16 and fp8 pools too).  Its
-        row stride must be a multiple of 16 bytes and a row must hold ``page_size *
-        num_bytes_per_token`` bytes; its rows must cover every canary slot (``rows * page_size
-        >= num_slots``, checked at call time).
-    page_size : int
-        Slots per row, ``>= 1``.
-    num_bytes_per_token : int
-        Bytes of one slot within a row, a positive multiple of 16.
-    read_bytes : int
-        Bytes read per slot under ``ALL``: a positive multiple of 16, at most
-        ``num_bytes_per_token``.
-    slot_offset : int
-        ``>= 0``: canary slot ``s`` fingerprints pool slot ``s - slot_offset`` (above, read as
-        ``s``), so an engine whose slot 0 is a real slot can keep the canary's padding slot 0
-        apart: give the canary ``slot_offset`` more slots and add it to the slots its tables
-        and ``out_cache_loc`` name.  Canary slots below it have no KV bytes in this source (its
-        strip folds as zero).  The rows must then cover ``num_slots - slot_offset`` slots.
-
-    Raises
-    ------
-    ValueError
-        Any of the rules above broken; the message names the field.
-
-    Examples
-    --------
-    >>> k_pool = np.zeros((64, 8, 128), np.float16)  # [slots, heads, head_dim]: 2048 bytes a slot
-    >>> src = kc.RealKvSource(k_pool, page_size=1, num_bytes_per_token=2048, read_bytes=256)
-    >>> src.num_rows
-    64
-    """
-
-    tensor: Any
-    page_size: int
-    num_bytes_per_token: int
-    read_bytes: int
-    slot_offset: int = 0
-
-    @public_api
-    def __post_init__(self):
-        require(self.tensor, "RealKvSource.tensor")
-        p, n, r = self.page_size, self.num_bytes_per_token, self.read_bytes
-        if not _is_int(self.slot_offset) or not 0 <= self.slot_offset < 2**62:
-            fail(ValueError, f"RealKvSource.slot_offset must be an int in [0, 2**62), got {self.slot_offset!r}")
-        if not _is_int(p) or p < 1:
-            fail(ValueError, f"RealKvSource.page_size must be >= 1, got {p}")
-        if not _is_int(n) or n <= 0 or n % 16:
-            fail(ValueError, f"RealKvSource.num_bytes_per_token must be a positive multiple of 16, got {n}")
-        for name, value in (("page_size", p), ("num_bytes_per_token", n)):
-            if value > INT32_MAX:
-                fail(ValueError, f"RealKvSource.{name} must be at most {INT32_MAX} (the kernels take it as int32), got {value}")
-        if not _is_int(r) or r <= 0 or r % 16 or r > n:
-            fail(ValueError, f"RealKvSource.read_bytes must be a positive multiple of 16 in (0, num_bytes_per_token={n}], got {r}")
-        shape = tuple(self.tensor.shape)
-        if len(shape) < 2:
-            fail(ValueError, f"RealKvSource.tensor must be at least 2-D, got shape {shape}")
-        itemsize = _itemsize(self.tensor)
-        row_stride = _strides(self.tensor)[0] * itemsize
-        if row_stride % 16:
-            fail(
-                ValueError,
-                f"RealKvSource.tensor row stride must be a multiple of 16 bytes, got {row_stride} bytes "
-                f"(shape={shape}, strides={_strides(self.tensor)}, dtype={self.tensor.dtype})",
-            )
-        row_bytes = int(np.prod(shape[1:])) * itemsize
-        if row_bytes < p * n:
-            fail(
-                ValueError,
-                f"RealKvSource row is too narrow for its slot layout: dim-1 is {row_bytes} bytes but "
-                f"page_size={p} x num_bytes_per_token={n} needs {p * n}",
-            )
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.tensor.shape[0])
-
-
-def _itemsize(t) -> int:
-    return t.element_size() if hasattr(t, "element_size") else t.dtype.itemsize
-
-
-def _strides(t) -> tuple:
-    """Strides in elements, for NumPy/CuPy arrays (bytes natively) and torch tensors."""
-    if hasattr(t, "element_size"):
-        return tuple(t.stride())
-    return tuple(s // t.dtype.itemsize for s in t.strides)
-
-
 @public_api
 def allocate_canary_buffer(num_slots: int, *, like: Array | None = None) -> Array:
     """A zeroed canonical canary buffer ``int64 [num_slots, 4]`` (slot 0 is the padding slot).
@@ -514,15 +285,5 @@ def allocate_canary_buffer(num_slots: int, *, like: Array | None = None) -> Arra
     (4, 4)
     """
     num_slots = check_count(num_slots, "num_slots", maximum=2**62)
-    _refuse_allocation_during_capture(like, "allocate_canary_buffer")
+    refuse_allocation_during_capture(like, "allocate_canary_buffer")
     return allocate((num_slots, CANARY_FIELDS_PER_SLOT), np.int64, like=like, fill=0)
-
-
-def check_num_sources(sources) -> tuple:
-    sources = tuple(sources)
-    if len(sources) > MAX_REAL_KV_SOURCES:
-        fail(ValueError, f"real_kv_sources must hold at most {MAX_REAL_KV_SOURCES} RealKvSource entries (the CUDA ABI's limit), got {len(sources)}")
-    for i, s in enumerate(sources):
-        if not isinstance(s, RealKvSource):
-            fail(TypeError, f"real_kv_sources[{i}] must be a RealKvSource, got {type(s).__name__}")
-    return sources

@@ -71,7 +71,19 @@ class SameStepReads:
     @public_api
     def allocate(cls, num_slots: int, write_req_capacity: int, *, waves: int = SAME_STEP_WAVES,
                  like: Array | None = None) -> "SameStepReads":
-        """Zeroed buffers for a pool of ``num_slots`` slots and batches of ``write_req_capacity``."""
+        """Zeroed buffers for a pool of ``num_slots`` slots and batches of ``write_req_capacity``.
+
+        Parameters
+        ----------
+        num_slots : int
+            The canary's slots (``written_at`` holds one mark each).
+        write_req_capacity : int
+            The step's WritePlan capacity.
+        waves : int
+            Write launches a step takes (:data:`SAME_STEP_WAVES`).
+        like : array, optional
+            Allocate in this array's framework and on its device; None: NumPy.
+        """
         num_slots = check_count(num_slots, "num_slots", positive=True, maximum=2**62)
         cap = check_count(write_req_capacity, "write_req_capacity")
         waves = check_count(waves, "waves", positive=True, maximum=64)
@@ -84,7 +96,13 @@ class SameStepReads:
         return int(self.wave_seeds.shape[0])
 
     def wave_plans(self, write_plan: WritePlan) -> tuple[WritePlan, ...]:
-        """One WritePlan per wave: ``write_plan``'s offsets and batch size, the wave's seeds."""
+        """One WritePlan per wave: ``write_plan``'s offsets and batch size, the wave's seeds.
+
+        Parameters
+        ----------
+        write_plan : WritePlan
+            The step's plan, whose arrays the wave plans share.
+        """
         return tuple(WritePlan(write_offsets=write_plan.write_offsets, write_seed_slot_indices=self.wave_seeds[k],
                                write_num_valid_reqs=write_plan.write_num_valid_reqs,
                                verify_offsets=write_plan.verify_offsets) for k in range(self.waves))
@@ -116,6 +134,22 @@ def resolve_same_step_reads(reads: SameStepReads, verify_plan: VerifyPlan, write
     ------
     TypeError, ValueError
         A bad argument; the message names it.
+
+    Examples
+    --------
+    Request 0 writes positions 0-3 into block 1; request 1, in the same step, reads them as its
+    prefix and writes position 4 into block 2:
+
+    >>> table = kc.BlockTable(np.array([[1, 0], [1, 2]], np.int32), 4)
+    >>> vp, wp = kc.plan(np.arange(2), np.array([0, 4]), np.array([4, 1]), table, verify_capacity=8)
+    >>> reads = kc.SameStepReads.allocate(12, 2)
+    >>> kc.resolve_same_step_reads(reads, vp, wp, np.arange(5), np.arange(5), np.arange(4, 9))
+    >>> vp.verify_slot_indices[:4].tolist(), reads.counts()["verified_as_written"]
+    ([0, 0, 0, 0], 4)
+    >>> (reads.wave_seeds == kc.SEED_DEFERRED).tolist()  # request 1 continues from slot 7, written in wave 0
+    [[False, True], [True, False], [True, True]]
+    >>> reads.wave_seeds[1].tolist()[1]
+    7
     """
     if not isinstance(reads, SameStepReads):
         fail(TypeError, f"reads must be a SameStepReads, got {type(reads).__name__}")

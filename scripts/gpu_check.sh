@@ -87,12 +87,15 @@ grep -q "exit [^0]" "$OUT"/stage-*.txt 2>/dev/null && status=1
 if [ "$what" = all ] || [ "$what" = tests ]; then
   stage quickstart 60 python3 examples/quickstart.py --gpu
   stage sim-cuda 120 python3 -m kvcanary_cupy sim --device cuda --steps 400 --quiet --json "$OUT/sim-cuda.json" --plot "$OUT/sim-cuda.png"
+  stage sim-cuda-transfer 120 python3 -m kvcanary_cupy sim --device cuda --steps 200 --faults transfer --transfer-digest full \
+    --quiet --json "$OUT/sim-cuda-transfer.json" --plot ""
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   stage bench "${BENCH_S:-240}" python3 -m kvcanary_cupy bench --out "$OUT/bench.txt" --json "$OUT/bench.json"
   stage bench-session 60 python3 benchmarks/bench_session.py --out "$OUT/bench-session.txt"
   stage bench-digest 120 python3 benchmarks/bench_digest.py --out "$OUT/bench-digest.txt"
   ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 1)
-  stage bench-distributed 90 python3 benchmarks/bench_distributed.py --backend nccl --world "$(( ngpu >= 2 ? 2 : 1 ))" --workloads W3,W1
+  # --profile: rank 0's cProfile of the NCCL end_step on the step's thread (top 25 cumulative lines, shown by TAIL=50)
+  TAIL=50 stage bench-distributed 120 python3 benchmarks/bench_distributed.py --backend nccl --world "$(( ngpu >= 2 ? 2 : 1 ))" --workloads W3,W1 --profile
 fi
 exit $status

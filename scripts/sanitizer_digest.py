@@ -1,8 +1,8 @@
 """A digest fuzz subset for compute-sanitizer: random pools of every engine shape, tables with
 out-of-range entries, ranges past the rows, receiver token pools and seams out of range, canary
 buffers smaller than the pool, digested on CuPy and compared with NumPy byte for byte, then
-verify_digest of random records.  CuPy's memory pool is turned off so every array is its own
-cudaMalloc and memcheck sees any access past it.
+verify_digest of random records, then kc.copy_pages with ids past both buffers.  CuPy's memory
+pool is turned off so every array is its own cudaMalloc and memcheck sees any access past it.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_digest.py --cases 12
 """
@@ -59,23 +59,63 @@ def case(seed: int, numpy_ab, cupy_ab) -> int:
     return int(outs[0][1][0])
 
 
+def _verify_log(ab, expected, actual, capacity: int):
+    """verify_digest of two record arrays on ``ab`` into a fresh log: the codes, the ring's rows and the counters."""
+    log = kc.ViolationLog.allocate(capacity, num_kinds=kc.DIGEST_NUM_KINDS, like=ab.like)
+    ex, ac = (kc.DigestBatch(ab.asarray(x), ab.asarray(np.zeros(1, np.int64))) for x in (expected, actual))
+    codes = ab.to_numpy(kc.verify_digest(ex, ac, log=log))
+    taken = int(ab.to_numpy(log.write_index)[0])
+    ring = [tuple(int(x) for x in row) for row in ab.to_numpy(log.ring)[:taken]]
+    counters = [ab.to_numpy(getattr(log, k)).tolist() for k in ("violation_counters", "slot_run_counters", "kernel_run_counters")]
+    return codes, ring, counters
+
+
 def verify_case(seed: int, numpy_ab, cupy_ab) -> None:
+    """Random records, 10% of their words flipped: the same codes and counters on both backends.  A
+    ring that holds every violation holds the same rows (in the GPU's atomic order); a 64-row ring
+    that overflows holds 64 distinct rows of the full set, which ones depending on that order."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(0, 700))
     a = rng.integers(-2**63, 2**63 - 1, (n, 8))
     e = a.copy()
     e[rng.random((n, 8)) < 0.1] ^= 1
     a[:, 0] = e[:, 0] = kc.to_signed(0x4744564B | 1 << 32 | 1 << 48)
-    codes, rings = [], []
+    codes, ring, counters = _verify_log(numpy_ab, e, a, 1024)
+    every = sorted(ring)
+    assert len(every) == counters[0][kc.DigestLaunchTag.TRANSFER] == int(np.count_nonzero(codes)), f"verify seed {seed}"
+    for capacity in (1024, 64):
+        got_codes, got_ring, got_counters = _verify_log(cupy_ab, e, a, capacity)
+        np.testing.assert_array_equal(got_codes, codes, err_msg=f"verify seed {seed}")
+        assert got_counters == counters, f"verify seed {seed}, ring of {capacity}"
+        assert len(got_ring) == min(len(every), capacity), f"verify seed {seed}, ring of {capacity}"
+        if capacity >= len(every):
+            assert sorted(got_ring) == every, f"verify seed {seed}"
+        else:
+            assert len(set(got_ring)) == len(got_ring) and set(got_ring) <= set(every), f"verify seed {seed}, ring of {capacity}"
+
+
+def copy_case(seed: int, numpy_ab, cupy_ab) -> None:
+    """kc.copy_pages with ids past both buffers, between two buffers or within one, through an
+    exactly sized workspace: CuPy writes NumPy's bytes and counts, nothing out of bounds."""
+    rng = np.random.default_rng(seed)
+    ps = int(rng.integers(1, 5))
+    src = rng.integers(-2**40, 2**40, (int(rng.integers(1, 40)), 4))
+    dst = rng.integers(-2**40, 2**40, (int(rng.integers(1, 40)), 4))
+    n = int(rng.integers(0, 12))
+    s_ids, d_ids = rng.integers(-3, 15, n), rng.permutation(np.arange(-3, 15))[:n]  # distinct destinations
+    outs = []
     for ab in (numpy_ab, cupy_ab):
-        log = kc.ViolationLog.allocate(64, num_kinds=kc.DIGEST_NUM_KINDS, like=ab.like)
-        ex, ac = kc.DigestBatch(ab.asarray(e), ab.asarray(np.zeros(1, np.int64))), kc.DigestBatch(ab.asarray(a), ab.asarray(np.zeros(1, np.int64)))
-        codes.append(ab.to_numpy(kc.verify_digest(ex, ac, log=log)))
-        taken = int(ab.to_numpy(log.write_index)[0])
-        rings.append((sorted(tuple(int(x) for x in row) for row in ab.to_numpy(log.ring)[:taken]),
-                      int(ab.to_numpy(log.violation_counters).sum())))
-    np.testing.assert_array_equal(codes[1], codes[0], err_msg=f"verify seed {seed}")
-    assert rings[0] == rings[1], f"verify seed {seed}"
+        for one_buffer in (False, True):
+            count = ab.asarray(np.zeros(1, np.int64))
+            s = ab.asarray((dst if one_buffer else src).copy())
+            d = s if one_buffer else ab.asarray(dst.copy())
+            workspace = ab.asarray(np.zeros(max(1, n * ps * 4), np.int64))
+            kc.copy_pages(s, d, ab.asarray(s_ids), ab.asarray(d_ids), page_size=ps, workspace=workspace,
+                          out_of_range_count=count)
+            outs.append((ab.to_numpy(s), ab.to_numpy(d), ab.to_numpy(count)))
+    for want, got in zip(outs[:2], outs[2:]):
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w, err_msg=f"copy seed {seed}")
 
 
 def main():
@@ -89,6 +129,7 @@ def main():
     for seed in range(args.first, args.first + args.cases):
         skipped += case(seed, numpy_ab, cupy_ab)
         verify_case(seed, numpy_ab, cupy_ab)
+        copy_case(seed, numpy_ab, cupy_ab)
     print(f"digest sanitizer fuzz: {args.cases} cases on CuPy == NumPy, {skipped} out-of-range items skipped and counted")
 
 

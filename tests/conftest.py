@@ -6,12 +6,18 @@ back with ``ab.to_numpy``, so the same body checks every backend against the sam
 
 GPU backends are skipped when no CUDA device is usable, unless ``KVCANARY_EXPECT_GPU=1`` is set
 (as ``scripts/gpu_check.sh`` does on the GPU machine): then an unusable GPU fails the test.
+
+The tests are grouped by area (``ops/``, ``bound/``, ``session/``, ``cuda/``, ``sim/``; package-wide
+checks here), with shared helpers in ``_support/``.  Tests import helpers and each other's shared
+cases by module name, so every area is on the import path, as this directory is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +25,8 @@ import numpy as np
 import pytest
 
 EXPECT_GPU = os.environ.get("KVCANARY_EXPECT_GPU") == "1"
+AREAS = ("_support", "ops", "bound", "session", "cuda", "sim")
+sys.path[1:1] = [str(pathlib.Path(__file__).resolve().parent / area) for area in AREAS]
 
 
 def _torch():
@@ -120,14 +128,12 @@ def _cupy_attributes():
         import cupy
     except ImportError:
         return {}
-    from kvcanary_cupy.backends.cuda import configs, device, launch
+    from kvcanary_cupy.backends.cuda import configs, device
 
     found = {(where, name): getattr(cupy.cuda if where else cupy, name) for where, names in _CUPY_GUARDED.items() for name in names}
-    # what the fake device patches in the library itself
-    found.update({("kvcanary_cupy.backends.cuda.launch", name): getattr(launch, name)
-                  for name in ("driver_launch", "supported", "record_addresses")})
+    # what the fake device replaces in the library itself: its one seam, backends/cuda/device.py
     found.update({("kvcanary_cupy.backends.cuda.device", name): getattr(device, name)
-                  for name in ("sm_count", "shared_mem_optin", "max_active_blocks_per_sm")})
+                  for name in ("cache", "load_module", "max_active_blocks_per_sm", "driver_launch", "sm_count")})
     found[("kvcanary_cupy.backends.cuda.configs", "policy")] = configs.policy()
     return found
 

@@ -23,8 +23,9 @@ FAULT_STEP = 4  # the faulty rank's req_to_token[A, 2] := B's slot from here on 
 MISMATCH_STEP = 3  # the odd rank's model writes other KV bytes for one slot of this step
 STEPS = 10
 KV_WORDS = 16  # int64 words of KV per slot (128 bytes)
-SCENARIOS = ("agreement", "clean", "fault", "fault_every_3", "fault_callable", "fault_log", "replicated", "table_shape",
-             "default_group")
+HEALTH_STEP = 3  # the odd rank ends this step without running the canary (a graph replayed without it)
+SCENARIOS = ("agreement", "clean", "fault", "fault_every_3", "fault_callable", "fault_log", "health", "replicated",
+             "table_shape", "default_group", "metrics")
 GPU_ARRAYS = ("cupy", "torch_cuda")
 
 
@@ -123,6 +124,10 @@ class Rank:
         if before_post is not None:
             before_post(arrays)
         session.post_forward()
+        if self.array in GPU_ARRAYS:  # the device done with the step: "one step late" is then exact
+            import cupy
+
+            cupy.cuda.Device(self.rank).synchronize()
         session.end_step()
 
 
@@ -242,6 +247,25 @@ def scenario_fault_log(r: Rank) -> dict:
     return dict(records=records)
 
 
+def scenario_health(r: Rank) -> dict:
+    """The odd rank ends HEALTH_STEP without the canary's kernels: every rank raises CanaryHealthError."""
+    import kvcanary_cupy as kc
+
+    engine = _engine(seed=r.rank)
+    session = r.session(engine, on_violation="raise")
+    raised = []
+    for step, rows in enumerate(_schedule()):
+        try:
+            if r.rank == r.odd and step == HEALTH_STEP:
+                session.end_step()  # the step's model ran, the canary's launches did not
+            else:
+                r.step(session, engine.step(rows), engine.rtt)
+        except kc.CanaryHealthError as exc:
+            raised.append(dict(step=step, message=str(exc)))
+    session.check()
+    return dict(raised=raised)
+
+
 def scenario_replicated(r: Rank) -> dict:
     """Replicated KV (the same engine and bytes on every rank); the odd rank's model writes other
     bytes for one slot at MISMATCH_STEP, before the TAIL write fingerprints them (its own canary
@@ -306,3 +330,100 @@ def scenario_default_group(r: Rank) -> dict:
     r.step(session, engine.step([1, 2]), engine.rtt)
     session.check()
     return {"refused": refused, "steps": session.distributed.totals["steps"]}
+
+
+def scenario_metrics(r: Rank) -> dict:
+    """Each rank's SessionMetrics, labelled with its rank in the group by default."""
+    try:
+        import prometheus_client
+    except ImportError:
+        return {"prometheus_client": False}
+    import kvcanary_cupy as kc
+
+    registry = prometheus_client.CollectorRegistry()
+    engine = _engine(seed=r.rank)
+    session = r.session(engine)
+    kc.metrics.SessionMetrics(session, registry=registry)
+    for rows in _schedule()[:3]:
+        r.step(session, engine.step(rows), engine.rtt)
+    session.check()
+    value = lambda name: registry.get_sample_value(name, {"rank": str(r.rank)})
+    return {"prometheus_client": True, "steps": value("kvcanary_steps_total"),
+            "heartbeat": value("kvcanary_last_handled_step"), "verified": value("kvcanary_verified_entries_total"),
+            "stats_verified": session.stats["verified_entries"]}
+
+
+
+def _reducer_threads() -> list:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvcanary-reduce")]
+
+
+def scenario_lifecycle(r: Rank) -> dict:
+    """The worker thread: started by the first reduction, stopped by close() (after which a
+    reduction is refused) and by dropping the session; none left behind."""
+    import gc
+
+    import kvcanary_cupy as kc
+
+    out = {"before": _reducer_threads()}
+    engine = _engine(seed=r.rank)
+    session = r.session(engine)
+    out["thread_at_start"] = session.distributed.worker_thread is not None
+    for rows in _schedule()[:3]:
+        r.step(session, engine.step(rows), engine.rtt)
+    session.check()
+    thread = session.distributed.worker_thread
+    out["running"] = (thread.name, thread.daemon, thread.is_alive(), _reducer_threads())
+    session.close()
+    session.close()  # idempotent
+    out["after_close"] = (thread.is_alive(), _reducer_threads())
+    try:
+        r.step(session, engine.step(_schedule()[3]), engine.rtt)
+        out["refused"] = None
+    except kc.CanaryUsageError as exc:
+        out["refused"] = str(exc)
+    engine = _engine(seed=r.rank)
+    session = r.session(engine)
+    for rows in _schedule()[:2]:
+        r.step(session, engine.step(rows), engine.rtt)
+    session.check()
+    thread = session.distributed.worker_thread
+    del session
+    gc.collect()
+    thread.join(10)
+    out["after_drop"] = (thread.is_alive(), _reducer_threads())
+    return out
+
+
+STOP_STEP = 2  # the odd rank of scenario_peer_stops ends no step from here on
+PEER_TIMEOUT_S = 3
+
+
+def scenario_peer_stops(r: Rank) -> dict:
+    """The odd rank stops calling end_step after STOP_STEP steps: its peers' reduction of that step
+    fails at the group's timeout on their worker threads, and their next end_step raises a
+    RuntimeError naming the reduction (no hang); close() then leaves no thread."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="nccl" if r.array in GPU_ARRAYS else "gloo", timeout=timedelta(seconds=PEER_TIMEOUT_S))
+    if r.world_size == 1:
+        return {"world_size": 1}
+    r = Rank(r.rank, r.world_size, r.array, group)
+    engine = _engine(seed=r.rank)
+    session = r.session(engine)
+    out = {"error": None}
+    started = time.monotonic()
+    for step, rows in enumerate(_schedule()):
+        if r.rank == r.odd and step == STOP_STEP:
+            break
+        try:
+            r.step(session, engine.step(rows), engine.rtt)
+        except RuntimeError as exc:
+            out.update(error=str(exc), step=step, cause=type(exc.__cause__).__name__, seconds=time.monotonic() - started)
+            break
+    thread = session.distributed.worker_thread
+    session.close()
+    out["after_close"] = (thread.is_alive(), _reducer_threads())
+    return out

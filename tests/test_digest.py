@@ -176,3 +176,65 @@ def test_fuzzed_cases_are_byte_identical_to_numpy(ab):
             got = run(ab, pool, model, spec, starts=starts, ends=ends, keys=keys, table_kind=table_kind)
             want = run(kc_numpy(), pool, model, spec, starts=starts, ends=ends, keys=keys, table_kind=table_kind)
             assert got[0].tobytes() == want[0].tobytes() and got[1] == want[1], (case, table_kind)
+
+
+def test_mla_k_only_pools_digest_to_the_oracle(ab):
+    """An MLA pool (one half, one head of kv_lora_rank + rope values) through from_mla."""
+    rng = np.random.default_rng(40)
+    model = Model.random(rng, [7, 19], halves=1, num_heads=1, head_dim=72)  # 144-byte rows: 576 bf16 would be 1,152
+    pool = filled("sglang", model, rng, page_size=4)
+    for spec in SPECS:
+        rows, skipped = run(ab, pool, model, spec)
+        assert skipped == 0
+        for r, kv in enumerate(model.kv):
+            assert (kc.to_unsigned(rows[r, 5]), int(rows[r, 7])) == kv_sum(
+                kv, 0, kv.shape[2], r * 7919 - 3, total_layers=3, sample_layers=spec.sample_layers, window_bytes=spec.window_bytes)
+    _, layout = layout_of(pool, model, kc_numpy())
+    assert layout.halves == 1 and layout.name == "sglang-mla"
+
+
+def test_vllm_blocks_first_caches_digest_as_flashinfer_ones(ab):
+    """vLLM's FlashInfer-backend caches ``(nb, 2, bs, H, D)`` (``kv_first=False``), NHD and HND
+    (a stride permutation), digest as the same pool described by from_flashinfer."""
+    rng = np.random.default_rng(17)
+    model = Model.random(rng, [12, 21])
+    for kind, order in (("flashinfer-NHD", (0, 1, 2, 3, 4)), ("flashinfer-HND", (0, 1, 3, 2, 4))):
+        pool = filled(kind, model, rng, page_size=8)
+        tensors, flashinfer = layout_of(pool, model, ab)
+        shard = {} if ab.name.startswith("torch") else {"dtype": "bfloat16"}
+        logical = [t[0].permute(*order) if hasattr(t[0], "permute") else t[0].transpose(order) for t in tensors]
+        vllm = kc.KvLayout.from_vllm(logical, kv_first=False, **shard)
+        assert vllm.name == f"vllm-{kind[-3:]}"
+        table, rows = kc.ReqToToken(ab.asarray(pool.table)), ab.asarray(np.array(pool.rows, np.int64))
+        digests = []
+        for layout in (flashinfer, vllm):
+            out = kc.digest_pages(layout, table, rows, ab.asarray(np.zeros(2, np.int64)), ab.asarray(np.array([12, 21])),
+                                  spec=SPECS[0], sample_keys=ab.asarray(np.array([1, 2])), records=ab.asarray(pool.canary))
+            digests.append(ab.to_numpy(out.records).tobytes())
+        assert digests[0] == digests[1]
+
+
+def test_padded_pages_and_a_head_slice_through_from_strides(ab):
+    """from_strides over a pool with padded pages, describing only heads [2, 4) of its 4 (a tensor-
+    parallel rank's view of a shared buffer): the oracle of those heads, at their global indices."""
+    rng = np.random.default_rng(23)
+    heads, strip, ps, pages, pad = 4, 32, 4, 6, 48  # 48 bytes of padding after every page
+    kv = rng.integers(0, 256, (2, 2, 10, heads, strip), dtype=np.uint8)  # 2 layers, K and V, 10 positions
+    page_bytes = ps * heads * strip + pad
+    buf = [[rng.integers(0, 256, pages * page_bytes, dtype=np.uint8) for _ in range(2)] for _ in range(2)]
+    slots = np.array([5, 6, 7, 8, 13, 14, 1, 2, 3, 21])
+    for l in range(2):
+        for c in range(2):
+            for p, s in enumerate(slots):
+                at = (s // ps) * page_bytes + (s % ps) * heads * strip
+                buf[l][c][at: at + heads * strip] = kv[l, c, p].reshape(-1)
+    tensors = [[ab.asarray(b) for b in layer] for layer in buf]
+    layout = kc.KvLayout.from_strides([[(t, 2 * strip) for t in layer] for layer in tensors], page_stride=page_bytes,
+                                      token_stride=heads * strip, head_stride=strip, strip_bytes=strip, page_size=ps,
+                                      num_pages=pages, num_heads=2, head_offset=2, num_heads_total=4)
+    table = np.zeros((2, 10), np.int32)
+    table[1] = slots
+    out = kc.digest_pages(layout, ab.asarray(table), ab.asarray(np.array([1])), ab.asarray(np.array([0])),
+                          ab.asarray(np.array([10])), spec=kc.DigestSpec.full(2, records=False), sample_keys=ab.asarray(np.array([4])))
+    row = ab.to_numpy(out.records)[0]
+    assert (kc.to_unsigned(row[5]), int(row[7])) == kv_sum(kv[:, :, :, 2:], 0, 10, 4, total_layers=2, head_offset=2)

@@ -43,7 +43,13 @@ def _call(layout=None, **kw):
     (lambda: _call(req_pool_indices=None), "req_pool_indices is required with a ReqToToken table"),
     (lambda: _call(out=kc.DigestBatch.allocate(0)), "bs=1 exceeds out's capacity 0"),
     (lambda: _call(layout="nope"), "layout must be a KvLayout, got str"),
-    (lambda: _call(strict=True, table=np.zeros((2, 2), np.int32)), r"strict: request 0 \(row 1, positions \[0, 4\)\)|strict: request 0"),
+    (lambda: _call(strict=True, table=np.zeros((2, 2), np.int32)),
+     r"strict: request 0 \(positions \[0, 4\)\) is out of range: its table row, start < 0"),
+    (lambda: _call(strict=True, table=np.array([[0] * 8, [1, 2, -5, 99, 4, 5, 6, 7]], np.int32)),
+     r"strict: request 0 \(positions \[0, 4\)\) has 2 position\(s\) whose slot is outside the pool or the canary"),
+    (lambda: _call(strict=True, spec=kc.DigestSpec(3), records=np.zeros((16, 4), np.int64), starts=np.array([2]),
+                   expected_tokens=np.zeros((2, 8), np.int32), seam=np.array([16])),
+     r"strict: request 0 \(positions \[2, 4\)\): its seam record \(the slot before start\) is out of range"),
 ])
 def test_bad_input_is_named(build, message):
     with pytest.raises((TypeError, ValueError), match=message):

@@ -218,3 +218,16 @@ def test_restamp_after_a_verified_receive(ab):
     vlog = kc.ViolationLog.allocate(16, like=ab.like)
     kc.verify(canary, vp, log=vlog)
     assert vlog.read().total_violations == 0
+
+
+def test_a_failed_transfer_is_retried_until_it_matches(ab):
+    """Abort -> resend -> MATCH: the receiver re-digests its memory after each attempt, and only the
+    complete resend passes; the log holds the failed attempt's row only."""
+    verdicts, log, (dst, model, starts, ends, keys, wire) = transfer(ab, ab, "partial", FULL, seed=13)
+    assert verdicts[0] == V.MISMATCH_KV and verdicts[1:] == [V.MATCH, V.MATCH]
+    for attempt, landed in ((1, 20), (2, len(model.tokens[0]))):  # a second partial resend, then a complete one
+        dst.write(0, model, np.arange(landed))
+        again = receiver_verdicts(ab, dst, model, FULL, starts, ends, keys, wire, log)
+        assert again[0] == (V.MATCH if landed == len(model.tokens[0]) else V.MISMATCH_KV), attempt
+    report = log.read()
+    assert report.total_violations == 2 and int(report.kernel_run_counters[kc.DigestLaunchTag.TRANSFER]) == 3

@@ -1,6 +1,7 @@
 """CanarySession over real torch.distributed process groups (no mock): 2 and 4 gloo ranks on
 127.0.0.1 with NumPy arrays and CPU tensors here; one NCCL rank on a GPU (the H200 run); 2 NCCL
-ranks when 2 GPUs are present (issue 26: the same scenarios, ``("nccl", "cupy", 2)``).
+ranks when 2 GPUs are present (issue 26: the same scenarios, case ``nccl-cupy-2``, i.e.
+``run_ranks(2, "cupy", out)``).
 
 Each parametrisation spawns its ranks once (module fixture) and runs every scenario of
 tests/dist_harness.py; each test checks one scenario on every rank.
@@ -11,7 +12,7 @@ import re
 import pytest
 
 from conftest import EXPECT_GPU
-from dist_harness import FAULT_STEP, MISMATCH_STEP, STEPS, run_ranks
+from dist_harness import FAULT_STEP, HEALTH_STEP, MISMATCH_STEP, STEPS, run_ranks
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -119,6 +120,20 @@ def test_callable_and_log_policies_run_on_every_rank_on_the_same_step(ranks):
         assert len(lines) == (4 if r == odd else 0) and all(f" rank={odd} device=" in m for m in lines)
 
 
+def test_a_health_problem_on_one_rank_raises_on_every_rank_on_the_same_step(ranks):
+    world_size, got = _scenario(ranks, "health")
+    odd = world_size - 1
+    for r, g in enumerate(got):
+        (error,) = g["raised"]
+        assert error["step"] == HEALTH_STEP + 2
+        if r == odd:
+            assert error["message"].startswith(f"kv-canary: no canary kernel ran for launch tags ['HEAD_K_FULL', "
+                                               f"'TAIL_K_FULL'] in step {HEALTH_STEP}")
+        else:
+            assert error["message"] == (f"kv-canary: rank {odd} handled 1 health problem(s) by step {HEALTH_STEP + 1} "
+                                        "(that rank's log has the message)")
+
+
 def test_a_replicated_kv_mismatch_names_both_ranks_and_the_slot(ranks):
     world_size, got = _scenario(ranks, "replicated")
     odd = world_size - 1
@@ -168,6 +183,14 @@ def test_the_default_group_is_refused_unless_allowed(ranks):
     for g in got:
         assert g["refused"].startswith("kv-canary: process_group is the default (WORLD) group")
         assert g["steps"] == world_size
+
+
+def test_each_rank_exports_its_metrics_under_its_rank(ranks):
+    world_size, got = _scenario(ranks, "metrics")
+    if not got[0]["prometheus_client"]:
+        pytest.skip("prometheus_client is not installed (the test extra has it)")
+    for g in got:
+        assert (g["steps"], g["heartbeat"]) == (3, 3) and g["verified"] == g["stats_verified"] > 0
 
 
 def test_a_hung_rank_fails_the_run_instead_of_hanging_it(tmp_path):

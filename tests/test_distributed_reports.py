@@ -95,3 +95,19 @@ def test_table_shapes_of_every_table_kind():
     assert table_shape(kc.ReqToToken(rtt)) == (9, 64)
     assert table_shape(kc.BlockTable(np.zeros((4, 3), np.int32), 16)) == (4, 3)
     assert table_shape(kc.PagedKvIndices(np.zeros(3, np.int32), np.zeros(5, np.int32), 16)) == (0, 0)
+
+
+def test_a_mismatch_names_each_odd_rank_against_the_lowest_rank_of_the_majority():
+    from types import SimpleNamespace
+
+    from kvcanary_cupy.distributed import RankReducer, _Contribution
+
+    reducer = SimpleNamespace(stats={"replica_mismatches": 0, "replicated_slots_compared": 0}, _seen_mismatches={})
+    c = _Contribution({}, [], {}, step=7, offset=100, slots=3)
+    # slot 100: all agree; slot 101: rank 0 is the odd one out of 4; slot 102: ranks 0+1 against 2+3 (a tie: rank 0's value)
+    hashes = np.array([[5, -1, 9], [5, 8, 9], [5, 8, -2**63], [5, 8, -2**63]], np.int64)
+    found = RankReducer._mismatches(reducer, hashes, c)
+    assert found == (ReplicaMismatch(101, 0, 1, 2**64 - 1, 8, 7), ReplicaMismatch(102, 2, 0, 2**63, 9, 7),
+                     ReplicaMismatch(102, 3, 0, 2**63, 9, 7))
+    assert RankReducer._mismatches(reducer, hashes, c) == ()  # each is reported once
+    assert reducer.stats == {"replica_mismatches": 3, "replicated_slots_compared": 6}

@@ -154,3 +154,63 @@ def test_device_queries_go_through_one_module():
               for line in path.read_text().splitlines() if not line.lstrip().startswith("#")
               for query in queries if query in line}
     assert askers == {seam}
+
+
+# The package's layers, lowest first (docs/architecture.md).  A module imports modules of its own
+# layer or of lower ones only; the circle test above keeps each layer acyclic.
+LAYERS = {
+    "ground": ("errors", "constants", "runtime", "interop", "validation", "hashing"),
+    "records": ("records", "violation", "containment", "reporting", "log", "sources", "plans", "args", "tables"),
+    "gpu abi and device": ("backends.cuda", "backends.cuda.abi", "backends.cuda.device"),
+    "gpu compile": ("backends.cuda.compile",),
+    "gpu policy": ("backends.cuda.configs",),
+    "gpu params": ("backends.cuda.params",),
+    "gpu launch": ("backends.cuda.launch",),
+    "backends": ("backends.cuda.ops", "backends.cuda.same_step", "backends.cuda.coverage", "backends.numpy_backend",
+                 "backends.numpy_coverage", "backends"),
+    "front door": ("strict", "validation_cache", "binding", "ops", "ops.canary", "ops.plan_cache", "ops.planning", "ops.pool", "digest", "same_step", "coverage"),
+    "bound": ("bound", "launchers", "plan_launcher", "planner"),
+    "engine": ("rank_exchange", "rank_worker", "rank_verdict", "distributed", "session", "session.loop", "session.staging", "session.sweep",
+               "session.violations", "session.blocks", "metrics"),
+    "tools": ("integrations", "hf", "sim", "cli", "__main__", "devtools", ""),  # "": the package's face, kvcanary_cupy/__init__.py
+}
+#: Layers named by a package hold all its modules.
+_PACKAGES = ("sim", "devtools", "digest", "integrations", "hf")
+#: Modules of at most this many lines, except the simulator and the NumPy reference.
+MAX_MODULE_LINES = 430
+
+
+def _layer_of(name: str) -> int:
+    short = name.removeprefix(PACKAGE).removeprefix(".")
+    for rank, modules in enumerate(LAYERS.values()):
+        if short in modules or any(short.startswith(m + ".") for m in modules if m in _PACKAGES):
+            return rank
+    raise AssertionError(f"{name} is in no layer of LAYERS: add it where it belongs")
+
+
+def test_every_module_has_a_layer_and_imports_nothing_above_it():
+    graph = import_graph()
+    upward = [(name, dep) for name, deps in graph.items() for dep in deps if _layer_of(dep) > _layer_of(name)]
+    assert upward == []
+
+
+def test_an_upward_import_is_found():
+    assert _layer_of(f"{PACKAGE}.ops.planning") > _layer_of(f"{PACKAGE}.tables") > _layer_of(f"{PACKAGE}.errors")
+    assert _layer_of(f"{PACKAGE}.sim.engine") == _layer_of(f"{PACKAGE}.cli")
+
+
+def test_no_module_is_longer_than_the_limit():
+    """A module over the limit does several jobs: split it (docs/architecture.md says where)."""
+    exempt = (f"{PACKAGE}.sim", f"{PACKAGE}.backends.numpy_backend")
+    long = {name: n for name, path in _modules().items() if not name.startswith(exempt)
+            for n in [len(path.read_text().splitlines())] if n > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_the_fake_device_replaces_only_the_device_seam():
+    """devtools/fake_cupy.py patches CuPy and, of the library, only backends/cuda/device.py."""
+    path = ROOT / "devtools" / "fake_cupy.py"
+    targets = {ast.unparse(call.args[0]) for call in ast.walk(ast.parse(path.read_text()))
+               if isinstance(call, ast.Call) and ast.unparse(call.func).endswith("monkeypatch.setattr")}
+    library = {t for t in targets if not t.startswith(("self.cupy", "cupyx"))}
+    assert library == {"cuda_device"} and "from kvcanary_cupy.backends.cuda import abi, device as cuda_device" in path.read_text()

@@ -288,9 +288,10 @@ def test_equal_reports_compare_equal_and_differ_when_any_field_differs():
 @pytest.mark.parametrize("path, value, exc, match", [
     (("violations", 0, "slot_idx"), "17", TypeError, r"violations\[0\]\.slot_idx must be an int, got str '17'"),
     (("ring_capacity",), -1, ValueError, r"ring_capacity must be in \[1, 2147483647\], got -1"),
-    (("violations", 1, "fail_reason_bits"), 2**70, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 65599\]"),
-    (("violations", 1, "fail_reason_bits"), 2**17, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 65599\], got 131072"),
+    (("violations", 1, "fail_reason_bits"), 2**70, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 71743\]"),
+    (("violations", 1, "fail_reason_bits"), 2**17, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 71743\], got 131072"),
     (("violations", 1, "fail_reason_bits"), 64, ValueError, r"violations\[1\]\.fail_reason_bits has bits no FailReason names: 0x40"),
+    (("violations", 1, "fail_reason_bits"), 8192, ValueError, r"violations\[1\]\.fail_reason_bits has bits no FailReason names: 0x2000"),
     (("violations", 0, "stored_chain_hash"), 2**64, ValueError, r"violations\[0\]\.stored_chain_hash must be in \[0, 18446744073709551615\]"),
     (("violations", 0, "batch_rows"), [1, "x"], TypeError, r"violations\[0\]\.batch_rows\[1\] must be an int"),
     (("violations", 0, "first_step"), True, TypeError, r"violations\[0\]\.first_step must be an int or null, got bool"),

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvcanary_cupy import ViolationReport  # noqa: E402
 from kvcanary_cupy.hf import CLEAN_CONFIGS, FAULTS, HfEngineConfig  # noqa: E402
-from kvcanary_cupy.hf.runner import configs, run_engine, tiny_llama  # noqa: E402
+from kvcanary_cupy.hf.runner import configs, run_engine, tiny_llama, workload  # noqa: E402
 from kvcanary_cupy.integrations._hf_layout import FLAT_CACHE, parse_version  # noqa: E402
 from kvcanary_cupy.integrations.transformers import SHARED_BLOCK_REWRITE, attach  # noqa: E402
 
@@ -188,3 +188,68 @@ def test_fingerprinted_layers_follow_the_option(model):
     with pytest.raises(ValueError, match=r"^kv-canary: fingerprint_layers \[7\] past the model's 3 layers"):
         attach(model, fingerprint_layers=[7])
     assert "init_continuous_batching" not in vars(model)
+
+
+def test_the_decode_path_block_table_names_the_slots_the_csr_form_does(model):
+    """The flash decode path (block_table, no read/write index) needs flash-attn, absent here: at every
+    decode-only step of a real run, the engine's own fill_block_table builds that step's block table, and
+    the canary's BlockTable form of it plans exactly the slots (and write slots) of the CSR form."""
+    import kvcanary_cupy as kc
+    from kvcanary_cupy.integrations._hf_layout import wrap
+
+    cb, gen, requests, block = configs(ENGINE, {})
+    prompts = workload(np.random.default_rng(2), requests, block, ENGINE.vocab_size)
+    checked = []
+
+    def inner(original, canary):
+        def compute_batch(model_, batch_data):
+            step = canary._steps[0]
+            io, layout = step.io, step.layout
+            fs_list = io.requests_in_batch
+            if batch_data["read_index"][layout.group].numel() and all(fs.query_length == 1 for fs in fs_list):
+                bs, pasts = len(fs_list), [fs.state.position_offset - 1 for fs in fs_list]
+                width = max(len(layout.block_tables()[fs.state.request_id]) for fs in fs_list)
+                bt = torch.full((layout.cache.num_groups if hasattr(layout.cache, "num_groups") else 1, bs, width), -1,
+                                dtype=torch.int32, device=step.device)
+                for i, (fs, p) in enumerate(zip(fs_list, pasts)):
+                    layout.cache.fill_block_table(fs.state.request_id, p, 1, bt[:, i])
+                pre, ext = step._pre[:bs].clone(), step._ext[:bs].clone()
+                csr = kc.PagedKvIndices(batch_data["cu_seq_lens_k"][: bs + 1] if not isinstance(batch_data["cu_seq_lens_k"], dict)
+                                        else batch_data["cu_seq_lens_k"]["full_attention"][: bs + 1],
+                                        step._shifted(batch_data["read_index"][layout.group], step._read).clone(), 1)
+                vp_csr, _ = kc.plan(None, pre, ext, csr, verify_capacity=4096)
+                vp_bt, _ = kc.plan(step._rows[:bs], pre, ext, step._block_table(bt[layout.group]), verify_capacity=4096)
+                n = int(vp_csr.verify_num_valid[0])
+                assert n == int(vp_bt.verify_num_valid[0]) > 0
+                for key in ("verify_slot_indices", "verify_expected_positions", "verify_prev_slot_indices"):
+                    assert getattr(vp_csr, key)[:n].tolist() == getattr(vp_bt, key)[:n].tolist()
+                loc = step._shifted(batch_data["write_index"][layout.group], step._loc)[:bs].tolist()
+                assert step._decode_slots(fs_list, pasts, layout.block_tables()).tolist() == loc
+                checked.append(bs)
+            original(model_, batch_data)
+        return compute_batch
+
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.warmup()
+    processor = manager.batch_processor
+    undo = []
+    canary = attach(manager, on_violation="raise")
+    # beneath the canary's wrapper: the canary's pre_forward for the step has run, the forward has not
+    canary._steps[0].uninstall()
+    wrap(processor.model_runner, "compute_batch", lambda original: inner(original, canary), undo)
+    canary._steps[0]._undo = []
+    wrap(processor.model_runner, "compute_batch", canary._steps[0]._wrap_compute, canary._steps[0]._undo)
+    manager.start()
+    ids = manager.add_requests(inputs=prompts, max_new_tokens=ENGINE.max_new_tokens)
+    done = set()
+    while len(done) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            done.add(result.request_id)
+        assert manager.is_running() or len(done) == len(ids)
+    manager.stop(block=True)
+    canary.detach()
+    for u in undo:
+        u()
+    manager.destroy()
+    assert len(checked) >= 3  # several decode-only steps compared

@@ -95,6 +95,28 @@ def test_every_fault_class_is_caught_and_names_its_victims(engines, name):
         assert named & fault.victims
 
 
+def test_sweeps_verify_the_prefix_caches_blocks_and_find_a_flip_nobody_reads(engines):
+    llm = engines("float32")
+    llm.reset_prefix_cache()
+    reference = generate(llm)
+    llm.reset_prefix_cache()
+    with kv.attach(llm, sweep_every=3, on_violation="ignore") as canary:
+        assert generate(llm) == reference
+        canary.check()
+        clean = canary.stats
+        assert clean["violations"] == 0 and clean["sweeps"] >= 3 and clean["blocks_swept"] >= 3 * 8
+        # Every request finished: the cached blocks are held by no one.  A stray write into one of them
+        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        block = min(b.block_id for b in pool.cached_block_hash_to_block._cache.values() if not isinstance(b, dict))
+        kv0 = canary._runner.kv_caches[0]
+        kv0.view(kv0.shape[0], kv0.shape[1], -1).view(__import__("torch").int32)[block, 0, 32 * 32 + 2 * 32] ^= 1 << 9
+        assert canary.sweep() >= 8
+        canary.check()
+    hits = canary.report().violations
+    assert [(v.slot_idx, v.request_ids) for v in hits] == [(block * 32 + 2, (f"block {block}",))]
+    assert hits[0].reasons == "verify_real_kv_hash"
+
+
 # vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING once per process: the separate engine core runs from a
 # fresh interpreter, with the default (multiprocessing on).
 SEPARATE_ENGINE_CORE = """

@@ -227,8 +227,9 @@ def _strip_hashes(src: SourceView, nbytes: int, slots: np.ndarray) -> np.ndarray
     below = pool_slots < 0  # no KV bytes: the strip's hash stays 0, as the kernels fold it
     pool_slots = np.where(below, 0, pool_slots)
     row = pool_slots // src.page_size
-    col = (pool_slots % src.page_size) * src.num_bytes_per_token
-    words = np.ascontiguousarray(src.data[row[:, None], col[:, None] + np.arange(nbytes)]).view("<u8")
+    col = src.byte_offset + (pool_slots % src.page_size) * src.stride
+    offsets = np.arange(nbytes) if src.unit == 16 else src.stream_offsets(nbytes)
+    words = np.ascontiguousarray(src.data[row[:, None], col[:, None] + offsets]).view("<u8")
     h = np.zeros(slots.shape[0], np.uint64)
     for w in range(words.shape[1]):
         h = splitmix64_array(h ^ words[:, w])
@@ -337,6 +338,11 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
     # Fingerprints depend only on each slot's KV bytes, which a write never changes: hash every
     # in-range slot once, up front, rather than token by token inside the serial chain walk.
     in_range = (loc >= 0) & (loc < num_slots)
+    if np.any(deferred) or int((end - start).sum()) < loc.shape[0]:  # only the tokens this launch writes
+        covered = np.zeros(loc.shape[0], np.int64)
+        np.add.at(covered, start, 1)
+        np.add.at(covered, end[end < loc.shape[0]], -1)
+        in_range &= np.cumsum(covered) > 0
     fingerprints = np.zeros(loc.shape[0], np.uint64)
     fingerprints[in_range] = real_kv_hashes(target.sources, a.real_kv_hash_mode, loc[in_range])
     input_assert = a.expected_input_tokens is not None

@@ -4,7 +4,7 @@ The ABI: every struct a kernel takes by value has a NumPy mirror in ``backends/c
 :func:`struct_asserts` pins its size and member widths as C++ ``static_assert`` lines and
 :func:`struct_offsets_differ` reads its member offsets back from the PTX of a probe kernel.
 The compile check: :func:`compile_check` compiles each kernel family with NVRTC as ``RawModule``
-would and reports its cubin size, registers and spills.  ``tests/test_kernels_compile.py`` runs both.
+would and reports its cubin size, registers and spills.  ``tests/cuda/test_kernels_compile.py`` runs both.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..interop import import_cupy
 from ..tables import TableKind
 
 # Every struct a kernel takes by value: C name (namespace kvcanary) -> (its NumPy mirror, a family
-# that compiles it).  Field names equal the C member names; tests/test_kernels_compile.py checks
+# that compiles it).  Field names equal the C member names; tests/cuda/test_kernels_compile.py checks
 # each with its family (struct_asserts for sizes and widths, struct_offsets_differ for offsets), so
 # a field's offset or width drifting fails there.
 KERNEL_STRUCTS = {

@@ -12,6 +12,8 @@ can be checked without a GPU.  A copy happens at once; an event completes at onc
 :meth:`FakeDevice.complete` runs (the host running ahead of the device).
 :meth:`FakeDevice.emulate_session_staging` runs the NumPy reference of the session's staging
 kernels at their launch, so a session's end_step computes real records.
+Of the library it replaces only its seam, ``backends/cuda/device.py`` (the cache of the device's
+answers and loaded kernels, module loading, occupancy and cuLaunchKernelEx); the rest is CuPy's.
 Used by the tests and by ``benchmarks/host_profile.py`` (which is why it ships here rather than
 in ``tests/``).
 """
@@ -173,8 +175,7 @@ class FakeDevice:
         return np.frombuffer(bytes(buf), x.dtype).reshape(x.shape)
 
     def install(self, monkeypatch) -> None:
-        from kvcanary_cupy import runtime
-        from kvcanary_cupy.backends.cuda import compile, device as cuda_device, launch, params
+        from kvcanary_cupy.backends.cuda import abi, device as cuda_device
 
         device = self
 
@@ -200,7 +201,7 @@ class FakeDevice:
                 device.kernels.append(name)
 
             def __call__(self, grid, block, args, stream=None, **kwargs):
-                args = tuple(bytes(np.asarray(a).tobytes()) for a in args) if device.record_bytes else ()
+                args = device.argument_bytes(self.name, args) if device.record_bytes else ()
                 device.record_launch(self.name, tuple(grid), tuple(block), device.current[-1] if stream is None else stream, args,
                                      kwargs.get("shared_mem", 0))
 
@@ -240,41 +241,56 @@ class FakeDevice:
         monkeypatch.setattr(self.cupy.cuda.runtime, "getDevice", lambda: 0)
         monkeypatch.setattr(self.cupy.cuda.runtime, "getDeviceCount", lambda: 1)  # warmup asks first
         monkeypatch.setattr(self.cupy.cuda.runtime, "driverGetVersion", lambda: self.driver_version)
-        monkeypatch.setattr(runtime, "is_capturing", lambda placement: False)  # no stream to ask
-        monkeypatch.setattr(compile, "_compile", lambda family: RawModule())
-        monkeypatch.setattr(compile, "_functions", {})
         monkeypatch.setattr(self.cupy.cuda.driver, "funcSetAttribute", set_attribute)
         monkeypatch.setattr(self.cupy.cuda.driver, "funcGetAttribute", get_attribute)
-        monkeypatch.setattr(cuda_device, "sm_count", lambda device_id: FakeDevice.SM_COUNT)
-        monkeypatch.setattr(cuda_device, "shared_mem_optin", lambda device_id: FakeDevice.SHARED_MEM_OPTIN)
-        monkeypatch.setattr(cuda_device, "max_active_blocks_per_sm", lambda fn, block: 4)
-        overlap = launch
-        monkeypatch.setattr(overlap, "supported", functools.lru_cache(maxsize=None)(overlap.supported.__wrapped__))
-        field_sizes = {}  # address -> size of each parameter record field the library handed out
-        record_addresses = launch.record_addresses
-
-        def sized_record_addresses(params):
-            addresses = record_addresses(params)
-            for address, name in zip(addresses, params.dtype.names):
-                field_sizes[address] = params.dtype.fields[name][0].itemsize
-            return addresses
 
         def launch_kernel_ex(config, function, arguments, extra):
             """cuLaunchKernelEx: recorded like a CuPy launch (each argument's bytes read at its address)."""
             c = config.contents
-            assert c.numAttrs == 1 and c.attrs[0].id == overlap.PROGRAMMATIC_STREAM_SERIALIZATION and c.attrs[0].value == 1
+            assert c.numAttrs == 1 and c.attrs[0].id == abi.PROGRAMMATIC_STREAM_SERIALIZATION and c.attrs[0].value == 1
             assert (c.gridDimY, c.gridDimZ, c.blockDimY, c.blockDimZ, extra) == (1, 1, 1, 1, None)
             addresses = tuple(arguments)
             self.overlapped.append(addresses)
-            args = tuple(ctypes.string_at(a, field_sizes[a]) for a in addresses) if self.record_bytes else ()
-            self.record_launch(self.kernels[function.value], (c.gridDimX,), (c.blockDimX,), self.streams[c.hStream], args,
-                               c.sharedMemBytes)
+            name = self.kernels[function.value]
+            args = self.argument_bytes(name, addresses) if self.record_bytes else ()
+            self.record_launch(name, (c.gridDimX,), (c.blockDimX,), self.streams[c.hStream], args, c.sharedMemBytes)
             return 0
 
-        monkeypatch.setattr(launch, "record_addresses", sized_record_addresses)
-        monkeypatch.setattr(overlap, "driver_launch", lambda: launch_kernel_ex if self.overlap else None)
-        if self.record_bytes:  # the arguments as one-element NumPy views, whose bytes can be read back
-            monkeypatch.setattr(params, "_CPointer", None)
+        # The library's own seam (backends/cuda/device.py): a cache of this device's answers and
+        # kernels, fake modules, an occupancy of 4 blocks per SM, and cuLaunchKernelEx on sm_90.
+        monkeypatch.setattr(cuda_device, "cache", {})
+        monkeypatch.setattr(cuda_device, "load_module", lambda code, options, name_expressions: RawModule())
+        monkeypatch.setattr(cuda_device, "max_active_blocks_per_sm", lambda fn, block: 4)
+        monkeypatch.setattr(cuda_device, "driver_launch", lambda: launch_kernel_ex if self.overlap else None)
+
+    def argument_bytes(self, name: str, args) -> tuple:
+        """The bytes of each launch argument: a NumPy value's own, or, for an address (a CuPy
+        CPointer or a driver argument pointer), as many bytes there as the kernel's parameter takes."""
+        record = _parameter_record(name)
+        out = []
+        for i, a in enumerate(args):
+            if isinstance(a, int) or type(a).__name__ == "CPointer":
+                address = a if isinstance(a, int) else a.ptr
+                out.append(ctypes.string_at(address, record.fields[record.names[i]][0].itemsize))
+            else:
+                out.append(bytes(np.asarray(a).tobytes()))
+        return tuple(out)
+
+
+def _parameter_record(name: str):
+    """The parameter record dtype of a kernel of the library (what a driver reads from its signature)."""
+    from kvcanary_cupy.backends.cuda import abi
+    from kvcanary_cupy.backends.cuda.compile import kernel_of
+
+    from kvcanary_cupy.digest import cuda as digest_cuda
+
+    kernel = kernel_of(name)
+    if kernel.startswith("plan_verify"):
+        return abi.PLAN_VERIFY_PARAMS
+    return {"canary_write": abi.WRITE_PARAMS, "canary_verify": abi.VERIFY_PARAMS, "session_stage": abi.STAGE_PARAMS,
+            "session_attribute": abi.STAGE_PARAMS, "digest_init": digest_cuda.DIGEST_PARAMS,
+            "digest_accumulate": digest_cuda.DIGEST_PARAMS, "digest_verify": digest_cuda.VERIFY_PARAMS,
+            }.get(kernel, abi.PLAN_PARAMS if kernel.startswith("plan_") else None)
 
 
 def host_view(ptr: int, dtype, count: int) -> np.ndarray:

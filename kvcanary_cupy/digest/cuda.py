@@ -1,6 +1,7 @@
 """The CUDA backend of the digest: fills the kernels' parameter structs (NumPy mirrors of the
-structs of ``kernels/digest.cu``; ``devtools/abi_check.py`` pins their layout) and launches them
-on CuPy's current stream (the caller's: torch's current stream for torch tensors)."""
+structs of ``kernels/digest.cu``; ``devtools/abi_check.py`` pins their layout) into the kernels'
+parameter records, packed once into :class:`Launches` run on the caller's stream (torch's current
+stream for torch tensors)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import numpy as np
 
 from ..backends.cuda import device as cuda_device
 from ..backends.cuda.compile import get_function
-from ..backends.cuda.params import log_struct
+from ..backends.cuda.abi import LAUNCH_LOG
+from ..backends.cuda.params import kernel_arguments, log_struct
+from ..interop import data_ptr
+from ..runtime import launch_stream
 from ..tables import TableKind
 
 DIGEST_TABLE = np.dtype([("entries", "u8"), ("indptr", "u8"), ("v2p", "u8"), ("rows", "i8"), ("cols", "i8"),
@@ -25,16 +29,21 @@ DIGEST_REQUESTS = np.dtype([*((k, "u8") for k in ("req_pool_indices", "starts", 
                             *((k, "i4") for k in ("rec_fields", "exp_i64", "mode", "num_layers_total", "sample_layers",
                                                  "window_words"))], align=True)
 
+# The kernels' parameter records (field i = parameter i).
+DIGEST_PARAMS = np.dtype([("table", DIGEST_TABLE), ("pool", DIGEST_POOL), ("requests", DIGEST_REQUESTS)], align=True)
+VERIFY_PARAMS = np.dtype([("expected", "u8"), ("actual", "u8"), ("n", "i8"), ("out", "u8"), ("log", LAUNCH_LOG),
+                          ("kind", "i4")], align=True)
+
 THREADS = 256  # kDigestThreads
 WARPS_PER_SM = 64  # resident warps aimed at per SM, spread over the batch's requests
 MAX_GRID_Y = 65535
 
 
 def _ptr(x) -> int:
-    return 0 if x is None else int(x.data.ptr)
+    return 0 if x is None else data_ptr(x)
 
 
-def _table_struct(t) -> np.ndarray:
+def table_struct(t) -> np.ndarray:
     s = np.zeros(1, DIGEST_TABLE)
     e = t.entries
     s["entries"], s["kind"], s["entries_i64"] = _ptr(e), int(t.kind), int(e.dtype.itemsize == 8)
@@ -49,48 +58,84 @@ def _table_struct(t) -> np.ndarray:
     return s
 
 
-def _pool_struct(layout) -> np.ndarray:
+def pool_struct(layout, pointers=None) -> np.ndarray:
+    """DigestPool of ``layout``; ``pointers``: the array of base addresses (default the layout's
+    device copy, and the struct is then made once per layout: a layout never changes)."""
+    if pointers is None and "_digest_pool" in layout.__dict__:
+        return layout.__dict__["_digest_pool"]
     s = np.zeros(1, DIGEST_POOL)
-    s["pointers"] = _ptr(layout._device_pointers)
+    s["pointers"] = _ptr(layout._device_pointers if pointers is None else pointers)
     for k in ("page_stride", "token_stride", "head_stride", "num_pages", "page_size", "num_heads", "num_layers", "halves",
               "layer_offset", "head_offset"):
         s[k] = getattr(layout, k)
     s["strip_words"] = layout.strip_bytes // 8
+    if pointers is None:
+        layout.__dict__["_digest_pool"] = s  # a frozen dataclass: its __dict__ holds the cache
     return s
 
 
-def _requests_struct(a) -> np.ndarray:
-    s = np.zeros(1, DIGEST_REQUESTS)
-    for k, v in (("req_pool_indices", a.req_pool_indices), ("starts", a.starts), ("ends", a.ends), ("sample_keys", a.sample_keys),
-                 ("records", a.records), ("expected", a.expected_tokens), ("valid_lens", a.valid_lens), ("seam", a.seam),
-                 ("out", a.out), ("out_of_range", a.out_of_range_count)):
-        s[k] = _ptr(v)
-    s["bs"] = a.starts.shape[0]
-    if a.records is not None:
-        s["rec_num_slots"], s["rec_fields"] = a.records.shape
-    if a.expected_tokens is not None:
-        x = a.expected_tokens
-        s["exp_rows"], s["exp_cols"], s["exp_i64"] = x.shape[0], x.shape[1], int(x.dtype.itemsize == 8)
-        s["exp_row_stride"] = x.strides[0] // x.dtype.itemsize if x.shape[0] > 1 else x.shape[1]
-    s["token_offset"], s["header"], s["signature"] = a.token_offset, a.header, a.signature
-    s["mode"], s["num_layers_total"], s["sample_layers"] = a.mode, a.num_layers_total, a.sample_layers
-    s["window_words"] = a.window_bytes // 8
-    return s
+def requests_struct(a) -> np.ndarray:
+    """DigestRequests of a call, made in one step from its values in field order."""
+    rec, exp = a.records, a.expected_tokens
+    v = {k: _ptr(x) for k, x in (("req_pool_indices", a.req_pool_indices), ("starts", a.starts), ("ends", a.ends),
+                                 ("sample_keys", a.sample_keys), ("records", rec), ("expected", exp),
+                                 ("valid_lens", a.valid_lens), ("seam", a.seam), ("out", a.out),
+                                 ("out_of_range", a.out_of_range_count))}
+    v.update(bs=a.starts.shape[0], rec_num_slots=0, rec_fields=0, exp_rows=0, exp_cols=0, exp_row_stride=0, exp_i64=0,
+             token_offset=a.token_offset, header=a.header, signature=a.signature, mode=a.mode,
+             num_layers_total=a.num_layers_total, sample_layers=a.sample_layers, window_words=a.window_bytes // 8)
+    if rec is not None:
+        v["rec_num_slots"], v["rec_fields"] = rec.shape
+    if exp is not None:
+        v["exp_rows"], v["exp_cols"], v["exp_i64"] = exp.shape[0], exp.shape[1], int(exp.dtype.itemsize == 8)
+        v["exp_row_stride"] = exp.strides[0] // exp.dtype.itemsize if exp.shape[0] > 1 else exp.shape[1]
+    return np.array([tuple(v[k] for k in DIGEST_REQUESTS.names)], DIGEST_REQUESTS)
 
 
-def digest(a) -> None:
+class Launches:
+    """An eager call's kernel launches, packed once: each kernel with the addresses of its
+    parameter record's fields (CuPy reads each argument there at every launch), launched on the
+    caller's stream (torch's current one for torch tensors).  Holds no array: the records hold
+    addresses, which stay valid while the caller's arrays live (:mod:`.memo` checks that)."""
+
+    __slots__ = ("placement", "calls", "records")
+
+    def __init__(self, placement, launches):
+        """``launches``: (kernel name, grid, block, parameter record) tuples, on the current device."""
+        self.placement = placement
+        self.records = tuple({id(r): r for *_, r in launches}.values())  # what the argument addresses point into
+        arguments = {id(r): kernel_arguments(r) for r in self.records}  # digest_init and digest_accumulate share one
+        self.calls = tuple((get_function("digest", name).kernel, grid, block, arguments[id(record)])
+                           for name, grid, block, record in launches)
+
+    def launch(self) -> None:
+        """Launch on CuPy's current stream and device (inside the caller's :func:`launch_stream`)."""
+        for fn, grid, block, args in self.calls:
+            fn(grid, block, args)
+
+    def __call__(self) -> None:
+        with launch_stream(self.placement):
+            self.launch()
+
+
+def digest(a, placement) -> Launches:
+    """digest_init (each request's header and zero sums) then digest_accumulate (a 2-D grid: x
+    spreads a request's positions over the SMs, y walks the requests)."""
     bs = a.starts.shape[0]
     if bs == 0:
-        return
-    params = (_table_struct(a.table), _pool_struct(a.layout), _requests_struct(a))
-    get_function("digest", "kvcanary::digest_init")((-(-bs // THREADS),), (THREADS,), params)
+        return Launches(placement, ())
+    record = np.zeros(1, DIGEST_PARAMS)
+    record["table"], record["pool"], record["requests"] = table_struct(a.table), pool_struct(a.layout), requests_struct(a)
     sms = cuda_device.sm_count(cuda_device.current_id())
     grid_y = min(bs, MAX_GRID_Y)
     grid_x = max(1, min(1024, -(-sms * WARPS_PER_SM // (THREADS // 32) // grid_y)))
-    get_function("digest", "kvcanary::digest_accumulate")((grid_x, grid_y), (THREADS,), params)
+    return Launches(placement, (("kvcanary::digest_init", (-(-bs // THREADS),), (THREADS,), record),
+                                ("kvcanary::digest_accumulate", (grid_x, grid_y), (THREADS,), record)))
 
 
-def verify(expected, actual, out, log, kind: int) -> None:
+def verify(expected, actual, out, log, kind: int, placement) -> Launches:
     n = expected.shape[0]
-    get_function("digest", "kvcanary::digest_verify")((max(1, -(-n // THREADS)),), (THREADS,),
-                                                      (expected, actual, np.int64(n), out, log_struct(log), np.int32(kind)))
+    record = np.zeros(1, VERIFY_PARAMS)
+    record["expected"], record["actual"], record["n"], record["out"] = data_ptr(expected), data_ptr(actual), n, data_ptr(out)
+    record["log"], record["kind"] = log_struct(log), kind
+    return Launches(placement, (("kvcanary::digest_verify", (max(1, -(-n // THREADS)),), (THREADS,), record),))

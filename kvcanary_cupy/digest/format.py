@@ -2,12 +2,13 @@
 
 Everything here is host-side and pure: no array framework, no device.  The numbers are part of
 format version 1; a test pins them (tests/test_digest_format.py) and ``kernels/digest.cu`` repeats
-the ones the kernels use (tests/test_kernels_compile.py keeps both equal).
+the ones the kernels use (tests/cuda/test_kernels_compile.py keeps both equal).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -211,14 +212,18 @@ class DigestSpec:
         layout : KvLayout
             The pool the digest reads.
         """
-        return _fold((DIGEST_FORMAT_VERSION, DIGEST_HASH_ID, dtype_code(layout.dtype), layout.strip_bytes,
-                      layout.num_heads_total, layout.halves, self.num_layers_total, self.sample_layers,
-                      self.window_bytes, int(self.records), self.kv_token_id_vs_position_offset,
-                      int(self.replicated))) | 1
+        return _signature(self, layout.dtype, layout.strip_bytes, layout.num_heads_total, layout.halves)
 
     def flags(self) -> int:
         """The header flags a digest under this spec carries (present, records, full)."""
         return FLAG_PRESENT | (FLAG_RECORDS if self.records else 0) | (FLAG_FULL if self.is_full else 0)
+
+
+@functools.lru_cache(maxsize=256)  # a call's host time: every digest_pages call asks
+def _signature(spec: DigestSpec, dtype: str, strip_bytes: int, num_heads_total: int, halves: int) -> int:
+    return _fold((DIGEST_FORMAT_VERSION, DIGEST_HASH_ID, dtype_code(dtype), strip_bytes, num_heads_total, halves,
+                  spec.num_layers_total, spec.sample_layers, spec.window_bytes, int(spec.records),
+                  spec.kv_token_id_vs_position_offset, int(spec.replicated))) | 1
 
 
 _RECORD = struct.Struct("<IHHQQqqQQQ")

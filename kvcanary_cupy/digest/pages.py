@@ -2,7 +2,8 @@
 
 Checks every argument (shapes, dtypes, devices: no device read), views the caller's arrays
 without copying and hands a :class:`~kvcanary_cupy.digest.reference.DigestArgs` to the NumPy
-reference or the CUDA kernels, on the caller's stream.  Capture-safe with ``out=`` given.
+reference or the CUDA kernels, on the caller's stream.  Capture-safe with ``out=`` given.  A CUDA
+call with the last call's arguments, unchanged, replays its launches without the checks (memo.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from ..validation import I32, I64, check_1d, check_2d_rows, check_contiguous_out
 from . import reference
 from .format import DIGEST_RECORD_FIELDS, DigestRecord, DigestSpec, header_word
 from .layout import KvLayout
+from .memo import LastCall
+
+_LAST_CALL = LastCall()  # digest_pages' last CUDA call, replayed when the same arguments come back (memo.py)
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,12 @@ def digest_pages(layout: KvLayout, table: Any, req_pool_indices: Array | None, s
     >>> int(b.records[0, 7])  # words: 4 positions x 2 layers x 2 halves x 2 heads x 2 words
     64
     """
+    objects = (layout, table, req_pool_indices, starts, ends, spec, sample_keys, records, expected_tokens,
+               expected_tokens_valid_lens, seam, out)
+    replay = None if out is None or strict else _LAST_CALL.get(objects)
+    if replay is not None:  # the same arguments as the last call, unchanged: its checked launches
+        replay()
+        return out
     if not isinstance(layout, KvLayout):
         fail(TypeError, f"layout must be a KvLayout, got {type(layout).__name__}")
     if not isinstance(spec, DigestSpec):
@@ -236,6 +246,7 @@ def digest_pages(layout: KvLayout, table: Any, req_pool_indices: Array | None, s
     xp = array_module(placement)
     with launch_stream(placement):
         v = {k: backend_view(a, k) for k, a in named.items() if k != "layout" and not k.startswith("out.")}
+        copies = not all(x.flags.c_contiguous for x in v.values() if x is not None)  # contiguous_input may copy
         bs = v["starts"].shape[0] if v["starts"].ndim == 1 else -1
         for key in ("starts", "ends", "sample_keys", "req_pool_indices", "expected_tokens_valid_lens", "seam"):
             if v[key] is not None:
@@ -247,6 +258,7 @@ def digest_pages(layout: KvLayout, table: Any, req_pool_indices: Array | None, s
             canary = canary_view(records, "records", written=False)  # the canary buffer's one set of rules
         if receiver:
             check_2d_rows(v["expected_tokens"], "expected_tokens", I32)
+        replayable = out is not None and not strict and not copies
         if out is None:
             refuse_during_capture(placement, "digest_pages with out=None allocates its DigestBatch",
                                   "pass out=DigestBatch.allocate(...) made before capturing")
@@ -267,38 +279,26 @@ def digest_pages(layout: KvLayout, table: Any, req_pool_indices: Array | None, s
         else:
             from . import cuda
 
-            cuda.digest(args)
+            launches = cuda.digest(args, placement)
+            launches.launch()
+            if replayable:
+                _LAST_CALL.put(objects, (), [a for k, a in named.items() if k != "layout" and a is not None], launches)
     return out
 
 
 def _strict_check(a: reference.DigestArgs) -> None:
-    """Digest a host copy and raise on its first out-of-range item (strict=True: a host sync)."""
-    host = a._replace(**{k: (None if v is None else to_numpy(v)) for k, v in a._asdict().items()
-                         if k in ("req_pool_indices", "starts", "ends", "sample_keys", "records", "expected_tokens",
-                                  "valid_lens", "seam")})
-    host = host._replace(table=host.table._replace(**{k: (None if getattr(host.table, k) is None else to_numpy(getattr(host.table, k)))
-                                                      for k in ("entries", "kv_indptr", "virtual_to_physical")}),
-                         out=np.zeros((a.starts.shape[0], 8), np.int64), out_of_range_count=np.zeros(1, np.int64))
-    if host.layout._placement.backend != "numpy":
-        return _strict_ranges(host)
+    """Raise on the first out-of-range request, position or seam lookup (strict=True): the rules of
+    the digest's counter, on host copies of the index arrays (a host sync; the KV is not read)."""
+    names = ("req_pool_indices", "starts", "ends", "sample_keys", "records", "valid_lens", "seam")
+    host = a._replace(**{k: None if getattr(a, k) is None else to_numpy(getattr(a, k)) for k in names},
+                      table=a.table._replace(**{k: None if getattr(a.table, k) is None else to_numpy(getattr(a.table, k))
+                                                for k in ("entries", "kv_indptr", "virtual_to_physical")}))
     for b in range(host.starts.shape[0]):
-        one = host._replace(**{k: getattr(host, k)[b:b + 1] for k in ("starts", "ends", "sample_keys")},
-                            req_pool_indices=None if host.req_pool_indices is None else host.req_pool_indices[b:b + 1],
-                            valid_lens=None if host.valid_lens is None else host.valid_lens[b:b + 1],
-                            seam=None if host.seam is None else host.seam[b:b + 1])
-        if host.table.kind == TableKind.PAGED_KV:  # the row is the batch row: keep b's
-            one = one._replace(table=host.table._replace(kv_indptr=host.table.kv_indptr[b:b + 2]))
-        reference.digest(one)
-        if one.out_of_range_count[0]:
-            fail(ValueError, f"strict: request {b} (positions [{int(host.starts[b])}, {int(host.ends[b])})) has "
-                             f"{int(one.out_of_range_count[0])} out-of-range item(s): its row, range, a slot or its seam")
-
-
-def _strict_ranges(host: reference.DigestArgs) -> None:
-    """On a GPU layout only the request ranges are checked on the host (the KV stays on the device)."""
-    for b in range(host.starts.shape[0]):
-        rp = int(host.req_pool_indices[b]) if host.req_pool_indices is not None else b
-        ok, _, length = reference._row_ok(host.table, rp, b)
-        start, end = int(host.starts[b]), int(host.ends[b])
-        if not (ok and 0 <= start <= end <= length):
-            fail(ValueError, f"strict: request {b} (row {rp}, positions [{start}, {end})) is out of range (row length {length})")
+        at = reference.positions(host, b)
+        where = f"strict: request {b} (positions [{int(host.starts[b])}, {int(host.ends[b])}))"
+        if at is None:
+            fail(ValueError, f"{where} is out of range: its table row, start < 0, start > end or end past its row")
+        if at.skipped:
+            fail(ValueError, f"{where} has {at.skipped} position(s) whose slot is outside the pool or the canary")
+        if a.mode == reference.REC_RECEIVER and at.start < at.end and reference.seam_hash(host, b, at.base, at.start)[1]:
+            fail(ValueError, f"{where}: its seam record (the slot before start) is out of range")

@@ -165,30 +165,53 @@ def _strips(lay, span, w0: int, nw: int) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(words, shape, strides, writeable=False)
 
 
+class Positions(NamedTuple):
+    """What request b digests: its table row (``base``), pool row, range and the positions whose
+    slot is in range, with their slots, and how many items were skipped as out of range."""
+
+    base: int
+    rp: int
+    start: int
+    end: int
+    pos: np.ndarray
+    slot: np.ndarray
+    skipped: int
+
+
+def positions(a: DigestArgs, b: int) -> Positions | None:
+    """Request b's positions, or None when the request is out of range (counted once)."""
+    rp = int(a.req_pool_indices[b]) if a.req_pool_indices is not None else b
+    start, end = int(a.starts[b]), int(a.ends[b])
+    row_ok, base, length = _row_ok(a.table, rp, b)
+    if not (row_ok and 0 <= start <= end <= min(length, DIGEST_MAX_POSITION)):
+        return None
+    pos = np.arange(start, end, dtype=np.int64)
+    slot = resolve_slots(a.table, base, pos)
+    ok = (slot >= 0) & (slot < a.layout.num_slots)
+    if a.records is not None:
+        ok &= slot < a.records.shape[0]
+    return Positions(base, rp, start, end, pos[ok], slot[ok], int(np.count_nonzero(~ok)))
+
+
 def digest(a: DigestArgs) -> None:
     """Fill ``a.out[b]`` for every request b (the wire record's columns) and count skips."""
-    lay, t = a.layout, a.table
-    bs = a.starts.shape[0]
+    lay = a.layout
     strip_words = lay.strip_bytes // 8
     lo_layer, hi_layer = lay.layer_offset, lay.layer_offset + lay.num_layers
     skipped = 0
-    for b in range(bs):
-        rp = int(a.req_pool_indices[b]) if a.req_pool_indices is not None else b
+    for b in range(a.starts.shape[0]):
         start, end, key = int(a.starts[b]), int(a.ends[b]), int(a.sample_keys[b])
-        row_ok, base, length = _row_ok(t, rp, b)
         kv = rec = words = 0
-        if not (row_ok and 0 <= start <= end <= min(length, DIGEST_MAX_POSITION)):
+        at = positions(a, b)
+        if at is None:
             skipped += 1
         elif start < end:
-            pos = np.arange(start, end, dtype=np.int64)
-            slot = resolve_slots(t, base, pos)
-            ok = (slot >= 0) & (slot < lay.num_slots)
-            if a.records is not None:
-                ok &= slot < a.records.shape[0]
-            skipped += int(np.count_nonzero(~ok))
-            pos, slot = pos[ok], slot[ok]
+            skipped += at.skipped
+            pos, slot = at.pos, at.slot
             page, tok = slot // lay.page_size, slot % lay.page_size
             heads = np.arange(lay.num_heads, dtype=np.int64)
+            # the head and position bits of every strip key, shared by all its layers and halves
+            head_pos = ((heads + lay.head_offset).astype(U64) << U64(32))[None, :] | pos.astype(U64)[:, None]
             with np.errstate(over="ignore"):
                 for layer in sampled_layers(key, a.num_layers_total, a.sample_layers):
                     if not lo_layer <= layer < hi_layer:
@@ -197,12 +220,15 @@ def digest(a: DigestArgs) -> None:
                     salt = (np.arange(w0, w0 + nw, dtype=np.uint64) * U64(DIGEST_WORD_STRIDE))[None, None, :]
                     for half in range(lay.halves):
                         data = _strips(lay, lay._spans[layer - lo_layer][half], w0, nw)[page, tok]  # [n, H, nw]
-                        terms = strip_key(layer, half, heads + lay.head_offset, pos[:, None])[:, :, None] + salt
+                        keys = head_pos | U64(layer << 48 | half << 47)
+                        _smix_inplace(keys)
+                        keys ^= U64(DIGEST_SEED)
+                        terms = _smix_inplace(keys)[:, :, None] + salt
                         terms ^= data
                         kv += int(_smix_inplace(terms).sum(dtype=U64))
                         words += data.size
                 if a.mode != REC_NONE:
-                    rec, seam_skipped = _provenance(a, b, base, rp, start, pos, slot)
+                    rec, seam_skipped = _provenance(a, b, at.base, at.rp, start, pos, slot)
                     skipped += seam_skipped
         a.out[b] = [to_signed(v) for v in (a.header, a.signature, key, start, end, kv, rec, words)]
     a.out_of_range_count[0] += skipped
@@ -221,7 +247,7 @@ def _provenance(a: DigestArgs, b: int, base: int, rp: int, start: int, pos, slot
         known = (idx >= 0) & (idx < limit) & (0 <= rp < pool.shape[0])
         tokens = np.where(known, pool[rp if 0 <= rp < pool.shape[0] else 0, np.where(known, idx, 0)].astype(np.int64), -1)
         positions = pos
-        prev, skipped = _seam_hash(a, b, base, start)
+        prev, skipped = seam_hash(a, b, base, start)
     with np.errstate(over="ignore"):
         p = pos.astype(U64)
         terms = smix(tokens.astype(np.int64).view(U64) ^ strip_key(DIGEST_REC_LAYER, 0, 0, p))
@@ -231,7 +257,7 @@ def _provenance(a: DigestArgs, b: int, base: int, rp: int, start: int, pos, slot
     return total & (2**64 - 1), skipped
 
 
-def _seam_hash(a: DigestArgs, b: int, base: int, start: int) -> tuple[int, int]:
+def seam_hash(a: DigestArgs, b: int, base: int, start: int) -> tuple[int, int]:
     """The receiver's chain hash at ``start``: the anchor, or the hash of its own record before it."""
     if a.seam is not None:
         seam = int(a.seam[b])
@@ -295,3 +321,4 @@ def verify(expected, actual, out, log, kind: int) -> None:
     append_rows(log, kind, rows)
     log.slot_run_counters[kind] += n
     log.kernel_run_counters[kind] += 1
+

@@ -17,7 +17,10 @@ from ..tables import TableKind, as_table, table_view
 from ..validation import I32, I64, check_1d, check_contiguous_output, check_int, require
 from . import reference
 from .format import DIGEST_NUM_KINDS, DigestLaunchTag
+from .memo import LastCall
 from .pages import DigestBatch, batch_views
+
+_LAST_CALL = LastCall()  # verify_digest's last CUDA call, replayed when the same arguments come back (memo.py)
 
 
 @public_api
@@ -69,6 +72,11 @@ def verify_digest(expected: DigestBatch, actual: DigestBatch, *, log: ViolationL
     >>> kc.DigestVerdict(int(kc.verify_digest(sent, got, log=log)[0])).name
     'MISMATCH_PROVENANCE'
     """
+    objects = (expected, actual, log, out)
+    replay = None if out is None or strict else _LAST_CALL.get(objects, (type(kernel_kind), kernel_kind))
+    if replay is not None:  # the same arguments as the last call, unchanged: its checked launch
+        replay()
+        return out
     if not isinstance(log, ViolationLog):
         fail(TypeError, f"log must be a ViolationLog, got {type(log).__name__}")
     kind = check_int(kernel_kind, "kernel_kind")
@@ -84,6 +92,7 @@ def verify_digest(expected: DigestBatch, actual: DigestBatch, *, log: ViolationL
         n = e.shape[0]
         if a.shape[0] < n:
             fail(ValueError, f"actual holds {a.shape[0]} rows but expected {n}; digest every expected request")
+        replayable = out is not None and not strict
         if out is None:
             refuse_during_capture(placement, "verify_digest with out=None allocates its verdict array",
                                   "pass out= (int32 [n]) allocated before capturing")
@@ -99,7 +108,12 @@ def verify_digest(expected: DigestBatch, actual: DigestBatch, *, log: ViolationL
         else:
             from . import cuda
 
-            cuda.verify(e, a, ov, lv, kind)
+            launches = cuda.verify(e, a, ov, lv, kind, placement)
+            launches.launch()
+            if replayable:
+                arrays = [expected.records, expected.out_of_range_count, actual.records, actual.out_of_range_count, out,
+                          *log.arrays().values()]
+                _LAST_CALL.put(objects, (type(kernel_kind), kernel_kind), arrays, launches)
     if strict:
         codes = to_numpy(out)[:n]
         bad = np.flatnonzero(codes != 0)
@@ -210,7 +224,9 @@ def restamp(canary: Array, table: Any, req_pool_indices: Array | None, starts: A
             tok = pool[min(max(rp, 0), pool.shape[0] - 1), xp.where(known, idx, 0)].astype(xp.int64)
             slot = xp.where(known, slot, -1)
             missed += int(xp.count_nonzero(slot < 0))
-            ids.append(tok), positions.append(pos), slots.append(slot)
+            ids.append(tok)
+            positions.append(pos)
+            slots.append(slot)
             if host["seam"] is not None:
                 seeds.append(int(host["seam"][b]))
             else:

@@ -18,7 +18,7 @@ import numpy as np
 from ..ops import copy_pages
 from ..plans import RealKvSource
 from ..tables import BlockTable, PagedKvIndices
-from ._hf_layout import Layout, hook_cache, wrap
+from ._hf_layout import FLAT_CACHE, Layout, hook_cache, wrap
 
 #: The label of 5.17's in-place rewrite of a complete, shared block (docs/engines.md).
 SHARED_BLOCK_REWRITE = "engine_rewrote_shared_block"
@@ -75,12 +75,13 @@ class StepCanary:
         self.fingerprinted = tuple(layout.layers[i] for i in chosen)
         i64 = dict(dtype=torch.int64, device=self.device)
         self.session = owner.new_session(layout.num_slots, max_batch_size=max_bs, like=first_k, real_kv_sources=tuple(sources),
-                                         verify_capacity=options.verify_capacity or max(reads, 1),
-                                         sweep_every=options.sweep_every, sweep_source=self._sweep_source if options.sweep_every else None)
+                                         verify_capacity=options.verify_capacity or max(reads, 1))
+        self._sweep_every = options.sweep_every
         self._ext, self._pre = torch.zeros(max_bs, **i64), torch.zeros(max_bs, **i64)
         self._zeros, self._rows = torch.zeros(max_bs + 1, **i64), torch.arange(max_bs, **i64)
         self._ids, self._pos, self._loc = (torch.zeros(max_tokens, **i64) for _ in range(3))
         self._slots = torch.zeros(max_bs, **i64)  # the decode path's write slots
+        self._pages = torch.zeros(tuple(io.block_table.shape[1:]), **i64)  # its block table as canary pages (5.17)
         self._read = torch.zeros(reads, **i64) if layout.slot_offset else None
         width = max(64, layout.block_size)
         self._pool_host = np.zeros((max_bs, width), np.int32)
@@ -110,10 +111,11 @@ class StepCanary:
             original(model, batch_data)
             with self._on_stream():
                 self.session.post_forward()
-                self.owner.label_step(self.step, [fs.state.request_id for fs in self.io.requests_in_batch])
                 self.step += 1
                 self.owner.count("engine_steps")
                 self.session.end_step()
+                if self._sweep_every and self.step % self._sweep_every == 0:
+                    self._sweep()
         return compute_batch
 
     def _shifted(self, x, buffer):
@@ -151,6 +153,8 @@ class StepCanary:
                 table = PagedKvIndices(cu_k, self._shifted(read, self._read), page_size=1)
             rp = None
             loc = self._shifted(batch_data["write_index"][layout.group], self._loc)
+        # widened into the canary's own int64 buffers on the device: the session's bound write launchers
+        # take int64 at full speed (an int32 step would go through the free write, which reads it as it is)
         tokens = loc.shape[0]
         ids, pos = self._ids[:tokens], self._pos[:tokens]
         ids.copy_(batch_data["input_ids"][0, :tokens])
@@ -158,13 +162,14 @@ class StepCanary:
         self._note_rewrites(requests, pasts, tables)
         pool = self._expected(requests, pasts) if self.owner.options.check_expected_tokens else None
         self.session.pre_forward(rp, pre, ext, table, ids, pos, loc, expected_tokens=pool,
-                                 expected_tokens_valid_lens=pre if pool is not None else None)
+                                 expected_tokens_valid_lens=pre if pool is not None else None,
+                                 row_labels=[fs.state.request_id for fs in requests])
 
     def _block_table(self, rows):
         """The decode path's block table as canary pages (5.17: block + page_base; 5.23: already in pages)."""
         base = self.layout.page_base
         if base:
-            out = self._loc[: rows.numel()].view(rows.shape)
+            out = self._pages[: rows.shape[0], : rows.shape[1]]
             self.torch.add(rows, base, out=out)
             rows = out
         return BlockTable(rows, self.layout.block_size, null_block=base - 1)
@@ -181,6 +186,8 @@ class StepCanary:
     def _note_rewrites(self, requests, pasts, tables) -> None:
         """Writes into complete blocks this step (5.17 recomputes a prompt's last token into its cached block)."""
         layout, size = self.layout, self.layout.block_size
+        if layout.version >= FLAT_CACHE or not layout.cache.use_prefix_sharing:  # 5.23 never writes a complete block
+            return
         for fs, past in zip(requests, pasts):
             blocks = tables.get(fs.state.request_id, ())
             end = past + fs.query_length
@@ -229,49 +236,39 @@ class StepCanary:
             copy_pages(buf, buf, src, dst, page_size=layout.block_size)
         self.owner.count("fork_copied_blocks", len(src_blocks))
 
-    def sweep_sequences(self, budget: int):
-        """The prefix cache's complete blocks as root-to-leaf paths (the engine's own parent links), at
-        most ``budget`` slots in all, rotating over sweeps: ``(leaf blocks, pages per path)``."""
-        layout = self.layout
+    def sweep_triples(self, budget: int):
+        """The prefix cache's complete blocks reachable from the root through the engine's own parent
+        links (each with its and its parent's recorded hashes), at most ``budget`` slots, rotating over
+        sweeps: ``(blocks, [(canary page, start position, predecessor slot)])``."""
+        layout, size = self.layout, self.layout.block_size
         hashed = layout.hashed_blocks()
-        known = {}
-        for block in hashed:
-            link = layout.parent(block, hashed)
-            if link is not None:
-                known[block] = link
-        parents = {p for _, p in known.values() if p is not None}
-        paths = []
+        known = {b: link for b in hashed if (link := layout.parent(b, hashed)) is not None}
+        reachable = []
         for block in sorted(known):
-            if block in parents:
-                continue
-            path, b = [], block
-            while b is not None and b in known:
-                path.append(b)
-                b = known[b][1]
-            if b is None and len(path) == known[block][0] + 1:  # reaches the root through complete blocks
-                paths.append((block, path[::-1]))
-        if not paths:
+            b, depth = block, known[block][0]
+            while b is not None and b in known and known[b][0] == depth:
+                b, depth = known[b][1], depth - 1
+            if b is None and depth == -1:
+                reachable.append(block)
+        if not reachable:
             return [], []
-        start = self._sweep_at % len(paths)
-        chosen, used = [], 0
-        for leaf, path in paths[start:] + paths[:start]:
-            if used + len(path) * layout.block_size > budget:
-                break
-            chosen.append((leaf, path))
-            used += len(path) * layout.block_size
+        start = self._sweep_at % len(reachable)
+        chosen = (reachable[start:] + reachable[:start])[: max(budget // size, 0)]
         self._sweep_at = start + len(chosen)
-        return [leaf for leaf, _ in chosen], [p for _, p in chosen]
+        triples = []
+        for b in chosen:
+            depth, parent = known[b]
+            prev = -1 if parent is None else layout.canary_page(parent) * size + size - 1
+            triples.append((layout.canary_page(b), depth * size, prev))
+        return chosen, triples
 
-    def _sweep_source(self):
-        torch, layout = self.torch, self.layout
-        leaves, paths = self.sweep_sequences(self.session.planner.capacities.verify_capacity)
-        if not paths:
-            return None
-        indptr = np.zeros(len(paths) + 1, np.int64)
-        indptr[1:] = np.cumsum([len(p) for p in paths])
-        pages = [layout.canary_page(b) for p in paths for b in p]
-        self.owner.label_sweep(self.step - 1, [f"cached-block-{leaf}" for leaf in leaves])
-        self.owner.count("swept_blocks", len(pages))
-        to = lambda a: torch.as_tensor(np.asarray(a, np.int64)).to(self.device)
-        table = PagedKvIndices(to(indptr), to(pages), page_size=layout.block_size)
-        return None, to([len(p) * layout.block_size for p in paths]), table
+    def _sweep(self) -> None:
+        """Sweep the prefix cache's complete blocks, each once (CanarySession.sweep_blocks)."""
+        blocks, triples = self.sweep_triples(self.session.planner.capacities.verify_capacity)
+        if not triples:
+            return
+        columns = np.asarray(triples, np.int64).T
+        to = (lambda a: self.torch.as_tensor(a).to(self.device)) if self.device.type != "cpu" else (lambda a: a)
+        self.session.sweep_blocks(*(to(np.ascontiguousarray(c)) for c in columns), block_size=self.layout.block_size,
+                                  labels=[f"cached-block-{b}" for b in blocks])
+        self.owner.count("swept_blocks", len(blocks))

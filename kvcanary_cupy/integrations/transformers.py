@@ -10,7 +10,7 @@ manager): each batch processor the manager creates gets a :class:`~kvcanary_cupy
 that verifies, every step, exactly the KV slots the step's attention reads (the CSR form
 ``cu_seq_lens_k`` + ``read_index``, or the decode path's ``block_table``), stamps the slots it
 writes (``write_index``), copies canary rows when a fork copies blocks and, with ``sweep_every``,
-sweeps the prefix cache's complete blocks.  It takes nothing from the engine's allocator and
+sweeps the prefix cache's complete blocks, each once.  It takes nothing from the engine's allocator and
 writes none of the engine's tensors; :meth:`TransformersCanary.detach` (or leaving the ``with``
 block) restores every method it wrapped.  docs/engines.md ("Hugging Face transformers") says what
 is verified, what is not, and which modes are refused.

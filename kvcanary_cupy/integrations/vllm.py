@@ -148,6 +148,12 @@ class VllmCanary(EngineCanary):
         self._prefix, self._extend = (torch.zeros(ib.max_num_reqs, dtype=torch.int64, device=device) for _ in range(2))
         self._lens = torch.zeros(ib.max_num_reqs, dtype=torch.int64)
         self._runner, self._session = runner, session
+        # The prefix cache's blocks, swept every sweep_every steps from (block, start, predecessor)
+        # triples learned from the block tables the steps passed (a cached block nobody holds any more
+        # is in no table); in-process only, where the scheduler's hash map is reachable.
+        self._block_start = np.full(cfg.num_blocks, -1, np.int64)
+        self._block_prev = np.full(cfg.num_blocks, -1, np.int64)
+        self._scheduler = None
         forward = runner._model_forward
 
         def model_forward(*args, **kwargs):
@@ -179,6 +185,8 @@ class VllmCanary(EngineCanary):
         pool = None if self._gpu else ib.token_ids_cpu_tensor
         if pool is not None:
             self._lens[:n].copy_(ib.num_tokens_no_spec_cpu_tensor[:n])
+        if self.options.sweep_every and not self._gpu:
+            self._learn_blocks(bt.block_table.np[:n], ib.num_computed_tokens_cpu[:n] + r.num_scheduled_tokens.np[:n])
         self._session.pre_forward(self._rows[:n], self._prefix[:n], self._extend[:n],
                                   BlockTable(bt.block_table.gpu, self.block_size, null_block=0), self._ids[:tokens],
                                   r.positions[:tokens], bt.slot_mapping.gpu[:tokens], expected_tokens=pool,
@@ -193,6 +201,39 @@ class VllmCanary(EngineCanary):
         except CanaryViolationError as exc:  # raised to the user by check()/detach(), not inside vLLM's step
             self._raised.append(exc)
         self.count("engine_steps")
+        every = self.options.sweep_every
+        if every and self._counts["engine_steps"] % every == 0:
+            self.sweep()
+
+    def _learn_blocks(self, table: np.ndarray, lengths: np.ndarray) -> None:
+        """Each full block of this step's rows: its start position and its predecessor's last slot."""
+        size = self.block_size
+        full = lengths // size
+        width = int(full.max(initial=0))
+        if width == 0:
+            return
+        cols = np.arange(width)
+        held = cols[None, :] < full[:, None]
+        blocks = table[:, :width].astype(np.int64)
+        before = np.concatenate([np.full((len(table), 1), -1, np.int64), blocks[:, :-1] * size + size - 1], axis=1)
+        self._block_start[blocks[held]] = np.broadcast_to(cols * size, blocks.shape)[held]
+        self._block_prev[blocks[held]] = before[held]
+
+    def sweep(self) -> int:
+        """Sweep every block of vLLM's prefix cache whose place is known (between steps; staged like a
+        step, handled by the next step or :meth:`check`); returns the blocks swept."""
+        scheduler = self._scheduler
+        if scheduler is None:
+            return 0
+        cached = scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block._cache.values()
+        ids = sorted({b.block_id for v in cached for b in (v.values() if isinstance(v, dict) else (v,))})
+        blocks = np.array([b for b in ids if 0 < b < len(self._block_start) and self._block_start[b] >= 0], np.int64)
+        if blocks.size == 0:
+            return 0
+        self._session.sweep_blocks(blocks, self._block_start[blocks], self._block_prev[blocks], block_size=self.block_size,
+                                   labels=[f"block {b}" for b in blocks.tolist()])
+        self.count("blocks_swept", int(blocks.size))
+        return int(blocks.size)
 
     def _uninstall(self) -> None:
         runner = getattr(self, "_runner", None)
@@ -254,6 +295,9 @@ class _RemoteCanary(VllmCanary):
         self._rpc = llm.collective_rpc
         # The engine side only records; the user's policy applies here, as check() brings violations back.
         remote = replace(options, on_violation="ignore")
+        if options.sweep_every:
+            logger.warning("kv-canary: no prefix-cache sweeps with vLLM's engine core in another process (its scheduler "
+                           "is out of the worker's reach); sweep_every is ignored")
         self.fingerprinted_layers = self._call("install", pickle.dumps(remote))
         self._seen: set = set()
         self._latest = (ViolationReport((), 0, 0, *(np.zeros(1, np.int64),) * 4, rows_read=0, steps=0), {})
@@ -337,6 +381,6 @@ def attach(llm, **options) -> VllmCanary:
             fail(ValueError, f"kv-canary refuses this vLLM engine: executor {type(executor).__name__} (one in-process worker is supported)")
         worker = getattr(worker, "worker", worker)
         canary = VllmCanary.install(worker.model_runner, opts)
-        canary._scheduler = inner.scheduler
+        canary._scheduler = inner.scheduler  # the prefix cache, for sweeps
         return canary
     return _RemoteCanary(llm, opts)

@@ -10,10 +10,15 @@ from ..backends import get_backend
 from ..binding import check_type, verify_args, verify_setup, write_bound_args, write_setup
 from ..constants import RealKvHashMode
 from ..errors import fail, public_api
-from ..interop import Array, array_module, backend_view
-from ..plans import VerifyPlan, ViolationLog, WritePlan
+from ..interop import Array, array_module, backend_view, common_placement
+from ..log import ViolationLog
+from ..plans import VerifyPlan, WritePlan
 from ..runtime import launch_stream, side_stream
-from ..validation import I64, bool_keyword, check_1d, contiguous_input, require
+from ..validation import I64, bool_keyword, check_1d, check_integer_dtype, contiguous_input, require
+from ..validation_cache import Stamps, call_key, joined_placement, lookup, remember
+
+#: The per-token inputs of a write that may be int32 as well as int64 (each its own dtype).
+TOKEN_INPUTS = ("input_ids", "positions", "out_cache_loc")
 
 
 @public_api
@@ -50,7 +55,7 @@ def write(
         ``num_slots`` (the K and V halves, say) shares one launch; they must not overlap.
     write_plan : WritePlan
         The step's write metadata, from :func:`plan` (or a :class:`CanaryPlanner`).
-    input_ids, positions, out_cache_loc : int64 arrays [T]
+    input_ids, positions, out_cache_loc : int64 or int32 arrays [T] (each its own)
         The step's new tokens, their positions and their KV slots, flat over the batch (request r
         owns ``[write_offsets[r], write_offsets[r+1])``; T may include padded tokens).
     log : ViolationLog
@@ -110,17 +115,32 @@ def write(
         "expected_input_tokens": expected_input_tokens,
         "expected_input_positions": expected_input_positions,
     }
-    placement, context, _ = write_setup(canary_buf, write_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode,
-                                         chain_position_assert, tokens)
+    stamps = Stamps()
+    key = call_key(*_long_lived_stamps(stamps, canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode),
+                   stamps.record(write_plan), stamps.value(chain_position_assert))
+    hit = lookup(write_plan, key)
+    placement = hit and joined_placement(hit[0], tokens)
+    if placement is None:  # first sight, a change, or tokens placed elsewhere: the full checks
+        hit = None
+        placement, context, named = write_setup(canary_buf, write_plan, log, kernel_kind, real_kv_sources,
+                                                real_kv_hash_mode, chain_position_assert, tokens)
     xp = array_module(placement)
 
     with launch_stream(placement):
-        args = write_bound_args(write_plan, log, chain_position_assert, context, xp)
+        if hit is None:
+            args = write_bound_args(write_plan, log, chain_position_assert, context, xp)
+            remember(write_plan, key, stamps, (common_placement(named), args))
+        else:
+            args = hit[1]
         views = {}
         for key, arr in tokens.items():
             if arr is not None:
                 view = backend_view(arr, key)
-                check_1d(view, key, I64, views["input_ids"].shape[0] if views else None, length_name="len(input_ids)")
+                # the step's own tokens, positions and slots may be int32 (as transformers builds them): read as they are
+                if key in TOKEN_INPUTS:
+                    check_integer_dtype(view, key)
+                dtype = view.dtype if key in TOKEN_INPUTS else I64
+                check_1d(view, key, dtype, views["input_ids"].shape[0] if views else None, length_name="len(input_ids)")
                 views[key] = view
         # On a side stream, strided inputs are copied there too: the copies' memory then returns to
         # the side stream's pool, so nothing queued on the caller's stream reuses it before the write.
@@ -214,10 +234,26 @@ def verify(
     check_type(verify_plan, "verify_plan", VerifyPlan)  # None would mean plan_and_verify's call below
     check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
                                         "check_expected_token")
-    placement, context, _ = verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode,
-                                          check_expected_token, check_holes=check_holes)
+    stamps = Stamps()
+    key = call_key(*_long_lived_stamps(stamps, canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode),
+                   stamps.record(verify_plan), stamps.value(check_expected_token), stamps.value(check_holes))
+    hit = lookup(verify_plan, key)
+    if hit is None:  # first sight or a change: the full checks
+        placement, context, _ = verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources,
+                                             real_kv_hash_mode, check_expected_token, check_holes=check_holes)
+    else:
+        placement, args = hit
     with launch_stream(placement):
-        args = verify_args(verify_plan, log, check_expected_token, context, array_module(placement), check_holes)
+        if hit is None:
+            args = verify_args(verify_plan, log, check_expected_token, context, array_module(placement), check_holes)
+            remember(verify_plan, key, stamps, (placement, args))
         if strict:
             strict_checks.check_verify(args)
         get_backend(placement.backend).verify(args)
+
+
+def _long_lived_stamps(stamps: Stamps, canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode) -> tuple:
+    """The stamps of what write and verify share: the canary buffers, the log, the launch kinds,
+    the real-KV sources (a call with sources is not remembered: they stamp as None) and the mode."""
+    return (stamps.value(canary_buf), stamps.record(log), stamps.value(kernel_kind), stamps.value(real_kv_sources),
+            stamps.value(real_kv_hash_mode))

@@ -15,11 +15,13 @@ from ..binding import check_type, lut_view, log_views, plan_views, record_arrays
 from ..constants import RealKvHashMode
 from ..errors import CanaryCapacityWarning, fail, public_api
 from ..interop import Array, array_module, backend_view, common_placement, import_cupy
-from ..plans import RealKvSource, VerifyPlan, ViolationLog, WritePlan, is_clean, mark_clean, scan_state
+from ..log import ViolationLog
+from ..plans import RealKvSource, VerifyPlan, WritePlan, is_clean, mark_clean, scan_state
 from ..runtime import is_capturing, launch_stream, refuse_during_capture
 from ..tables import ReqToToken, TableKind, as_table, table_view
 from ..validation import (I32, I64, bool_keyword, check_1d, check_2d_rows, check_count, check_int64, contiguous_input,
                           require)
+from .plan_cache import remember_plan, remembered_plan, replan
 
 
 class _PlanCall(NamedTuple):
@@ -234,18 +236,29 @@ def plan(
     >>> int(vp.verify_num_valid[0]), vp.verify_slot_indices[:3].tolist(), wp.write_seed_slot_indices.tolist()
     (7, [32, 33, 34], [38])
     """
-    c = _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, swa_window_size,
-                   full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
-                   kv_token_id_vs_position_offset, out, "plan")
-    placement = common_placement(c.named)
+    step = {"req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens, "extend_seq_lens": extend_seq_lens,
+            "req_to_verify_expected_tokens_valid_lens": req_to_verify_expected_tokens_valid_lens}
+    key, stamps, hit, placement = remembered_plan(table, out, step, verify_capacity, write_req_capacity, swa_window_size,
+                                                  full_to_swa_index_mapping, req_to_verify_expected_tokens,
+                                                  kv_token_id_vs_position_offset)
+    if placement is None:  # first sight, a change, or per-step arrays the full checks must report on
+        c = _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, swa_window_size,
+                       full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+                       kv_token_id_vs_position_offset, out, "plan")
+        placement = common_placement(c.named)
     with launch_stream(placement):
-        args, vp, wp = _plan_args(c, write_req_capacity, out, placement, array_module(placement),
-                                  lambda bs: c.verify_capacity, "plan")
+        if hit is None:
+            args, vp, wp = _plan_args(c, write_req_capacity, out, placement, array_module(placement),
+                                      lambda bs: c.verify_capacity, "plan")
+            remember_plan(wp, key, stamps, c.named, step, args, c.verify_capacity)
+        else:
+            vp, wp = out
+            args = replan(hit[1], step, wp, array_module(placement))
         if strict:
             strict_checks.check_plan(args)
         get_backend(placement.backend).plan(args)
         mark_clean(wp)
-        _note_overflow(vp, args.out.enable, placement, c.verify_capacity)
+        _note_overflow(vp, args.out.enable, placement, c.verify_capacity if hit is None else hit[2])
     return vp, wp
 
 
@@ -409,8 +422,7 @@ def plan_and_verify(
                                   **dict.fromkeys(VERIFY_ENTRY_FIELDS),
                                   verify_num_valid=args.out.verify_num_valid, enable=args.out.enable,
                                   check_expected_token=bool(check_expected_token), check_holes=bool(check_holes),
-                                  real_kv_hash_mode=context.mode,
-                                  log=log_views(log))
+                                  real_kv_hash_mode=context.mode, log=log_views(log))
         if strict:
             strict_checks.check_plan(args, verify_capacity=c.verify_capacity)
         backend.plan_verify(PlanVerifyArgs(args, fused_verify, c.verify_capacity))

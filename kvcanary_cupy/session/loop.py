@@ -6,7 +6,6 @@ policy in :mod:`.violations`; docs/guide.md ("Using the canary in an engine") ex
 from __future__ import annotations
 
 import collections
-import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -17,15 +16,17 @@ from ..args import StageLayout
 from ..backends import get_backend
 from ..constants import DEFAULT_RING_CAPACITY, CanaryLaunchTag, FailReason, RealKvHashMode
 from ..distributed import RankReducer
-from ..errors import CanaryUsageError, fail, public_api, trimmed_argument_error
+from ..errors import CanaryUsageError, fail, public_api
 from ..interop import Array, allocate, import_cupy, placement_of
-from ..launchers import VerifyLauncher, WriteLauncher
+from .. import coverage
+from ..launchers import VerifyLauncher, WriteLauncher, WriteWaves
 from ..planner import CanaryCapacities, CanaryPlanner
 from ..plans import allocate_canary_buffer, check_num_sources
-from ..reporting import ViolationReport, reason_name
+from ..reporting import reason_name
 from ..same_step import SameStepReads, resolve_same_step_reads
 from ..validation import I64, INT32_MAX, check_count, check_int
 from .staging import STAGED_RECORDS, StagingMixin, _CudaTransport, _HostTransport
+from .sweep import SweepMixin, _checked_labels, _length, _one_of
 from .violations import POLICIES, RING_GROUPS, ViolationsMixin, _group_logs
 
 
@@ -40,40 +41,7 @@ _TAGS = {  # (head, tail, sweep) launch tags of a FULL and of an SWA session
 _STEP_ORDER = "pre_forward(), post_forward(), end_step() per step"
 
 
-def _one_of(alias, value, alias_name: str, name: str):
-    """An argument given under either of its two spellings (both: only if they are the same array)."""
-    if alias is None:
-        return value
-    if value is not None and value is not alias:
-        fail(ValueError, f"{alias_name} and {name} are two spellings of one argument; pass one")
-    return alias
-
-
-def _length(x, name: str) -> int:
-    shape = getattr(x, "shape", None)
-    if shape is None:
-        fail(TypeError, f"{name} must be a NumPy array, a CuPy array or a PyTorch tensor, got {type(x).__name__}")
-    if len(shape) != 1:
-        fail(ValueError, f"{name} must be 1-D, got shape {tuple(shape)}")
-    return int(shape[0])
-
-
-def _checked_labels(labels, n: int):
-    """The labels of ``n`` batch rows (the first ``n`` of ``labels``) as a tuple (None: none given)."""
-    if labels is None:
-        return None
-    if isinstance(labels, (str, bytes)) or not hasattr(labels, "__len__"):
-        fail(TypeError, f"row_labels must be a sequence of int or str (one per batch row), got {type(labels).__name__}")
-    if len(labels) < n:
-        fail(ValueError, f"row_labels must name every batch row: {n} rows (len(prefix_lens)), got {len(labels)} labels")
-    labels = tuple(x.item() if isinstance(x, np.generic) else x for x in labels[:n])
-    for x in labels:
-        if isinstance(x, bool) or not isinstance(x, (int, str)):
-            fail(TypeError, f"row_labels must be ints or strs, got {type(x).__name__} {x!r}")
-    return labels
-
-
-class CanarySession(StagingMixin, ViolationsMixin):
+class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
     """The canary of one KV pool group inside an engine's step loop.
 
     ``num_slots`` canary slots (slot 0 is the padding slot) in a HEAD buffer (chain-only, checked
@@ -128,10 +96,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
         pass; ``post_forward`` joins it, so both must be captured in the same CUDA graph (pass
         False to capture them apart).
     check_holes : bool
-        Report a position a step (or sweep) reads whose table entry addresses the padding slot
-        (``VERIFY_TABLE_HOLE``, ``check_holes`` of :func:`verify`); False keeps SGLang's rule
-        (skipped unseen).  Off with ``same_step_reads``, which marks the entries it verified as
-        written with the padding slot (:attr:`check_holes` says what the session does).
+        Report reads whose table entry is the padding slot (:func:`verify`'s ``check_holes``);
+        False: SGLang's rule.  Off with ``same_step_reads`` (docs/guide.md, "Containment").
     same_step_reads : bool
         The engine lets a request read, in the same step, slots another request writes (vLLM's
         prefix cache matches blocks at scheduling time): each step runs
@@ -155,6 +121,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
     allow_default_group : bool
         Accept the default (WORLD) group as ``process_group``: only when nothing else (the model,
         a KV transfer) issues collectives on it.
+    deep_kv_sources, deep_check_slots, check_lost_stores, max_step_tokens
+        The coverage past the record, off by default: :func:`kvcanary_cupy.coverage.build`.
 
     Raises
     ------
@@ -183,12 +151,13 @@ class CanarySession(StagingMixin, ViolationsMixin):
     """
 
     @public_api
-    def __init__(self, num_slots, *, max_batch_size=None, verify_capacity=None, like=None,
-                 ring_capacity=DEFAULT_RING_CAPACITY, on_violation="raise", swa_window_size=0,
-                 full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0, real_kv_sources=(),
-                 real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
+    def __init__(self, num_slots, *, max_batch_size=None, verify_capacity=None, like=None, ring_capacity=DEFAULT_RING_CAPACITY,
+                 on_violation="raise", swa_window_size=0, full_to_swa_index_mapping=None, kv_token_id_vs_position_offset=0,
+                 real_kv_sources=(), real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
                  sweep_source=None, overlap_head_write=True, write_req_capacity=None, process_group=None,
-                 reduce_every=1, replicated_kv=False, allow_default_group=False, same_step_reads=False, check_holes=True):
+                 reduce_every=1, replicated_kv=False, allow_default_group=False, same_step_reads=False,
+                 deep_kv_sources=(), deep_check_slots=None, check_lost_stores=False, max_step_tokens=None,
+                 check_holes=True):
         num_slots = check_count(num_slots, "num_slots", maximum=2**62)
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
@@ -234,8 +203,6 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self.num_slots = num_slots
         self.on_violation = on_violation
         self.check_expected_tokens = bool(check_expected_tokens)
-        # same_step_reads marks an entry verified as written with the padding slot, which a hole
-        # check would report: the two do not compose yet (docs/guide.md, "Containment")
         self.check_holes = bool(check_holes) and not same_step_reads
         self.sweep_source = sweep_source
         self.head_tag, self.tail_tag, self.sweep_tag = _TAGS[window > 0]
@@ -244,7 +211,7 @@ class CanarySession(StagingMixin, ViolationsMixin):
                                      kv_token_id_vs_position_offset=kv_token_id_vs_position_offset)
         self.planner = CanaryPlanner(capacities, like=like, **self._planner_options)
         self.head_canary = allocate_canary_buffer(num_slots, like=like)
-        self.tail_canary = allocate_canary_buffer(num_slots, like=like)
+        self.tail_canary = coverage.tail_buffer(num_slots, deep_kv_sources, like)
         self.log, self._group_logs = _group_logs(ring_capacity, like)
         self._layout = StageLayout(self.log.num_kinds, self.log.capacity, attribution_capacity=ring_capacity)
         self._marks = allocate((num_slots,), np.int64, like=like, fill=0)
@@ -276,12 +243,13 @@ class CanarySession(StagingMixin, ViolationsMixin):
         if same_step_reads:  # one write launch per wave, each in both buffers
             self.same_step = SameStepReads.allocate(num_slots, self.max_batch_size, like=like)
             waves = self.same_step.wave_plans(wp)
-            self._tail_write = _Waves([WriteLauncher(self.tail_canary, w, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
+            self._tail_write = WriteWaves([WriteLauncher(self.tail_canary, w, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
                                        for w in waves])
-            self._head_write = _Waves([WriteLauncher(self.head_canary, w, log=head_log, kernel_kind=self.head_tag,
+            self._head_write = WriteWaves([WriteLauncher(self.head_canary, w, log=head_log, kernel_kind=self.head_tag,
                                                      stream=self._head_write_stream) for w in waves])
         self._row_labels = None  # the engine's labels of this step's batch rows (pre_forward's row_labels)
         self._head_write_unjoined = False
+        self.coverage = coverage.build(self, like, deep_kv_sources, deep_check_slots, check_lost_stores, max_step_tokens)
 
         self._stamp = 0
         self._step_inputs = None  # (input_ids, positions, out_cache_loc) between pre_ and post_forward
@@ -332,19 +300,19 @@ class CanarySession(StagingMixin, ViolationsMixin):
         ----------
         req_pool_indices, prefix_lens, extend_seq_lens, table
             As for :func:`plan`; ``len(prefix_lens)`` at most ``max_batch_size``.
-        input_ids, positions, out_cache_loc : int64 arrays [T]
-            As for :func:`write`.
+        input_ids, positions, out_cache_loc : int64 or int32 arrays [T]
+            As for :func:`write` (int32 ones, as transformers builds them, are read as they are;
+            the bound launchers' fastest path takes int64).
         expected_tokens, expected_tokens_valid_lens : optional
             The expected-token pool and its valid lengths, checked when the session was built
             with ``check_expected_tokens``.
         req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens : optional
             The same two arrays under :func:`plan`'s names; give either spelling of each.
         row_labels : sequence of int or str, optional
-            The engine's name of each batch row this step (its request id; at least
-            ``len(prefix_lens)`` of them, the first ones used): the violations the step's verify
-            finds carry the labels of the rows that read them (``request_ids``, and every read in
-            ``Violation.readers``), so reports name requests even when rows move between steps.
-            Copied (a host-side sequence: no device work, capture-safe).
+            The engine's name of each batch row (its request id; the first ``len(prefix_lens)``
+            used): the step's violations carry the labels of the rows that read them
+            (``request_ids``, ``Violation.readers``), so reports name requests even when rows
+            move between steps.  Copied (host-side: no device work, capture-safe).
 
         Raises
         ------
@@ -364,8 +332,8 @@ class CanarySession(StagingMixin, ViolationsMixin):
             if n != tokens:
                 fail(ValueError, f"{name} length must be len(input_ids)={tokens}, got {n}")
             dtype = x.dtype
-            if dtype is not I64 and str(dtype) not in ("int64", "torch.int64"):  # str() of a NumPy dtype costs ~1.5 us
-                fail(TypeError, f"{name} must have dtype int64, got {dtype}")
+            if dtype is not I64 and str(dtype) not in ("int64", "torch.int64", "int32", "torch.int32"):  # str() of a NumPy dtype costs ~1.5 us
+                fail(TypeError, f"{name} must have dtype int32 or int64, got {dtype}")
         self._join_head_write()  # a post_forward that raised may have left the HEAD write unjoined
         if self.distributed is not None:
             self.distributed.note_table(table)
@@ -382,6 +350,7 @@ class CanarySession(StagingMixin, ViolationsMixin):
         self._head_verify()
         self._head_write(input_ids, positions, out_cache_loc)
         self._head_write_unjoined = self._head_write_stream is not None
+        self.coverage.before_forward(out_cache_loc)
         self._step_inputs = (input_ids, positions, out_cache_loc)
         self._step_open = True
 
@@ -394,7 +363,7 @@ class CanarySession(StagingMixin, ViolationsMixin):
         if self._step_inputs is None:
             fail(CanaryUsageError, f"post_forward() needs a pre_forward() of the same step before it; call {_STEP_ORDER}")
         self._tail_verify()
-        self._tail_write(*self._step_inputs)
+        self.coverage.tail_write(self._tail_write, self._step_inputs, self._join_head_write)
         self._join_head_write()
         self._step_inputs = None
 
@@ -451,105 +420,4 @@ class CanarySession(StagingMixin, ViolationsMixin):
                 self.distributed.check(self)
             return self._out_of_range_skipped()
 
-    @public_api
-    def sweep(self, req_pool_indices: Array | None, seq_lens: Array, table: Any, *, row_labels=None) -> None:
-        """Verify (TAIL buffer, real KV, no token check) every slot of the given cached sequences.
-
-        ``seq_lens`` (int64 ``[n]``, ``n <= max_batch_size``): sequence i covers positions ``[0,
-        seq_lens[i])`` of table row ``req_pool_indices[i]`` (the window's end only, for SWA); ``table`` is anything :func:`plan` takes
-        (``req_pool_indices`` None with a :class:`PagedKvIndices`).  Outside graphs, between
-        ``end_step`` and the next ``pre_forward``; staged like a step and handled by the next
-        ``end_step``/``check``.  A violation's ``batch_rows`` are indices into these sequences;
-        ``row_labels`` (one per sequence, as :meth:`pre_forward`'s) name them in its ``readers``.
-        """
-        self._refuse_in_policy("sweep")
-        stream = self._launch_stream("sweep")
-        if self._step_open:
-            fail(CanaryUsageError, "sweep() between pre_forward() and end_step() would mix the sweep's violations with the "
-                               "step's; call it after end_step()")
-        n = _length(seq_lens, "seq_lens")  # req_pool_indices is None with a PagedKvIndices table
-        labels = _checked_labels(row_labels, n)
-        planner = self._sweep_planner_for(n)
-        renamed = None
-        try:
-            planner.plan(req_pool_indices, seq_lens, self._sweep_zeros[:n], table)
-        except (TypeError, ValueError) as exc:  # the planner calls seq_lens prefix_lens: name the caller's
-            message = str(exc).removeprefix("kv-canary: ")
-            if trimmed_argument_error(exc) is None or "prefix_lens" not in message:
-                raise
-            renamed = type(exc), re.sub(r"\bprefix_lens\b", "seq_lens", message)
-        if renamed is not None:
-            fail(*renamed)  # outside the except block: no "during handling" chain
-        self._sweep_verify()
-        with self._handling:
-            self._stats["sweeps"] += 1
-            self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream, labels)
-
-    def gather_report(self, dst: int = 0) -> ViolationReport | None:
-        """Every rank's :meth:`report` merged (:meth:`ViolationReport.merge`) on rank ``dst`` of the
-        session's ``process_group``; None on the other ranks.
-
-        A blocking collective outside the step loop: every rank must call it.  Each violation
-        carries its ``rank`` and ``device``.
-        """
-        if self.distributed is None:
-            fail(CanaryUsageError, "gather_report() needs a session built with a process_group")
-        dst = check_int(dst, "dst", minimum=0)
-        if dst >= self.distributed.world_size:
-            fail(ValueError, f"dst must be a rank of the process_group (< {self.distributed.world_size}), got {dst}")
-        return self.distributed.gather_report(self.report(), dst)
-
-    @property
-    def overlap_head_write(self) -> bool:
-        """Whether the HEAD write runs on the session's side stream (GPU sessions built with
-        ``overlap_head_write=True``); fixed at construction."""
-        return self._head_write_stream is not None
-
-    def __repr__(self) -> str:
-        s = self.stats
-        c = self.planner.capacities
-        policy = self.on_violation if isinstance(self.on_violation, str) else "callable"
-        window = f", swa_window_size={self.planner.swa_window_size}" if self.planner.swa_window_size else ""
-        return (f"CanarySession(num_slots={self.num_slots}, on={self._placement.describe()}, "
-                f"max_batch_size={self.max_batch_size}, verify_capacity={c.verify_capacity}, "
-                f"ring_capacity={self.log.capacity // len(RING_GROUPS)}, on_violation={policy!r}{window}, "
-                f"steps={s['steps']}, violations={s['violations']}, distinct={s['distinct_violations']})")
-
     # -- internals ---------------------------------------------------------------------------------
-
-    def _join_head_write(self) -> None:
-        """The step's stream waits for the HEAD write queued on the side stream (when one is)."""
-        if self._head_write_unjoined:
-            self._head_write.join()
-            self._head_write_unjoined = False
-
-    def _sweep_planner_for(self, bs: int) -> CanaryPlanner:
-        """The sweep's own plan buffers, grown (to a power of two) when a sweep has more sequences."""
-        planner = self._sweep_planner
-        if planner is None or planner.capacities.write_req_capacity < bs:
-            capacity = max(64, 1 << max(bs - 1, 0).bit_length())
-            capacities = CanaryCapacities(self.planner.capacities.verify_capacity, capacity)
-            grown = CanaryPlanner(capacities, like=self._like, **self._planner_options)
-            if planner is not None:  # the out-of-range count carries on (on the device, in stream order)
-                grown.verify_plan.out_of_range_count[...] = planner.verify_plan.out_of_range_count
-            planner = self._sweep_planner = grown
-            self._sweep_zeros = allocate((capacity,), np.int64, like=self._like, fill=0)
-            self._sweep_stager = self._stager(planner)
-            self._sweep_verify = VerifyLauncher(self.tail_canary, planner.verify_plan, log=self._group_logs["sweep"],
-                                                kernel_kind=self.sweep_tag, check_holes=self.check_holes, **self._kv)
-        return planner
-
-
-
-class _Waves:
-    """The write launchers of a step's waves, called in order as one."""
-
-    def __init__(self, launchers):
-        self.launchers = launchers
-
-    def __call__(self, *args) -> None:
-        for launcher in self.launchers:
-            launcher(*args)
-
-    def join(self) -> None:
-        self.launchers[-1].join()  # one side stream: the last wave's join covers the others

@@ -27,16 +27,16 @@ class _Record:
     """One staged record: ``host`` (what the session reads; pinned memory on a GPU) and ``head``,
     its header and counters as one view; ``target``, what the staging writes (the host record
     itself on the CPU, a device record on a GPU) and ``staging``, how the stager takes it (the
-    array, or the device address); the ``event`` of its copy; and, while in flight, the ``kind``
+    array, or the device address); the ``event`` of its copy; and, while in flight, the ``origin``
     ("step" or "sweep"), ``step`` (0-based; a sweep: of the last step ended before it),
     ``stamp`` and ``labels`` (the engine's row labels, or None) of the staging."""
 
-    __slots__ = ("host", "head", "target", "staging", "host_ptr", "event", "kind", "step", "stamp", "labels")
+    __slots__ = ("host", "head", "target", "staging", "host_ptr", "event", "origin", "step", "stamp", "labels")
 
     def __init__(self, host, layout: StageLayout, target, staging, event=None):
         self.host, self.head, self.target, self.staging, self.event = host, host[: layout.ring], target, staging, event
         self.host_ptr = host.ctypes.data
-        self.kind, self.step, self.stamp, self.labels = None, -1, 0, None
+        self.origin, self.step, self.stamp, self.labels = None, -1, 0, None
 
 
 class _HostTransport:
@@ -136,6 +136,18 @@ class StagingMixin:
                                "memory); capture only pre_forward() and post_forward()")
         return stream
 
+    @property
+    def overlap_head_write(self) -> bool:
+        """Whether the HEAD write runs on the session's side stream (GPU sessions built with
+        ``overlap_head_write=True``); fixed at construction."""
+        return self._head_write_stream is not None
+
+    def _join_head_write(self) -> None:
+        """The step's stream waits for the HEAD write queued on the side stream (when one is)."""
+        if self._head_write_unjoined:
+            self._head_write.join()
+            self._head_write_unjoined = False
+
     def _stager(self, planner: CanaryPlanner):
         """The backend's staging of the log against ``planner``'s plan, its arguments viewed once."""
         view = lambda x, name: backend_view(x, name, writable=True)
@@ -152,7 +164,7 @@ class StagingMixin:
         )
         return self._backend.prepare_stage(args)
 
-    def _stage(self, kind: str, step: int, stager, stream, labels=None) -> None:
+    def _stage(self, origin: str, step: int, stager, stream, labels=None) -> None:
         """Stage into a free record; it joins the pending ones only once its staging was queued, so
         an exception (an interrupt) on the way leaves it free and the log to the next staging."""
         if not self._free:  # every record is in flight: the host ran STAGED_RECORDS stagings ahead of the device
@@ -161,7 +173,7 @@ class StagingMixin:
             self._handle_oldest()  # its results reach the policy with this end_step's (or the next one's)
         record = self._free[-1]
         self._stamp += 1  # a stamp is never reused, even by a staging that failed
-        record.kind, record.step, record.stamp, record.labels = kind, step, self._stamp, labels
+        record.origin, record.step, record.stamp, record.labels = origin, step, self._stamp, labels
         self._transport.stage(stager, record, self._stamp, stream)
         with self._lock:
             self._pending.append(self._free.pop())
@@ -180,5 +192,5 @@ class StagingMixin:
         with self._lock:
             self._commit(record, *decoded)
             self._free.append(self._pending.popleft())
-        self._warn_after(record.kind)
+        self._warn_after(record.origin)
 

@@ -20,9 +20,10 @@ from ..args import ATTRIBUTION, STAGE_HEADER, STAGE_HEADER_FIELDS
 from ..constants import FailReason
 from ..errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError, CanaryViolationError, fail
 from ..interop import allocate
+from ..log import ViolationLog
 from ..planner import CanaryCapacityWarning
-from ..plans import ViolationLog
 from ..reporting import Reader, Violation, ViolationReport, reason_name, tag_name
+from ..validation import check_int
 
 if TYPE_CHECKING:
     from .staging import _Record
@@ -95,7 +96,7 @@ class ViolationsMixin:
             counters = self._counter_arrays()
             total = int(counters[0].sum())
             s.update(
-                pending_steps=sum(r.kind == "step" for r in self._pending),
+                pending_steps=sum(r.origin == "step" for r in self._pending),
                 violations=total,
                 distinct_violations=len(self._distinct),
                 violations_by_reason={k: n for k, n in self._rows_by_reason.items() if n},
@@ -107,6 +108,38 @@ class ViolationsMixin:
             counts = self.same_step.counts()
             s.update(same_step_verified=counts["verified_as_written"], same_step_deeper=counts["deeper_than_waves"])
         return s
+
+    def close(self) -> None:
+        """Stop the ``process_group`` reductions' worker thread (after the reduction it runs); a
+        no-op without a group, idempotent.  Call :meth:`check` on every rank first: a reduction
+        not read yet is never judged.  Dropping the session, or the interpreter exiting, does the same.
+        """
+        if self.distributed is not None:
+            self.distributed.close()
+
+    def gather_report(self, dst: int = 0) -> ViolationReport | None:
+        """Every rank's :meth:`report` merged (:meth:`ViolationReport.merge`) on rank ``dst`` of the
+        session's ``process_group``; None on the other ranks.
+
+        A blocking collective outside the step loop: every rank must call it.  Each violation
+        carries its ``rank`` and ``device``.
+        """
+        if self.distributed is None:
+            fail(CanaryUsageError, "gather_report() needs a session built with a process_group")
+        dst = check_int(dst, "dst", minimum=0)
+        if dst >= self.distributed.world_size:
+            fail(ValueError, f"dst must be a rank of the process_group (< {self.distributed.world_size}), got {dst}")
+        return self.distributed.gather_report(self.report(), dst)
+
+    def __repr__(self) -> str:
+        s = self.stats
+        c = self.planner.capacities
+        policy = self.on_violation if isinstance(self.on_violation, str) else "callable"
+        window = f", swa_window_size={self.planner.swa_window_size}" if self.planner.swa_window_size else ""
+        return (f"CanarySession(num_slots={self.num_slots}, on={self._placement.describe()}, "
+                f"max_batch_size={self.max_batch_size}, verify_capacity={c.verify_capacity}, "
+                f"ring_capacity={self.log.capacity // len(RING_GROUPS)}, on_violation={policy!r}{window}, "
+                f"steps={s['steps']}, violations={s['violations']}, distinct={s['distinct_violations']})")
 
     def _refuse_in_policy(self, what: str) -> None:
         if self._in_policy:
@@ -121,12 +154,12 @@ class ViolationsMixin:
         """What handling ``record`` adds: ``(head, stats increments, health problem or None, rows
         per reason, key -> [new Violation or None, rows])``."""
         head = record.head.tolist()  # the header and the exact int64 counters, in one read
-        kind, add, problem = record.kind, collections.Counter(), None
+        origin, add, problem = record.origin, collections.Counter(), None
         if head[_ENABLE] == 0:
-            add[f"verify_skipped_{kind}s"] += 1
+            add[f"verify_skipped_{origin}s"] += 1
         else:
             add["verified_entries"] += max(head[_NUM_VALID], 0)
-        if kind == "step":
+        if origin == "step":
             runs, before = (head[self._runs_at[0]], head[self._runs_at[1]]), self._runs_at_last_step
             if runs[0] <= before[0] or runs[1] <= before[1]:
                 stalled = [tag.name for tag, now, was in zip((self.head_tag, self.tail_tag), runs, before) if now <= was]
@@ -175,8 +208,8 @@ class ViolationsMixin:
         """Apply one decoded record (under the lock): plain assignments and dict updates only."""
         stats, distinct, step = self._stats, self._distinct, record.step
         self._latest = head
-        self._plan_out_of_range[record.kind] = head[_PLAN_OUT_OF_RANGE]
-        if record.kind == "step":
+        self._plan_out_of_range[record.origin] = head[_PLAN_OUT_OF_RANGE]
+        if record.origin == "step":
             self._runs_at_last_step = (head[self._runs_at[0]], head[self._runs_at[1]])
         for k, n in add.items():
             stats[k] += n
@@ -215,17 +248,18 @@ class ViolationsMixin:
             entry[4] += dropped
             self._stats["dropped_readers"] += dropped
 
-    def _warn_after(self, kind: str) -> None:
+    def _warn_after(self, origin: str) -> None:
         """The session's one-time warnings, once the record that calls for them is handled."""
-        if not self._capacity_warned and self._stats[f"verify_skipped_{kind}s"]:
+        if not self._capacity_warned and self._stats[f"verify_skipped_{origin}s"]:
             self._capacity_warned = True
-            _warn(f"kv-canary: a {kind}'s verify plan overflowed verify_capacity={self.planner.capacities.verify_capacity}, "
+            _warn(f"kv-canary: a {origin}'s verify plan overflowed verify_capacity={self.planner.capacities.verify_capacity}, "
                   "so its verify was skipped; further skips are counted in session.stats['verify_skipped_steps'/'_sweeps']. "
                   "Raise verify_capacity.", CanaryCapacityWarning)
         if not self._coverage_warned and self._out_of_range_skipped():
             self._coverage_warned = True
             _warn(f"kv-canary: {self._out_of_range_skipped()} plan inputs or kernel items were out of range of the "
-                  f"canary (slots past num_slots={self.num_slots}: a canary smaller than the pool, or rows past the table) "
+                  f"canary (slots past num_slots={self.num_slots}: a canary smaller than the pool, rows past the table, "
+                  "or write tokens past max_step_tokens) "
                   "and were never verified; counted in session.stats['out_of_range_skipped'] and returned by check()",
                   CanaryCoverageWarning)
         if not self._eviction_warned and self._stats["evicted_violations"]:
@@ -330,7 +364,7 @@ def _matching_entries(v: Violation, entries) -> list:
 
 def _readers(record: "_Record", matching) -> list:
     """A :class:`Reader` per matching attribution entry of one staged record."""
-    labels, sweep, row = record.labels, record.kind == "sweep", _ATTRIBUTION["batch_row"]
+    labels, sweep, row = record.labels, record.origin == "sweep", _ATTRIBUTION["batch_row"]
     return [Reader(record.step, e[row], labels[e[row]] if labels is not None and 0 <= e[row] < len(labels) else None, sweep)
             for e in matching]
 

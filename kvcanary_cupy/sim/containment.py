@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..constants import FailReason
 from ..containment import poisoned_pages, victims
 from .kvpool import kv_rows
 from .tables import NULL_BLOCK
@@ -43,8 +44,9 @@ def contain(engine, reported) -> tuple[set, set]:
         pool = engine.pools[name]
         read = victims(violations)
         named = [label for label, sweep in zip(read["row_label"].tolist(), read["sweep"].tolist()) if not sweep]
-        # a write row names the slot written: the engine knows from its own batch which request wrote it
-        named += [pool.writers.get(v.slot_idx) for v in violations if v.is_write]
+        # a write row (a lost store too) names the slot written: the engine's batch says who wrote it
+        named += [pool.writers.get(v.slot_idx) for v in violations
+                  if v.is_write or v.fail_reason_bits & FailReason.WRITE_KV_NOT_STORED]
         doomed.update((rid, alive[rid]) for rid in named if rid in alive)
         pages = set(poisoned_pages(violations, bs)["page"].tolist()) - {NULL_BLOCK}
         poisoned[name] |= pages
@@ -59,6 +61,8 @@ def contain(engine, reported) -> tuple[set, set]:
             evicted.update((name, b) for b in below)
             pool.cache.drop(pages, pool.allocator)
             pages |= below
+        if pages:  # the rotation stops re-reporting the freed KV
+            pool.session.coverage.forget(pool.block_slots(sorted(pages)))
         for req in pool.running:
             if pages & set(req.blocks):
                 doomed[req.rid] = req

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .containment import Aftermaths, contain
-from .kvpool import KvPool
+from .kvpool import KvPool, prefix_contexts, step_contexts
 from .session import (
     Sightings,
     allocate_move_workspace,
@@ -57,12 +57,25 @@ class EngineConfig:
     sweep_every: int = 8  # steps between sweeps of the prefix cache
     num_layers: int = 2
     kv_row_bytes: int = 16  # bytes of one token's K (and V) row per layer
+    # The session's coverage past SGLang's record (docs/format.md section 9), on by default here: the
+    # simulator measures what the canary can see.  deep_kv: every layer's K and V fingerprinted and
+    # re-fingerprinted within deep_check_period steps; lost_stores: the lost-store check.
+    deep_kv: bool = True
+    deep_check_period: int = 4
+    lost_stores: bool = True
     transfer_digest: str = "off"  # "full" / "default": transfers go through a host tier, digested (sim/transfer.py)
     vocab: int = 32000
 
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    def coverage_options(self, kv) -> dict:
+        """The CanarySession coverage options of a pool with KV ``kv``."""
+        return dict(deep_kv_sources=kv.every_layer_sources() if self.deep_kv else (),
+                    deep_check_slots=-(-(self.num_slots - 1) // self.deep_check_period) if self.deep_kv else None,
+                    check_lost_stores=self.lost_stores,
+                    max_step_tokens=self.prefill_budget + self.prefill_chunk + self.max_running * self.spec_tokens)
 
     @property
     def verify_capacity(self) -> int:
@@ -225,6 +238,7 @@ class Request:
     pool: str = "prefill"
     awaiting_transfer: bool = False
     alive: bool = True
+    kv_contexts: object = None  # kvpool.prefix_contexts of tokens, computed on first use
 
     @property
     def total_len(self) -> int:
@@ -251,6 +265,7 @@ class NoHook:
     def on_alloc(self, engine, pool, req, block): pass
     def on_cache_hit(self, engine, pool, req, blocks): pass
     def on_transfer(self, engine, req, dst_blocks): return dst_blocks
+    def on_copy(self, src_pool, src_slots, dst_pool, dst_slots): pass
     def on_step_end(self, engine): pass
 
 
@@ -267,9 +282,9 @@ class Pool:
         self.kv = KvPool(xp, config.num_slots, num_layers=config.num_layers, row_bytes=config.kv_row_bytes)
         self.session = make_session(config.num_slots, max_batch_size=config.max_running,
                                     verify_capacity=config.verify_capacity, like=like,
-                                    real_kv_sources=self.kv.real_kv_sources())
+                                    real_kv_sources=self.kv.real_kv_sources(), coverage=config.coverage_options(self.kv))
         self.sightings = Sightings(self.session)
-        self.move_workspace = allocate_move_workspace(1, config.block_size, like=like)  # compaction moves one block
+        self.move_workspace = allocate_move_workspace(self.session, 1, config.block_size, like=like)  # compaction moves one block
         self.running: list[Request] = []
         self.ran = False  # whether this step ran a forward (and so the canary)
         self.writers: dict = {}  # slot -> id of the request whose token this step wrote there (the engine's own batch)
@@ -526,11 +541,25 @@ class Engine:
         keep = batch.out_cache_loc >= 0
         keep[list(batch.kv_skip)] = False
         with self.timer.model():
-            pool.kv.store(d(batch.out_cache_loc[keep]), d(batch.input_ids[keep]), d(batch.positions[keep]))
+            contexts = np.asarray(self.kv_contexts(batch), np.uint64)
+            pool.kv.store(d(batch.out_cache_loc[keep]), d(batch.input_ids[keep]), d(batch.positions[keep]),
+                          d(contexts[keep]))
         with self.timer.canary():
             pool.session.post_forward()
         pool.ran = True
         self.commit(pool, batch)
+
+    @staticmethod
+    def kv_contexts(batch: Batch) -> list:
+        """The context of each token the step feeds: its request's committed prefix, then the
+        step's tokens before it (drafts included), as a model's KV depends on them."""
+        out = []
+        for r, req in enumerate(batch.reqs):
+            if req.kv_contexts is None:
+                req.kv_contexts = prefix_contexts(req.tokens)
+            start = int(batch.offsets[r])
+            out += step_contexts(req.kv_contexts[int(batch.prefix[r])], batch.input_ids[start : start + int(batch.extend[r])])
+        return out
 
     def commit(self, pool: Pool, batch: Batch) -> None:
         bs = self.config.block_size
@@ -581,6 +610,7 @@ class Engine:
             else:
                 src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
                 src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
+                self.hook.on_copy(src, src_slots, dst, dst_slots)
                 copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
             src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
             self.aftermaths.carry(src.name, src_slots, dst.name, dst_slots)
@@ -611,6 +641,7 @@ class Engine:
         old, new = req.blocks[i], pool.allocator.alloc()
         pool.kv.copy_rows(self.dev(pool.block_slots([old])), self.dev(pool.block_slots([new])))
         self.aftermaths.carry(pool.name, pool.block_slots([old]), pool.name, pool.block_slots([new]))
+        self.hook.on_copy(pool, pool.block_slots([old]), pool, pool.block_slots([new]))
         if move_canary:
             move_canary_pages(pool.session, self.dev(np.array([old], np.int64)), self.dev(np.array([new], np.int64)),
                               page_size=self.config.block_size, workspace=pool.move_workspace)
@@ -715,6 +746,7 @@ class Engine:
         for name, pool in self.pools.items():
             blocks = self._fault_blocks(name, ep)
             victims |= {r for r in pool.running if blocks & set(r.blocks)}
+            pool.session.coverage.forget(pool.block_slots(sorted(blocks)))  # the rotation stops re-reporting the freed KV
             if pool.cache is not None:
                 pool.cache.drop(blocks, pool.allocator)
         for req in sorted(victims, key=lambda r: r.rid):  # a fixed order: the free lists depend on it

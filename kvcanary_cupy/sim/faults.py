@@ -52,6 +52,11 @@ class Episode(NoHook):
         self.held.update((pool_name, b) for b in req.blocks[req.computed // engine.config.block_size:])
         self.read.update((pool_name, b) for b in req.blocks)
 
+    def on_copy(self, src_pool, src_slots, dst_pool, dst_slots):
+        """KV copied (a transfer, a compaction) carries what the fault did to it: the copies are touched too."""
+        self.touch(dst_pool, [d for s, d in zip(np.asarray(src_slots).tolist(), np.asarray(dst_slots).tolist())
+                              if (src_pool.name, s) in self.touched])
+
     # Hooks: only an armed (not yet fired) fault acts; where victims write is always recorded.
     def on_batch(self, engine, pool, batch):
         for req in batch.reqs:
@@ -85,11 +90,17 @@ class Fault:
     detectable = True
     why_not_detectable: str | None = None
     visible_with: tuple = ()  # addressing modes whose tables let the canary see a class blind elsewhere
+    visible_by: str | None = None  # the EngineConfig coverage option (deep_kv, lost_stores) that lets the canary see it
 
     @classmethod
-    def detectable_with(cls, addressing: str) -> bool:
-        """Whether the canary can see this class by design when the engine hands it ``addressing``'s tables."""
-        return cls.detectable or addressing in cls.visible_with
+    def detectable_with(cls, addressing: str, engine=None) -> bool:
+        """Whether the canary can see this class by design when the engine hands it ``addressing``'s
+        tables and runs the session with ``engine``'s coverage options (None: EngineConfig's defaults)."""
+        if engine is None:
+            from .engine import EngineConfig
+
+            engine = EngineConfig()
+        return cls.detectable or addressing in cls.visible_with or bool(cls.visible_by and getattr(engine, cls.visible_by))
 
     def inject(self, engine: Engine, ep: Episode) -> bool:
         """Arm (or fire) the fault; False when the engine offers no target right now."""
@@ -178,10 +189,11 @@ class KvStoreDropped(_BatchFault):
     name = "kv_store_dropped"
     description = ("The model's KV store for one token is lost while the canary's own write happens (the "
                    "attention kernel skipped the store): the slot holds a former owner's KV.")
-    detectable = False
+    detectable = False  # with SGLang's coverage; the lost-store check (EngineConfig.lost_stores) sees it
+    visible_by = "lost_stores"
     why_not_detectable = ("The TAIL write fingerprints whatever KV bytes are in the slot after the forward, "
-                          "stale ones included, so record and bytes agree; the canary never knows what the "
-                          "bytes should have been.")
+                          "stale ones included, so record and bytes agree; without the lost-store check the "
+                          "canary never knows the bytes did not change.")
 
     def corrupt(self, engine, ep, pool, batch, idx):
         batch.kv_skip.add(idx[0])
@@ -352,9 +364,10 @@ class CachedPrefixBitFlip(_CachedBlockBitFlip):
 class UnfingerprintedLayerBitFlip(_CachedBlockBitFlip):
     name = "unfingerprinted_layer_bitflip"
     description = "A bit flips in a layer other than layer 0 of a prefix-cache block's KV."
-    detectable = False
-    why_not_detectable = ("Real-KV fingerprints read layer 0 only (as SGLang's do): the bytes of deeper "
-                          "layers are outside every check.")
+    detectable = False  # with SGLang's coverage; deep fingerprints (EngineConfig.deep_kv) see it
+    visible_by = "deep_kv"
+    why_not_detectable = ("Real-KV fingerprints read layer 0 only (as SGLang's do): without deep fingerprints "
+                          "the bytes of deeper layers are outside every check.")
     fingerprinted_layer = False
 
 

@@ -201,7 +201,7 @@ def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, Ru
     results = {}
     for n in names:
         cls = KNOWN_FAULTS[n]
-        detectable = cls.detectable_with(config.addressing)
+        detectable = cls.detectable_with(config.addressing, config.engine)
         results[n] = FaultResult(n, cls.description, detectable, None if detectable else cls.why_not_detectable)
     rotation = [KNOWN_FAULTS[n]() for n in names]
     turn = 0

@@ -8,19 +8,22 @@ between pools, a late write).
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..constants import RealKvHashMode
+from ..interop import allocate
 from ..ops import move_pages
-from ..plans import allocate_canary_buffer
 from ..session import CanarySession
 
 
-def make_session(num_slots: int, *, max_batch_size: int, verify_capacity: int, like, real_kv_sources):
+def make_session(num_slots: int, *, max_batch_size: int, verify_capacity: int, like, real_kv_sources, coverage=None):
     """The session of one KV pool: HEAD (chain only) and TAIL (real-KV fingerprints of every byte
-    of ``real_kv_sources``) buffers, with the expected-token check on.  Its violations are read
-    through :class:`Sightings`, so its policy only records them."""
+    of ``real_kv_sources``) buffers, with the expected-token check on and ``coverage``'s options
+    (CanarySession's deep_kv_sources, ...).  Its violations are read through :class:`Sightings`, so
+    its policy only records them."""
     return CanarySession(num_slots, max_batch_size=max_batch_size, verify_capacity=verify_capacity, like=like,
                          on_violation="ignore", real_kv_sources=tuple(real_kv_sources),
-                         real_kv_hash_mode=RealKvHashMode.ALL, check_expected_tokens=True)
+                         real_kv_hash_mode=RealKvHashMode.ALL, check_expected_tokens=True, **(coverage or {}))
 
 
 class Sightings:
@@ -52,10 +55,11 @@ def canary_buffers(session) -> tuple:
     return session.head_canary, session.tail_canary
 
 
-def allocate_move_workspace(max_pages: int, page_size: int, *, like):
-    """The staging area of :func:`move_canary_pages` for up to ``max_pages`` pages, allocated once
-    (so that a move allocates nothing and could be captured in a CUDA graph)."""
-    return allocate_canary_buffer(max_pages * page_size, like=like)
+def allocate_move_workspace(session, max_pages: int, page_size: int, *, like):
+    """The staging area of :func:`move_canary_pages` for up to ``max_pages`` pages of the session's
+    widest buffer, allocated once (so that a move allocates nothing and could be captured in a CUDA graph)."""
+    fields = max(buf.shape[1] for buf in canary_buffers(session))
+    return allocate((max_pages * page_size, fields), np.int64, like=like, fill=0)
 
 
 def move_canary_pages(session, src_pages, dst_pages, *, page_size: int, workspace) -> None:

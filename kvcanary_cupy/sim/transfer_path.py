@@ -44,7 +44,8 @@ class DigestPath:
         self.spec = DigestSpec.full(c.num_layers) if mode == "full" else DigestSpec(c.num_layers)
         self.host = KvPool(np, c.num_slots, num_layers=c.num_layers, row_bytes=c.kv_row_bytes)
         # the HEAD and TAIL canary rows that ride with the blocks (the digest reads the TAIL ones)
-        self.host_canaries = tuple(np.zeros((c.num_slots, 4), np.int64) for _ in range(2))
+        self.host_canaries = tuple(np.zeros((c.num_slots, buf.shape[1]), np.int64)  # TAIL rows: 6 fields with deep_kv
+                                   for buf in canary_buffers(engine.pools["prefill"].session))
         self.layouts = {name: pool_layout(pool.kv) for name, pool in engine.pools.items()}
         self.host_layout = pool_layout(self.host)
         self.logs = {"device": ViolationLog.allocate(4, num_kinds=DIGEST_NUM_KINDS, like=like),

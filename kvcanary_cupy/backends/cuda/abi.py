@@ -1,7 +1,7 @@
 """Every C mirror of the GPU side: the structs the kernels take by value, each kernel's parameter
 record, the kernels' compile-time constants and the driver structs of an overlapped launch.
 
-Editing a ``.cu`` struct or constant means editing its mirror here; tests/test_kernels_compile.py
+Editing a ``.cu`` struct or constant means editing its mirror here; tests/cuda/test_kernels_compile.py
 checks each one against the kernel sources (sizes, widths and offsets through devtools/abi_check.py,
 constants by reading them out of the sources).  The mirrors the NumPy reference shares live below
 the backends: the format in :mod:`kvcanary_cupy.constants`, :class:`~kvcanary_cupy.tables.TableKind`,
@@ -16,16 +16,18 @@ import enum
 import numpy as np
 
 from ...args import VERIFY_INPUT_FIELDS
-from ...constants import MAX_CANARY_BUFFERS
+from ...constants import MAX_CANARY_BUFFERS, MAX_PIECE_LEVELS, MAX_REAL_KV_SOURCES
 from ...plans import VERIFY_PLAN_FIELDS, WRITE_PLAN_FIELDS
 from ...tables import TableKind
 
 # The NumPy mirrors of the structs the kernels take by value; devtools/abi_check.py (KERNEL_STRUCTS)
 # checks each one's size, widths and offsets against its C struct.
 CANARY_BUFFER = np.dtype([("data", "u8"), ("num_slots", "i8"), ("fields", "i4"), ("vec", "i4")], align=True)
+_S = MAX_REAL_KV_SOURCES
 REAL_KV_SOURCES = np.dtype(
-    [("data", "u8", 4), ("row_stride", "i8", 4), ("slot_offset", "i8", 4), ("page_size", "i4", 4), ("num_bytes_per_token", "i4", 4),
-     ("nbytes", "i4", 4), ("num_sources", "i4")],
+    [("data", "u8", _S), ("row_stride", "i8", _S), ("slot_offset", "i8", _S), ("token_stride", "i8", _S), ("byte_offset", "i8", _S),
+     ("piece_stride", "i8", (_S, MAX_PIECE_LEVELS)), ("piece_count", "i4", (_S, MAX_PIECE_LEVELS)),
+     ("page_size", "i4", _S), ("nbytes", "i4", _S), ("piece_bytes", "i4", _S), ("unit", "i4", _S), ("num_sources", "i4")],
     align=True,
 )
 CANARY_TARGETS = np.dtype(
@@ -41,7 +43,7 @@ LAUNCH_LOG = np.dtype(
 WRITE_INPUTS = np.dtype(
     [(k, "u8") for k in ("write_offsets", "seeds", "write_num_valid_reqs", "input_ids", "positions", "out_cache_loc",
                          "expected_tokens", "expected_positions", "pos_assert_flag")]
-    + [("write_req_capacity", "i8"), ("num_tokens", "i8"), ("pos_assert_value", "i4")],
+    + [("write_req_capacity", "i8"), ("num_tokens", "i8"), ("pos_assert_value", "i4"), ("input_widths", "i4")],
     align=True,
 )
 # One dtype per kernel struct, its field names the C member names (kernels/plan.cu).

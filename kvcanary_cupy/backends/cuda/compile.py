@@ -3,8 +3,9 @@
 One :class:`KernelFamily` per ``.cu`` file lists every template instantiation it compiles.  The
 source handed to NVRTC has its local ``#include "..."`` files inlined, so CuPy's disk-cache key
 (which hashes the source string, not included headers) covers every header; the SHA-256 of that
-text names the variant in :func:`variant_name`.  Modules are compiled once per device, on first
-use or ahead of time with :func:`warmup` (do that before capturing a CUDA graph).
+text names the variant in :func:`variant_name`.  Each instantiation is a module of its own, compiled
+once per device on first use (a call waits for its own kernel only) or ahead of time with
+:func:`warmup`, which compiles them on threads (do that before capturing a CUDA graph).
 
 The loaded kernels are memoized per device here rather than with ``cupy.memoize(for_each_device=True)``:
 that keys on CuPy's own current device, past :mod:`.device`, the one seam a fake device replaces,
@@ -13,10 +14,12 @@ and each kernel that takes large shared memory is opted in once as it loads.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import importlib.resources
 import itertools
+import os
 import re
 import threading
 from typing import NamedTuple
@@ -28,6 +31,7 @@ from .abi import SCAN_ROWS_PER_LANE, TableLayout
 
 NVRTC_OPTIONS = ("--std=c++17",)
 SUPPORTED_ARCHS = ("sm_80", "sm_90")
+WARMUP_THREADS = 16  # at most this many NVRTC compiles at once in warmup()
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
@@ -80,6 +84,7 @@ FAMILIES = {
                                                                   "copy_gather", "copy_scatter"))),
     "same_step": KernelFamily("same_step.cu", tuple(
         (k, ()) for k in ("same_step_begin", "same_step_mark", "same_step_entries", "same_step_seeds"))),
+    "coverage": KernelFamily("coverage.cu", tuple((k, ()) for k in ("deep_write", "deep_check", "lost_snapshot", "lost_check"))),
     "digest": KernelFamily("digest.cu", tuple((k, ()) for k in ("digest_init", "digest_accumulate", "digest_verify"))),
 }
 
@@ -144,34 +149,51 @@ def variant_name(family: str) -> str:
 
 
 _lock = threading.Lock()
-_functions: dict = {}
 
 
 def get_function(family: str, name: str):
     """The compiled kernel ``name`` of ``family`` for the current CUDA device (compiled and
-    loaded once; one of LARGE_SHARED_MEM_KERNELS is opted in as it is loaded)."""
+    loaded once, kept in device.cache; one of LARGE_SHARED_MEM_KERNELS is opted in as it is loaded)."""
     device = cuda_device.current_id()
     key = (device, family, name)
-    fn = _functions.get(key)
+    loaded = cuda_device.cache
+    fn = loaded.get(key)
     if fn is None:
         with _lock:
-            fn = _functions.get(key)
+            fn = loaded.get(key)
             if fn is None:
-                fn = _compile(family).get_function(name)
+                fn = _module(family, name).get_function(name)
                 if kernel_of(name) in LARGE_SHARED_MEM_KERNELS:
                     cuda_device.allow_all_shared_mem(fn, device)
-                _functions[key] = fn
+                loaded[key] = fn
     return fn
 
 
-@functools.lru_cache(maxsize=None)
-def _compile(family: str):
+def _module(family: str, name: str):
+    """The RawModule of one instantiation (one per process: CuPy loads it per device).  A first
+    call waits for the kernels it launches only, not for their whole family (a family's 16-20
+    instantiations take ~10x longer); the name on the first line gives each instantiation a
+    source, and so a CuPy disk-cache key, of its own."""
+    key = ("module", family, name)
+    module = cuda_device.cache.get(key)
+    if module is None:
+        module = cuda_device.cache[key] = cuda_device.load_module(
+            f"// {variant_name(family)} {name}\n" + family_source(family), NVRTC_OPTIONS, [name])
+    return module
+
+
+def _compile_in_parallel(device: int, variants: list) -> None:
+    """Compile and load ``variants`` ((family, name) pairs) on threads: NVRTC releases the GIL."""
     cupy = import_cupy()
-    return cupy.RawModule(
-        code=f"// {variant_name(family)}\n" + family_source(family),
-        options=NVRTC_OPTIONS,
-        name_expressions=FAMILIES[family].instantiations(),
-    )
+
+    def build(variant):
+        with cupy.cuda.Device(device):
+            _module(*variant).get_function(variant[1])
+
+    workers = max(1, min(len(variants), os.cpu_count() or 1, WARMUP_THREADS))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvcanary-warmup") as pool:
+        for future in [pool.submit(build, v) for v in variants]:
+            future.result()  # the first compile error, as a serial warm-up would raise it
 
 
 def warmup(device: int | None = None) -> None:
@@ -203,6 +225,8 @@ def warmup(device: int | None = None) -> None:
     if reason:
         raise RuntimeError(f"kv-canary warmup: {reason}")
     with cupy.cuda.Device(device):
-        for family, spec in FAMILIES.items():
-            for name in spec.instantiations():
-                get_function(family, name)
+        variants = [(family, name) for family, spec in FAMILIES.items() for name in spec.instantiations()]
+        current = cuda_device.current_id()
+        _compile_in_parallel(current, [v for v in variants if (current, *v) not in cuda_device.cache])
+        for family, name in variants:
+            get_function(family, name)

@@ -90,16 +90,18 @@ def sm_count() -> int:
     return cuda_device.sm_count(cuda_device.current_id())
 
 
-@functools.lru_cache(maxsize=None)
-def _occupancy(fn, block: int) -> int:
-    return max(1, cuda_device.max_active_blocks_per_sm(fn, block))
-
-
 def resident_blocks_per_sm(family: str, name: str, block: int) -> int:
     """Blocks of ``block`` threads of one compiled kernel that one SM of the current device holds
-    at once (CUDA's occupancy calculator over its registers and shared memory), cached per loaded kernel."""
-    forced = _policy.resident_blocks
-    return _occupancy(get_function(family, name), block) if forced is None else forced
+    at once (CUDA's occupancy calculator over its registers and shared memory), asked once per
+    loaded kernel."""
+    if _policy.resident_blocks is not None:
+        return _policy.resident_blocks
+    fn = get_function(family, name)
+    key = ("occupancy", fn, block)
+    found = cuda_device.cache.get(key)
+    if found is None:
+        found = cuda_device.cache[key] = max(1, cuda_device.max_active_blocks_per_sm(fn, block))
+    return found
 
 
 def persistent_config(family: str, name: str, block: int = THREADS) -> LaunchConfig:

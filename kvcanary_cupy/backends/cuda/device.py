@@ -1,15 +1,24 @@
-"""Every query the GPU side makes of the CUDA device, in one place: the seam a fake device replaces.
+"""Every question the GPU side asks of the CUDA device and driver, and every kernel it loads: the
+one seam a fake device replaces (``devtools/fake_cupy.py`` swaps :data:`cache` for its own and
+answers :func:`load_module`, :func:`max_active_blocks_per_sm` and :func:`driver_launch`).
 
-The SM count and the opt-in shared memory are cached here (they never change for a device; CuPy
-reads every attribute of the device to answer one); the launch policy caches occupancies per loaded
-kernel, so a fake device's kernels never see a real one's answers.
+The answers that never change for a device, and the loaded modules and kernels, are kept in
+:data:`cache` (CuPy reads every attribute of a device to answer one), so that a fake device's
+answers and kernels never mix with a real one's.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 
 from ...interop import import_cupy
+
+#: Every kept answer and loaded kernel, by key: ``("sm_count", device)``, ``("optin", device)``,
+#: ``("overlap", device)``, ``("occupancy", kernel, block)``, ``("module", family)``,
+#: ``(device, family, name)``.
+cache: dict = {}
 
 
 def current_id() -> int:
@@ -17,15 +26,21 @@ def current_id() -> int:
     return import_cupy().cuda.Device().id
 
 
-@functools.lru_cache(maxsize=None)
 def sm_count(device_id: int) -> int:
-    return import_cupy().cuda.Device(device_id).attributes["MultiProcessorCount"]
+    key = ("sm_count", device_id)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = import_cupy().cuda.Device(device_id).attributes["MultiProcessorCount"]
+    return found
 
 
-@functools.lru_cache(maxsize=None)
 def shared_mem_optin(device_id: int) -> int:
     """The most shared memory (bytes) one block of ``device_id`` may opt into."""
-    return import_cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    key = ("optin", device_id)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = import_cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    return found
 
 
 def compute_capability(device_id: int) -> int:
@@ -50,3 +65,28 @@ def allow_all_shared_mem(fn, device_id: int) -> None:
     ptr = fn.kernel.ptr
     static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, ptr)
     driver.funcSetAttribute(ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem_optin(device_id) - static)
+
+
+def load_module(code: str, options: tuple, name_expressions: list):
+    """A CuPy RawModule of ``code`` (compiled by NVRTC on first use, or read from CuPy's disk cache)."""
+    return import_cupy().RawModule(code=code, options=options, name_expressions=name_expressions)
+
+
+@functools.lru_cache(maxsize=None)
+def driver():
+    """libcuda, or None where it cannot be loaded or has no ``cuLaunchKernelEx`` (before CUDA 12)."""
+    try:
+        lib = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+        launch = lib.cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    launch.restype = ctypes.c_int
+    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def driver_launch():
+    """``cuLaunchKernelEx(config, function, kernel_params, extra)``, or None (see :func:`driver`)."""
+    lib = driver()
+    return None if lib is None else lib.cuLaunchKernelEx

@@ -1,8 +1,8 @@
 """Launch overlap: the canary's kernels launched with programmatic stream serialization.
 
 CuPy launches through ``cuLaunchKernel``: a kernel starts once everything before it on the stream
-has finished, and the launch's own latency (about 1 us on an H200) follows that.  On sm_90 and
-later the canary's record launches (plan, plan_and_verify, verify, write; free functions and
+has finished, and the launch's own latency follows that (docs/design-notes.md has the H200's
+figure).  On sm_90 and later the canary's record launches (plan, plan_and_verify, verify, write; free functions and
 bound launchers) go through ``cuLaunchKernelEx`` with
 ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` instead, which lets the launch overlap
 the end of the work before it.  Every kernel of ``kernels/`` opens with ``wait_for_prior_grids()``
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import os
 
 from ...interop import import_cupy
@@ -37,34 +36,17 @@ MIN_COMPUTE_CAPABILITY = 90  # griddepcontrol (PTX ISA 7.8) and the launch attri
 MIN_DRIVER_VERSION = 12030  # CUDA 12.3, whose graphs first keep a captured launch's programmatic edge
 
 
-@functools.lru_cache(maxsize=None)
-def _driver():
-    """libcuda, or None where it cannot be loaded or has no ``cuLaunchKernelEx`` (before CUDA 12)."""
-    try:
-        lib = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
-        launch = lib.cuLaunchKernelEx
-    except (OSError, AttributeError):
-        return None
-    launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    launch.restype = ctypes.c_int
-    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-    return lib
-
-
-def driver_launch():
-    """``cuLaunchKernelEx(config, function, kernel_params, extra)``, or None (see :func:`_driver`)."""
-    lib = _driver()
-    return None if lib is None else lib.cuLaunchKernelEx
-
-
-@functools.lru_cache(maxsize=None)
 def supported(device_id: int) -> bool:
     """Whether launches on ``device_id`` can overlap (sm_90 or later, a CUDA 12.3 or later driver
-    with cuLaunchKernelEx) and are not turned off by KVCANARY_LAUNCH_OVERLAP=0."""
-    if os.environ.get(LAUNCH_OVERLAP_ENV, "1").strip() == "0":
-        return False
-    return (device.compute_capability(device_id) >= MIN_COMPUTE_CAPABILITY and device.driver_version() >= MIN_DRIVER_VERSION
-            and driver_launch() is not None)
+    with cuLaunchKernelEx) and are not turned off by KVCANARY_LAUNCH_OVERLAP=0 (asked once per
+    process and device)."""
+    key = ("overlap", device_id)
+    found = device.cache.get(key)
+    if found is None:
+        found = device.cache[key] = os.environ.get(LAUNCH_OVERLAP_ENV, "1").strip() != "0" and (
+            device.compute_capability(device_id) >= MIN_COMPUTE_CAPABILITY
+            and device.driver_version() >= MIN_DRIVER_VERSION and device.driver_launch() is not None)
+    return found
 
 
 # plain_launches blocks entered and not left, read at every launch beside supported() (asked once
@@ -91,7 +73,7 @@ def plain_launches():
 
 def _error_name(status: int) -> str:
     name = ctypes.c_char_p()
-    lib = _driver()
+    lib = device.driver()
     if lib is None or lib.cuGetErrorName(status, ctypes.byref(name)) != 0 or not name.value:
         return f"CUresult {status}"
     return name.value.decode()
@@ -102,7 +84,7 @@ class OverlappedLaunch:
     addresses of its argument values (which must stay valid and in place for as long as it is
     used; the driver reads them at each call).  Calling it launches on a stream (a raw handle)."""
 
-    __slots__ = ("_attribute", "_config", "_config_ref", "_function", "_arguments")
+    __slots__ = ("_attribute", "_config", "_config_ref", "_function", "_arguments", "_launch")
 
     def __init__(self, function_ptr: int, grid: int, block: int, shared_mem: int, argument_addresses):
         self._attribute = CuLaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
@@ -110,10 +92,11 @@ class OverlappedLaunch:
         self._config_ref = ctypes.pointer(self._config)
         self._function = ctypes.c_void_p(function_ptr)
         self._arguments = (ctypes.c_void_p * len(argument_addresses))(*argument_addresses)
+        self._launch = device.driver_launch()
 
     def __call__(self, stream_handle: int) -> None:
         self._config.hStream = stream_handle
-        status = driver_launch()(self._config_ref, self._function, self._arguments, None)
+        status = self._launch(self._config_ref, self._function, self._arguments, None)
         if status != 0:
             raise RuntimeError(f"kv-canary: cuLaunchKernelEx failed with {_error_name(status)} "
                                f"(set {LAUNCH_OVERLAP_ENV}=0 to launch through CuPy instead)")

@@ -30,7 +30,7 @@ from .params import (KernelLaunch, ParamSlots, has_real_kv, kernel_arguments, le
 # What get_backend's callers take (the Backend protocol of kvcanary_cupy.backends), then what the
 # bound launchers bind with.
 __all__ = ["move", "plan", "plan_verify", "plan_verify_stores_entries", "prepare_stage", "scatter", "verify", "write",
-           "BoundLaunch", "BoundStage", "ParamSlots", "has_real_kv", "narrow_layout", "plan_kernels", "plan_params",
+           "BoundLaunch", "BoundStage", "ParamSlots", "get_function", "has_real_kv", "narrow_layout", "plan_kernels", "plan_params",
            "plan_verify_launch", "table_fields", "verify_launch", "write_kernel", "write_launch"]
 
 
@@ -79,6 +79,12 @@ def plan(a: PlanArgs) -> None:
         launch(get_function(family, name).kernel, (config.grid,), (config.block,), config.shared_mem)
 
 
+def input_widths(input_ids, positions, out_cache_loc) -> int:
+    """The kernel's ``input_widths`` bits: which of the three per-token inputs are int64 (a bound
+    launcher's unset ones, None, count as int64, its fast path's only dtype)."""
+    return sum(1 << k for k, x in enumerate((input_ids, positions, out_cache_loc)) if x is None or x.dtype == np.int64)
+
+
 def write_launch(a: WriteArgs) -> KernelLaunch:
     """canary_write's launch; per-step arrays that are None (a bound launcher) are left 0."""
     flag = a.chain_position_assert
@@ -93,6 +99,7 @@ def write_launch(a: WriteArgs) -> KernelLaunch:
         ins[key] = ptr(arr)
     ins["write_req_capacity"], ins["num_tokens"] = cap, length(a.input_ids)
     ins["pos_assert_value"] = int(flag) if isinstance(flag, bool) else 0
+    ins["input_widths"] = input_widths(a.input_ids, a.positions, a.out_cache_loc)
     p["targets"], p["log"] = targets_struct(a.targets, a.real_kv_hash_mode), log_struct(a.log)
     name = write_kernel(len(a.targets), a.expected_input_tokens is not None, has_real_kv(a.targets, a.real_kv_hash_mode))
     return KernelLaunch("write", name, write_config(name, cap, len(a.targets)), p)

@@ -47,7 +47,10 @@ def targets_struct(targets: tuple, mode: int) -> np.ndarray:
             src["row_stride"][i] = view.data.strides[0]
             src["slot_offset"][i] = view.slot_offset
             src["page_size"][i] = view.page_size
-            src["num_bytes_per_token"][i] = view.num_bytes_per_token
+            src["token_stride"][i], src["byte_offset"][i] = view.stride, view.byte_offset
+            src["piece_bytes"][i], src["unit"][i] = view.piece_bytes or view.num_bytes_per_token, view.unit
+            for level, (count, stride) in enumerate(view.levels):
+                src["piece_count"][i, level], src["piece_stride"][i, level] = count, stride
             src["nbytes"][i] = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else view.read_bytes
         src["num_sources"] = len(target.sources)
     return s

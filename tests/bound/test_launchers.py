@@ -154,7 +154,7 @@ def test_one_bound_planner_and_write_keep_the_free_launches_as_optional_inputs_c
 
 
 def test_a_bound_planner_picks_each_calls_table_layout_as_the_free_plan_does(monkeypatch):
-    """One planner, one table after another: the table layout it launches (cupy_backend.table_layout,
+    """One planner, one table after another: the table layout it launches (configs.table_layout,
     its per-shape part kept by the planner) follows each call's table as the free function's does:
     a CSR table's kv_indices length (the bound of its rows) crossing 2**31 tokens, its kv_indptr's
     dtype, a block table's id dtype, null block, block size and width, and a req_to_token of the
@@ -225,7 +225,7 @@ def _assert_same_error(ab, free, bound, state):
 
 
 BAD_TOKENS = {
-    "int32 input_ids": lambda ab, t: (ab.asarray(np.array([1, 2, 3], np.int32)), t[1], t[2]),
+    "float input_ids": lambda ab, t: (ab.asarray(np.array([1, 2, 3], np.float64)), t[1], t[2]),  # int32 is taken
     "2-D positions": lambda ab, t: (t[0], ab.asarray(np.zeros((3, 1), np.int64)), t[2]),
     "short out_cache_loc": lambda ab, t: (t[0], t[1], a64(ab, [4, 5])),
     "list input_ids": lambda ab, t: ([1, 2, 3], t[1], t[2]),
@@ -445,3 +445,16 @@ def test_side_stream_write_forks_and_join_joins_with_one_event_each(monkeypatch,
         short = [(op, "write" if op == "launch" and "canary_write" in what else what, where) for op, what, where in dev.timeline]
         assert short == expected
         assert (forks[0] == forks[1]) != full_validation  # the bound path reuses its fork event
+
+
+def test_write_launcher_takes_int32_tokens_like_the_free_function(ab):
+    """int32 input_ids / positions / out_cache_loc leave the bound fast path (int64 only) for the free
+    write, which reads them as they are: the same bytes as the free function."""
+    out = []
+    for launch in (False, True):
+        buf, wp, log = _write_setup(ab)
+        tokens = [ab.asarray(np.array(v, np.int32)) for v in ([7, 8, 9], [0, 1, 0], [3, 4, 5])]
+        (kc.WriteLauncher(buf, wp, log=log) if launch else lambda *t: kc.write(buf, wp, *t, log=log))(*tokens)
+        out.append((ab.to_numpy(buf).tobytes(), log.read().to_json()))
+    assert out[0] == out[1]
+

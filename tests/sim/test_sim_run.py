@@ -13,10 +13,11 @@ from conftest import EXPECT_GPU
 from kvcanary_cupy import cli
 from kvcanary_cupy.interop import cuda_unavailable_reason
 from kvcanary_cupy.sim import FAULTS, SimConfig, run, simulate
+from kvcanary_cupy.sim.engine import EngineConfig
 from kvcanary_cupy.sim.report import PLOT_HINT
 from kvcanary_cupy.sim.tables import ADDRESSING_MODES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (examples/)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (examples/)
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(kvcanary_cupy.__file__))  # so subprocesses import this copy
 FAULT_KEYS = ["name", "description", "injected", "detected", "detection_rate", "latency_steps_median",
               "latency_steps_max", "first_reason", "detectable", "why_not_detectable", "contained"]
@@ -46,9 +47,25 @@ def test_fault_class_is_caught_as_declared(faulty_run, name):
 
 def test_fault_classes_cover_the_issue_and_name_their_bug():
     assert len(FAULTS) >= 12
-    blind = {n for n, f in FAULTS.items() if not f.detectable}
-    assert blind == {"kv_store_dropped", "unfingerprinted_layer_bitflip"}  # a zeroed entry is a hole now
-    assert all(f.detectable_with(m) == f.detectable for f in FAULTS.values() for m in ADDRESSING_MODES)
+    blind = {n for n, f in FAULTS.items() if not f.detectable}  # under SGLang's coverage; a zeroed entry is a hole now
+    assert blind == {"kv_store_dropped", "unfingerprinted_layer_bitflip"}
+    sglang_coverage = EngineConfig(deep_kv=False, lost_stores=False)
+    assert all(f.detectable_with(m, sglang_coverage) == f.detectable for f in FAULTS.values() for m in ADDRESSING_MODES)
+    # The simulator's default coverage (deep fingerprints, lost-store check) sees the other two.
+    assert {n for n, f in FAULTS.items() if not f.detectable_with("sglang")} == set()
+    assert {n for n, f in FAULTS.items() if not f.detectable_with("sglang", EngineConfig(lost_stores=False))} == {
+        "kv_store_dropped"}
+    assert {n for n, f in FAULTS.items() if not f.detectable_with("vllm", EngineConfig(deep_kv=False))} == {
+        "unfingerprinted_layer_bitflip"}
+
+
+def test_sglang_coverage_leaves_the_two_classes_blind():
+    """With the coverage options off, a dropped KV store and a flip in layer 1 are missed, as SGLang's canary misses them."""
+    config = SimConfig(steps=160, seed=2, rate=1.0, faults=("kv_store_dropped", "unfingerprinted_layer_bitflip"),
+                       engine=EngineConfig(deep_kv=False, lost_stores=False))
+    results, stats = simulate(config)
+    assert all(f.injected >= 1 and f.detected == 0 and not f.detectable for f in results)
+    assert stats.unattributed == 0
 
 
 def test_tables_with_a_null_block_see_the_same_run():

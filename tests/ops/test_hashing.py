@@ -174,7 +174,7 @@ def test_constants_of_spec_2_1():
     assert [C.VIOLATION_FIELD_KERNEL_KIND, C.VIOLATION_FIELD_SLOT_IDX, C.VIOLATION_FIELD_POSITION,
             C.VIOLATION_FIELD_STORED_TOKEN, C.VIOLATION_FIELD_EXPECTED_TOKEN, C.VIOLATION_FIELD_STORED_CHAIN_HASH,
             C.VIOLATION_FIELD_EXPECTED_AUX, C.VIOLATION_FIELD_FAIL_REASON_BITS] == list(range(8))
-    assert kc.MAX_REAL_KV_SOURCES == 4
+    assert kc.MAX_REAL_KV_SOURCES == 8  # SGLang's ABI took 4; this project's kernels take 8 (issue 23)
     assert C.REAL_KV_SOURCE_FIELDS_PER_ENTRY == 3
     assert (C.REAL_KV_SOURCE_FIELD_PAGE_SIZE, C.REAL_KV_SOURCE_FIELD_NUM_BYTES_PER_TOKEN,
             C.REAL_KV_SOURCE_FIELD_READ_BYTES) == (0, 1, 2)
@@ -188,7 +188,8 @@ def test_fail_reason_bits():
     assert [(m.name, m.value) for m in F] == [
         ("VERIFY_CHAIN_HASH_MISMATCH", 1), ("VERIFY_POSITION_MISMATCH", 2), ("VERIFY_REAL_KV_HASH_MISMATCH", 4),
         ("WRITE_TOKEN_MISMATCH", 8), ("WRITE_POSITION_MISMATCH", 16), ("VERIFY_TOKEN_MISMATCH", 32),
-        ("VERIFY_TABLE_HOLE", 1 << 16)]  # SGLang's six, then this project's own
+        ("WRITE_KV_NOT_STORED", 2048), ("VERIFY_DEEP_KV_MISMATCH", 4096),  # this project's coverage bits (docs/format.md section 9)
+        ("VERIFY_TABLE_HOLE", 1 << 16)]  # and its table-hole bit
 
 
 @pytest.mark.parametrize("bits, label", [

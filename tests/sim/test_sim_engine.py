@@ -2,6 +2,8 @@
 
 from collections import Counter
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -134,7 +136,8 @@ def test_the_page_map_rebinds_a_moved_block_and_req_to_token_keeps_its_virtual_i
 
 
 def test_pool_sessions_check_real_kv_and_tokens_and_report_through_the_engine():
-    engine = Engine(SMALL, seed=3, addressing="vllm", xp=np)
+    """The record's checks alone (the deep rotation would report the same flip too: test_coverage.py)."""
+    engine = Engine(replace(SMALL, deep_kv=False), seed=3, addressing="vllm", xp=np)
     pool = engine.pools["prefill"]
     s = pool.session
     assert isinstance(s, kc.CanarySession) and s.real_kv_hash_mode == kc.RealKvHashMode.ALL and s.check_expected_tokens

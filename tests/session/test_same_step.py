@@ -5,6 +5,8 @@ request B of a step may read, as its cached prefix, blocks another request A wri
 step; B's chain continues from a slot A writes.  Every backend computes the same bytes.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -241,5 +243,11 @@ def test_kernel_constants_match_python():
 
     from kvcanary_cupy import same_step
 
-    assert _cuh_constant("kSeedDeferred", "write.cu") == kc.SEED_DEFERRED == _cuh_constant("kSameStepSeedDeferred", "same_step.cu")
+    def int64_constant(name, filename):  # "-9223372036854775807LL - 1"
+        from kvcanary_cupy.backends.cuda.compile import _read
+
+        expr = re.search(rf"constexpr i64 {name} = ([^;]+);", _read(filename)).group(1)
+        return sum(int(term.replace("LL", "").replace(" ", "")) for term in re.findall(r"-?\s*\d+LL|-\s*\d+", expr))
+
+    assert int64_constant("kSeedDeferred", "write.cu") == kc.SEED_DEFERRED == int64_constant("kSameStepSeedDeferred", "same_step.cu")
     assert _cuh_constant("kStampShift", "same_step.cu") == same_step._STAMP_SHIFT

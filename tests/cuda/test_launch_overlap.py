@@ -71,7 +71,7 @@ def test_launch_structs_have_the_layout_of_cuda_h():
 def test_launches_overlap_on_sm90_with_a_cuda_12_3_driver_unless_turned_off(monkeypatch):
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import fake_device
-    from kvcanary_cupy.backends.cuda import launch as launch_overlap
+    from kvcanary_cupy.backends.cuda import device as cuda_device, launch as launch_overlap
 
     with fake_device(overlap=False):
         assert not launch_overlap.enabled(0)
@@ -90,7 +90,8 @@ def test_launches_overlap_on_sm90_with_a_cuda_12_3_driver_unless_turned_off(monk
         dev.driver_version = launch_overlap.MIN_DRIVER_VERSION - 10  # CUDA 12.2: graphs drop programmatic edges
         assert not launch_overlap.enabled(0)
     with fake_device(overlap=True), pytest.MonkeyPatch.context() as mp:  # undone before the fake device is
-        mp.setattr(launch_overlap, "driver_launch", lambda: None)  # a driver before CUDA 12
+        mp.setattr(cuda_device, "driver_launch", lambda: None)  # a driver before CUDA 12
+        cuda_device.cache.clear()  # the fake device's answers so far
         assert not launch_overlap.enabled(0)
 
 

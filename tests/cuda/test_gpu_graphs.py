@@ -271,7 +271,7 @@ def test_torch_stream_ordering(bound):
 
 def test_warmup_compiles_every_variant():
     get_backend_or_skip("cupy")
-    from kvcanary_cupy.backends.cuda import compile as cuda_compile
+    from kvcanary_cupy.backends.cuda import compile as cuda_compile, device as cuda_device
 
     kc.warmup()
     import cupy
@@ -279,7 +279,7 @@ def test_warmup_compiles_every_variant():
     dev = cupy.cuda.Device().id
     for family, spec in cuda_compile.FAMILIES.items():
         for name in spec.instantiations():
-            assert (dev, family, name) in cuda_compile._functions
+            assert (dev, family, name) in cuda_device.cache
 
 
 # ---- nothing is copied or allocated inside a capture ----------------------------------------------

@@ -280,7 +280,7 @@ def _source(ab, rows=16):
 
 
 @pytest.mark.parametrize("case, exc, match", [
-    ("five_sources", ValueError, r"real_kv_sources must hold at most 4 RealKvSource entries \(the CUDA ABI's limit\), got 5"),
+    ("nine_sources", ValueError, r"real_kv_sources must hold at most 8 RealKvSource entries \(the CUDA ABI's limit\), got 9"),
     ("not_a_source", TypeError, r"real_kv_sources\[1\] must be a RealKvSource, got tuple"),
     ("bad_mode", ValueError, "real_kv_hash_mode must be a RealKvHashMode"),
     ("plan_type", TypeError, "write_plan must be a WritePlan, got VerifyPlan"),
@@ -293,7 +293,7 @@ def _source(ab, rows=16):
     ("flag_int", TypeError, "chain_position_assert must be a bool or a one-element int32 array, got int 1"),
     ("flag_dtype", TypeError, "chain_position_assert must have dtype int32, got int64"),
     ("flag_len", ValueError, "chain_position_assert length must be 1, got 2"),
-    ("ids_dtype", TypeError, "input_ids must have dtype int64, got int32"),
+    ("ids_dtype", TypeError, "input_ids must have dtype int32 or int64, got float64"),  # int32 is read as it is (issue 22)
     ("pos_len", ValueError, r"positions length must be len\(input_ids\)=2, got 3"),
     ("loc_2d", ValueError, r"out_cache_loc must be 1-D, got shape \(2, 1\)"),
     ("expected_len", ValueError, r"expected_input_positions length must be len\(input_ids\)=2, got 1"),
@@ -316,7 +316,7 @@ def test_write_rejections(ab, case, exc, match):
     call = WriteCall(ab)
     log = call.log
     kw = {
-        "five_sources": lambda: dict(real_kv_sources=[_source(ab)] * 5),
+        "nine_sources": lambda: dict(real_kv_sources=[_source(ab)] * 9),
         "not_a_source": lambda: dict(real_kv_sources=[_source(ab), (1, 2)]),
         "bad_mode": lambda: dict(real_kv_hash_mode=3),
         "plan_type": lambda: dict(write_plan=make_verify_plan(ab, [1], [0], [-1])),
@@ -328,7 +328,7 @@ def test_write_rejections(ab, case, exc, match):
         "flag_int": lambda: dict(chain_position_assert=1),
         "flag_dtype": lambda: dict(chain_position_assert=a64(ab, [1])),
         "flag_len": lambda: dict(chain_position_assert=ab.asarray(np.ones(2, np.int32))),
-        "ids_dtype": lambda: dict(input_ids=ab.asarray(np.array([1, 2], np.int32))),
+        "ids_dtype": lambda: dict(input_ids=ab.asarray(np.array([1, 2], np.float64))),
         "pos_len": lambda: dict(positions=a64(ab, [0, 1, 2])),
         "loc_2d": lambda: dict(out_cache_loc=a64(ab, [[3], [4]])),
         "expected_len": lambda: dict(expected_input_tokens=a64(ab, [1, 2]), expected_input_positions=a64(ab, [0])),
@@ -367,7 +367,7 @@ def test_write_torch_out_requires_grad_is_rejected(ab):
 
 
 @pytest.mark.parametrize("case, exc, match", [
-    ("five_sources", ValueError, r"real_kv_sources must hold at most 4 RealKvSource entries \(the CUDA ABI's limit\), got 5"),
+    ("nine_sources", ValueError, r"real_kv_sources must hold at most 8 RealKvSource entries \(the CUDA ABI's limit\), got 9"),
     ("plan_type", TypeError, "verify_plan must be a VerifyPlan, got WritePlan"),
     ("log_type", TypeError, "log must be a ViolationLog, got NoneType"),
     ("kind", ValueError, r"kernel_kind must be in \[0, 3\) \(the log's num_kinds\), got 3"),
@@ -385,8 +385,8 @@ def test_verify_rejections(ab, case, exc, match):
     vp = make_verify_plan(ab, [1, 2], [0, 1], [-1, 1])
     log = make_log(ab, num_kinds=3)
     kw = dict(log=log)
-    if case == "five_sources":
-        kw["real_kv_sources"] = [_source(ab)] * 5
+    if case == "nine_sources":
+        kw["real_kv_sources"] = [_source(ab)] * 9
     elif case == "plan_type":
         vp = make_write_plan(ab, [0, 1], [-1])
     elif case == "log_type":
@@ -526,13 +526,18 @@ def test_plan_valid_lens_dtype(ab):
                     *call.out)
 
 
-@pytest.mark.parametrize("key", ["positions", "out_cache_loc", "expected_input_tokens", "expected_input_positions"])
-def test_write_token_array_dtypes(ab, key):
+@pytest.mark.parametrize("key, dtype, want", [
+    ("positions", np.float32, "int32 or int64"), ("out_cache_loc", np.uint64, "int32 or int64"),
+    ("expected_input_tokens", np.int32, "int64"), ("expected_input_positions", np.int32, "int64")])
+def test_write_token_array_dtypes(ab, key, dtype, want):
+    """input_ids, positions and out_cache_loc may be int32 (tests/test_int32_step_inputs.py); the
+    write-input assert's copies stay int64."""
     call = WriteCall(ab)
     kw = dict(expected_input_tokens=a64(ab, [1, 2]), expected_input_positions=a64(ab, [0, 1]))
-    kw[key] = ab.asarray(np.array([1, 2], np.int32))
-    assert_rejected(ab, TypeError, dtype_error(key, "int64", "int32"),
-                    lambda: call(**kw), *call.outputs())
+    kw[key] = ab.asarray(np.array([1, 2], dtype))
+    message = (dtype_error(key, want, np.dtype(dtype).name) if want == "int64"
+               else rf"^kv-canary: {key} must have dtype int32 or int64, got {np.dtype(dtype).name}$")
+    assert_rejected(ab, TypeError, message, lambda: call(**kw), *call.outputs())
 
 
 @pytest.mark.parametrize("key", ["write_offsets", "write_seed_slot_indices", "write_num_valid_reqs"])

@@ -1,6 +1,6 @@
 """plan_and_verify(): the fused decode step equals plan + verify in every observable byte.
 
-Hand cases with known corruption and counts, the fuzz cases of tests/fuzz_cases.py on every
+Hand cases with known corruption and counts, the fuzz cases of tests/_support/fuzz_cases.py on every
 backend (the "fused" step against NumPy's plan + verify + write), capacity overflow, out-of-range
 inputs, argument errors, the GPU fallback for batches past one plan launch and CUDA-graph capture.
 """

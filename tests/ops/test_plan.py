@@ -621,8 +621,7 @@ def test_scan_kernels_opt_in_to_the_device_limit_once_as_they_load_never_at_a_la
     they are."""
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import FakeDevice, fake_device
-    from kvcanary_cupy.backends.cuda import abi, compile as cuda_compile
-    from kvcanary_cupy.backends.cuda import configs
+    from kvcanary_cupy.backends.cuda import abi, compile as cuda_compile, configs
 
     with fake_device(record_bytes=False) as dev:
         kc.warmup()
@@ -635,17 +634,19 @@ def test_scan_kernels_opt_in_to_the_device_limit_once_as_they_load_never_at_a_la
         assert {cuda_compile.kernel_of(e[0]) for e in expected} == {"plan_fused", "plan_offsets", "plan_verify"}
         assert len(expected) == len(abi.TableLayout) * (8 + 4 + 16)  # per table layout: plan_fused, plan_offsets, plan_verify variants
 
-        dev.current[-1].capturing = True  # a capture of plans too large for 48 KiB, for each plan path
         a = dev.asarray
         for bs in (configs.policy().plan_fused_max_rows, 48 * 1024 // 16 * FakeDevice.SM_COUNT + 1):
             rtt = a(np.arange(2 * bs + 2, dtype=np.int32).reshape(bs + 1, 2))
             args = (a(np.arange(1, bs + 1, dtype=np.int64)), a(np.zeros(bs, np.int64)), a(np.ones(bs, np.int64)), rtt)
             canary, log = a(np.zeros((2 * bs + 2, 4), np.int64)), kc.ViolationLog.allocate(4, like=rtt)
             out = (kc.VerifyPlan.allocate(bs, like=rtt), kc.WritePlan.allocate(bs, like=rtt))
+            planner = kc.CanaryPlanner(kc.CanaryCapacities(bs, bs), like=rtt)
             dev.launches.clear()
+            dev.current[-1].capturing = True  # a capture of plans too large for 48 KiB, for each plan path
             kc.plan(*args, verify_capacity=bs, out=out)
             kc.plan_and_verify(*args, canary, log=log, verify_capacity=bs, out=out)
-            kc.CanaryPlanner(kc.CanaryCapacities(bs, bs), like=rtt).plan(*args)
+            planner.plan(*args)
+            dev.current[-1].capturing = False
             assert {cuda_compile.kernel_of(launch.name) for launch in dev.launches} >= (
                 {"plan_fused", "plan_verify"} if bs <= configs.policy().plan_fused_max_rows else {"plan_offsets"})
         assert len(dev.attributes_set) == len(expected)  # none while capturing
@@ -656,8 +657,7 @@ def test_scan_launches_fit_the_opt_in_and_only_scan_kernels_take_dynamic_shared_
     (compile.LARGE_SHARED_MEM_KERNELS), within the opt-in: the largest scan tile plus the static
     arrays PLAN_SCAN_RESERVED_SMEM keeps."""
     pytest.importorskip("cupy")
-    from kvcanary_cupy.backends.cuda import compile as cuda_compile
-    from kvcanary_cupy.backends.cuda import configs, device as cuda_device
+    from kvcanary_cupy.backends.cuda import compile as cuda_compile, configs, device as cuda_device
     from kvcanary_cupy.tables import TableKind
 
     optin = 232_448
@@ -729,12 +729,10 @@ def test_plan_refuses_allocations_and_copies_while_capturing(op):
     instead, and launch nothing."""
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import fake_device
-    from kvcanary_cupy import runtime
 
-    asks_the_stream = runtime.is_capturing  # the fake device answers "not capturing" without asking
     values = dict(req_pool_indices=[1, 2], prefix_lens=[3, 4], extend_seq_lens=[1, 1],
                   req_to_verify_expected_tokens_valid_lens=[8, 8], full_to_swa_index_mapping=np.arange(24))
-    with fake_device(record_bytes=False) as dev, pytest.MonkeyPatch.context() as mp:
+    with fake_device(record_bytes=False) as dev:
         a = dev.asarray
         rtt = a(linear_rtt(3, 8))
         canary, log = a(np.zeros((24, 4), np.int64)), kc.ViolationLog.allocate(4, like=rtt)
@@ -750,7 +748,6 @@ def test_plan_refuses_allocations_and_copies_while_capturing(op):
             call(kw.pop("req_pool_indices"), kw.pop("prefix_lens"), kw.pop("extend_seq_lens"), rtt, *fused,
                  req_to_verify_expected_tokens=a(np.zeros((3, 8), np.int32)), verify_capacity=16, out=out, **fused_kw, **kw)
 
-        mp.setattr(runtime, "is_capturing", asks_the_stream)
         dev.current[-1].capturing = True
         with pytest.raises(ValueError, match="^" + re.escape(
                 f"kv-canary: {op} with out=None allocates its VerifyPlan and WritePlan, but the current stream is capturing a "

@@ -1,0 +1,217 @@
+"""Coverage past the 32-byte record: every layer's KV bytes, and KV stores that never happened.
+
+Two optional checks of a :class:`~kvcanary_cupy.CanarySession` (docs/format.md section 9):
+
+- **Deep fingerprints** (``deep_kv_sources``): any number of :class:`RealKvSource` (typically K
+  and V of every layer) are folded, every byte, into field 4 of the TAIL buffer's rows (the buffer
+  is then ``int64 [num_slots, 6]``; the first 32 bytes stay SGLang's record) for each slot a step
+  writes; each step re-fingerprints ``deep_check_slots`` slots in rotation and logs
+  ``VERIFY_DEEP_KV_MISMATCH`` for one whose bytes changed, so a flip in any layer of a written slot
+  is caught within :attr:`KvCoverage.deep_check_period` steps.
+- **Lost stores** (``check_lost_stores``): before the forward, each write slot's per-source hashes
+  are taken; after it, a slot some source of which did not change, whose previous record differs
+  from the one this step writes, logs ``WRITE_KV_NOT_STORED`` (the bytes are a former owner's).
+
+Both run inside :meth:`~kvcanary_cupy.CanarySession.pre_forward` / ``post_forward``: they allocate
+nothing and read nothing back, so they can be captured in a CUDA graph with the step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from .constants import RealKvHashMode, REAL_KV_PARTIAL_BYTES
+from .errors import fail
+from .interop import Array, allocate, backend_view, import_cupy, to_numpy
+from .binding import CanaryBuffer, log_views, source_views
+from .plans import allocate_canary_buffer
+from .sources import RealKvSource
+from .validation import check_count
+
+#: Fields of a coverage TAIL record: SGLang's four, the deep fingerprint, one reserved (rows stay 16-byte aligned).
+COVERAGE_FIELDS = 6
+DEEP_FIELD = 4
+#: int64 fields per source in the device table (kSourceFields in kernels/coverage.cu).
+SOURCE_FIELDS = 12
+#: Slots a step re-fingerprints in rotation when deep sources are given and no count is.
+DEFAULT_DEEP_CHECK_SLOTS = 256
+
+
+class CoverageSources(NamedTuple):
+    """Sources checked against ``num_slots`` once: ``views`` (``(SourceView, nbytes)`` pairs, for the
+    NumPy backend) and ``table`` (``int64 [n, SOURCE_FIELDS]`` on the device, for the kernels)."""
+
+    views: tuple
+    table: object  # None on the NumPy backend
+    count: int
+    bytes_per_slot: int  # bytes each slot's fold reads
+
+
+def pack_sources(sources: Sequence[RealKvSource], mode: int, num_slots: int, *, like, backend: str,
+                 name: str) -> CoverageSources:
+    """The views and device table of ``sources`` (folding ``mode``'s bytes: 16 under PARTIAL)."""
+    sources = tuple(sources)
+    for i, s in enumerate(sources):
+        if not isinstance(s, RealKvSource):
+            fail(TypeError, f"{name}[{i}] must be a RealKvSource, got {type(s).__name__}")
+    views = source_views(CanaryBuffer("the TAIL buffer", name, None, 0, sources), mode, num_slots)
+    pairs = tuple((v, REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else v.read_bytes) for v in views)
+    table = None
+    if backend != "numpy":
+        host = np.zeros((len(pairs), SOURCE_FIELDS), np.int64)
+        for j, (v, nbytes) in enumerate(pairs):
+            (_, s0), (inner, s1) = v.levels
+            host[j] = (v.data.data.ptr, v.data.strides[0], v.stride, v.byte_offset, s0, s1, inner, v.page_size,
+                       nbytes, v.piece_bytes or v.num_bytes_per_token, v.unit, v.slot_offset)
+        table = backend_view(allocate(host.shape, np.int64, like=like, fill=0), f"{name} table", writable=True)
+        table.set(host)  # once, at construction
+    return CoverageSources(pairs, table, len(pairs), sum(nbytes for _, nbytes in pairs))
+
+
+class KvCoverage:
+    """The coverage checks of one session, bound to its buffers (built by CanarySession).
+
+    ``deep`` and ``lost`` are the packed sources of each check (None: off); ``tail`` / ``head``
+    the session's canary buffers; ``log`` the TAIL group's log views; ``kind`` the TAIL tag.
+    """
+
+    def __init__(self, *, backend: str, head, tail, log_views, kind: int, like, deep: CoverageSources | None,
+                 deep_check_slots: int, lost: CoverageSources | None, max_step_tokens: int):
+        self._cu = backend != "numpy"
+        if self._cu:
+            from .backends.cuda import coverage as impl
+        else:
+            from .backends import numpy_coverage as impl
+        self._impl = impl
+        self._head = backend_view(head, "head_canary", writable=True)
+        self._tail = backend_view(tail, "tail_canary", writable=True)
+        self._log, self._kind = log_views, kind
+        self.deep, self.lost = deep, lost
+        num_slots = self._tail.shape[0]
+        self.deep_check_slots = min(deep_check_slots, num_slots - 1) if deep is not None else 0
+        self._state = None
+        if deep is not None:
+            self._state = backend_view(allocate((2,), np.int64, like=like, fill=0), "deep cursor", writable=True)
+        self.max_step_tokens = max_step_tokens
+        self._pre = None
+        if lost is not None:
+            self._pre = backend_view(allocate((max(max_step_tokens, 1) * lost.count,), np.int64, like=like, fill=0),
+                                     "lost-store snapshot", writable=True)
+
+    @property
+    def deep_check_period(self) -> int:
+        """Steps within which every slot is re-fingerprinted once: ``ceil((num_slots - 1) / deep_check_slots)``."""
+        ring = self._tail.shape[0] - 1
+        return -(-ring // self.deep_check_slots) if self.deep_check_slots else 0
+
+    def forget(self, slots) -> None:
+        """Clear the deep fingerprints of ``slots`` (ints in ``[0, num_slots)``): KV the engine no
+        longer holds (blocks freed after a detection), which the rotation would otherwise keep
+        reporting until the slots are written again.  A host check of ``slots``; not for capture."""
+        host = np.asarray(to_numpy(slots) if hasattr(slots, "shape") else slots, np.int64).reshape(-1)
+        bad = host[(host < 0) | (host >= self._tail.shape[0])]
+        if bad.size:
+            fail(ValueError, f"forget slots must be in [0, num_slots={self._tail.shape[0]}), got {int(bad[0])}")
+        if self.deep is None or host.size == 0:
+            return
+        self._tail[import_cupy().asarray(host) if self._cu else host, DEEP_FIELD] = 0
+
+    def _slots(self, out_cache_loc: Array, limit: int | None = None):
+        view = backend_view(out_cache_loc, "out_cache_loc")
+        if not view.flags.c_contiguous:  # the kernels read slots[i]
+            fail(ValueError, f"out_cache_loc must be contiguous for the coverage checks, got strides {tuple(view.strides)}")
+        return view if limit is None or view.shape[0] <= limit else view[:limit]
+
+    def _src(self, sources: CoverageSources) -> tuple:
+        return (sources.table, sources.count) if self._cu else (sources.views,)
+
+    def before_forward(self, out_cache_loc: Array) -> None:
+        """Snapshot the write slots' per-source hashes (lost-store check)."""
+        if self.lost is None:
+            return
+        slots = self._slots(out_cache_loc, self.max_step_tokens)
+        self._impl.lost_snapshot(*self._src(self.lost), slots, self._tail.shape[0], self._pre)
+
+    def tail_write(self, write, step_inputs: tuple, join_head_write) -> None:
+        """The session's TAIL write ``write(*step_inputs)`` with the checks around it: before it, the
+        lost-store check (on the HEAD records this step wrote: ``join_head_write`` first); after
+        it, the written slots' deep fingerprints and this step's share of the rotation."""
+        out_cache_loc = step_inputs[2]
+        if self.lost is not None:
+            join_head_write()
+            self._impl.lost_check(*self._src(self.lost), self._slots(out_cache_loc), self.max_step_tokens, self._pre,
+                                  self._head, self._tail, self._log, self._kind)
+        write(*step_inputs)
+        if self.deep is not None:
+            self._impl.deep_write(*self._src(self.deep), self._slots(out_cache_loc), self._tail)
+        if self.deep_check_slots:  # 0 only for a pool of the padding slot alone
+            self._impl.deep_check(*self._src(self.deep), self._tail, self._state, self.deep_check_slots, self._log,
+                                  self._kind)
+
+
+def tail_buffer(num_slots: int, deep_kv_sources, like):
+    """A session's TAIL buffer: ``int64 [num_slots, COVERAGE_FIELDS]`` with deep sources, else the record's 4 fields."""
+    if tuple(deep_kv_sources):
+        return allocate((num_slots, COVERAGE_FIELDS), np.int64, like=like, fill=0)
+    return allocate_canary_buffer(num_slots, like=like)
+
+
+def build(session, like, deep_kv_sources, deep_check_slots, check_lost_stores: bool, max_step_tokens) -> KvCoverage:
+    """The coverage checks of ``session`` (a CanarySession whose buffers and launchers exist), its options checked.
+
+    Parameters
+    ----------
+    session, like
+        The session and its ``like``.
+    deep_kv_sources : sequence of RealKvSource
+        Any number of sources (K and V of every layer) whose every byte is fingerprinted into
+        field 4 of the TAIL buffer (then ``int64 [num_slots, 6]``) for each slot written, and
+        re-fingerprinted in rotation (docs/format.md section 9).
+    deep_check_slots : int, optional
+        Slots re-fingerprinted per step, ``>= 1`` (default ``DEFAULT_DEEP_CHECK_SLOTS``): a flip in
+        any layer is caught within :attr:`KvCoverage.deep_check_period` steps.
+    check_lost_stores : bool
+        Flag a write slot whose bytes the forward left unchanged (``WRITE_KV_NOT_STORED``), by the
+        deep sources or else the real-KV sources; needs ``max_step_tokens``.
+    max_step_tokens : int, optional
+        The most tokens one step writes (the lost-store snapshot's size); more are not checked,
+        counted in ``stats["out_of_range_skipped"]`` (the TAIL tag's out-of-range counter).
+
+    Returns
+    -------
+    KvCoverage
+        Its ``deep`` and ``lost`` are None for the checks that are off (both, by default).
+    """
+    num_slots, backend = session.num_slots, session._placement.backend
+    real_kv_sources, real_kv_hash_mode = session.real_kv_sources, session.real_kv_hash_mode
+
+    deep_kv_sources = tuple(deep_kv_sources)
+    if not isinstance(check_lost_stores, (bool, np.bool_)):
+        fail(TypeError, f"check_lost_stores must be a bool, got {type(check_lost_stores).__name__}")
+    if deep_check_slots is not None and not deep_kv_sources:
+        fail(ValueError, "deep_check_slots needs deep_kv_sources (the sources whose every byte is re-fingerprinted)")
+    deep = None
+    if deep_kv_sources:
+        deep = pack_sources(deep_kv_sources, RealKvHashMode.ALL, num_slots, like=like, backend=backend,
+                            name="deep_kv_sources")
+        deep_check_slots = DEFAULT_DEEP_CHECK_SLOTS if deep_check_slots is None else check_count(
+            deep_check_slots, "deep_check_slots", positive=True)
+    lost = None
+    if check_lost_stores:
+        if max_step_tokens is None:
+            fail(ValueError, "check_lost_stores=True needs max_step_tokens (the most tokens one step writes; the "
+                             "snapshot of their slots is allocated once)")
+        max_step_tokens = check_count(max_step_tokens, "max_step_tokens", positive=True)
+        if deep is not None:
+            lost = deep
+        elif real_kv_sources and real_kv_hash_mode != RealKvHashMode.NONE:
+            lost = pack_sources(real_kv_sources, real_kv_hash_mode, num_slots, like=like, backend=backend,
+                                name="real_kv_sources")
+        else:
+            fail(ValueError, "check_lost_stores=True needs KV bytes to compare: deep_kv_sources, or real_kv_sources with "
+                             "a real_kv_hash_mode other than NONE")
+    return KvCoverage(backend=backend, head=session.head_canary, tail=session.tail_canary,
+                      log_views=log_views(session._group_logs["tail"]), kind=session.tail_tag, like=like, deep=deep,
+                      deep_check_slots=deep_check_slots or 0, lost=lost, max_step_tokens=max_step_tokens or 0)

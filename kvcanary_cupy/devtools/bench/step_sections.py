@@ -1,0 +1,272 @@
+"""The ``tables``, ``capacity``, ``step``, ``overlap``, ``host`` sections and the NumPy run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+import kvcanary_cupy as kc
+from .workloads import (BLOCK_SIZE, SGLANG_US, TABLE_REPEAT, WORKLOADS, build, build_paged, check_tables_agree,
+                        materialise_block_table, materialise_paged_kv, table_plans)
+from .timing import time_eager, time_graph, time_graphs_interleaved
+from .ops_sections import cell, baseline_plan, gpu_ops
+
+
+def run_tables(cupy, names, rows: list):
+    """Plan device time through each engine table (block size 16), and what a vLLM / FlashInfer
+    user writes without them: materialise the slot table with vectorised CuPy ops, then plan with
+    vectorised CuPy ops (eager)."""
+    lines = [f"engine tables, block/page size {BLOCK_SIZE}: plan device us (graph of 50; the tables' replays in turn, "
+             "median of 60 each); baseline = materialise the slot table + vectorised plan, eager",
+             f"{'workload':<16} {'table':<13} {'device us':>10} {'x req_to_token':>15} {'table MB':>9} {'baseline us':>12} {'x faster':>9}"]
+    for key in names:
+        d = build_paged(WORKLOADS[key], cupy)
+        vp = kc.VerifyPlan.allocate(d["total_verify"], like=d["prefix"])
+        wp = kc.WritePlan.allocate(d["bs"], like=d["prefix"])
+        check_tables_agree(cupy, d, vp, wp)
+        table_bytes = {"req_to_token": d["rtt"].nbytes, "block_table": d["bt"].nbytes,
+                       "paged_kv": d["indptr"].nbytes + d["indices"].nbytes}
+        baselines = {
+            "req_to_token": lambda: baseline_plan(cupy, dict(rp=d["rp_rtt"], prefix=d["prefix"], rtt=d["rtt"], extend=d["extend"])),
+            "block_table": lambda: baseline_plan(cupy, dict(rp=d["rp_rtt"], prefix=d["prefix"], extend=d["extend"],
+                                                            rtt=materialise_block_table(cupy, d))),
+            "paged_kv": lambda: baseline_plan(cupy, dict(rp=d["rp_rtt"], prefix=d["prefix"], extend=d["extend"],
+                                                         rtt=materialise_paged_kv(cupy, d))),
+        }
+        plans = table_plans(d, vp, wp)
+        # A second graph of the req_to_token plans, timed in the same turns: how far apart two
+        # timings of the same calls come out, beside the tables' differences.
+        device_us = time_graphs_interleaved(cupy, {**plans, TABLE_REPEAT: plans["req_to_token"]})
+        reference, repeat = device_us["req_to_token"], device_us.pop(TABLE_REPEAT)
+        for name, us in device_us.items():
+            base = time_eager(cupy, baselines[name])
+            rows.append({"workload": key, "op": f"plan[{name}]", "device_us": round(us, 3), "x_req_to_token": round(us / reference, 3),
+                         "table_bytes": table_bytes[name], "baseline_us": round(base, 1)})
+            lines.append(f"{WORKLOADS[key].name:<16} {name:<13} {us:>10.2f} {us / reference:>15.3f} "
+                         f"{table_bytes[name] / 1e6:>9.2f} {base:>12.1f} {base / us:>9.1f}")
+        rows.append({"workload": key, "op": f"plan[{TABLE_REPEAT}]", "device_us": round(repeat, 3),
+                     "x_req_to_token": round(repeat / reference, 3)})
+        lines.append(f"{WORKLOADS[key].name:<16} {TABLE_REPEAT:<13} {repeat:>10.2f} {repeat / reference:>15.3f}")
+    lines.append(f"({TABLE_REPEAT}: a second graph of the req_to_token plans, timed in the same turns: the comparison's "
+                 "own spread)")
+    return lines
+
+
+def run_capacity(cupy, rows: list, names=("W1", "W3"), capacities=(None, 4096, 65536)):
+    """Plan device us against write_req_capacity (None: the batch size): the stale rows past the
+    batch are cleared up to the previous batch only, so the cost must not grow with the capacity."""
+    lines = ["plan device us vs write_req_capacity (graph of 50 plans of one batch):"]
+    for key in names:
+        d = build(WORKLOADS[key], cupy)
+        row = []
+        for cap in capacities:
+            cap = cap or d["bs"]
+            vp = kc.VerifyPlan.allocate(d["total_verify"], like=d["rp"])
+            wp = kc.WritePlan.allocate(cap, like=d["rp"])
+            us = time_graph(cupy, lambda: kc.plan(d["rp"], d["prefix"], d["extend"], d["rtt"], verify_capacity=vp.capacity, out=(vp, wp)))
+            rows.append({"workload": key, "op": "plan", "write_req_capacity": cap, "device_us": round(us, 3)})
+            row.append(f"{cap}: {us:.2f}")
+        lines.append(f"  {WORKLOADS[key].name:<16} " + ", ".join(row))
+    return lines
+
+
+# Reference kernels for the detail table: the loads of a verify alone (a gather floor that counts
+# the DRAM sectors random 32-byte records really cost), and one thread running a chain of mix3.
+
+STEP_TARGET_US = {"W1": 12.0}
+STEP_WORKLOADS = ("W1", "W3", "W4", "W5")  # W5: the largest batch of one launch; W4 takes plan + verify
+
+
+def step_calls(cupy, d) -> dict:
+    """A decode step's calls on fixed buffers of their own: the plan, plan_and_verify (+ write) and
+    plan + verify (+ write); checked to verify clean."""
+    from ..backends.cuda import configs
+
+    ops = gpu_ops(cupy, d)
+    vcap = d["total_verify"]
+    log = kc.ViolationLog.allocate(1024, like=d["rp"])
+    stored = configs.plan_verify_stores_entries(d["bs"])  # plan_and_verify takes plan + verify
+    out = (kc.VerifyPlan.allocate(vcap if stored else 0, like=d["rp"]), kc.WritePlan.allocate(d["bs"], like=d["rp"]))
+    inputs = (d["rp"], d["prefix"], d["extend"], d["rtt"])
+
+    def fused():
+        kc.plan_and_verify(*inputs, d["canary"], log=log, verify_capacity=vcap, out=out)
+
+    def fused_step():
+        fused()
+        kc.write(d["canary"], out[1], d["ids"], d["pos"], d["loc"], log=log)
+
+    def unfused():
+        ops["plan"]()
+        ops["verify"]()
+
+    def unfused_step():
+        unfused()
+        ops["write"]()
+
+    fused_step()
+    if int(log.write_index[0]) != 0:
+        raise RuntimeError("the benchmark's canary must verify clean through plan_and_verify")
+    return {"plan": ops["plan"], "plan_and_verify + write": fused_step, "plan + verify + write": unfused_step,
+            "plan_and_verify": fused, "plan + verify": unfused}
+
+
+def step_rows(cupy, names, rows: list):
+    """A whole decode step, device us: plan_and_verify + write (2 launches, the verify entries
+    never stored) against plan + verify + write (3 launches), and plan_and_verify alone against
+    plan + verify; SGLang's plan + verify + write for reference."""
+    from ..backends.cuda import configs
+
+    lines = [
+        "fused decode step: device us per step (graph of 50 steps); target: W1 plan_and_verify + write <= "
+        f"{STEP_TARGET_US['W1']:.0f} us",
+        f"{'workload':<16} {'op':<28} {'device us':>10} {'unfused us':>11} {'x unfused':>10} {'x target':>9} {'SGLang us':>10}",
+    ]
+    for key in names:
+        d = build(WORKLOADS[key], cupy)
+        calls = step_calls(cupy, d)
+        stored = configs.plan_verify_stores_entries(d["bs"])
+        sglang = [SGLANG_US.get((key, op)) for op in ("plan", "verify", "write")]
+        sglang = sum(sglang) if None not in sglang else None
+        for op, ref, theirs in (("plan_and_verify + write", "plan + verify + write", sglang),
+                                ("plan_and_verify", "plan + verify", None)):
+            us, ref_us = time_graph(cupy, calls[op]), time_graph(cupy, calls[ref])
+            target = STEP_TARGET_US.get(key) if ref == "plan + verify + write" else None
+            rows.append({"workload": key, "op": f"step[{op}]", "device_us": round(us, 3), "unfused_us": round(ref_us, 3),
+                         "target_us": target, "sglang_us": theirs})
+            lines.append(f"{WORKLOADS[key].name:<16} {op:<28} {us:>10.2f} {ref_us:>11.2f} {us / ref_us:>10.2f} "
+                         f"{cell(target and us / target, '9.2f')} {cell(theirs, '10.1f')}{' (stored)' if stored else ''}")
+    lines.append("(unfused: plan + verify + write, resp. plan + verify; SGLang: its plan + verify + write; stored: past "
+                 f"{configs.policy().plan_fused_max_rows:,} requests plan_and_verify stores the entries and takes plan + verify)")
+    return lines
+
+
+def overlap_rows(cupy, names, rows: list):
+    """Device us with launch overlap (the default on sm_90 and later) against plain CuPy launches
+    of the same calls (``launch_overlap.plain_launches``): graphs captured each way, their replays
+    taken in turn.  A call's time in a graph of 50 includes what its launch overlaps of the call
+    before it, as it would behind an engine's kernels."""
+    from ..backends.cuda import launch as launch_overlap
+
+    if not launch_overlap.supported(cupy.cuda.Device().id):
+        return [f"launch overlap: off on this device (before sm_90, no cuLaunchKernelEx, or {launch_overlap.LAUNCH_OVERLAP_ENV}=0)"]
+
+    def plain(fn):
+        def call():
+            with launch_overlap.plain_launches():
+                fn()
+        return call
+
+    lines = ["launch overlap: device us per call (graph of 50 calls; the two ways' replays in turn, median of 30 each)",
+             f"{'workload':<16} {'op':<28} {'overlapped':>10} {'plain':>8} {'x plain':>8} {'saved us':>9}"]
+    for key in names:
+        d = build(WORKLOADS[key], cupy)
+        calls = step_calls(cupy, d)
+        times = time_graphs_interleaved(cupy, {**calls, **{f"{op} [plain]": plain(fn) for op, fn in calls.items()}}, rounds=30)
+        for op in calls:
+            us, plain_us = times[op], times[f"{op} [plain]"]
+            rows.append({"workload": key, "op": f"overlap[{op}]", "device_us": round(us, 3), "plain_us": round(plain_us, 3)})
+            lines.append(f"{WORKLOADS[key].name:<16} {op:<28} {us:>10.2f} {plain_us:>8.2f} {us / plain_us:>8.2f} "
+                         f"{plain_us - us:>9.2f}")
+    return lines
+
+
+# Host time per eager op (issue #10): targets, and SGLang's eager calls measured beside this
+# project on an H200 (back-to-back calls / count, one sync at the end), for comparison only.
+HOST_TARGET_US = {"cupy": 15.0, "torch": 25.0}
+SGLANG_EAGER_US = {
+    "W1": {"plan": 63, "write": 19, "verify": 23},
+    "W2": {"plan": 59, "write": 1192, "verify": 18},
+    "W3": {"plan": 62, "write": 19, "verify": 18},
+}
+
+
+def bound_ops(d):
+    """The calls of :func:`gpu_ops` through a CanaryPlanner and bound launchers (buffers bound once)."""
+    planner = kc.CanaryPlanner(kc.CanaryCapacities(d["total_verify"], d["bs"]), like=d["rp"])
+    log = kc.ViolationLog.allocate(1024, like=d["rp"])
+    verify = kc.VerifyLauncher(d["canary"], planner.verify_plan, log=log)
+    write = kc.WriteLauncher(d["canary"], planner.write_plan, log=log)
+    inputs = (d["rp"], d["prefix"], d["extend"], d["rtt"])
+    ops = {
+        "plan": lambda: planner.plan(*inputs),
+        "verify": verify,
+        "write": lambda: write(d["ids"], d["pos"], d["loc"]),
+    }
+    ops["plan"]()
+    return ops
+
+
+def eager_us(cupy, fn, calls=200) -> float:
+    """Host microseconds per eager call: ``calls`` back-to-back calls, one sync at the end (a call
+    whose device time is longer than its host time shows its device time)."""
+    fn()
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    cupy.cuda.Device().synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def host_times(cupy, names, rows: list):
+    """Host us per eager op: free function vs planner / bound launcher, CuPy arrays vs CUDA torch tensors."""
+    lines = [
+        "host us per eager call (200 back-to-back calls / 200, one sync at the end; target: bound <= "
+        f"{HOST_TARGET_US['cupy']:.0f} us with CuPy arrays, <= {HOST_TARGET_US['torch']:.0f} us with CUDA torch tensors)",
+        "(a call whose device time exceeds its host time shows its device time: W2 write, W4 plan and verify)",
+        f"{'workload':<16} {'arrays':<6} {'op':<7} {'free us':>8} {'bound us':>9} {'x faster':>9} {'x target':>9} "
+        f"{'SGLang eager':>13} {'x SGLang':>9}",
+    ]
+    frameworks = [("cupy", lambda d: d)]
+    try:
+        import torch
+
+        frameworks.append(("torch", lambda d: {k: torch.from_dlpack(v) if hasattr(v, "__dlpack__") else v for k, v in d.items()}))
+    except ImportError:
+        pass
+    for key in names:
+        for framework, convert in frameworks:
+            d = convert(build(WORKLOADS[key], cupy))
+            free, bound = gpu_ops(cupy, d), bound_ops(d)
+            for op in ("plan", "verify", "write"):
+                free_us, bound_us = eager_us(cupy, free[op]), eager_us(cupy, bound[op])
+                sglang = SGLANG_EAGER_US.get(key, {}).get(op)
+                rows.append({"workload": key, "op": op, "framework": framework, "host_us_free": round(free_us, 1),
+                             "host_us_bound": round(bound_us, 1), "host_target_us": HOST_TARGET_US[framework],
+                             "sglang_eager_us": sglang})
+                lines.append(
+                    f"{WORKLOADS[key].name:<16} {framework:<6} {op:<7} {free_us:>8.1f} {bound_us:>9.1f} "
+                    f"{free_us / bound_us:>9.1f} {bound_us / HOST_TARGET_US[framework]:>9.2f} "
+                    f"{cell(sglang, '13.0f')} {cell(sglang and bound_us / sglang, '9.2f')}"
+                )
+    return lines
+
+
+def run_numpy(names, rows: list):
+    lines = [f"{'workload':<16} {'op':<7} {'wall ms (median of 5)':>22} {'verify entries':>15}"]
+    for key in names:
+        d = build(WORKLOADS[key], np)
+        for op, fn in numpy_ops(d).items():
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            ms = statistics.median(times)
+            rows.append({"workload": key, "op": op, "wall_ms": round(ms, 2), "verify_entries": d["total_verify"]})
+            lines.append(f"{WORKLOADS[key].name:<16} {op:<7} {ms:>22.1f} {d['total_verify']:>15}")
+    return lines
+
+
+def numpy_ops(d):
+    vcap = d["total_verify"]
+    vp, wp = kc.VerifyPlan.allocate(vcap), kc.WritePlan.allocate(d["bs"])
+    log = kc.ViolationLog.allocate(1024)
+    return {
+        "plan": lambda: kc.plan(d["rp"], d["prefix"], d["extend"], d["rtt"], verify_capacity=vcap, out=(vp, wp)),
+        "verify": lambda: kc.verify(d["canary"], vp, log=log),
+        "write": lambda: kc.write(d["canary"], wp, d["ids"], d["pos"], d["loc"], log=log),
+    }
