@@ -34,7 +34,6 @@ struct VerifySink {
   const RealKvSources& sources;
   int kind;
   const LaunchLog& log;
-  int check_holes;  // a live entry of the padding slot logs a hole row (canary_verify's check_holes)
 
   __device__ __forceinline__ void operator()(const PlannedEntry (&e)[kChunks]) const {
     const i64 num_slots = canary.num_slots;
@@ -69,9 +68,8 @@ struct VerifySink {
         const i64 left_prev_hash = __shfl_up_sync(kFullMask, rec[k].prev_hash, 1);
         before = slot_hash(e[k].prev_is_left_lane ? CanaryRecord{left_token, left_position, left_prev_hash, 0} : loaded_prev[k]);
       }
-      const bool hole = check_holes && e[k].live && is_padding_slot(e[k].slot);
       violations += check_folded_entry<kCheckToken>(canary, kind, log, ok[k], e[k].slot, rec[k], e[k].prev, true, before,
-                                                    e[k].position, e[k].token, real_kv[k], hole, e[k].t);
+                                                    e[k].position, e[k].token, real_kv[k]);
     }
     warp_add(log.out_of_range_counters + kind, errors);
     warp_add(log.violation_counters + kind, violations);
@@ -85,13 +83,13 @@ struct VerifySink {
 // out-of-range entry values and the violations, by the sink.
 template <int kTable, bool kHasLut, bool kHasPool, bool kCheckToken, bool kHasRealKv>
 __global__ void __launch_bounds__(kPlanThreads, kPlanVerifyBlocksPerSm)
-    plan_verify(PlanInputs in, PlanOutputs out, const __grid_constant__ CanaryTargets targets, LaunchLog log, int check_holes) {
+    plan_verify(PlanInputs in, PlanOutputs out, const __grid_constant__ CanaryTargets targets, LaunchLog log) {
   wait_for_prior_grids();
   const int kind = targets.kind[0];
   // The strided scan passes alone: a blocked pass's registers spill at 64 a thread (and its batch
   // sizes gain little: plan_verify's W5 18.1 -> 18.0 us on the H200).
   const i64 entries = plan_and_expand<kTable, kHasLut, kHasPool, 1>(
-      in, out, VerifySink<kCheckToken, kHasRealKv>{targets.canary[0], targets.sources[0], kind, log, check_holes});
+      in, out, VerifySink<kCheckToken, kHasRealKv>{targets.canary[0], targets.sources[0], kind, log});
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     atomicAdd(log.kernel_run_counters + kind, 1ULL);
     if (entries > 0) atomicAdd(log.slot_run_counters + kind, static_cast<unsigned long long>(entries));

@@ -87,10 +87,9 @@ PLAN_PARAMS = _param_record(("inputs", PLAN_INPUTS), ("outputs", PLAN_OUTPUTS))
 WRITE_PARAMS = _param_record(("targets", CANARY_TARGETS), ("inputs", WRITE_INPUTS), ("log", LAUNCH_LOG))
 VERIFY_PARAMS = _param_record(
     ("targets", CANARY_TARGETS), *((k, "u8") for k in VERIFY_INPUT_FIELDS), ("verify_capacity", "i8"), ("log", LAUNCH_LOG),
-    ("check_holes", "i4"),
 )
 PLAN_VERIFY_PARAMS = _param_record(("inputs", PLAN_INPUTS), ("outputs", PLAN_OUTPUTS), ("targets", CANARY_TARGETS),
-                                   ("log", LAUNCH_LOG), ("check_holes", "i4"))
+                                   ("log", LAUNCH_LOG))
 
 STAGE_PARAMS = _param_record(("s", SESSION_STAGE), ("stamp", "i8"))  # session_stage's; session_attribute takes s alone
 
