@@ -29,7 +29,6 @@ from .staging import STAGED_RECORDS, StagingMixin, _CudaTransport, _HostTranspor
 from .sweep import SweepMixin, _length, _one_of
 from .violations import POLICIES, RING_GROUPS, ViolationsMixin, _group_logs
 
-
 #: ``verify_capacity`` defaults to this many times ``num_slots`` (``CanaryCapacities.from_engine``'s
 #: headroom: radix sharing lets a batch's summed prefixes exceed the pool).
 VERIFY_HEADROOM = 3
