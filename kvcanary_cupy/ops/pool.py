@@ -88,16 +88,7 @@ def move_pages(canary_buf: Array, src_pages: Array, dst_pages: Array, *, page_si
             v[key] = contiguous_input(v[key], key, xp)
         # Nothing is staged when the canary holds no whole page (every pair is then skipped).
         need = v["src_pages"].shape[0] * size * canary.shape[1] if canary.shape[0] >= size else 0
-        if workspace is not None:
-            check_dtype(v["workspace"], "workspace", I64)
-            check_contiguous_output(v["workspace"], "workspace")
-            if v["workspace"].size < need:
-                fail(ValueError, f"workspace must hold at least len(src_pages) x page_size x {canary.shape[1]} int64 fields "
-                                 f"= {need} values, got {v['workspace'].size}")
-        elif placement.backend == "cupy" and need:
-            refuse_during_capture(placement, "move_pages would allocate its staging area (no workspace= was given)",
-                                  "pass workspace= allocated before capturing")
-            v["workspace"] = xp.empty(need, I64)
+        v["workspace"] = _staging_workspace(v["workspace"], need, canary.shape[1], placement, xp, "move_pages")
         if out_of_range_count is not None:
             check_1d(v["out_of_range_count"], "out_of_range_count", I64, 1)
         args = MoveArgs(canary, v["src_pages"], v["dst_pages"], size, v["workspace"], v["out_of_range_count"])
@@ -179,16 +170,7 @@ def copy_pages(src_canary: Array, dst_canary: Array, src_pages: Array, dst_pages
             v[key] = contiguous_input(v[key], key, xp)
         whole = src.shape[0] >= size and dst.shape[0] >= size  # else every pair is skipped: nothing staged
         need = v["src_pages"].shape[0] * size * src.shape[1] if whole else 0
-        if workspace is not None:
-            check_dtype(v["workspace"], "workspace", I64)
-            check_contiguous_output(v["workspace"], "workspace")
-            if v["workspace"].size < need:
-                fail(ValueError, f"workspace must hold at least len(src_pages) x page_size x {src.shape[1]} int64 fields "
-                                 f"= {need} values, got {v['workspace'].size}")
-        elif placement.backend == "cupy" and need:
-            refuse_during_capture(placement, "copy_pages would allocate its staging area (no workspace= was given)",
-                                  "pass workspace= allocated before capturing")
-            v["workspace"] = xp.empty(need, I64)
+        v["workspace"] = _staging_workspace(v["workspace"], need, src.shape[1], placement, xp, "copy_pages")
         if out_of_range_count is not None:
             check_1d(v["out_of_range_count"], "out_of_range_count", I64, 1)
         args = CopyArgs(src, dst, v["src_pages"], v["dst_pages"], size, v["workspace"], v["out_of_range_count"])
@@ -273,3 +255,19 @@ def scatter_req_token_ids(flat_in: Array, offsets: Array, req_pool_indices: Arra
             strict_checks.check_scatter(args)
         get_backend(placement.backend).scatter(args)
     return pool_out
+
+
+def _staging_workspace(workspace, need: int, width: int, placement, xp, op: str):
+    """The staging area of a page move or copy: the caller's ``workspace`` checked to hold ``need``
+    values, or (no workspace, on the GPU, not capturing) one allocated for this call."""
+    if workspace is not None:
+        check_dtype(workspace, "workspace", I64)
+        check_contiguous_output(workspace, "workspace")
+        if workspace.size < need:
+            fail(ValueError, f"workspace must hold at least len(src_pages) x page_size x {width} int64 fields "
+                             f"= {need} values, got {workspace.size}")
+    elif placement.backend == "cupy" and need:
+        refuse_during_capture(placement, f"{op} would allocate its staging area (no workspace= was given)",
+                              "pass workspace= allocated before capturing")
+        workspace = xp.empty(need, I64)
+    return workspace
