@@ -27,6 +27,7 @@ constexpr i64 kVerifyTokenMismatch = 1 << 5;
 // This project's coverage bits (kernels/coverage.cu); SGLang's six above are unchanged.
 constexpr i64 kWriteKvNotStored = 1 << 11;
 constexpr i64 kVerifyDeepKvMismatch = 1 << 12;
+constexpr i64 kVerifyTableHole = 1 << 16;  // this project's own bit: a read position addressing the padding slot
 
 __host__ __device__ constexpr u64 splitmix64(u64 x) {
   x ^= x >> 30;
@@ -277,13 +278,19 @@ __device__ __forceinline__ i64 verify_entry_errors(i64 slot, i64 prev, i64 num_s
 // against the anchor instead; 0 or out of range: no chain check).
 __device__ __forceinline__ bool chain_checked(bool ok, i64 prev, i64 num_slots) { return ok && prev > 0 && prev < num_slots; }
 
+// Whether a verify entry's slot is the padding slot (never checked; with check_holes, a hole).
+__device__ __forceinline__ bool is_padding_slot(i64 slot) { return slot == 0; }
+
 // check_verify_entry with the fold of the entry's real KV done by the caller: `real_kv` is
 // real_kv_fold of the slot (0 without real-KV sources or for an entry not `ok`), so the caller
-// picks when the fold's registers are live.
+// picks when the fold's registers are live.  `hole`: the entry (index `entry` of the plan) is a
+// live one whose slot is the padding slot and holes are checked; it logs a hole row instead
+// (docs/format.md: slot, expected position, stored token -1, stored chain 0, the entry index in
+// expected_aux, kVerifyTableHole).
 template <bool kCheckToken>
 __device__ __forceinline__ bool check_folded_entry(const CanaryBuffer& canary, int kind, const LaunchLog& log, bool ok, i64 slot,
                                                    const CanaryRecord& r, i64 prev, bool prev_hash_known, u64 prev_hash,
-                                                   i64 position, i64 token, u64 real_kv) {
+                                                   i64 position, i64 token, u64 real_kv, bool hole, i64 entry) {
   u64 expected_chain = static_cast<u64>(r.prev_hash);
   if (prev < 0) {
     expected_chain = kAnchorHash;
@@ -296,13 +303,14 @@ __device__ __forceinline__ bool check_folded_entry(const CanaryBuffer& canary, i
   if (r.position != position) bits |= kVerifyPositionMismatch;
   if (static_cast<u64>(r.real_kv_hash) != real_kv) bits |= kVerifyRealKvHashMismatch;
   if (kCheckToken && expected_token != -1 && r.token != expected_token) bits |= kVerifyTokenMismatch;
-  const bool hit = ok && bits != 0;
-  log.append_rows(hit, kind, slot, r.position, r.token, expected_token, r.prev_hash, static_cast<i64>(expected_chain), bits);
+  const bool hit = (ok && bits != 0) || hole;
+  log.append_rows(hit, kind, slot, hole ? position : r.position, hole ? -1 : r.token, expected_token, hole ? 0 : r.prev_hash,
+                  hole ? entry : static_cast<i64>(expected_chain), hole ? kVerifyTableHole : bits);
   return hit;
 }
 
 // Checks the record `r` of entry `slot` (loaded when `ok`: 0 < slot < num_slots; slot 0, the
-// padding slot, is never checked) against its position, its expected token (-1: unchecked), its
+// padding slot, is never checked: with `hole`, see check_folded_entry) against its position, its expected token (-1: unchecked), its
 // real KV and the hash of its predecessor `prev` (see chain_checked).  With `prev_hash_known`,
 // `prev_hash` is the hash of slot prev's record, which the caller has (a neighbouring lane loaded
 // the record, or the caller did ahead); else it is loaded here.  A violation goes to the ring;
@@ -310,10 +318,11 @@ __device__ __forceinline__ bool check_folded_entry(const CanaryBuffer& canary, i
 template <bool kCheckToken, bool kHasRealKv>
 __device__ __forceinline__ bool check_verify_entry(const CanaryBuffer& canary, const RealKvSources& sources, int kind,
                                                    const LaunchLog& log, bool ok, i64 slot, const CanaryRecord& r,
-                                                   i64 prev, bool prev_hash_known, u64 prev_hash, i64 position, i64 token) {
+                                                   i64 prev, bool prev_hash_known, u64 prev_hash, i64 position, i64 token,
+                                                   bool hole, i64 entry) {
   const u64 real_kv = kHasRealKv && ok ? real_kv_fold(sources, slot) : 0;
   return check_folded_entry<kCheckToken>(canary, kind, log, ok, slot, r, prev, prev_hash_known, prev_hash, position, token,
-                                         real_kv);
+                                         real_kv, hole, entry);
 }
 
 // Element i of an index array that is int32 or int64 (engine tables come in either).

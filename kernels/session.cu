@@ -97,7 +97,9 @@ __global__ void session_stage(SessionStage s, i64 stamp) {
     for (i64 r = tid; r < n; r += blockDim.x) {
       const i64* row = ring + r * kViolationFields;
       const i64 slot = row[1];
-      if ((row[7] & (kWriteTokenMismatch | kWritePositionMismatch)) == 0 && slot > 0 && slot < s.num_slots)
+      // the padding slot only by a hole row: its readers are the hole's
+      const bool named = slot > 0 || (slot == 0 && (row[7] & kVerifyTableHole) != 0);
+      if ((row[7] & (kWriteTokenMismatch | kWritePositionMismatch)) == 0 && named && slot < s.num_slots)
         s.marks[slot] = stamp;
     }
   }
@@ -129,7 +131,7 @@ __global__ void session_attribute(SessionStage s) {
   for (i64 e = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; e < active;
        e += static_cast<i64>(gridDim.x) * blockDim.x) {
     const i64 slot = s.slots[e];
-    if (slot <= 0 || slot >= s.num_slots || s.marks[slot] != stamp) continue;
+    if (slot < 0 || slot >= s.num_slots || s.marks[slot] != stamp) continue;
     const i64 t = static_cast<i64>(atomicAdd(reinterpret_cast<unsigned long long*>(s.staging + kStageMatches), 1ULL));
     if (t >= s.attribution_capacity) continue;  // counted in matches, not kept
     i64* rec = out + t * kAttributionFields;

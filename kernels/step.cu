@@ -14,6 +14,14 @@ namespace kvcanary {
 // can run two blocks per SM (more warps in flight for the latency-bound check).
 constexpr int kPlanVerifyBlocksPerSm = 2;
 
+// The one variant whose thread does not fit 64 registers (the hole check, check_holes, took the
+// last one: 8 bytes spilled): the wide block table with a LUT, a token pool, expected tokens and
+// real-KV sources runs one block per SM (abi.plan_verify_one_block mirrors the rule).
+template <int kTable, bool kHasLut, bool kHasPool, bool kCheckToken, bool kHasRealKv>
+constexpr int plan_verify_blocks_per_sm() {
+  return kTable == kTableBlock && kHasLut && kHasPool && kCheckToken && kHasRealKv ? 1 : kPlanVerifyBlocksPerSm;
+}
+
 // Checks the entries of kChunks chunks at once against one canary buffer (as canary_verify does)
 // and adds the out-of-range values and the violations to the log's counters (a warp's atomic
 // only when it found any: no counter held in registers across the expansion).  The check is
@@ -23,8 +31,8 @@ constexpr int kPlanVerifyBlocksPerSm = 2;
 // the chunk holds (the first entry of a chunk or of a request).  Any other entry's predecessor is
 // the left lane's entry, whose record's hashed fields come by shuffle (with expected tokens, its
 // hash: one more hash a lane, fewer registers).  kChunks = 1: a thread fits 64
-// registers without spilling (kPlanVerifyBlocksPerSm), for every table kind and flag; more
-// chunks per step spill there.
+// registers without spilling (kPlanVerifyBlocksPerSm), for every table kind and flag but the one
+// plan_verify_blocks_per_sm names; more chunks per step spill there.
 template <bool kCheckToken, bool kHasRealKv>
 struct VerifySink {
   static constexpr int kChunks = 1;
@@ -34,6 +42,7 @@ struct VerifySink {
   const RealKvSources& sources;
   int kind;
   const LaunchLog& log;
+  int check_holes;  // a live entry of the padding slot logs a hole row (canary_verify's check_holes)
 
   __device__ __forceinline__ void operator()(const PlannedEntry (&e)[kChunks]) const {
     const i64 num_slots = canary.num_slots;
@@ -68,8 +77,9 @@ struct VerifySink {
         const i64 left_prev_hash = __shfl_up_sync(kFullMask, rec[k].prev_hash, 1);
         before = slot_hash(e[k].prev_is_left_lane ? CanaryRecord{left_token, left_position, left_prev_hash, 0} : loaded_prev[k]);
       }
+      const bool hole = check_holes && e[k].live && is_padding_slot(e[k].slot);
       violations += check_folded_entry<kCheckToken>(canary, kind, log, ok[k], e[k].slot, rec[k], e[k].prev, true, before,
-                                                    e[k].position, e[k].token, real_kv[k]);
+                                                    e[k].position, e[k].token, real_kv[k], hole, e[k].t);
     }
     warp_add(log.out_of_range_counters + kind, errors);
     warp_add(log.violation_counters + kind, violations);
@@ -82,14 +92,14 @@ struct VerifySink {
 // (none when the plan exceeds out.verify_capacity: enable is then 0), by one thread; the
 // out-of-range entry values and the violations, by the sink.
 template <int kTable, bool kHasLut, bool kHasPool, bool kCheckToken, bool kHasRealKv>
-__global__ void __launch_bounds__(kPlanThreads, kPlanVerifyBlocksPerSm)
-    plan_verify(PlanInputs in, PlanOutputs out, const __grid_constant__ CanaryTargets targets, LaunchLog log) {
+__global__ void __launch_bounds__(kPlanThreads, (plan_verify_blocks_per_sm<kTable, kHasLut, kHasPool, kCheckToken, kHasRealKv>()))
+    plan_verify(PlanInputs in, PlanOutputs out, const __grid_constant__ CanaryTargets targets, LaunchLog log, int check_holes) {
   wait_for_prior_grids();
   const int kind = targets.kind[0];
   // The strided scan passes alone: a blocked pass's registers spill at 64 a thread (and its batch
   // sizes gain little: plan_verify's W5 18.1 -> 18.0 us on the H200).
   const i64 entries = plan_and_expand<kTable, kHasLut, kHasPool, 1>(
-      in, out, VerifySink<kCheckToken, kHasRealKv>{targets.canary[0], targets.sources[0], kind, log});
+      in, out, VerifySink<kCheckToken, kHasRealKv>{targets.canary[0], targets.sources[0], kind, log, check_holes});
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     atomicAdd(log.kernel_run_counters + kind, 1ULL);
     if (entries > 0) atomicAdd(log.slot_run_counters + kind, static_cast<unsigned long long>(entries));

@@ -8,6 +8,8 @@
 // entry of a warp step or of a sequence (or an entry whose prev is some other slot) gathers the
 // predecessor's record itself.  Several canary buffers verified with one plan (kBuffers > 1)
 // share the entry loads; each buffer's records are loaded before any of them is checked.
+// check_holes (non-zero): an entry whose slot is the padding slot logs a hole row
+// (kVerifyTableHole) instead of being skipped.
 #include "canary_common.cuh"
 
 namespace kvcanary {
@@ -21,7 +23,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 1)
     canary_verify(const __grid_constant__ CanaryTargets targets, const i64* __restrict__ slots, const i64* __restrict__ expected_tokens,
                   const i64* __restrict__ expected_positions, const i64* __restrict__ prev_slots,
                   const int* __restrict__ verify_num_valid, const int* __restrict__ enable, i64 verify_capacity,
-                  LaunchLog log) {
+                  LaunchLog log, int check_holes) {
   wait_for_prior_grids();
   constexpr int kItems = kBuffers == 1 ? 2 : 1;  // entries per lane and step: bounds the registers
   const int lane = threadIdx.x & 31;
@@ -76,9 +78,11 @@ __global__ void __launch_bounds__(kVerifyThreads, 1)
         const int before = k > 0 ? k - 1 : 0;  // lane 0 of item 0 has no left entry (slot 0 never matches)
         const i64 left = lane > 0 ? left_slot[k] : (k > 0 ? left_slot[before] : 0);
         const u64 left_hash = lane > 0 ? from_left[k] : from_left[before];
+        const i64 e = base + 32 * k + lane;
+        const bool hole = check_holes && e < active && is_padding_slot(slot[k]);
         violations[b] += check_verify_entry<kCheckToken, kHasRealKv>(targets.canary[b], targets.sources[b], targets.kind[b], log,
                                                                      ok[k], slot[k], rec[b][k], prev[k], prev[k] == left,
-                                                                     left_hash, pos[k], token[k]);
+                                                                     left_hash, pos[k], token[k], hole, e);
       }
     }
   }

@@ -47,7 +47,7 @@ from .ops import copy_pages, move_pages, plan, plan_and_verify, scatter_req_toke
 from .planner import CanaryCapacities, CanaryCapacityWarning, CanaryPlanner
 from .log import ViolationLog
 from .plans import RealKvSource, VerifyPlan, WritePlan, allocate_canary_buffer
-from .reporting import ReplicaMismatch, Violation, ViolationReport
+from .reporting import Reader, ReplicaMismatch, Violation, ViolationReport
 from .same_step import SameStepReads, resolve_same_step_reads
 from .session import CanarySession
 from .tables import BlockTable, PagedKvIndices, ReqToToken
@@ -95,6 +95,7 @@ __all__ = [
     "FailReason",
     "PagedKvIndices",
     "RealKvHashMode",
+    "Reader",
     "RealKvSource",
     "ReplicaMismatch",
     "ReqToToken",

@@ -124,8 +124,10 @@ class WriteArgs(NamedTuple):
 
 # targets: tuple of CanaryTarget, 1 to MAX_CANARY_BUFFERS; then one view per VERIFY_INPUT_FIELDS
 # (dtype and length as plans.VERIFY_PLAN_FIELDS gives them); then the verify's options and the log.
+# check_holes: an entry whose slot is the padding slot logs a hole row (FailReason.VERIFY_TABLE_HOLE).
 VerifyArgs = NamedTuple("VerifyArgs", [("targets", tuple), *((k, Any) for k in VERIFY_INPUT_FIELDS),
-                                       ("check_expected_token", bool), ("real_kv_hash_mode", int), ("log", LogViews)])
+                                       ("check_expected_token", bool), ("check_holes", bool), ("real_kv_hash_mode", int),
+                                       ("log", LogViews)])
 
 
 class PlanVerifyArgs(NamedTuple):

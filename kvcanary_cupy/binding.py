@@ -284,7 +284,7 @@ def write_bound_args(write_plan, log, chain_position_assert, context, xp) -> Wri
 
 
 def verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_token,
-                  plan_arrays=None):
+                  plan_arrays=None, check_holes=False):
     """A verify's checks that need no view; returns ``(placement, context, arrays by name)``.
 
     ``verify_plan`` is None for plan_and_verify, whose plan's arrays (``plan_arrays``) join the placement."""
@@ -294,11 +294,13 @@ def verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources, rea
         named.update(record_arrays("verify_plan", verify_plan))
     if not isinstance(check_expected_token, (bool, np.bool_)):
         fail(TypeError, f"check_expected_token must be a bool, got {type(check_expected_token).__name__}")
+    if not isinstance(check_holes, (bool, np.bool_)):
+        fail(TypeError, f"check_holes must be a bool, got {type(check_holes).__name__}")
     named.update(plan_arrays or {})
     return common_placement(named), LaunchContext(buffers, mode), named
 
 
-def verify_args(verify_plan, log, check_expected_token, context, xp) -> VerifyArgs:
+def verify_args(verify_plan, log, check_expected_token, context, xp, check_holes=False) -> VerifyArgs:
     mode = context.mode
     canaries = targets(context.buffers, mode, written=False)
     pv = plan_views("verify_plan", verify_plan, writable=False, xp=xp)
@@ -306,6 +308,7 @@ def verify_args(verify_plan, log, check_expected_token, context, xp) -> VerifyAr
         targets=canaries,
         **{k: pv[k] for k in VerifyArgs._fields if k in pv},
         check_expected_token=bool(check_expected_token),
+        check_holes=bool(check_holes),
         real_kv_hash_mode=mode,
         log=log_views(log),
     )

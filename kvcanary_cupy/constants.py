@@ -67,7 +67,10 @@ class FailReason(enum.IntFlag):
     not the expected one), ``VERIFY_REAL_KV_HASH_MISMATCH`` (the KV bytes changed since the
     write), ``VERIFY_TOKEN_MISMATCH`` (the stored token is not the expected token).  A write row
     carries ``WRITE_TOKEN_MISMATCH`` / ``WRITE_POSITION_MISMATCH`` (the input or chain-position
-    asserts of :func:`write`).  Reports name a bit by :meth:`label` (``"verify_chain_hash"``).
+    asserts of :func:`write`).  ``VERIFY_TABLE_HOLE`` is this project's own bit (the six above are
+    SGLang's): a position the step reads whose table entry addresses the padding slot (a zeroed
+    entry, a block table's null block), logged only by verifies asked to (``check_holes``); its row
+    layout is docs/format.md's "hole row".  Reports name a bit by :meth:`label` (``"verify_chain_hash"``).
 
     Examples
     --------
@@ -83,9 +86,10 @@ class FailReason(enum.IntFlag):
     VERIFY_TOKEN_MISMATCH = 1 << 5
     # This project's coverage past the record (docs/format.md section 9), logged only when a
     # CanarySession is asked to (check_lost_stores, deep_kv_sources); SGLang's six bits unchanged.
-    # Above the transfer digests' bits (DigestFailReason, 1 << 6 to 1 << 10) and the table-hole bit.
+    # Above the transfer digests' bits (DigestFailReason, 1 << 6 to 1 << 10), below the table-hole bit.
     WRITE_KV_NOT_STORED = 1 << 11
     VERIFY_DEEP_KV_MISMATCH = 1 << 12
+    VERIFY_TABLE_HOLE = 1 << 16  # bits 6-10 are the transfer digest's (DigestFailReason)
 
     @staticmethod
     def label(bits: int) -> str:

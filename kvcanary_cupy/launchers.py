@@ -196,7 +196,7 @@ class VerifyLauncher:
     canary_buf, verify_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode
         As for :func:`kvcanary_cupy.verify`, checked once here; ``verify_plan`` is usually a
         :class:`CanaryPlanner`'s ``verify_plan``, refilled in place every step.
-    check_expected_tokens, check_expected_token
+    check_expected_tokens, check_expected_token, check_holes
         As for :func:`kvcanary_cupy.verify` (``check_expected_token`` is the older spelling).
 
     Raises
@@ -219,29 +219,31 @@ class VerifyLauncher:
     def __init__(self, canary_buf: Array | Sequence[Array], verify_plan: VerifyPlan, *, log: ViolationLog,
                  kernel_kind: int | Sequence[int] = 0, real_kv_sources: Sequence[Any] = (),
                  real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE, check_expected_tokens: bool = False,
-                 check_expected_token: bool | None = None):
+                 check_expected_token: bool | None = None, check_holes: bool = False):
         check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
                                             "check_expected_token")
         self.canary_buf, self.verify_plan = canary_buf, verify_plan
         self.options = dict(log=log, kernel_kind=kernel_kind, real_kv_sources=real_kv_sources,
-                            real_kv_hash_mode=real_kv_hash_mode, check_expected_token=check_expected_token)
+                            real_kv_hash_mode=real_kv_hash_mode, check_expected_token=check_expected_token,
+                            check_holes=check_holes)
         self._full = full_validation_forced()
         self._bind()
 
     def __repr__(self) -> str:
         o = self.options
         return (f"<VerifyLauncher {buffers_words(self.canary_buf)}, verify_capacity={self.verify_plan.capacity}, "
-                f"{launch_words(o['kernel_kind'], o)}, check_expected_tokens={o['check_expected_token']}; "
-                f"{bound_words(self)}>")
+                f"{launch_words(o['kernel_kind'], o)}, check_expected_tokens={o['check_expected_token']}, "
+                f"check_holes={o['check_holes']}; {bound_words(self)}>")
 
     def _bind(self) -> None:
         o = self.options
         placement, context, named = binding.verify_setup(self.canary_buf, self.verify_plan, o["log"], o["kernel_kind"],
                                                       o["real_kv_sources"], o["real_kv_hash_mode"],
-                                                      o["check_expected_token"])
+                                                      o["check_expected_token"], check_holes=o["check_holes"])
         self._bound = None
         with launch_stream(placement):  # on the bound device: grids are sized from its SM count
-            args = binding.verify_args(self.verify_plan, o["log"], o["check_expected_token"], context, array_module(placement))
+            args = binding.verify_args(self.verify_plan, o["log"], o["check_expected_token"], context, array_module(placement),
+                                       o["check_holes"])
             if self._full or not viewed_in_place(self.verify_plan.arrays().values()):
                 return
             b = _BoundVerify(placement, named)

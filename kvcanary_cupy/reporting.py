@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 import json
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from .errors import fail
 from .interop import to_numpy
 from .validation import INT32_MAX
 from .violation import REASON_WORDS  # noqa: F401  (it lived here before violation.py)
-from .violation import REPLICATED_KV_MISMATCH, ReplicaMismatch, Violation, reason_members, reason_name, tag_name
+from .violation import REPLICATED_KV_MISMATCH, Reader, ReplicaMismatch, Violation, reason_members, reason_name, tag_name
 
 if TYPE_CHECKING:
     from .log import ViolationLog
@@ -40,12 +40,15 @@ def _html_cell(v: Violation, key: str, value) -> str:
     if key == "reasons":
         value = ", ".join(value) or "none"
         title = f' title="{html.escape(v.reason_words)}"'
-    elif key == "stored_chain_hash" or (key == "expected_aux" and not v.is_write):
+    elif key == "stored_chain_hash" or (key == "expected_aux" and v.expected_chain_hash is not None):
         value = f"{value:#018x}"
     elif key == "expected_token" and value == -1 and not v.is_write:
         value = "not checked"
     elif key in ("batch_rows", "request_ids"):
         value = ", ".join(map(str, value)) or None
+    elif key == "readers":
+        value = ", ".join(f"{'sweep ' if r['sweep'] else ''}{r['step']}:{r['batch_row']}"
+                          + ("" if r["row_label"] is None else f" ({r['row_label']})") for r in value) or None
     return f"<td{title}>{'&ndash;' if value is None else html.escape(str(value))}</td>"
 
 
@@ -58,8 +61,8 @@ PANDAS_DTYPES = {
     "launch_tag": object, "reasons": object, "kernel_kind": "int64", "slot_idx": "int64", "position": "int64",
     "stored_token": "int64", "expected_token": "int64", "stored_chain_hash": "uint64", "expected_aux": object,
     "fail_reason_bits": "int64", "expected_position": "Int64", "prev_slot_idx": "Int64", "batch_rows": object,
-    "repeats": "int64", "first_step": "Int64", "last_step": "Int64", "rank": "Int64", "device": object,
-    "request_ids": object, "finding": object,
+    "repeats": "int64", "first_step": "Int64", "last_step": "Int64", "readers": object, "readers_dropped": "int64",
+    "rank": "Int64", "device": object, "request_ids": object, "finding": object,
 }
 
 _I64_RANGE, _U64_RANGE = (-(2**63), 2**63 - 1), (0, 2**64 - 1)
@@ -70,6 +73,7 @@ _RECORD_RANGES = {
     "expected_token": _I64_RANGE, "stored_chain_hash": _U64_RANGE, "expected_aux": (-(2**63), 2**64 - 1),
     "fail_reason_bits": (0, _KNOWN_BITS), "expected_position": _I64_RANGE, "prev_slot_idx": _I64_RANGE,
     "repeats": (1, _I64_RANGE[1]), "first_step": (0, _I64_RANGE[1]), "last_step": (0, _I64_RANGE[1]),
+    "readers_dropped": (0, _I64_RANGE[1]),
     "rank": (0, INT32_MAX),
 }
 _OPTIONAL = frozenset(("expected_position", "prev_slot_idx", "first_step", "last_step", "rank"))
@@ -103,6 +107,20 @@ def _json_record(d, where: str) -> Violation:
         fail(TypeError, f"report JSON {where}.batch_rows must be a list of int, got {type(rows).__name__}")
     for i, r in enumerate(rows):
         _json_int(r, f"{where}.batch_rows[{i}]", 0, _I64_RANGE[1])
+    readers = d.get("readers", [])
+    if not isinstance(readers, list):
+        fail(TypeError, f"report JSON {where}.readers must be a list of objects, got {type(readers).__name__}")
+    for i, r in enumerate(readers):
+        at = f"{where}.readers[{i}]"
+        if not isinstance(r, dict) or set(r) != set(Reader._fields):
+            fail(ValueError, f"report JSON {at} must be an object with keys {', '.join(Reader._fields)}, got {r!r}")
+        _json_int(r["step"], f"{at}.step", 0, _I64_RANGE[1])
+        _json_int(r["batch_row"], f"{at}.batch_row", -1, _I64_RANGE[1])
+        if not (r["row_label"] is None or isinstance(r["row_label"], str)
+                or (isinstance(r["row_label"], int) and not isinstance(r["row_label"], bool))):
+            fail(TypeError, f"report JSON {at}.row_label must be an int, a str or null, got {r['row_label']!r}")
+        if not isinstance(r["sweep"], bool):
+            fail(TypeError, f"report JSON {at}.sweep must be a bool, got {r['sweep']!r}")
     ids = d.get("request_ids", [])
     if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
         fail(TypeError, f"report JSON {where}.request_ids must be a list of str, got {ids!r}")
@@ -356,6 +374,32 @@ class ViolationReport:
         columns = list(_COLUMNS)
         data = {c: [d[c] for d in self.to_dicts()] for c in columns}
         return pandas.DataFrame({c: pandas.Series(data[c], dtype=PANDAS_DTYPES[c]) for c in columns}, columns=columns)
+
+    def victims(self, *, frame: bool = False):
+        """Every read of a violating slot, per violation and step (:func:`kvcanary_cupy.containment.victims`).
+
+        Parameters
+        ----------
+        frame : bool
+            False: a dict of NumPy columns; True: a pandas DataFrame (ImportError without pandas).
+        """
+        from .containment import victims
+
+        return victims(self, frame=frame)
+
+    def poisoned_pages(self, page_size: int, *, frame: bool = False):
+        """The slots and pages the violations poison (:func:`kvcanary_cupy.containment.poisoned_pages`).
+
+        Parameters
+        ----------
+        page_size : int
+            Slots per page (block) of the engine's KV pool, ``>= 1``.
+        frame : bool
+            False: a dict of NumPy columns; True: a pandas DataFrame (ImportError without pandas).
+        """
+        from .containment import poisoned_pages
+
+        return poisoned_pages(self, page_size, frame=frame)
 
     def _repr_html_(self) -> str:
         """What Jupyter shows: :meth:`to_html`."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 from .constants import CanaryLaunchTag, FailReason
 from .hashing import to_unsigned
@@ -22,8 +23,8 @@ REASON_WORDS = {
     FailReason.VERIFY_TOKEN_MISMATCH: "stored token is not the expected token",
     FailReason.WRITE_KV_NOT_STORED: "the forward did not store this slot's KV",
     FailReason.VERIFY_DEEP_KV_MISMATCH: "KV bytes of some layer changed",
+    FailReason.VERIFY_TABLE_HOLE: "a read position's table entry addresses the padding slot",
 }
-
 
 def tag_name(kind: int) -> str:
     """The launch tag's name, or ``KIND_<n>`` for a kind past the 12 tags."""
@@ -35,6 +36,18 @@ def tag_name(kind: int) -> str:
 
 def reason_members(bits: int) -> list:
     return [member for member in FailReason if int(bits) & member.value]
+
+
+class Reader(NamedTuple):
+    """One read of a violating slot (docs/guide.md, "Containment"): the session step (a sweep: the
+    last step ended before it), the batch row (a sweep: the index of the swept sequence), the
+    label the engine gave that row (``row_labels`` of ``pre_forward`` / ``sweep``; None where it
+    gave none) and whether a sweep read it."""
+
+    step: int
+    batch_row: int
+    row_label: int | str | None = None
+    sweep: bool = False
 
 
 def reason_name(member: FailReason) -> str:
@@ -75,6 +88,11 @@ class Violation:
         Ring rows with this violation's ``key``.
     first_step, last_step : int, optional
         The session steps it was first and last seen in.
+    readers : tuple of Reader
+        Every read of the slot that produced this violation, in every step it was seen in
+        (repeats included), oldest first: the newest ``kvcanary_cupy.session.MAX_READERS`` of them.
+    readers_dropped : int
+        Older reads past that bound: counted, not kept.
     rank : int, optional
         The rank (in the session's ``process_group``) whose canary found it; None without a group.
     device : str, optional
@@ -109,6 +127,8 @@ class Violation:
     repeats: int = 1
     first_step: int | None = None
     last_step: int | None = None
+    readers: tuple = ()
+    readers_dropped: int = 0
     rank: int | None = None
     device: str | None = None
     request_ids: tuple = ()
@@ -117,15 +137,19 @@ class Violation:
     def __post_init__(self):
         if self.is_write and self.expected_position is None:
             object.__setattr__(self, "expected_position", self.expected_aux)
+        if self.is_hole and self.expected_position is None:
+            object.__setattr__(self, "expected_position", self.position)
         object.__setattr__(self, "batch_rows", tuple(int(r) for r in self.batch_rows))
+        object.__setattr__(self, "readers", tuple(r if isinstance(r, Reader) else Reader(**r) if isinstance(r, dict)
+                                                  else Reader(*r) for r in self.readers))
         object.__setattr__(self, "request_ids", tuple(str(r) for r in self.request_ids))
 
     @classmethod
     def from_row(cls, row: Sequence[int]) -> "Violation":
         """Decode one ring row: ``row`` is its 8 int64 values (hashes become unsigned)."""
         v = [int(x) for x in row]
-        is_write = bool(v[7] & _WRITE_BITS)  # write rows carry a position in expected_aux
-        return cls(v[0], v[1], v[2], v[3], v[4], to_unsigned(v[5]), v[6] if is_write else to_unsigned(v[6]), v[7])
+        plain = bool(v[7] & _PLAIN_AUX)  # write rows carry a position in expected_aux, hole rows an entry index
+        return cls(v[0], v[1], v[2], v[3], v[4], to_unsigned(v[5]), v[6] if plain else to_unsigned(v[6]), v[7])
 
     @property
     def key(self) -> tuple:
@@ -135,6 +159,12 @@ class Violation:
     @property
     def is_write(self) -> bool:
         return bool(self.fail_reason_bits & _WRITE_BITS)
+
+    @property
+    def is_hole(self) -> bool:
+        """A hole row (``VERIFY_TABLE_HOLE``): ``position`` is the position read, ``expected_aux`` the
+        plan's entry index; no record was checked."""
+        return bool(self.fail_reason_bits & FailReason.VERIFY_TABLE_HOLE)
 
     @property
     def launch_tag(self) -> str:
@@ -150,11 +180,12 @@ class Violation:
 
     @property
     def expected_chain_hash(self) -> int | None:
-        return None if self.is_write else self.expected_aux
+        return None if self.is_write or self.is_hole else self.expected_aux
 
     def format(self) -> str:
-        """One log line, as SGLang's kv-canary prints a violation."""
-        aux = f"expected_position={self.expected_aux}" if self.is_write else f"expected_chain_hash={self.expected_aux:#018x}"
+        """One log line, as SGLang's kv-canary prints a violation (a hole: its entry index)."""
+        aux = (f"expected_position={self.expected_aux}" if self.is_write else f"entry={self.expected_aux}" if self.is_hole
+               else f"expected_chain_hash={self.expected_aux:#018x}")
         where = "" if self.rank is None else f" rank={self.rank} device={self.device}"
         return (
             f"kv_canary violation: launch_tag={self.launch_tag} fail_reason={self.reasons} "
@@ -168,6 +199,7 @@ class Violation:
         for f in fields(self):
             out[f.name] = getattr(self, f.name)
         out["batch_rows"] = list(self.batch_rows)
+        out["readers"] = [r._asdict() for r in self.readers]
         out["request_ids"] = list(self.request_ids)
         return out
 
@@ -177,6 +209,7 @@ class Violation:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
+_PLAIN_AUX = _WRITE_BITS | FailReason.VERIFY_TABLE_HOLE  # rows whose expected_aux is no hash
 #: The kind of violation a replicated-KV comparison finds (docs/distributed.md).
 REPLICATED_KV_MISMATCH = "replicated_kv_mismatch"
 

@@ -160,7 +160,7 @@ def test_device_queries_go_through_one_module():
 # layer or of lower ones only; the circle test above keeps each layer acyclic.
 LAYERS = {
     "ground": ("errors", "constants", "runtime", "interop", "validation", "hashing"),
-    "records": ("records", "violation", "reporting", "log", "sources", "plans", "args", "tables"),
+    "records": ("records", "violation", "containment", "reporting", "log", "sources", "plans", "args", "tables"),
     "gpu abi and device": ("backends.cuda", "backends.cuda.abi", "backends.cuda.device"),
     "gpu compile": ("backends.cuda.compile",),
     "gpu policy": ("backends.cuda.configs",),

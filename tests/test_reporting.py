@@ -201,14 +201,16 @@ def test_html_table_cell_by_cell(monkeypatch):
     assert page.startswith(f'<div class="kvcanary-report"><p>{report.summary()}</p><table><thead><tr><th>launch_tag</th>')
     assert page.endswith("</tr></tbody></table></div>")
     assert re.findall(r"<th>(.*?)</th>", page) == columns == list(report.to_dicts()[0])
-    assert re.fullmatch(r'<div class="kvcanary-report"><p>[^<]*</p><table><thead><tr>(<th>[^<]*</th>){20}</tr></thead>'
-                        r'<tbody>(<tr>(<td( title="[^"<]*")?>[^<]*</td>){20}</tr>){2}</tbody></table></div>', page)
+    assert re.fullmatch(r'<div class="kvcanary-report"><p>[^<]*</p><table><thead><tr>(<th>[^<]*</th>){22}</tr></thead>'
+                        r'<tbody>(<tr>(<td( title="[^"<]*")?>[^<]*</td>){22}</tr>){2}</tbody></table></div>', page)
     rows = [re.findall(r"<td(?: title=\"[^\"]*\")?>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", page)[1:]]
     assert rows == [
         ["TAIL_K_FULL", "verify_chain_hash, verify_position", "2", "17", "4", "204", "not checked",
-         "0xfedcba9876543210", "0x0123456789abcdef", "3", "2", "34", "3, 0", "5", "4", "8", "&ndash;", "&ndash;", "&ndash;", "&ndash;"],
+         "0xfedcba9876543210", "0x0123456789abcdef", "3", "2", "34", "3, 0", "5", "4", "8", "&ndash;", "0",
+         "&ndash;", "&ndash;", "&ndash;", "&ndash;"],
         ["HEAD_K_FULL", "write_token, write_position", "0", "9", "7", "11", "12",
-         "0x0000000000000005", "6", "24", "6", "&ndash;", "&ndash;", "1", "1", "1", "&ndash;", "&ndash;", "&ndash;", "&ndash;"],
+         "0x0000000000000005", "6", "24", "6", "&ndash;", "&ndash;", "1", "1", "1", "&ndash;", "0",
+         "&ndash;", "&ndash;", "&ndash;", "&ndash;"],
     ]
     assert re.findall(r'<td title="([^"]*)">', page) == [
         "chain hash mismatch, position mismatch",
@@ -219,7 +221,7 @@ def test_html_table_cell_by_cell(monkeypatch):
         "5", "-1"]  # "not checked" only for a verify row without an expected token
     monkeypatch.setattr(reporting, "HTML_MAX_ROWS", 1)
     page = report.to_html()
-    assert page.count("<tr>") == 3 and '<tr><td colspan="20">&hellip; 1 more (see to_pandas())</td></tr>' in page
+    assert page.count("<tr>") == 3 and '<tr><td colspan="22">&hellip; 1 more (see to_pandas())</td></tr>' in page
     monkeypatch.setattr(reporting, "HTML_MAX_ROWS", 2)
     assert "more (see to_pandas())" not in report.to_html()
     empty = ViolationReport((), 0, 4, *(np.zeros(12, np.int64),) * 4)
@@ -286,9 +288,10 @@ def test_equal_reports_compare_equal_and_differ_when_any_field_differs():
 @pytest.mark.parametrize("path, value, exc, match", [
     (("violations", 0, "slot_idx"), "17", TypeError, r"violations\[0\]\.slot_idx must be an int, got str '17'"),
     (("ring_capacity",), -1, ValueError, r"ring_capacity must be in \[1, 2147483647\], got -1"),
-    (("violations", 1, "fail_reason_bits"), 2**70, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 6207\]"),
-    (("violations", 1, "fail_reason_bits"), 8192, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 6207\], got 8192"),
-    (("violations", 1, "fail_reason_bits"), 128, ValueError, r"violations\[1\]\.fail_reason_bits has bits no FailReason names: 0x80"),
+    (("violations", 1, "fail_reason_bits"), 2**70, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 71743\]"),
+    (("violations", 1, "fail_reason_bits"), 2**17, ValueError, r"violations\[1\]\.fail_reason_bits must be in \[0, 71743\], got 131072"),
+    (("violations", 1, "fail_reason_bits"), 64, ValueError, r"violations\[1\]\.fail_reason_bits has bits no FailReason names: 0x40"),
+    (("violations", 1, "fail_reason_bits"), 8192, ValueError, r"violations\[1\]\.fail_reason_bits has bits no FailReason names: 0x2000"),
     (("violations", 0, "stored_chain_hash"), 2**64, ValueError, r"violations\[0\]\.stored_chain_hash must be in \[0, 18446744073709551615\]"),
     (("violations", 0, "batch_rows"), [1, "x"], TypeError, r"violations\[0\]\.batch_rows\[1\] must be an int"),
     (("violations", 0, "first_step"), True, TypeError, r"violations\[0\]\.first_step must be an int or null, got bool"),

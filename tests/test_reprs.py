@@ -52,7 +52,7 @@ def test_verify_and_write_launcher_reprs(ab, monkeypatch):
     verify = kc.VerifyLauncher(bufs[0], vp, log=log, kernel_kind=kc.CanaryLaunchTag.TAIL_K_FULL, check_expected_token=True)
     assert repr(verify) == (
         f"<VerifyLauncher canary_buf [32x4] on {_where(ab)}, verify_capacity=64, kernel_kind=TAIL_K_FULL (2), "
-        "real_kv_sources=0, real_kv_hash_mode=NONE, check_expected_tokens=True; bound (common-case calls skip the free "
+        "real_kv_sources=0, real_kv_hash_mode=NONE, check_expected_tokens=True, check_holes=False; bound (common-case calls skip the free "
         "function's checks)>")
     write = kc.WriteLauncher(bufs, wp, log=log, kernel_kind=(0, 2))
     assert repr(write).startswith(

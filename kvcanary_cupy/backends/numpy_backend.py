@@ -403,6 +403,20 @@ def verify(a: VerifyArgs) -> None:
         _verify_one(a, target)
 
 
+def is_padding_slot(slot: np.ndarray) -> np.ndarray:
+    """Which verify slots are the padding slot: never checked; with ``check_holes``, holes
+    (is_padding_slot in canary_common.cuh)."""
+    return slot == 0
+
+
+def _hole_rows(kind: int, a: VerifyArgs, entries: np.ndarray, expected_tok: np.ndarray) -> np.ndarray:
+    """The hole rows of the entries ``entries`` (docs/format.md, sections 5 and 6): slot, expected position,
+    stored token -1, stored chain 0, the entry index in expected_aux, VERIFY_TABLE_HOLE."""
+    slot = np.asarray(a.verify_slot_indices, I64)[entries]
+    position = np.asarray(a.verify_expected_positions, I64)[entries]
+    return _rows(kind, slot, position, -1, expected_tok, 0, entries, FailReason.VERIFY_TABLE_HOLE.value)
+
+
 def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     log, kind, canary = a.log, target.kernel_kind, target.canary
     num_slots = canary.shape[0]
@@ -414,13 +428,19 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     slot = np.asarray(a.verify_slot_indices[:active], I64)
     slot_oob = (slot < 0) | (slot >= num_slots)
     errors = int(np.count_nonzero(slot_oob))
-    keep = np.nonzero((slot != 0) & ~slot_oob)[0]
+    padding = is_padding_slot(slot)
+    holes = np.nonzero(padding)[0] if a.check_holes else np.zeros(0, I64)
+    keep = np.nonzero(~padding & ~slot_oob)[0]
     slot = slot[keep]
     prev = np.asarray(a.verify_prev_slot_indices[:active], I64)[keep]
     prev_oob = prev >= num_slots
     errors += int(np.count_nonzero(prev_oob))
     log.out_of_range_counters[kind] += errors
+    all_tok = (np.asarray(a.verify_expected_tokens[:active], I64) if a.check_expected_token
+               else np.full(active, -1, I64))
+    hole_rows = _hole_rows(kind, a, holes, all_tok[holes])
     if keep.size == 0:
+        append_rows(log, kind, hole_rows)
         return
 
     stored = canary[slot, :4]
@@ -433,10 +453,7 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     stored_chain = stored[:, 2].view(np.uint64)
     expected_chain = np.where(reachable, expected_chain, stored_chain)
     expected_pos = np.asarray(a.verify_expected_positions[:active], I64)[keep]
-    if a.check_expected_token:
-        expected_tok = np.asarray(a.verify_expected_tokens[:active], I64)[keep]
-    else:
-        expected_tok = np.full(keep.size, -1, I64)
+    expected_tok = all_tok[keep]
     expected_rkv = _as_i64(real_kv_hashes(target.sources, a.real_kv_hash_mode, slot))
 
     bits = np.where(stored_chain != expected_chain, FailReason.VERIFY_CHAIN_HASH_MISMATCH.value, 0)
@@ -446,12 +463,11 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
         token_bad = (expected_tok != -1) & (stored[:, 0] != expected_tok)
         bits |= np.where(token_bad, FailReason.VERIFY_TOKEN_MISMATCH.value, 0)
     hit = bits != 0
-    append_rows(
-        log,
-        kind,
-        _rows(kind, slot[hit], stored[hit, 1], stored[hit, 0], expected_tok[hit], stored[hit, 2],
-              _as_i64(expected_chain[hit]), bits[hit]),
-    )
+    rows = _rows(kind, slot[hit], stored[hit, 1], stored[hit, 0], expected_tok[hit], stored[hit, 2],
+                 _as_i64(expected_chain[hit]), bits[hit])
+    if holes.size:  # entry order, holes among the checked entries' rows
+        rows = np.concatenate([rows, hole_rows])[np.argsort(np.concatenate([keep[hit], holes]), kind="stable")]
+    append_rows(log, kind, rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -521,6 +537,7 @@ def scatter(a: ScatterArgs) -> None:
 # session staging (kernels/session.cu)
 
 _WRITE_BITS = FailReason.WRITE_TOKEN_MISMATCH.value | FailReason.WRITE_POSITION_MISMATCH.value
+_HOLE_BIT = FailReason.VERIFY_TABLE_HOLE.value
 
 
 def session_stage(a: StageArgs, stamp: int) -> None:
@@ -546,7 +563,9 @@ def session_stage(a: StageArgs, stamp: int) -> None:
     out[layout.ring : layout.ring + n * VIOLATION_FIELDS] = rows.reshape(-1)
     num_slots = a.marks.shape[0]
     slots = rows[:, 1]
-    a.marks[slots[((rows[:, 7] & _WRITE_BITS) == 0) & (slots > 0) & (slots < num_slots)]] = stamp
+    # the padding slot only by a hole row (VERIFY_TABLE_HOLE): its readers are the hole's
+    named = (slots > 0) | ((slots == 0) & ((rows[:, 7] & _HOLE_BIT) != 0))
+    a.marks[slots[((rows[:, 7] & _WRITE_BITS) == 0) & named & (slots < num_slots)]] = stamp
     log.write_index[:] = 0
     if n == 0 or header["enable"] == 0:
         return
@@ -554,7 +573,7 @@ def session_stage(a: StageArgs, stamp: int) -> None:
     active = min(max(header["verify_num_valid"], 0), a.verify_slot_indices.shape[0])
     bs = min(max(header["batch_size"], 0), a.verify_offsets.shape[0] - 1)
     entry_slots = np.asarray(a.verify_slot_indices[:active], I64)
-    in_range = (entry_slots > 0) & (entry_slots < num_slots)
+    in_range = (entry_slots >= 0) & (entry_slots < num_slots)
     entries = np.nonzero(in_range)[0]
     entries = entries[a.marks[entry_slots[entries]] == stamp]
     out[STAGE_HEADER.index("matches")] = entries.size

@@ -163,6 +163,7 @@ def verify(
     check_expected_tokens: bool = False,
     check_expected_token: bool | None = None,
     strict: bool = False,
+    check_holes: bool = False,
 ) -> None:
     """Verify the canary records of every planned slot; violations go to ``log``'s ring.
 
@@ -204,6 +205,12 @@ def verify(
         are first copied to the host (a device sync, not capture-safe) and the first one raises a
         ValueError naming the array, the row and the value.
 
+    check_holes : bool
+        False (SGLang's rule): an entry whose slot is the padding slot is skipped.  True: it is a
+        hole (a position the step reads whose table entry is zeroed or the null block) and logs
+        a ``VERIFY_TABLE_HOLE`` row (docs/format.md, sections 5 and 6).  Out-of-window positions of a
+        sliding-window group are never planned, so they are never holes.
+
     Returns
     -------
     None
@@ -229,16 +236,16 @@ def verify(
                                         "check_expected_token")
     stamps = Stamps()
     key = call_key(*_long_lived_stamps(stamps, canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode),
-                   stamps.record(verify_plan), stamps.value(check_expected_token))
+                   stamps.record(verify_plan), stamps.value(check_expected_token), stamps.value(check_holes))
     hit = lookup(verify_plan, key)
     if hit is None:  # first sight or a change: the full checks
         placement, context, _ = verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources,
-                                             real_kv_hash_mode, check_expected_token)
+                                             real_kv_hash_mode, check_expected_token, check_holes=check_holes)
     else:
         placement, args = hit
     with launch_stream(placement):
         if hit is None:
-            args = verify_args(verify_plan, log, check_expected_token, context, array_module(placement))
+            args = verify_args(verify_plan, log, check_expected_token, context, array_module(placement), check_holes)
             remember(verify_plan, key, stamps, (placement, args))
         if strict:
             strict_checks.check_verify(args)

@@ -318,6 +318,7 @@ def plan_and_verify(
     kv_token_id_vs_position_offset: int = 0,
     out: tuple[VerifyPlan, WritePlan] | None = None,
     strict: bool = False,
+    check_holes: bool = False,
 ) -> tuple[VerifyPlan, WritePlan]:
     """Plan one step and verify the slots it reads, in one launch: the fused decode step.
 
@@ -345,7 +346,7 @@ def plan_and_verify(
         The engine's own slot table (a bare 2-D int32 array means ``ReqToToken(array)``).
     canary_buf : array
         One canary buffer: int64 ``[num_slots, 4]`` or uint8 ``[num_slots, S]`` (as :func:`verify`).
-    log, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_tokens, check_expected_token
+    log, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_tokens, check_expected_token, check_holes
         As for :func:`verify` (one buffer: one kind, one tuple of sources).
     verify_capacity : int
         The most verify entries one step may plan, ``>= 0``.  A step with more skips its whole
@@ -406,7 +407,7 @@ def plan_and_verify(
     if isinstance(canary_buf, (list, tuple)):
         fail(TypeError, "plan_and_verify verifies one canary buffer, got a sequence; verify several with kc.plan + kc.verify")
     placement, context, named = verify_setup(canary_buf, None, log, kernel_kind, real_kv_sources, real_kv_hash_mode,
-                                              check_expected_token, c.named)
+                                              check_expected_token, c.named, check_holes)
     xp = array_module(placement)
     with launch_stream(placement):
         backend = get_backend(placement.backend)
@@ -420,8 +421,8 @@ def plan_and_verify(
         fused_verify = VerifyArgs(targets=targets(context.buffers, context.mode, written=False),
                                   **dict.fromkeys(VERIFY_ENTRY_FIELDS),
                                   verify_num_valid=args.out.verify_num_valid, enable=args.out.enable,
-                                  check_expected_token=bool(check_expected_token), real_kv_hash_mode=context.mode,
-                                  log=log_views(log))
+                                  check_expected_token=bool(check_expected_token), check_holes=bool(check_holes),
+                                  real_kv_hash_mode=context.mode, log=log_views(log))
         if strict:
             strict_checks.check_plan(args, verify_capacity=c.verify_capacity)
         backend.plan_verify(PlanVerifyArgs(args, fused_verify, c.verify_capacity))

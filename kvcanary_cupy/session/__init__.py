@@ -11,7 +11,7 @@ records and their transport to the host) and :mod:`.violations` (bookkeeping, re
 
 from .loop import VERIFY_HEADROOM, CanarySession
 from .staging import STAGED_RECORDS
-from .violations import LOG_SUMMARY_AT, MAX_DISTINCT_VIOLATIONS, MESSAGE_MAX_LINES, POLICIES, RING_GROUPS
+from .violations import LOG_SUMMARY_AT, MAX_DISTINCT_VIOLATIONS, MAX_READERS, MESSAGE_MAX_LINES, POLICIES, RING_GROUPS
 
-__all__ = ["CanarySession", "LOG_SUMMARY_AT", "MAX_DISTINCT_VIOLATIONS", "MESSAGE_MAX_LINES", "POLICIES", "RING_GROUPS",
-           "STAGED_RECORDS", "VERIFY_HEADROOM"]
+__all__ = ["CanarySession", "LOG_SUMMARY_AT", "MAX_DISTINCT_VIOLATIONS", "MAX_READERS", "MESSAGE_MAX_LINES", "POLICIES",
+           "RING_GROUPS", "STAGED_RECORDS", "VERIFY_HEADROOM"]

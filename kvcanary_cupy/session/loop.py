@@ -26,7 +26,7 @@ from ..reporting import reason_name
 from ..same_step import SameStepReads, resolve_same_step_reads
 from ..validation import I64, INT32_MAX, check_count, check_int
 from .staging import STAGED_RECORDS, StagingMixin, _CudaTransport, _HostTransport
-from .sweep import SweepMixin, _length, _one_of
+from .sweep import SweepMixin, _checked_labels, _length, _one_of
 from .violations import POLICIES, RING_GROUPS, ViolationsMixin, _group_logs
 
 #: ``verify_capacity`` defaults to this many times ``num_slots`` (``CanaryCapacities.from_engine``'s
@@ -94,6 +94,9 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
         GPU sessions: run the HEAD write on a side stream of the session, overlapping the forward
         pass; ``post_forward`` joins it, so both must be captured in the same CUDA graph (pass
         False to capture them apart).
+    check_holes : bool
+        Report reads whose table entry is the padding slot (:func:`verify`'s ``check_holes``);
+        False: SGLang's rule.  Off with ``same_step_reads`` (docs/guide.md, "Containment").
     same_step_reads : bool
         The engine lets a request read, in the same step, slots another request writes (vLLM's
         prefix cache matches blocks at scheduling time): each step runs
@@ -152,7 +155,8 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
                  real_kv_sources=(), real_kv_hash_mode=RealKvHashMode.NONE, check_expected_tokens=False, sweep_every=0,
                  sweep_source=None, overlap_head_write=True, write_req_capacity=None, process_group=None,
                  reduce_every=1, replicated_kv=False, allow_default_group=False, same_step_reads=False,
-                 deep_kv_sources=(), deep_check_slots=None, check_lost_stores=False, max_step_tokens=None):
+                 deep_kv_sources=(), deep_check_slots=None, check_lost_stores=False, max_step_tokens=None,
+                 check_holes=True):
         num_slots = check_count(num_slots, "num_slots", maximum=2**62)
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
@@ -179,7 +183,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
         reduce_every = check_count(reduce_every, "reduce_every", positive=True)
         for name, flag in (("check_expected_tokens", check_expected_tokens), ("overlap_head_write", overlap_head_write),
                            ("replicated_kv", replicated_kv), ("allow_default_group", allow_default_group),
-                           ("same_step_reads", same_step_reads)):
+                           ("same_step_reads", same_step_reads), ("check_holes", check_holes)):
             if not isinstance(flag, (bool, np.bool_)):
                 fail(TypeError, f"{name} must be a bool, got {type(flag).__name__}")
         self.sweep_every = check_int(sweep_every, "sweep_every", minimum=0)
@@ -198,6 +202,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
         self.num_slots = num_slots
         self.on_violation = on_violation
         self.check_expected_tokens = bool(check_expected_tokens)
+        self.check_holes = bool(check_holes) and not same_step_reads
         self.sweep_source = sweep_source
         self.head_tag, self.tail_tag, self.sweep_tag = _TAGS[window > 0]
         self._like = like
@@ -221,7 +226,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
 
         vp, wp = self.planner.verify_plan, self.planner.write_plan
         head_log, tail_log = self._group_logs["head"], self._group_logs["tail"]
-        token = dict(check_expected_tokens=self.check_expected_tokens)
+        token = dict(check_expected_tokens=self.check_expected_tokens, check_holes=self.check_holes)
         self._kv = dict(real_kv_sources=self.real_kv_sources, real_kv_hash_mode=self.real_kv_hash_mode)
         self._head_verify = VerifyLauncher(self.head_canary, vp, log=head_log, kernel_kind=self.head_tag, **token)
         self._tail_verify = VerifyLauncher(self.tail_canary, vp, log=tail_log, kernel_kind=self.tail_tag, **token, **self._kv)
@@ -248,7 +253,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
         self._stamp = 0
         self._step_inputs = None  # (input_ids, positions, out_cache_loc) between pre_ and post_forward
         self._step_open = False
-        self._distinct = {}  # key -> [Violation, repeats, last step]
+        self._distinct = {}  # key -> [Violation, repeats, last step, readers (list of Reader), readers dropped]
         self._new, self._problems = {}, []  # handled since the policy was last applied: new keys (in order), health messages
         self._undelivered = {}  # key -> entry of new keys evicted before the policy saw them
         self._latest = [0] * self._layout.ring  # the latest handled record's header and four counter arrays
@@ -265,7 +270,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
         self._handling = threading.RLock()
         self._stats = dict(steps=0, verified_entries=0, verify_skipped_steps=0, verify_skipped_sweeps=0, sweeps=0,
                            rows_read=0, health_failures=0, untracked_rows=0, evicted_violations=0,
-                           unattributed_entries=0, staging_waits=0)
+                           unattributed_entries=0, staging_waits=0, dropped_readers=0)
         self._origin = {}  # the rank and device a distributed session's violations carry
         self.distributed = None  # RankReducer: the group's verdicts and totals
         if process_group is not None:
@@ -302,11 +307,11 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
             with ``check_expected_tokens``.
         req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens : optional
             The same two arrays under :func:`plan`'s names; give either spelling of each.
-        row_labels : sequence, optional
-            The engine's name of each batch row this step (its request id): the violations the
-            step's verify finds carry the labels of the rows that read them (``request_ids``), so
-            reports name requests even when rows move between steps.  Kept by reference until
-            ``end_step``; a host-side sequence (no device work).
+        row_labels : sequence of int or str, optional
+            The engine's name of each batch row (its request id; the first ``len(prefix_lens)``
+            used): the step's violations carry the labels of the rows that read them
+            (``request_ids``, ``Violation.readers``), so reports name requests even when rows
+            move between steps.  Copied (host-side: no device work, capture-safe).
 
         Raises
         ------
@@ -319,8 +324,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
         bs = _length(prefix_lens, "prefix_lens")  # req_pool_indices is None with a PagedKvIndices table
         if bs > self.max_batch_size:
             fail(ValueError, f"bs={bs} (len(prefix_lens)) exceeds the session's max_batch_size={self.max_batch_size}")
-        if row_labels is not None and len(row_labels) < bs:
-            fail(ValueError, f"row_labels must name every batch row: {bs} rows (len(prefix_lens)), got {len(row_labels)} labels")
+        labels = _checked_labels(row_labels, bs)
         tokens = _length(input_ids, "input_ids")
         for name, x in (("input_ids", input_ids), ("positions", positions), ("out_cache_loc", out_cache_loc)):
             n = _length(x, name)
@@ -341,7 +345,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
         if self.same_step is not None:
             vp, wp = self.planner.verify_plan, self.planner.write_plan
             resolve_same_step_reads(self.same_step, vp, wp, input_ids, positions, out_cache_loc)
-        self._row_labels = row_labels
+        self._row_labels = labels
         self._head_verify()
         self._head_write(input_ids, positions, out_cache_loc)
         self._head_write_unjoined = self._head_write_stream is not None
@@ -415,16 +419,4 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
                 self.distributed.check(self)
             return self._out_of_range_skipped()
 
-    @property
-    def overlap_head_write(self) -> bool:
-        """Whether the HEAD write runs on the session's side stream (GPU sessions built with
-        ``overlap_head_write=True``); fixed at construction."""
-        return self._head_write_stream is not None
-
     # -- internals ---------------------------------------------------------------------------------
-
-    def _join_head_write(self) -> None:
-        """The step's stream waits for the HEAD write queued on the side stream (when one is)."""
-        if self._head_write_unjoined:
-            self._head_write.join()
-            self._head_write_unjoined = False

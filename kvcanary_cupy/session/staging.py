@@ -28,8 +28,8 @@ class _Record:
     its header and counters as one view; ``target``, what the staging writes (the host record
     itself on the CPU, a device record on a GPU) and ``staging``, how the stager takes it (the
     array, or the device address); the ``event`` of its copy; and, while in flight, the ``origin``
-    ("step" or "sweep"), ``step`` (0-based; a sweep: of the last step ended before it) and
-    ``stamp`` of the staging."""
+    ("step" or "sweep"), ``step`` (0-based; a sweep: of the last step ended before it),
+    ``stamp`` and ``labels`` (the engine's row labels, or None) of the staging."""
 
     __slots__ = ("host", "head", "target", "staging", "host_ptr", "event", "origin", "step", "stamp", "labels")
 
@@ -135,6 +135,18 @@ class StagingMixin:
             fail(RuntimeError, f"{what}() must run outside CUDA graph capture (it stages copies and reads host "
                                "memory); capture only pre_forward() and post_forward()")
         return stream
+
+    @property
+    def overlap_head_write(self) -> bool:
+        """Whether the HEAD write runs on the session's side stream (GPU sessions built with
+        ``overlap_head_write=True``); fixed at construction."""
+        return self._head_write_stream is not None
+
+    def _join_head_write(self) -> None:
+        """The step's stream waits for the HEAD write queued on the side stream (when one is)."""
+        if self._head_write_unjoined:
+            self._head_write.join()
+            self._head_write_unjoined = False
 
     def _stager(self, planner: CanaryPlanner):
         """The backend's staging of the log against ``planner``'s plan, its arguments viewed once."""

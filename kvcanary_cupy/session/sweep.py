@@ -32,19 +32,34 @@ def _length(x, name: str) -> int:
     return int(shape[0])
 
 
+def _checked_labels(labels, n: int):
+    """The labels of ``n`` batch rows (the first ``n`` of ``labels``) as a tuple (None: none given)."""
+    if labels is None:
+        return None
+    if isinstance(labels, (str, bytes)) or not hasattr(labels, "__len__"):
+        fail(TypeError, f"row_labels must be a sequence of int or str (one per batch row), got {type(labels).__name__}")
+    if len(labels) < n:
+        fail(ValueError, f"row_labels must name every batch row: {n} rows (len(prefix_lens)), got {len(labels)} labels")
+    labels = tuple(x.item() if isinstance(x, np.generic) else x for x in labels[:n])
+    for x in labels:
+        if isinstance(x, bool) or not isinstance(x, (int, str)):
+            fail(TypeError, f"row_labels must be ints or strs, got {type(x).__name__} {x!r}")
+    return labels
+
 
 class SweepMixin:
     """The sweep half of :class:`~kvcanary_cupy.session.CanarySession`."""
 
     @public_api
-    def sweep(self, req_pool_indices: Array | None, seq_lens: Array, table: Any) -> None:
+    def sweep(self, req_pool_indices: Array | None, seq_lens: Array, table: Any, *, row_labels=None) -> None:
         """Verify (TAIL buffer, real KV, no token check) every slot of the given cached sequences.
 
         ``seq_lens`` (int64 ``[n]``, ``n <= max_batch_size``): sequence i covers positions ``[0,
         seq_lens[i])`` of table row ``req_pool_indices[i]`` (the window's end only, for SWA); ``table`` is anything :func:`plan` takes
         (``req_pool_indices`` None with a :class:`PagedKvIndices`).  Outside graphs, between
         ``end_step`` and the next ``pre_forward``; staged like a step and handled by the next
-        ``end_step``/``check``.  A violation's ``batch_rows`` are indices into these sequences.
+        ``end_step``/``check``.  A violation's ``batch_rows`` are indices into these sequences;
+        ``row_labels`` (one per sequence, as :meth:`pre_forward`'s) name them in its ``readers``.
         """
         self._refuse_in_policy("sweep")
         stream = self._launch_stream("sweep")
@@ -52,6 +67,7 @@ class SweepMixin:
             fail(CanaryUsageError, "sweep() between pre_forward() and end_step() would mix the sweep's violations with the "
                                "step's; call it after end_step()")
         n = _length(seq_lens, "seq_lens")  # req_pool_indices is None with a PagedKvIndices table
+        labels = _checked_labels(row_labels, n)
         planner = self._sweep_planner_for(n)
         renamed = None
         try:
@@ -66,7 +82,7 @@ class SweepMixin:
         self._sweep_verify()
         with self._handling:
             self._stats["sweeps"] += 1
-            self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream)
+            self._stage("sweep", self._stats["steps"] - 1, self._sweep_stager, stream, labels)
 
 
     @public_api
@@ -115,6 +131,6 @@ class SweepMixin:
             self._sweep_zeros = allocate((capacity,), np.int64, like=self._like, fill=0)
             self._sweep_stager = self._stager(planner)
             self._sweep_verify = VerifyLauncher(self.tail_canary, planner.verify_plan, log=self._group_logs["sweep"],
-                                                kernel_kind=self.sweep_tag, **self._kv)
+                                                kernel_kind=self.sweep_tag, check_holes=self.check_holes, **self._kv)
         return planner
 

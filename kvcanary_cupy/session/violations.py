@@ -22,7 +22,7 @@ from ..errors import CanaryCoverageWarning, CanaryHealthError, CanaryUsageError,
 from ..interop import allocate
 from ..log import ViolationLog
 from ..planner import CanaryCapacityWarning
-from ..reporting import Violation, ViolationReport, reason_name, tag_name
+from ..reporting import Reader, Violation, ViolationReport, reason_name, tag_name
 from ..validation import check_int
 
 if TYPE_CHECKING:
@@ -36,6 +36,9 @@ logger = logging.getLogger("kvcanary_cupy")
 MAX_DISTINCT_VIOLATIONS = 65536
 #: Under ``on_violation="log"``, this many new violations at once add a summary line.
 LOG_SUMMARY_AT = 5
+#: Reads of a violating slot one violation keeps (``Violation.readers``, the newest); older ones are
+#: counted in its ``readers_dropped`` and in ``stats["dropped_readers"]``.
+MAX_READERS = 128
 #: The violations an error message lists (the rest are in its ``report``).
 MESSAGE_MAX_LINES = 20
 POLICIES = ("raise", "log", "ignore")
@@ -83,7 +86,8 @@ class ViolationsMixin:
         ``health_failures``, ``out_of_range_skipped``, ``evicted_violations`` (distinct keys evicted
         from the full table, oldest first), ``untracked_rows`` (the rows of the evicted keys: the
         report's repeats plus these are ``rows_read``), ``unattributed_entries`` (verify entries of
-        violating slots past the attribution capacity), ``staging_waits`` (stagings that waited for the oldest
+        violating slots past the attribution capacity), ``dropped_readers`` (reads of violating slots
+        past ``MAX_READERS`` per violation), ``staging_waits`` (stagings that waited for the oldest
         staged record: the host was ``STAGED_RECORDS`` stagings ahead of the device).  Safe to
         read from another thread.
         """
@@ -185,17 +189,19 @@ class ViolationsMixin:
             if seen is not None:
                 seen[1] += 1
                 continue
-            if key in distinct:
-                keys[key] = [None, 1]
-                continue
             v = Violation.from_row(row)
+            matching = ()
             if not v.is_write:
                 if by_slot is None:
                     by_slot = collections.defaultdict(list)
                     for entry in attribution[np.argsort(attribution[:, _ATTRIBUTION["entry"]], kind="stable")].tolist():
                         by_slot[entry[_ATTRIBUTION["slot"]]].append(entry)
-                v = _attribute(v, by_slot.get(v.slot_idx, ()), record.labels)
-            keys[key] = [replace(v, first_step=record.step), 1]
+                matching = _matching_entries(v, by_slot.get(v.slot_idx, ()))
+            readers = _readers(record, matching)
+            if key in distinct:
+                keys[key] = [None, 1, readers]
+                continue
+            keys[key] = [replace(_attribute(v, matching, record.labels), first_step=record.step), 1, readers]
         return by_reason, keys
 
     def _commit(self, record: _Record, head, add, problem, by_reason, keys) -> None:
@@ -212,14 +218,15 @@ class ViolationsMixin:
         for k, n in by_reason.items():
             self._rows_by_reason[k] += n
         new = []
-        for key, (v, n) in keys.items():  # known keys first: an eviction below may take one of them
+        for key, (v, n, readers) in keys.items():  # known keys first: an eviction below may take one of them
             if v is None:
                 seen = distinct[key]
                 seen[1] += n
                 seen[2] = step
+                self._add_readers(seen, readers)
             else:
-                new.append((key, v, n))
-        for key, v, n in new:
+                new.append((key, v, n, readers))
+        for key, v, n, readers in new:
             if len(distinct) >= MAX_DISTINCT_VIOLATIONS:
                 oldest = next(iter(distinct))
                 entry = distinct.pop(oldest)
@@ -227,8 +234,19 @@ class ViolationsMixin:
                     self._undelivered[oldest] = entry
                 stats["untracked_rows"] += entry[1]
                 stats["evicted_violations"] += 1
-            distinct[key] = [v, n, step]
+            distinct[key] = entry = [v, n, step, [], 0]
+            self._add_readers(entry, readers)
             self._new[key] = None
+
+    def _add_readers(self, entry, readers) -> None:
+        """Append ``readers`` to a distinct violation's (under the lock), keeping the newest MAX_READERS:
+        the reads still running are the ones an engine acts on."""
+        entry[3].extend(readers)
+        dropped = len(entry[3]) - MAX_READERS
+        if dropped > 0:
+            del entry[3][:dropped]
+            entry[4] += dropped
+            self._stats["dropped_readers"] += dropped
 
     def _warn_after(self, origin: str) -> None:
         """The session's one-time warnings, once the record that calls for them is handled."""
@@ -255,9 +273,11 @@ class ViolationsMixin:
         return np.array(self._latest[STAGE_HEADER_FIELDS:], np.int64).reshape(4, self.log.num_kinds)
 
     def _report(self, entries) -> ViolationReport:
-        """A report of ``entries`` (``[Violation, repeats, last step]`` of the distinct table)."""
+        """A report of ``entries`` (``[Violation, repeats, last step, readers, readers dropped]`` of the
+        distinct table)."""
         c = self._counter_arrays()
-        violations = tuple(replace(v, repeats=n, last_step=last, **self._origin) for v, n, last in entries)
+        violations = tuple(replace(v, repeats=n, last_step=last, readers=tuple(readers), readers_dropped=dropped,
+                                   **self._origin) for v, n, last, readers, dropped in entries)
         return ViolationReport(violations=violations, total_violations=int(c[0].sum()), ring_capacity=self.log.capacity,
                                violation_counters=c[0], slot_run_counters=c[1], kernel_run_counters=c[2],
                                out_of_range_counters=c[3],
@@ -332,14 +352,28 @@ def _group_logs(ring_capacity: int, like):
     return log, views
 
 
-def _attribute(v: Violation, entries, labels=None) -> Violation:
-    """``v`` with the batch rows, expected position and predecessor of the verify entries that
-    read its slot and could have produced it (same position verdict, same expected token)."""
+def _matching_entries(v: Violation, entries) -> list:
+    """The attribution entries of ``v``'s slot that could have produced it (same position verdict,
+    same expected token), in entry order."""
     position_failed = bool(v.fail_reason_bits & FailReason.VERIFY_POSITION_MISMATCH)
     a = _ATTRIBUTION
-    matching = [e for e in entries
-                if (e[a["expected_position"]] != v.position) == position_failed
-                and (v.expected_token == -1 or e[a["expected_token"]] == v.expected_token)]
+    return [e for e in entries
+            if (e[a["expected_position"]] != v.position) == position_failed
+            and (v.expected_token == -1 or e[a["expected_token"]] == v.expected_token)]
+
+
+def _readers(record: "_Record", matching) -> list:
+    """A :class:`Reader` per matching attribution entry of one staged record."""
+    labels, sweep, row = record.labels, record.origin == "sweep", _ATTRIBUTION["batch_row"]
+    return [Reader(record.step, e[row], labels[e[row]] if labels is not None and 0 <= e[row] < len(labels) else None, sweep)
+            for e in matching]
+
+
+def _attribute(v: Violation, matching, labels=None) -> Violation:
+    """``v`` with the batch rows, expected position and predecessor of the verify entries that
+    read its slot and could have produced it (:func:`_matching_entries`), and with ``labels`` (the
+    step's row labels) the request ids of those rows."""
+    a = _ATTRIBUTION
     if not matching:
         return v
     first = matching[0]

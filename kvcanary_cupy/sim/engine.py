@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .containment import Aftermaths, contain
 from .kvpool import KvPool, prefix_contexts, step_contexts
 from .session import (
     Sightings,
@@ -286,6 +287,8 @@ class Pool:
         self.move_workspace = allocate_move_workspace(self.session, 1, config.block_size, like=like)  # compaction moves one block
         self.running: list[Request] = []
         self.ran = False  # whether this step ran a forward (and so the canary)
+        self.writers: dict = {}  # slot -> id of the request whose token this step wrote there (the engine's own batch)
+        self.origin: dict = {}  # block -> (pool name, block) its KV was transferred from
 
     def block_slots(self, blocks) -> np.ndarray:
         bs = self.config.block_size
@@ -392,6 +395,7 @@ class Engine:
         self.protected: set = set()  # requests a live fault depends on: never aborted or compacted
         self.timer = StepTimer(cupy)
         self.counters = Counter()
+        self.aftermaths = Aftermaths()  # what contained faults left behind (ground truth, measured)
         self.digest = None
         if config.transfer_digest != "off":
             from .transfer_path import DigestPath
@@ -402,6 +406,7 @@ class Engine:
 
     def alloc(self, pool: Pool, req: Request) -> int:
         block = pool.alloc()
+        pool.origin.pop(block, None)
         self.hook.on_alloc(self, pool, req, block)
         return block
 
@@ -522,13 +527,17 @@ class Engine:
         if batch is None:
             return
         self.hook.on_batch(self, pool, batch)
+        self.aftermaths.on_batch(pool, batch)
+        pool.writers = {int(s): req.rid for req, lo, hi in zip(batch.reqs, batch.offsets[:-1], batch.offsets[1:])
+                        for s in batch.out_cache_loc[lo:hi]}
         table = session_table(self.addressing, [r.blocks for r in batch.reqs], [r.tokens for r in batch.reqs],
                               batch.prefix, self.config.block_size, pool.page_map, self.dev)
         d = self.dev
         with self.timer.canary():
             pool.session.pre_forward(table.req_pool_indices, d(batch.prefix), d(batch.extend), table.table,
                                      d(batch.input_ids), d(batch.positions), d(batch.out_cache_loc),
-                                     expected_tokens=table.expected_tokens, expected_tokens_valid_lens=d(batch.prefix))
+                                     expected_tokens=table.expected_tokens, expected_tokens_valid_lens=d(batch.prefix),
+                                     row_labels=[r.rid for r in batch.reqs])
         keep = batch.out_cache_loc >= 0
         keep[list(batch.kv_skip)] = False
         with self.timer.model():
@@ -603,6 +612,9 @@ class Engine:
                 src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
                 self.hook.on_copy(src, src_slots, dst, dst_slots)
                 copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
+            src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
+            self.aftermaths.carry(src.name, src_slots, dst.name, dst_slots)
+            dst.origin.update((b, (src.name, a)) for a, b in zip(req.blocks, copy_to))
             self.finish(src, req)  # the prefill server caches the prompt
             req.alive, req.awaiting_transfer, req.pool, req.blocks = True, False, "decode", new_blocks
             dst.running.append(req)
@@ -628,6 +640,7 @@ class Engine:
             return None
         old, new = req.blocks[i], pool.allocator.alloc()
         pool.kv.copy_rows(self.dev(pool.block_slots([old])), self.dev(pool.block_slots([new])))
+        self.aftermaths.carry(pool.name, pool.block_slots([old]), pool.name, pool.block_slots([new]))
         self.hook.on_copy(pool, pool.block_slots([old]), pool, pool.block_slots([new]))
         if move_canary:
             move_canary_pages(pool.session, self.dev(np.array([old], np.int64)), self.dev(np.array([new], np.int64)),
@@ -705,6 +718,25 @@ class Engine:
             blocks |= pool.cache.subtree_blocks(blocks)
         slots.update(pool.block_slots(sorted(blocks)).tolist())
         return slots
+
+    def contain(self, reported) -> tuple[set, set]:
+        """The engine's reaction to the violations its canaries reported in a step, from the reports
+        alone (:func:`containment.contain`): ``(aborted request ids, evicted (pool, block) pairs)``."""
+        return contain(self, reported)
+
+    def end_episode(self) -> None:
+        """A detected fault was contained: nothing depends on its victims any more."""
+        self.protected = set()
+        self.hook = NoHook()
+
+    def poisoned_slots(self, ep) -> set:
+        """(pool, slot) pairs holding a fault episode's bad KV (ground truth, for measuring containment):
+        the real slots it wrote or mis-addressed (not the null block's: they hold nobody's KV; the
+        requests reading them through a hole are the episode's victims)."""
+        if not ep.fault.poisons_kv:
+            return set()
+        null = set(range(NULL_BLOCK * self.config.block_size, (NULL_BLOCK + 1) * self.config.block_size))
+        return {(p, s) for p, s in ep.touched if s not in null}
 
     def repair(self, ep) -> None:
         """After fault episode ``ep``: abort every request holding a block it touched or a victim

@@ -25,6 +25,7 @@ class Episode(NoHook):
         self.touched: set = set()  # (pool, slot) the fault wrote or mis-addressed
         self.victims: set = set()  # requests it hurt
         self.held: set = set()  # (pool, block) its victims wrote into while it was live
+        self.bystanders: set = set()  # victims whose own KV is right (they only hold a block the fault reuses)
         self.read: set = set()  # (pool, block) its victims' tables named while it was live
         self.state: dict = {}
 
@@ -85,6 +86,7 @@ class Episode(NoHook):
 class Fault:
     name = ""
     description = ""
+    poisons_kv = True  # its touched slots hold bad KV (False: only canary rows are wrong, the KV is right)
     detectable = True
     why_not_detectable: str | None = None
     visible_with: tuple = ()  # addressing modes whose tables let the canary see a class blind elsewhere
@@ -256,6 +258,7 @@ class StalePrefixAfterEviction(Fault):
         if pool.name == "prefill" and block == ep.state["block"]:
             ep.state["reused"] = True
             ep.hurt(engine, req)
+            ep.bystanders.add(req)  # it writes its own KV there; the stale entry's readers get it wrong
             self._maybe_fire(engine, ep)
 
     def on_cache_hit(self, engine, ep, pool, req, blocks):
@@ -284,7 +287,13 @@ class DoubleAllocation(Fault):
     def on_alloc(self, engine, ep, pool, req, block):
         if pool.name == ep.state["pool"] and block == ep.state["block"]:
             ep.hurt(engine, req)
-            ep.fire(engine)
+            ep.bystanders.add(req)  # its own writes land there; the first owner reads them as its KV
+            # the corruption exists once the block is held twice: a live request's list or the prefix
+            # cache (the first owner finished and cached it) already holds it; when neither does, this
+            # hand-out is the block's only one, and the next is the bug
+            cached = pool.cache is not None and any(e.block == block for e in pool.cache.entries.values())
+            if cached or any(block in r.blocks for r in pool.running):
+                ep.fire(engine)
 
 
 class BlockTableSwap(Fault):
@@ -310,14 +319,10 @@ class BlockTableSwap(Fault):
 class ZeroedTableEntry(Fault):
     name = "zeroed_table_entry"
     description = ("A request's block-table entry is reset to 0 (the null block / padding slot), as by a "
-                   "table cleared too early or a padding fill that hits a live row.")
-    detectable = False
-    why_not_detectable = ("With req_to_token or a block table (sglang, vllm addressing) the entry addresses slot "
-                          "0, the padding slot: verify skips it by design (CUDA-graph padding tokens all write "
-                          "there), and a predecessor of 0 means 'unknown', so the next record's chain check is "
-                          "skipped too. A CSR page table (flashinfer) has no null block: the entry addresses page "
-                          "0, whose slots past the padding slot hold no record of the request, and verify sees it.")
-    visible_with = ("flashinfer",)
+                   "table cleared too early or a padding fill that hits a live row. Seen by the hole check "
+                   "(verify_table_hole): a position read through the padding slot; a CSR table, with no null "
+                   "block, reads page 0, whose other slots also hold no record of the request.")
+    poisons_kv = False  # the KV is right; the victim reads the padding slot (it is the episode's victim)
 
     def inject(self, engine, ep):
         target = _exclusive_block(engine, transferable=False)
@@ -438,6 +443,7 @@ class PageMoveWithoutCanary(_PageMove):
                    "canary rows (a move path that forgets the side buffers): the new place holds another "
                    "block's records.")
     move_canary = False
+    poisons_kv = False  # the KV moved right: only the canary rows are stale
 
 
 class TransferWrongSlots(Fault):

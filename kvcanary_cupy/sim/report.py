@@ -16,16 +16,21 @@ def _fmt(value, spec="", none="-"):
 def format_table(result, *, step_name: str = "simulated step") -> str:
     doc = result.to_json()
     lines = [f"{'fault class':<30} {'by design':<10} {'injected':>8} {'detected':>8} {'rate':>7} "
-             f"{'latency med/max':>15}  first reason"]
+             f"{'latency med/max':>15} {'leaked':>6}  first reason"]
     for f in doc["faults"]:
         rate = _fmt(f["detection_rate"] and 100 * f["detection_rate"], ".1f")
         rate = rate + "%" if f["detection_rate"] is not None else rate
         latency = f"{_fmt(f['latency_steps_median'], 'g')} / {_fmt(f['latency_steps_max'])}"
         lines.append(f"{f['name']:<30} {'visible' if f['detectable'] else 'blind':<10} {f['injected']:>8} "
-                     f"{f['detected']:>8} {rate:>7} {latency:>15}  {_fmt(f['first_reason'])}")
+                     f"{f['detected']:>8} {rate:>7} {latency:>15} {f['contained']['leaked_requests']:>6}  "
+                     f"{_fmt(f['first_reason'])}")
     blind = [f for f in doc["faults"] if not f["detectable"]]
     for f in blind:
         lines.append(f"  blind by design, {f['name']}: {f['why_not_detectable']}")
+    contained = [f["contained"] for f in doc["faults"]]
+    lines.append(f"containment from the reports alone: {sum(c['requests_aborted'] for c in contained)} requests aborted, "
+                 f"{sum(c['cached_blocks_evicted'] for c in contained)} cached blocks evicted; leaked (requests that read "
+                 f"poisoned KV after a detection): {sum(c['leaked_requests'] for c in contained)}")
     clean, cost = doc["clean"], doc["cost"]
     lines.append(f"clean run: {clean['steps']} steps, {clean['false_positives']} false positives; "
                  f"violations outside any fault's blast radius in the faulty run: {result.faulty.unattributed}")

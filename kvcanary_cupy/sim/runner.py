@@ -5,12 +5,19 @@ only if its slot lies in the fault's blast radius (:meth:`Engine.blast_radius`: 
 touched, every slot of a request or cached block path holding a touched block, since a corrupted
 record also breaks its successor's chain check, and the blocks its victims read or wrote).  Every
 sighting counts, a repeat of a violation the session saw before included.  An episode ends at its
-first detection or ``window`` steps after it fired; then the engine is repaired (requests holding
-touched blocks are aborted, touched blocks leave the prefix cache, reference counts and free lists
-are rebuilt from the live tables).  A freed block is always written before it is read again, so
-nothing corrupted outlives its episode.  Any violation outside a radius is counted as
-*unattributed*: it would be a false positive of the canary or a bug of the simulator.  A clean run
-(no faults, same seed and length) must report no violation at all.
+first detection or ``window`` steps after it fired.
+
+**Containment.**  Whenever the canary reports violations, the engine reacts from the reports
+alone (:func:`containment.contain`: abort the requests they name, evict the cached blocks holding
+a poisoned page and the blocks below them, abort the requests holding those blocks).  A detected
+episode ends there: nothing of the simulator's knowledge of the fault repairs it.  From the next
+step on, :class:`containment.Aftermaths` measures what is left against the simulator's knowledge
+(the requests that kept reading poisoned KV: ``leaked``, target 0); for ``window`` steps,
+violations inside the episode's blast radius are late sightings of it.  An episode the canary missed (or
+whose trigger never came) is repaired with the simulator's knowledge (:meth:`Engine.repair`), so
+the next one starts clean.  Any other violation is counted as *unattributed*: it would be a false
+positive of the canary or a bug of the simulator.  A clean run (no faults, same seed and length)
+must report no violation at all.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..constants import FailReason
+from .containment import Aftermath
 from ..digest import DigestFailReason
 from .engine import Engine, EngineConfig
 from .faults import FAULTS, Episode
@@ -81,9 +89,11 @@ class FaultResult:
     latencies: list = field(default_factory=list)
     first_reason: str | None = None
     dropped_armed: int = 0  # armed, but the trigger never came within arm_timeout (nothing corrupted)
+    aftermaths: list = field(default_factory=list)  # of containment.Aftermath, one per detection
 
     def to_json(self) -> dict:
         lat = self.latencies
+        leaked = sum(len(a.leaked) for a in self.aftermaths)
         return {
             "name": self.name,
             "description": self.description,
@@ -95,6 +105,13 @@ class FaultResult:
             "first_reason": self.first_reason,
             "detectable": self.detectable,
             "why_not_detectable": self.why_not_detectable,
+            "contained": {
+                "requests_aborted": sum(a.aborted for a in self.aftermaths),
+                "cached_blocks_evicted": sum(a.evicted for a in self.aftermaths),
+                "leaked_requests": leaked,  # kept reading poisoned KV after the detection (target 0)
+                "leaked_reads": sum(a.leaked_reads for a in self.aftermaths),
+                "still_poisoned_slots": sum(len(a.poisoned) for a in self.aftermaths),
+            },
         }
 
 
@@ -102,6 +119,7 @@ class FaultResult:
 class RunStats:
     steps: int = 0
     violations: int = 0  # violations seen (a distinct one once per step it is seen in)
+    late_sightings: int = 0  # violations of a contained fault, inside its blast radius, within `window` steps
     unattributed: int = 0
     unattributed_examples: list = field(default_factory=list)  # the first few, as text
     step_us: list = field(default_factory=list)  # host CPU time of each engine step
@@ -218,20 +236,38 @@ def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, Ru
             stats.steps += 1
             if progress is not None:
                 progress(1)
+            live = episode is not None and episode.fired_step is not None
+            radius = {p: engine.blast_radius(p, episode) for p in engine.pools} if live and reported else {}
+            hits, others = [], []
+            for p, v in reported:
+                if v.slot_idx in radius.get(p, ()):
+                    hits.append(v)
+                elif engine.aftermaths.explains(p, v.slot_idx, step):
+                    stats.late_sightings += 1
+                else:
+                    others.append((p, v))
+            if reported:  # the engine's reaction, from the reports alone
+                aborted, evicted = engine.contain(reported)
+            if hits:
+                aftermath = Aftermath(episode.fault.name, step, engine.poisoned_slots(episode),
+                                      {r.rid for r in episode.victims - episode.bystanders if r.alive},
+                                      {r.rid for r in episode.bystanders},
+                                      {p: frozenset(r) for p, r in radius.items()}, step + config.window,
+                                      aborted=len(aborted), evicted=len(evicted))
+                engine.aftermaths.add(aftermath)
+                results[episode.fault.name].aftermaths.append(aftermath)
             if episode is None:
-                unattributed(reported)
+                unattributed(others)
                 continue
             result = results[episode.fault.name]
             if episode.fired_step is None:
-                unattributed(reported)
+                unattributed(others)
                 if step - episode.armed_step >= config.arm_timeout:
                     result.dropped_armed += 1
                     engine.repair(episode)
                     episode = None
                 continue
-            radius = {p: engine.blast_radius(p, episode) for p in {p for p, _ in reported}}
-            hits = [v for p, v in reported if v.slot_idx in radius[p]]
-            unattributed([(p, v) for p, v in reported if v.slot_idx not in radius[p]])
+            unattributed(others)
             if hits:
                 result.injected += 1
                 result.detected += 1
@@ -241,11 +277,12 @@ def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, Ru
                     for v in hits:
                         bits |= v.fail_reason_bits
                     result.first_reason = reason_label(bits)
+                engine.end_episode()  # contained from the report alone
             elif step - episode.fired_step >= config.window - 1:
                 result.injected += 1
+                engine.repair(episode)  # missed: the simulator cleans up, so the next episode starts clean
             else:
                 continue
-            engine.repair(episode)
             episode = None
     except KeyboardInterrupt:  # keep what was measured; the caller reports the run as partial
         stats.interrupted = True

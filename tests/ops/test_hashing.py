@@ -188,7 +188,8 @@ def test_fail_reason_bits():
     assert [(m.name, m.value) for m in F] == [
         ("VERIFY_CHAIN_HASH_MISMATCH", 1), ("VERIFY_POSITION_MISMATCH", 2), ("VERIFY_REAL_KV_HASH_MISMATCH", 4),
         ("WRITE_TOKEN_MISMATCH", 8), ("WRITE_POSITION_MISMATCH", 16), ("VERIFY_TOKEN_MISMATCH", 32),
-        ("WRITE_KV_NOT_STORED", 2048), ("VERIFY_DEEP_KV_MISMATCH", 4096)]  # this project's coverage bits (docs/format.md section 9)
+        ("WRITE_KV_NOT_STORED", 2048), ("VERIFY_DEEP_KV_MISMATCH", 4096),  # this project's coverage bits (docs/format.md section 9)
+        ("VERIFY_TABLE_HOLE", 1 << 16)]  # and its table-hole bit
 
 
 @pytest.mark.parametrize("bits, label", [

@@ -269,7 +269,7 @@ def test_backend_argument_records_keep_their_field_names():
 
     verify_reads = ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
                     "verify_num_valid", "enable")
-    assert VerifyArgs._fields == ("targets", *verify_reads, "check_expected_token", "real_kv_hash_mode", "log")
+    assert VerifyArgs._fields == ("targets", *verify_reads, "check_expected_token", "check_holes", "real_kv_hash_mode", "log")
     assert StageArgs._fields == ("log", *verify_reads, "plan_out_of_range_count", "verify_offsets", "write_num_valid_reqs",
                                  "marks", "staging", "layout")
     assert VerifyArgs.__module__ == StageArgs.__module__ == "kvcanary_cupy.args"

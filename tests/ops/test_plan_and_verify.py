@@ -345,6 +345,13 @@ def test_small_batches_run_two_blocks_per_sm(monkeypatch):
     assert config(4096, 557_056) == configs.LaunchConfig(132, threads, 4097 * 16)  # W5's 4,096 decodes of ~136 tokens
     assert [configs.plan_verify_blocks_per_sm(bs, cap) for bs, cap in ((0, 0), (0, per_row), (1, per_row - 1), (1, per_row),
                                                                   (32, 32 * 512), (4096, 10**9))] == [1, 2, 1, 2, 1, 2]
+    # The one variant bounded to one block per SM (its launch bounds, step.cu): the packed W1 batch
+    # gets 132 blocks, not 264; a narrow block table or any option off keeps two.
+    every = (True, True, True, True)
+    assert configs.plan_verify_kernel(TableKind.BLOCK, 256, 524_288, *every)[2].grid == 132
+    assert configs.plan_verify_kernel(abi.TableLayout.BLOCK_NARROW, 256, 524_288, *every)[2].grid == 264
+    assert configs.plan_verify_kernel(TableKind.BLOCK, 256, 524_288, True, True, True, False)[2].grid == 264
+    assert configs.plan_verify_blocks_per_sm(256, 524_288, one_block=True) == 1
 
 
 def test_arguments_are_checked_before_anything_is_written():

@@ -458,7 +458,7 @@ def test_staging_matches_the_numpy_reference(ab, attribution_capacity):
                                                       want["verify_expected_tokens"][entry])
     verify_rows = w[layout.ring : layout.ring + 8 * 50].reshape(50, 8)
     verify_rows = verify_rows[(verify_rows[:, 7] & 24) == 0]
-    in_range = {s for s in verify_rows[:, 1].tolist() if 0 < s < 300}
+    in_range = {s for s in verify_rows[:, 1].tolist() if 0 < s < 300}  # (slot 0: only hole rows name it)
     active = want["verify_slot_indices"][:420]
     assert matches == int(np.isin(active, list(in_range)).sum())
 

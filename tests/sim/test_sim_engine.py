@@ -119,7 +119,7 @@ def test_a_zeroed_entry_is_the_padding_slot_except_in_a_csr_table():
     tokens = [np.arange(8)]
     slots = {m: _plan(session_table(m, lists, tokens, [8], 4, PageMap(16)), [8])[0].verify_slot_indices[:8].tolist()
              for m in ADDRESSING_MODES}
-    assert slots["sglang"] == slots["vllm"] == [0, 0, 0, 0, 28, 29, 30, 31]  # verify skips slot 0
+    assert slots["sglang"] == slots["vllm"] == [0, 0, 0, 0, 28, 29, 30, 31]  # holes: the padding slot
     assert slots["flashinfer"] == [0, 1, 2, 3, 28, 29, 30, 31]  # page 0 is an ordinary page there
 
 

@@ -20,7 +20,7 @@ from kvcanary_cupy.sim.tables import ADDRESSING_MODES
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (examples/)
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(kvcanary_cupy.__file__))  # so subprocesses import this copy
 FAULT_KEYS = ["name", "description", "injected", "detected", "detection_rate", "latency_steps_median",
-              "latency_steps_max", "first_reason", "detectable", "why_not_detectable"]
+              "latency_steps_max", "first_reason", "detectable", "why_not_detectable", "contained"]
 
 
 @pytest.fixture(scope="module", params=ADDRESSING_MODES)
@@ -38,6 +38,8 @@ def test_fault_class_is_caught_as_declared(faulty_run, name):
     assert f.description and (f.why_not_detectable is None) == f.detectable
     if f.detectable:
         assert f.detected == f.injected and f.first_reason and max(f.latencies) < SimConfig.window
+        # contained from the reports alone: no request kept reading the fault's poisoned KV
+        assert f.to_json()["contained"]["leaked_requests"] == 0
     else:
         assert f.detected == 0 and f.first_reason is None
     assert stats.unattributed == 0, stats.unattributed_examples
@@ -45,19 +47,16 @@ def test_fault_class_is_caught_as_declared(faulty_run, name):
 
 def test_fault_classes_cover_the_issue_and_name_their_bug():
     assert len(FAULTS) >= 12
-    blind = {n for n, f in FAULTS.items() if not f.detectable}  # under SGLang's coverage
-    assert blind == {"zeroed_table_entry", "kv_store_dropped", "unfingerprinted_layer_bitflip"}
+    blind = {n for n, f in FAULTS.items() if not f.detectable}  # under SGLang's coverage; a zeroed entry is a hole now
+    assert blind == {"kv_store_dropped", "unfingerprinted_layer_bitflip"}
     sglang_coverage = EngineConfig(deep_kv=False, lost_stores=False)
-    # A CSR page table has no null block: a zeroed entry reads page 0's unwritten slots there.
-    assert ({n for n, f in FAULTS.items() if not f.detectable_with("flashinfer", sglang_coverage)}
-            == blind - {"zeroed_table_entry"})
-    assert all(f.detectable_with(m, sglang_coverage) == f.detectable for f in FAULTS.values() for m in ("sglang", "vllm"))
+    assert all(f.detectable_with(m, sglang_coverage) == f.detectable for f in FAULTS.values() for m in ADDRESSING_MODES)
     # The simulator's default coverage (deep fingerprints, lost-store check) sees the other two.
-    assert {n for n, f in FAULTS.items() if not f.detectable_with("sglang")} == {"zeroed_table_entry"}
+    assert {n for n, f in FAULTS.items() if not f.detectable_with("sglang")} == set()
     assert {n for n, f in FAULTS.items() if not f.detectable_with("sglang", EngineConfig(lost_stores=False))} == {
-        "zeroed_table_entry", "kv_store_dropped"}
+        "kv_store_dropped"}
     assert {n for n, f in FAULTS.items() if not f.detectable_with("vllm", EngineConfig(deep_kv=False))} == {
-        "zeroed_table_entry", "unfingerprinted_layer_bitflip"}
+        "unfingerprinted_layer_bitflip"}
 
 
 def test_sglang_coverage_leaves_the_two_classes_blind():
@@ -117,11 +116,14 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert cli.main(["sim", "--steps", "40", "--faults", "off_by_one_position,zeroed_table_entry", "--rate", "1",
                      "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]) == 0
     out = capsys.readouterr().out
-    assert "off_by_one_position" in out and "blind by design, zeroed_table_entry" in out
+    assert "off_by_one_position" in out and "zeroed_table_entry" in out and "blind by design" not in out
     assert "clean run: 40 steps, 0 false positives" in out
+    assert "containment from the reports alone:" in out and "leaked (requests that read poisoned KV after a detection): 0" in out
     doc = json.loads((tmp_path / "r.json").read_text())
     assert [f["name"] for f in doc["faults"]] == ["off_by_one_position", "zeroed_table_entry"]
-    assert doc["faults"][0]["detection_rate"] == 1.0 and doc["faults"][1]["detected"] == 0
+    assert [f["detection_rate"] for f in doc["faults"]] == [1.0, 1.0]
+    assert doc["faults"][1]["first_reason"] == "verify_table_hole"
+    assert doc["faults"][1]["contained"]["leaked_requests"] == 0 and doc["faults"][1]["contained"]["requests_aborted"] >= 1
     assert doc["cost"]["canary_host_us"] > 0 and doc["cost"]["canary_device_us"] is None
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -374,7 +376,8 @@ def test_bench_numpy_backend_writes_json(tmp_path, capsys):
     assert cli.main(["bench", "--backend", "numpy", "--workloads", "W3", "--json", str(tmp_path / "b.json")]) == 0
     assert "W3 small decode" in capsys.readouterr().out
     doc = json.loads((tmp_path / "b.json").read_text())
-    assert doc["backend"] == "numpy" and {r["op"] for r in doc["rows"]} == {"plan", "verify", "write"}
+    assert doc["backend"] == "numpy" and {r["op"] for r in doc["rows"] if "section" not in r} == {"plan", "verify", "write"}
+    assert {r["op"] for r in doc["rows"] if r.get("section") == "holes"} == {"verify", "verify[bound]", "plan_and_verify"}
 
 
 @pytest.mark.gpu

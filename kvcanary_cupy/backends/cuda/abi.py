@@ -87,9 +87,10 @@ PLAN_PARAMS = _param_record(("inputs", PLAN_INPUTS), ("outputs", PLAN_OUTPUTS))
 WRITE_PARAMS = _param_record(("targets", CANARY_TARGETS), ("inputs", WRITE_INPUTS), ("log", LAUNCH_LOG))
 VERIFY_PARAMS = _param_record(
     ("targets", CANARY_TARGETS), *((k, "u8") for k in VERIFY_INPUT_FIELDS), ("verify_capacity", "i8"), ("log", LAUNCH_LOG),
+    ("check_holes", "i4"),
 )
 PLAN_VERIFY_PARAMS = _param_record(("inputs", PLAN_INPUTS), ("outputs", PLAN_OUTPUTS), ("targets", CANARY_TARGETS),
-                                   ("log", LAUNCH_LOG))
+                                   ("log", LAUNCH_LOG), ("check_holes", "i4"))
 
 STAGE_PARAMS = _param_record(("s", SESSION_STAGE), ("stamp", "i8"))  # session_stage's; session_attribute takes s alone
 
@@ -99,6 +100,7 @@ STAGE_PARAMS = _param_record(("s", SESSION_STAGE), ("stamp", "i8"))  # session_s
 PLAN_THREADS = 512  # kPlanThreads in plan.cu: plan_small, plan_fused, plan_offsets and plan_verify blocks
 PLAN_SMALL_MAX_ROWS = 32  # kPlanSmallRows in plan.cu: a batch of up to this many requests takes plan_small
 PLAN_VERIFY_BLOCKS_PER_SM = 2  # kPlanVerifyBlocksPerSm in step.cu: plan_verify's launch bounds
+
 THREADS = 256  # plan_entries and scatter blocks
 VERIFY_THREADS = 256  # kVerifyThreads in verify.cu
 WRITE_THREADS = 128  # kWriteThreads in write.cu
@@ -120,6 +122,12 @@ class TableLayout(enum.IntEnum):
     PAGED_KV = TableKind.PAGED_KV
     BLOCK_NARROW = TableKind.BLOCK | TABLE_NARROW
     PAGED_KV_NARROW = TableKind.PAGED_KV | TABLE_NARROW
+
+
+def plan_verify_one_block(layout: int, has_lut: bool, has_pool: bool, check_token: bool, real_kv: bool) -> bool:
+    """Whether plan_verify's variant is bounded to one block per SM (plan_verify_blocks_per_sm in
+    step.cu): the wide block table with every option on needs more than 64 registers a thread."""
+    return layout == TableLayout.BLOCK and has_lut and has_pool and check_token and real_kv
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from ...tables import TableKind
 from ...validation import INT32_MAX, INT32_MIN
 from . import device as cuda_device
 from .abi import (PLAN_SMALL_MAX_ROWS, PLAN_THREADS, PLAN_VERIFY_BLOCKS_PER_SM, SCAN_ROWS_PER_LANE, SCATTER_MAX_GROUP_ROWS,
-                  TABLE_NARROW, THREADS, WRITE_THREADS, TableLayout)
+                  TABLE_NARROW, THREADS, WRITE_THREADS, TableLayout, plan_verify_one_block)
 from .compile import get_function, kernel_name, plan_family, step_family
 
 
@@ -242,11 +242,12 @@ def plan_verify_stores_entries(bs: int) -> bool:
     return bs > _policy.plan_fused_max_rows
 
 
-def plan_verify_blocks_per_sm(bs: int, verify_capacity: int) -> int:
+def plan_verify_blocks_per_sm(bs: int, verify_capacity: int, one_block: bool = False) -> int:
     """plan_verify's most blocks per SM for ``bs`` requests and ``verify_capacity`` entries
-    (``plan_verify_packed_min_entries_per_row``)."""
+    (``plan_verify_packed_min_entries_per_row``); ``one_block``: the variant's launch bounds allow
+    one (:func:`abi.plan_verify_one_block`)."""
     packed = verify_capacity >= _policy.plan_verify_packed_min_entries_per_row * max(bs, 1)
-    return PLAN_VERIFY_BLOCKS_PER_SM if packed else 1
+    return PLAN_VERIFY_BLOCKS_PER_SM if packed and not one_block else 1
 
 
 def plan_verify_kernel(layout: int, bs: int, verify_capacity: int, has_lut: bool, has_pool: bool, check_token: bool,
@@ -257,7 +258,8 @@ def plan_verify_kernel(layout: int, bs: int, verify_capacity: int, has_lut: bool
     :func:`plan_verify_blocks_per_sm` blocks per SM."""
     family = step_family(layout)
     name = kernel_name("plan_verify", int(layout), has_lut, has_pool, check_token, real_kv)
-    blocks = plan_one_launch_blocks(verify_capacity, per_sm=plan_verify_blocks_per_sm(bs, verify_capacity))
+    one_block = plan_verify_one_block(int(layout), has_lut, has_pool, check_token, real_kv)
+    blocks = plan_one_launch_blocks(verify_capacity, per_sm=plan_verify_blocks_per_sm(bs, verify_capacity, one_block))
     return family, name, plan_scan_config(bs, blocks)
 
 

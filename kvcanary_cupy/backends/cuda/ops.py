@@ -115,6 +115,7 @@ def verify_launch(a: VerifyArgs) -> KernelLaunch:
     for key in VERIFY_INPUT_FIELDS:
         p[key] = ptr(getattr(a, key))
     p["verify_capacity"] = a.verify_slot_indices.shape[0]
+    p["check_holes"] = int(a.check_holes)
     name = kernel_name("canary_verify", len(a.targets), a.check_expected_token, has_real_kv(a.targets, a.real_kv_hash_mode))
     return KernelLaunch("verify", name, persistent_config("verify", name, VERIFY_THREADS), p)
 
@@ -131,6 +132,7 @@ def plan_verify_launch(a: PlanVerifyArgs) -> KernelLaunch:
     p["outputs"]["verify_capacity"] = a.verify_capacity
     v = a.verify
     p["targets"], p["log"] = targets_struct(v.targets, v.real_kv_hash_mode), log_struct(v.log)
+    p["check_holes"] = int(v.check_holes)
     # Without a pool every expected token is -1 (unchecked): the token check would find nothing.
     has_pool = a.plan.expected_token_pool is not None
     family, name, config = plan_verify_kernel(view_layout(a.plan.table), length(a.plan.prefix_lens), a.verify_capacity,

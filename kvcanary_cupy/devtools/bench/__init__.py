@@ -8,7 +8,7 @@ searchsorted, gathers), eager, as a user would without this library.
 CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend.
 
     kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4,W5]
-                   [--sections ops,detail,tables,capacity,step,overlap,host,coverage,cold] [--out FILE] [--json FILE]
+                   [--sections ops,detail,tables,capacity,step,overlap,host,coverage,cold,holes] [--out FILE] [--json FILE]
 
 ``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
 next to the equivalent req_to_token at W1, W3 and W4, against what a user writes without them;
@@ -21,7 +21,9 @@ the bound path (CanaryPlanner, VerifyLauncher, WriteLauncher), with CuPy arrays 
 torch tensors, against the targets and SGLang's eager calls (``benchmarks/host_profile.py``
 profiles the same front door on the CPU).  ``benchmarks/bench_canary.py`` runs the same from a
 source checkout.  ``coverage`` (issue #27): a session step with the checks past the record
-(``coverage_section``) against SGLang's coverage at W1 and W3.
+(``coverage_section``) against SGLang's coverage at W1 and W3.  ``holes`` (issue #27): the verify,
+the bound verify and plan_and_verify with ``check_holes`` off and on at W1 and W3
+(``holes_section``; with ``--backend numpy`` too).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+import numpy as np
 
 from kvcanary_cupy.interop import cuda_unavailable_reason
 from .workloads import TABLE_WORKLOADS, WORKLOADS, Workload, build
@@ -42,15 +46,23 @@ from .step_sections import (HOST_TARGET_US, STEP_WORKLOADS, host_times, overlap_
 __all__ = ["HOST_TARGET_US", "WORKLOADS", "Workload", "add_arguments", "build", "main", "run"]
 
 
+def _hole_workloads(names, xp) -> dict:
+    """name -> (title, inputs) of the workloads of ``names`` the holes section times."""
+    from .holes_section import HOLE_WORKLOADS
+
+    return {n: (WORKLOADS[n].name, build(WORKLOADS[n], xp)) for n in names if n in HOLE_WORKLOADS}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
                         help="cupy: this machine's GPU; numpy: the CPU backend")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
-    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host,coverage,cold",
+    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host,coverage,cold,holes",
                         help="GPU sections: ops (plan/verify/write), detail (verify/write: grids, floors, several "
                              "buffers), tables (engine tables), capacity, step (the fused decode step), overlap "
                              "(overlapped launches against plain ones), host, coverage (the checks past the record "
-                             "in a session step), cold (first calls and warmup() in a fresh process, empty kernel cache then warm)")
+                             "in a session step), cold (first calls and warmup() in a fresh process, empty kernel cache then warm), "
+                             "holes (the hole check's cost, also with --backend numpy)")
     parser.add_argument("--out", metavar="FILE", help="also write the table to FILE")
     parser.add_argument("--json", metavar="FILE", help="also write the measurements as JSON to FILE")
 
@@ -89,8 +101,18 @@ def run(args) -> int:
             lines += coverage_rows(cupy, [n for n in names if n in COVERAGE_WORKLOADS], rows)
         if "cold" in sections:
             lines += cold_rows(rows)
+        if "holes" in sections:
+            from .holes_section import hole_rows
+            from .step_sections import eager_us
+            from .timing import time_graph
+
+            lines += hole_rows(_hole_workloads(names, cupy), rows, cupy=cupy, timers=(time_graph, eager_us))
     else:
         lines = run_numpy(names, rows)
+        if "holes" in args.sections.split(","):
+            from .holes_section import hole_rows
+
+            lines += hole_rows(_hole_workloads(names, np), rows)
     text = "\n".join(lines)
     print(text)
     if args.out:
