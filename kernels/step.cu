@@ -18,9 +18,8 @@ constexpr int kPlanVerifyBlocksPerSm = 2;
 // last one: 8 bytes spilled): the wide block table with a LUT, a token pool, expected tokens and
 // real-KV sources runs one block per SM (abi.plan_verify_one_block mirrors the rule).
 template <int kTable, bool kHasLut, bool kHasPool, bool kCheckToken, bool kHasRealKv>
-constexpr int plan_verify_blocks_per_sm() {
-  return kTable == kTableBlock && kHasLut && kHasPool && kCheckToken && kHasRealKv ? 1 : kPlanVerifyBlocksPerSm;
-}
+constexpr int kPlanVerifyBlocks =
+    kTable == kTableBlock && kHasLut && kHasPool && kCheckToken && kHasRealKv ? 1 : kPlanVerifyBlocksPerSm;
 
 // Checks the entries of kChunks chunks at once against one canary buffer (as canary_verify does)
 // and adds the out-of-range values and the violations to the log's counters (a warp's atomic
@@ -32,7 +31,7 @@ constexpr int plan_verify_blocks_per_sm() {
 // the left lane's entry, whose record's hashed fields come by shuffle (with expected tokens, its
 // hash: one more hash a lane, fewer registers).  kChunks = 1: a thread fits 64
 // registers without spilling (kPlanVerifyBlocksPerSm), for every table kind and flag but the one
-// plan_verify_blocks_per_sm names; more chunks per step spill there.
+// kPlanVerifyBlocks names; more chunks per step spill there.
 template <bool kCheckToken, bool kHasRealKv>
 struct VerifySink {
   static constexpr int kChunks = 1;
@@ -92,7 +91,7 @@ struct VerifySink {
 // (none when the plan exceeds out.verify_capacity: enable is then 0), by one thread; the
 // out-of-range entry values and the violations, by the sink.
 template <int kTable, bool kHasLut, bool kHasPool, bool kCheckToken, bool kHasRealKv>
-__global__ void __launch_bounds__(kPlanThreads, (plan_verify_blocks_per_sm<kTable, kHasLut, kHasPool, kCheckToken, kHasRealKv>()))
+__global__ void __launch_bounds__(kPlanThreads, (kPlanVerifyBlocks<kTable, kHasLut, kHasPool, kCheckToken, kHasRealKv>))
     plan_verify(PlanInputs in, PlanOutputs out, const __grid_constant__ CanaryTargets targets, LaunchLog log, int check_holes) {
   wait_for_prior_grids();
   const int kind = targets.kind[0];

@@ -228,7 +228,7 @@ def _kernel_parameter_bytes(kernel, filename):
     """The by-value size of each parameter of ``kernel`` in ``filename`` (pointers: 8 bytes; the
     structs: their NumPy mirrors, whose layouts the struct asserts pin)."""
     sizes_of = {name: dtype for name, (dtype, _) in abi_check.KERNEL_STRUCTS.items()} | {"i64": np.int64, "int": np.int32}
-    m = re.search(rf"__global__ void (?:__launch_bounds__\([\w, ]+\)\s*)?{kernel}\(([^)]*)\)", cuda_compile._read(filename))
+    m = re.search(rf"__global__ void (?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*)?{kernel}\(([^)]*)\)", cuda_compile._read(filename))
     assert m, kernel
     sizes = []
     for param in m.group(1).split(","):

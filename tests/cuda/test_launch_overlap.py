@@ -31,7 +31,7 @@ def _kernel_bodies():
         if not path.name.endswith(".cu"):
             continue
         filename, source = path.name, path.read_text(encoding="utf-8")
-        for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", source):
+        for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?(\w+)\s*\(", source):
             depth, i = 1, m.end()
             while depth:  # the parameter list's closing parenthesis
                 depth += {"(": 1, ")": -1}.get(source[i], 0)

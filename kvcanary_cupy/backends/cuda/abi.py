@@ -125,7 +125,7 @@ class TableLayout(enum.IntEnum):
 
 
 def plan_verify_one_block(layout: int, has_lut: bool, has_pool: bool, check_token: bool, real_kv: bool) -> bool:
-    """Whether plan_verify's variant is bounded to one block per SM (plan_verify_blocks_per_sm in
+    """Whether plan_verify's variant is bounded to one block per SM (kPlanVerifyBlocks in
     step.cu): the wide block table with every option on needs more than 64 registers a thread."""
     return layout == TableLayout.BLOCK and has_lut and has_pool and check_token and real_kv
 
