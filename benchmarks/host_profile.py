@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import cProfile
 import os
-import pstats
 import sys
-import time
 
 import numpy as np
 
@@ -33,25 +30,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the checkout's package, installed or not
 
 import kvcanary_cupy as kc  # noqa: E402
-from kvcanary_cupy.devtools import bench as bc  # noqa: E402
+from kvcanary_cupy.devtools.bench.host_setup import (add_arguments, free_ops, measure, placed,  # noqa: E402
+                                                     stubbed_numpy_backend, workload)
 
 
 def step_ops(d, move):
-    """The six timed callables on one workload's arrays; ``move`` puts a NumPy array on the device."""
+    """The timed callables on one workload's arrays; ``move`` puts a NumPy array on the device."""
     vcap, bs = d["total_verify"], d["bs"]
-    a = {k: move(v) for k, v in d.items() if isinstance(v, np.ndarray)}
+    a = placed(d, move)
     planner = kc.CanaryPlanner(kc.CanaryCapacities(vcap, bs), like=a["rp"])
-    vp, wp = planner.verify_plan, planner.write_plan
     log = kc.ViolationLog.allocate(1024, like=a["rp"])
     inputs = (a["rp"], a["prefix"], a["extend"], a["rtt"])
-    verify = kc.VerifyLauncher(a["canary"], vp, log=log)
-    write = kc.WriteLauncher(a["canary"], wp, log=log)
+    verify = kc.VerifyLauncher(a["canary"], planner.verify_plan, log=log)
+    write = kc.WriteLauncher(a["canary"], planner.write_plan, log=log)
     tokens = (a["ids"], a["pos"], a["loc"])
-    free = {
-        "plan": lambda: kc.plan(*inputs, verify_capacity=vcap, out=(vp, wp)),
-        "verify": lambda: kc.verify(a["canary"], vp, log=log),
-        "write": lambda: kc.write(a["canary"], wp, *tokens, log=log),
-    }
+    free = free_ops(d, a, planner.verify_plan, planner.write_plan, log)
     session = kc.CanarySession(a["canary"].shape[0], max_batch_size=bs, verify_capacity=vcap, like=a["rp"])
 
     def free_pre_forward():
@@ -61,9 +54,13 @@ def step_ops(d, move):
 
     def pre_forward():
         session.pre_forward(*inputs, *tokens)
+        # The session refuses a second pre_forward while a step is open (CanaryUsageError). Close it
+        # as post_forward's last line does, without its TAIL verify and write, so that the row times
+        # pre_forward alone; an attribute store, no Python call, so the call count is pre_forward's.
+        session._step_inputs = None
 
     def step():
-        pre_forward()
+        session.pre_forward(*inputs, *tokens)
         session.post_forward()
 
     return {
@@ -78,43 +75,19 @@ def step_ops(d, move):
     }
 
 
-def measure(fn, calls: int, top: int):
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) / calls * 1e6
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(100):
-        fn()
-    profile.disable()
-    stats = pstats.Stats(profile)
-    if top:
-        stats.sort_stats("tottime").print_stats(top)
-    return us, stats.total_calls / 100
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default="W3")
-    parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--top", type=int, default=0, help="print the N costliest functions of each profile")
+    add_arguments(parser, workload="W3", calls=2000)
     args = parser.parse_args()
-    d = bc.build(bc.WORKLOADS[args.workload], np)
+    d = workload(args.workload)
     print(f"host us and Python-level calls per eager op at {args.workload} (backend work stubbed out)")
     print(f"{'arrays':<20} {'op':<11} {'free us':>8} {'calls':>6} {'bound us':>9} {'calls':>6} {'x faster':>9}")
 
-    from kvcanary_cupy.backends import numpy_backend
-    import pytest
-
     end_step_lines = [f"{'arrays':<20} {'op':<11} {'us':>8} {'calls':>6}   device calls per call"]
-    with pytest.MonkeyPatch.context() as mp:
-        for op in ("plan", "verify", "write"):
-            mp.setattr(numpy_backend, op, lambda a: None)
+    with stubbed_numpy_backend() as stub:
         report("NumPy", step_ops(d, lambda x: x), args)
         session, mark = quiet_session(d, lambda x: x)
-        mp.setattr(numpy_backend, "session_stage", lambda a, stamp: mark(a.staging))
+        stub("session_stage", lambda a, stamp: mark(a.staging))
         end_step_lines.append(end_step_row("NumPy", session, None, args))
     try:
         from kvcanary_cupy.devtools.fake_cupy import fake_device, host_view
@@ -137,7 +110,7 @@ def quiet_session(d, move):
     which the HEAD and TAIL kernels ran and nothing happened (the staging's stand-in)."""
     from kvcanary_cupy.args import STAGE_HEADER
 
-    a = {k: move(v) for k, v in d.items() if isinstance(v, np.ndarray)}
+    a = placed(d, move)
     session = kc.CanarySession(a["canary"].shape[0], max_batch_size=d["bs"], verify_capacity=d["total_verify"],
                                like=a["rp"], on_violation="raise")
     layout, enable = session._layout, STAGE_HEADER.index("enable")

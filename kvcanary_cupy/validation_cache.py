@@ -136,13 +136,6 @@ class Stamps:
 _FIELD_NAMES: dict = {}
 
 
-def lookup(owner, key):
-    """What a call with stamps ``key`` left on ``owner``, or None."""
-    if key is None or not enabled():
-        return None
-    return owner.__dict__.get(_SLOT, {}).get(key)
-
-
 def remember(owner, key, stamps: Stamps, value) -> None:
     """Keep ``value`` on ``owner`` for calls with ``key`` (unless a long-lived input was copied)."""
     if key is None or not enabled() or not all(copy_free(s) for s in stamps.arrays):
@@ -151,6 +144,42 @@ def remember(owner, key, stamps: Stamps, value) -> None:
     if len(slot) >= _MAX_KEYS:
         slot.clear()
     slot[key] = value
+
+
+class CachedCall(Stamps):
+    """One free call's round trip through the cache, the same for plan, verify and write: build
+    the call's key from these stamps, :meth:`recall` what an earlier call left under it, and where
+    nothing usable was left, run the full checks and :meth:`keep` what they built.
+
+    What is kept is ``(placement of the long-lived arrays, the op's checked arguments, *extra)``;
+    :attr:`hit` holds it after a usable recall, else None (the full path's signal).
+    """
+
+    __slots__ = ("owner", "key", "hit")
+
+    def __init__(self):
+        self.arrays = []  # Stamps' one field, set here: the call of its __init__ would cost as much
+        self.owner = self.key = self.hit = None
+
+    def recall(self, owner, key, step_arrays: dict | None = None, usable: bool = True) -> Placement | None:
+        """This call's placement, from what a call with ``key`` left on ``owner`` joined by the
+        per-step ``step_arrays`` (none: the long-lived arrays' placement); None where the full
+        checks must run: nothing left, the per-step arrays placed elsewhere, or ``usable`` False
+        (the op's own rule for its per-step arrays; what the full path checks is still kept)."""
+        self.owner, self.key = owner, key
+        if not usable or key is None or not enabled():
+            return None
+        hit = owner.__dict__.get(_SLOT, {}).get(key)
+        if hit is None:
+            return None
+        placement = hit[0] if step_arrays is None else joined_placement(hit[0], step_arrays)
+        if placement is not None:
+            self.hit = hit
+        return placement
+
+    def keep(self, placement: Placement, args, *extra) -> None:
+        """Remember the full path's ``args`` (and ``extra``) on the recalled owner under its key."""
+        remember(self.owner, self.key, self, (placement, args, *extra))
 
 
 def joined_placement(long_lived: Placement, step_arrays: dict) -> Placement | None:

@@ -11,6 +11,19 @@ is one the checks would pass again, and the kernels read the values at each laun
 references: the memo never keeps a caller's array (or its memory) alive.
 """
 
+# Why this is not validation_cache.py's CachedCall (looked at, kept apart on purpose):
+# - Cost: the cache stamps every array inside every record argument by value, per call; a KvLayout
+#   holds one tensor per layer and half, so a 64-layer pool would stamp 128 tensors (~1 us each
+#   for torch) where this memo compares the layout object by identity and stamps only the index
+#   arrays named at put().
+# - What it saves: the cache keeps checked views and still checks and views the per-step arrays
+#   every call; this memo replays the packed launches and checks nothing, the point of it.
+# - Lifetime: the cache keeps its entries on an owner record (strong references to views of the
+#   caller's arrays for as long as the record lives); this memo holds weak references only
+#   (tests/test_digest_replay.py: the memo keeps no array alive).
+# - Switches: KVCANARY_FULL_VALIDATION turns the cache off; the digest never read it, and only
+#   ``strict`` or ``out=None`` skip the memo.  Moving over would change all four.
+
 from __future__ import annotations
 
 import weakref

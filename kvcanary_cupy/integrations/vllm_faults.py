@@ -48,6 +48,13 @@ class VllmFault:
                 out.add(ib.req_ids[r])
         return out
 
+    def fired(self, slots: set, victims: set) -> bool:
+        """Record the KV slots the fault touched and the requests it hurt; True, which
+        :meth:`on_inputs` / :meth:`on_lookup` return when they fired."""
+        self.slots |= slots
+        self.victims |= victims
+        return True
+
     def on_inputs(self, runner, step: int) -> bool:
         """Fire on the step's committed inputs if the trigger holds; True when fired."""
         return False
@@ -73,10 +80,9 @@ class StaleBlockTableEntry(VllmFault):
         if not rows or not free:
             return False
         r, stale = self.rng.choice(rows), self.rng.choice(free)
-        self.slots |= self.block_slots(int(table[r, 0]), size) | self.block_slots(stale, size)
+        slots = self.block_slots(int(table[r, 0]), size) | self.block_slots(stale, size)  # before the entry changes
         table[r, 0] = stale
-        self.victims.add(ib.req_ids[r])
-        return True
+        return self.fired(slots, {ib.req_ids[r]})
 
 
 class SlotMappingOffByOne(VllmFault):
@@ -93,10 +99,9 @@ class SlotMappingOffByOne(VllmFault):
         r = self.rng.choice(rows)
         mapping = ib.block_table[0].slot_mapping.cpu
         lo, hi = int(qsl[r]), int(qsl[r + 1])
-        self.slots |= set(mapping[lo:hi].tolist()) | {s + 1 for s in mapping[lo:hi].tolist()}
+        slots = set(mapping[lo:hi].tolist()) | {s + 1 for s in mapping[lo:hi].tolist()}
         mapping[lo:hi] += 1
-        self.victims.add(ib.req_ids[r])
-        return True
+        return self.fired(slots, {ib.req_ids[r]})
 
 
 class SwappedBlockLists(VllmFault):
@@ -111,11 +116,9 @@ class SwappedBlockLists(VllmFault):
         if not pairs:
             return False
         a, b = self.rng.choice(pairs)
-        for r in (a, b):
-            self.slots |= {s for blk in table[r].tolist() if blk for s in self.block_slots(blk, size)}
-            self.victims.add(ib.req_ids[r])
+        slots = {s for r in (a, b) for blk in table[r].tolist() if blk for s in self.block_slots(blk, size)}
         table[[a, b]] = table[[b, a]].clone()
-        return True
+        return self.fired(slots, {ib.req_ids[a], ib.req_ids[b]})
 
 
 class CachedBlockBitFlip(VllmFault):
@@ -142,9 +145,7 @@ class CachedBlockBitFlip(VllmFault):
         element = t if self.half == "k" else size * d + t * d  # head 0, d = 0: inside PARTIAL's 16 bytes
         bits = flat.view(torch.int16 if kv.element_size() == 2 else torch.int32)
         bits[block, 0, element] ^= 1 << 6
-        self.slots.add(block * size + t)
-        self.victims |= readers[block]
-        return True
+        return self.fired({block * size + t}, readers[block])
 
 
 class CachedBlockBitFlipV(CachedBlockBitFlip):
@@ -184,9 +185,7 @@ class PrefixCacheWrongBlock(VllmFault):
             return False
         wrong = self.rng.choice(others)
         pool.cached_block_hash_to_block.insert(key, wrong)
-        self.slots |= self.block_slots(wrong.block_id, size)
-        self.victims.add(request.request_id)
-        return True
+        return self.fired(self.block_slots(wrong.block_id, size), {request.request_id})
 
 
 FAULTS = {cls.name: cls for cls in (StaleBlockTableEntry, SlotMappingOffByOne, SwappedBlockLists, CachedBlockBitFlipV,

@@ -15,7 +15,7 @@ from ..log import ViolationLog
 from ..plans import VerifyPlan, WritePlan
 from ..runtime import launch_stream, side_stream
 from ..validation import I64, bool_keyword, check_1d, check_integer_dtype, contiguous_input, require
-from ..validation_cache import Stamps, call_key, joined_placement, lookup, remember
+from ..validation_cache import CachedCall, call_key
 
 #: The per-token inputs of a write that may be int32 as well as int64 (each its own dtype).
 TOKEN_INPUTS = ("input_ids", "positions", "out_cache_loc")
@@ -115,23 +115,21 @@ def write(
         "expected_input_tokens": expected_input_tokens,
         "expected_input_positions": expected_input_positions,
     }
-    stamps = Stamps()
-    key = call_key(*_long_lived_stamps(stamps, canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode),
-                   stamps.record(write_plan), stamps.value(chain_position_assert))
-    hit = lookup(write_plan, key)
-    placement = hit and joined_placement(hit[0], tokens)
+    call = CachedCall()
+    key = call_key(*_long_lived_stamps(call, canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode),
+                   call.record(write_plan), call.value(chain_position_assert))
+    placement = call.recall(write_plan, key, tokens)
     if placement is None:  # first sight, a change, or tokens placed elsewhere: the full checks
-        hit = None
         placement, context, named = write_setup(canary_buf, write_plan, log, kernel_kind, real_kv_sources,
                                                 real_kv_hash_mode, chain_position_assert, tokens)
     xp = array_module(placement)
 
     with launch_stream(placement):
-        if hit is None:
+        if call.hit is None:
             args = write_bound_args(write_plan, log, chain_position_assert, context, xp)
-            remember(write_plan, key, stamps, (common_placement(named), args))
+            call.keep(common_placement(named), args)
         else:
-            args = hit[1]
+            args = call.hit[1]
         views = {}
         for key, arr in tokens.items():
             if arr is not None:
@@ -234,19 +232,19 @@ def verify(
     check_type(verify_plan, "verify_plan", VerifyPlan)  # None would mean plan_and_verify's call below
     check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
                                         "check_expected_token")
-    stamps = Stamps()
-    key = call_key(*_long_lived_stamps(stamps, canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode),
-                   stamps.record(verify_plan), stamps.value(check_expected_token), stamps.value(check_holes))
-    hit = lookup(verify_plan, key)
-    if hit is None:  # first sight or a change: the full checks
+    call = CachedCall()
+    key = call_key(*_long_lived_stamps(call, canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode),
+                   call.record(verify_plan), call.value(check_expected_token), call.value(check_holes))
+    placement = call.recall(verify_plan, key)
+    if placement is None:  # first sight or a change: the full checks
         placement, context, _ = verify_setup(canary_buf, verify_plan, log, kernel_kind, real_kv_sources,
                                              real_kv_hash_mode, check_expected_token, check_holes=check_holes)
-    else:
-        placement, args = hit
     with launch_stream(placement):
-        if hit is None:
+        if call.hit is None:
             args = verify_args(verify_plan, log, check_expected_token, context, array_module(placement), check_holes)
-            remember(verify_plan, key, stamps, (placement, args))
+            call.keep(placement, args)
+        else:
+            args = call.hit[1]
         if strict:
             strict_checks.check_verify(args)
         get_backend(placement.backend).verify(args)

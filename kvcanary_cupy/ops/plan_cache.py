@@ -9,26 +9,26 @@ from ..interop import backend_view, common_placement
 from ..plans import VerifyPlan, WritePlan, is_clean, scan_state
 from ..tables import BlockTable, PagedKvIndices, ReqToToken
 from ..validation import I64, check_1d, contiguous_input
-from ..validation_cache import Stamps, call_key, joined_placement, lookup, remember
+from ..validation_cache import CachedCall, Stamps, call_key
 
 
 def remembered_plan(table, out, step: dict, *scalars) -> tuple:
-    """``(key, its stamps, what an earlier call with it left, this call's placement)``; the last
-    two None where the full checks must run.  ``scalars``: verify_capacity, write_req_capacity,
+    """``(the call's CachedCall, this call's placement)``; the placement None (and the call's
+    ``hit`` None) where the full checks must run.  ``scalars``: verify_capacity, write_req_capacity,
     swa_window_size, full_to_swa_index_mapping, req_to_verify_expected_tokens,
     kv_token_id_vs_position_offset."""
-    stamps = Stamps()
-    key = plan_key(stamps, table, out, *scalars)
-    hit = lookup(out[1], key) if key is not None else None
-    placement = hit and step_placement(hit, step, scalars[4] is not None)
-    return key, stamps, (hit if placement is not None else None), placement
+    call = CachedCall()
+    key = plan_key(call, table, out, *scalars)
+    if key is None:  # out is no plan pair (or the call is never remembered): out[1] is no owner
+        return call, None
+    return call, call.recall(out[1], key, step, usable=step_complete(step, scalars[4] is not None))
 
 
-def remember_plan(wp: WritePlan, key, stamps: Stamps, named: dict, step: dict, args: PlanArgs, verify_capacity: int) -> None:
-    """Keep a checked plan's arguments on ``wp``, with the placement of its long-lived arrays alone."""
-    if key is not None:
+def remember_plan(call: CachedCall, named: dict, step: dict, args: PlanArgs, verify_capacity: int) -> None:
+    """Keep a checked plan's arguments on its WritePlan, with the placement of its long-lived arrays alone."""
+    if call.key is not None:
         long_lived = common_placement({k: a for k, a in named.items() if k not in step})
-        remember(wp, key, stamps, (long_lived, args, verify_capacity))
+        call.keep(long_lived, args, verify_capacity)
 
 
 def plan_key(stamps: Stamps, table, out, *scalars):
@@ -44,14 +44,12 @@ def plan_key(stamps: Stamps, table, out, *scalars):
                     *(stamps.value(v) for v in scalars))
 
 
-def step_placement(hit, step: dict, has_pool: bool):
-    """The placement of a remembered plan with this step's arrays, or None where the full checks
-    must run (a missing array, a pool without its lengths or the reverse, another device)."""
+def step_complete(step: dict, has_pool: bool) -> bool:
+    """Whether this step's arrays can join a remembered plan; False where the full checks must
+    run and report (a missing array, a pool without its lengths or the reverse)."""
     if any(step[k] is None for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")):
-        return None
-    if (step["req_to_verify_expected_tokens_valid_lens"] is None) == has_pool:
-        return None
-    return joined_placement(hit[0], step)
+        return False
+    return (step["req_to_verify_expected_tokens_valid_lens"] is None) != has_pool
 
 
 def replan(args: PlanArgs, step: dict, wp: WritePlan, xp) -> PlanArgs:

@@ -238,27 +238,27 @@ def plan(
     """
     step = {"req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens, "extend_seq_lens": extend_seq_lens,
             "req_to_verify_expected_tokens_valid_lens": req_to_verify_expected_tokens_valid_lens}
-    key, stamps, hit, placement = remembered_plan(table, out, step, verify_capacity, write_req_capacity, swa_window_size,
-                                                  full_to_swa_index_mapping, req_to_verify_expected_tokens,
-                                                  kv_token_id_vs_position_offset)
+    call, placement = remembered_plan(table, out, step, verify_capacity, write_req_capacity, swa_window_size,
+                                      full_to_swa_index_mapping, req_to_verify_expected_tokens,
+                                      kv_token_id_vs_position_offset)
     if placement is None:  # first sight, a change, or per-step arrays the full checks must report on
         c = _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, swa_window_size,
                        full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
                        kv_token_id_vs_position_offset, out, "plan")
         placement = common_placement(c.named)
     with launch_stream(placement):
-        if hit is None:
+        if call.hit is None:
             args, vp, wp = _plan_args(c, write_req_capacity, out, placement, array_module(placement),
                                       lambda bs: c.verify_capacity, "plan")
-            remember_plan(wp, key, stamps, c.named, step, args, c.verify_capacity)
+            remember_plan(call, c.named, step, args, c.verify_capacity)
         else:
             vp, wp = out
-            args = replan(hit[1], step, wp, array_module(placement))
+            args = replan(call.hit[1], step, wp, array_module(placement))
         if strict:
             strict_checks.check_plan(args)
         get_backend(placement.backend).plan(args)
         mark_clean(wp)
-        _note_overflow(vp, args.out.enable, placement, c.verify_capacity if hit is None else hit[2])
+        _note_overflow(vp, args.out.enable, placement, c.verify_capacity if call.hit is None else call.hit[2])
     return vp, wp
 
 

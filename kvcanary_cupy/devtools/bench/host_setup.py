@@ -1,0 +1,92 @@
+"""The set-up that ``benchmarks/host_profile.py`` and ``benchmarks/free_host_profile.py`` share.
+
+Both time the host path of the front door with the backend's work taken out: one workload's
+arrays put in place by a ``move`` function (NumPy as they are, CPU torch, or CuPy arrays on the
+fake device of ``devtools/fake_cupy.py``), the free functions on long-lived plans and log, the
+NumPy backend's kernels stubbed to no-ops, and a loop that times a call and then profiles it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import pstats
+import time
+
+import numpy as np
+
+import kvcanary_cupy as kc
+from .workloads import WORKLOADS, build
+
+#: The NumPy backend's entry points the profiles stub out (only the front door is measured).
+STUBBED_OPS = ("plan", "verify", "write")
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, workload: str, calls: int) -> None:
+    """``--workload``, ``--calls`` and ``--top``, with this script's defaults."""
+    parser.add_argument("--workload", default=workload, choices=sorted(WORKLOADS))
+    parser.add_argument("--calls", type=int, default=calls)
+    parser.add_argument("--top", type=int, default=0, help="print the N costliest functions of each profile")
+
+
+def workload(name: str) -> dict:
+    """The named workload's arrays, built with NumPy (``move`` puts them elsewhere)."""
+    return build(WORKLOADS[name], np)
+
+
+def placed(d: dict, move) -> dict:
+    """The workload's arrays, each through ``move`` (its scalars, such as ``bs``, stay in ``d``)."""
+    return {k: move(v) for k, v in d.items() if isinstance(v, np.ndarray)}
+
+
+def free_ops(d: dict, a: dict, vp, wp, log) -> dict:
+    """kc.plan / kc.verify / kc.write on the placed arrays ``a`` and the long-lived ``vp``, ``wp`` and ``log``."""
+    vcap = d["total_verify"]
+    inputs = (a["rp"], a["prefix"], a["extend"], a["rtt"])
+    tokens = (a["ids"], a["pos"], a["loc"])
+    return {
+        "plan": lambda: kc.plan(*inputs, verify_capacity=vcap, out=(vp, wp)),
+        "verify": lambda: kc.verify(a["canary"], vp, log=log),
+        "write": lambda: kc.write(a["canary"], wp, *tokens, log=log),
+    }
+
+
+def measure(fn, calls: int, top: int) -> tuple[float, float]:
+    """Host microseconds per call over ``calls`` calls (after one warm-up call), and the
+    Python-level calls per call of 100 more under cProfile (its ``top`` costliest printed)."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(100):
+        fn()
+    profile.disable()
+    stats = pstats.Stats(profile)
+    if top:
+        stats.sort_stats("tottime").print_stats(top)
+    return us, stats.total_calls / 100
+
+
+@contextlib.contextmanager
+def stubbed_numpy_backend():
+    """The NumPy backend's :data:`STUBBED_OPS` as no-ops for the block; yields ``stub(name, fn)``,
+    which replaces one more of its functions until the block ends.  All are put back on the way out."""
+    from kvcanary_cupy.backends import numpy_backend
+
+    saved = {}
+
+    def stub(name, fn):
+        saved.setdefault(name, getattr(numpy_backend, name))
+        setattr(numpy_backend, name, fn)
+
+    try:
+        for op in STUBBED_OPS:
+            stub(op, lambda a: None)
+        yield stub
+    finally:
+        for name, fn in saved.items():
+            setattr(numpy_backend, name, fn)
