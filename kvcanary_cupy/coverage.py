@@ -119,9 +119,14 @@ class KvCoverage:
             return
         self._tail[import_cupy().asarray(host) if self._cu else host, DEEP_FIELD] = 0
 
+    @staticmethod
+    def _on_step_stream(out_cache_loc: Array):
+        """Every launch on the step's stream (torch's current one for tensors): in a torch capture a
+        launch on CuPy's own stream would run at capture time, outside the graph."""
+        return launch_stream(placement_of(out_cache_loc, "out_cache_loc"))
+
     def _slots(self, out_cache_loc: Array, limit: int | None = None):
-        with launch_stream(placement_of(out_cache_loc, "out_cache_loc")):  # torch's stream: capture-safe DLPack
-            view = backend_view(out_cache_loc, "out_cache_loc")
+        view = backend_view(out_cache_loc, "out_cache_loc")  # inside the caller's launch_stream: capture-safe DLPack
         if not view.flags.c_contiguous:  # the kernels read slots[i]
             fail(ValueError, f"out_cache_loc must be contiguous for the coverage checks, got strides {tuple(view.strides)}")
         return view if limit is None or view.shape[0] <= limit else view[:limit]
@@ -133,8 +138,9 @@ class KvCoverage:
         """Snapshot the write slots' per-source hashes (lost-store check)."""
         if self.lost is None:
             return
-        slots = self._slots(out_cache_loc, self.max_step_tokens)
-        self._impl.lost_snapshot(*self._src(self.lost), slots, self._tail.shape[0], self._pre)
+        with self._on_step_stream(out_cache_loc):
+            slots = self._slots(out_cache_loc, self.max_step_tokens)
+            self._impl.lost_snapshot(*self._src(self.lost), slots, self._tail.shape[0], self._pre)
 
     def tail_write(self, write, step_inputs: tuple, join_head_write) -> None:
         """The session's TAIL write ``write(*step_inputs)`` with the checks around it: before it, the
@@ -143,14 +149,16 @@ class KvCoverage:
         out_cache_loc = step_inputs[2]
         if self.lost is not None:
             join_head_write()
-            self._impl.lost_check(*self._src(self.lost), self._slots(out_cache_loc), self.max_step_tokens, self._pre,
-                                  self._head, self._tail, self._log, self._kind)
+            with self._on_step_stream(out_cache_loc):
+                self._impl.lost_check(*self._src(self.lost), self._slots(out_cache_loc), self.max_step_tokens, self._pre,
+                                      self._head, self._tail, self._log, self._kind)
         write(*step_inputs)
-        if self.deep is not None:
-            self._impl.deep_write(*self._src(self.deep), self._slots(out_cache_loc), self._tail)
-        if self.deep_check_slots:  # 0 only for a pool of the padding slot alone
-            self._impl.deep_check(*self._src(self.deep), self._tail, self._state, self.deep_check_slots, self._log,
-                                  self._kind)
+        with self._on_step_stream(out_cache_loc):
+            if self.deep is not None:
+                self._impl.deep_write(*self._src(self.deep), self._slots(out_cache_loc), self._tail)
+            if self.deep_check_slots:  # 0 only for a pool of the padding slot alone
+                self._impl.deep_check(*self._src(self.deep), self._tail, self._state, self.deep_check_slots, self._log,
+                                      self._kind)
 
 
 def tail_buffer(num_slots: int, deep_kv_sources, like):

@@ -306,7 +306,10 @@ def test_coverage_captured_in_cuda_graphs_matches_numpy(backend):
                     stream.begin_capture()
                     part()
                     graphs.append(stream.end_capture())
-            return tuple(lambda g=g: (g.launch(stream), stream.synchronize()) for g in graphs)
+            # the engine's stores (Engine.store) run on the legacy stream, which a non-blocking
+            # stream does not wait for: the device sync orders them before each replay
+            return tuple(lambda g=g: (cupy.cuda.Device().synchronize(), g.launch(stream), stream.synchronize())
+                         for g in graphs)
         import torch
 
         for part in parts:

@@ -145,7 +145,7 @@ extern "C" __global__ void two_chain_floor(long long n, unsigned long long* out)
 
 def _legacy_grids():
     """The persistent grids back at 8 blocks per SM (the launches read the policy at call time)."""
-    from ..backends.cuda import configs
+    from ...backends.cuda import configs
 
     return configs.overridden(resident_blocks=LEGACY_BLOCKS_PER_SM)
 
@@ -153,7 +153,7 @@ def _legacy_grids():
 def detail_rows(cupy, names, rows: list):
     """verify and write in detail: grids sized by occupancy against 8 blocks per SM, a verify in
     which every entry fails, two buffers in one launch, and the floors of the gather and the chain."""
-    from ..backends.cuda import compile as cuda_compile, configs
+    from ...backends.cuda import compile as cuda_compile, configs
 
     module = cupy.RawModule(code=cuda_compile._read("canary_common.cuh") + REFERENCE_KERNELS, options=cuda_compile.NVRTC_OPTIONS)
     gather, chain = module.get_function("gather_floor"), module.get_function("chain_floor")

@@ -82,7 +82,7 @@ STEP_WORKLOADS = ("W1", "W3", "W4", "W5")  # W5: the largest batch of one launch
 def step_calls(cupy, d) -> dict:
     """A decode step's calls on fixed buffers of their own: the plan, plan_and_verify (+ write) and
     plan + verify (+ write); checked to verify clean."""
-    from ..backends.cuda import configs
+    from ...backends.cuda import configs
 
     ops = gpu_ops(cupy, d)
     vcap = d["total_verify"]
@@ -117,7 +117,7 @@ def step_rows(cupy, names, rows: list):
     """A whole decode step, device us: plan_and_verify + write (2 launches, the verify entries
     never stored) against plan + verify + write (3 launches), and plan_and_verify alone against
     plan + verify; SGLang's plan + verify + write for reference."""
-    from ..backends.cuda import configs
+    from ...backends.cuda import configs
 
     lines = [
         "fused decode step: device us per step (graph of 50 steps); target: W1 plan_and_verify + write <= "
@@ -148,7 +148,7 @@ def overlap_rows(cupy, names, rows: list):
     of the same calls (``launch_overlap.plain_launches``): graphs captured each way, their replays
     taken in turn.  A call's time in a graph of 50 includes what its launch overlaps of the call
     before it, as it would behind an engine's kernels."""
-    from ..backends.cuda import launch as launch_overlap
+    from ...backends.cuda import launch as launch_overlap
 
     if not launch_overlap.supported(cupy.cuda.Device().id):
         return [f"launch overlap: off on this device (before sm_90, no cuLaunchKernelEx, or {launch_overlap.LAUNCH_OVERLAP_ENV}=0)"]
