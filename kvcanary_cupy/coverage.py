@@ -24,7 +24,7 @@ import numpy as np
 
 from .constants import RealKvHashMode, REAL_KV_PARTIAL_BYTES
 from .errors import fail
-from .interop import Array, allocate, backend_view, import_cupy, placement_of, to_numpy
+from .interop import Array, allocate, backend_view, import_cupy, to_numpy
 from .binding import CanaryBuffer, log_views, source_views
 from .plans import allocate_canary_buffer
 from .runtime import launch_stream
@@ -78,9 +78,10 @@ class KvCoverage:
     the session's canary buffers; ``log`` the TAIL group's log views; ``kind`` the TAIL tag.
     """
 
-    def __init__(self, *, backend: str, head, tail, log_views, kind: int, like, deep: CoverageSources | None,
+    def __init__(self, *, placement, head, tail, log_views, kind: int, like, deep: CoverageSources | None,
                  deep_check_slots: int, lost: CoverageSources | None, max_step_tokens: int):
-        self._cu = backend != "numpy"
+        self._placement = placement  # the session's: where and on which framework's stream its launches go
+        self._cu = placement.backend != "numpy"
         if self._cu:
             from .backends.cuda import coverage as impl
         else:
@@ -117,13 +118,13 @@ class KvCoverage:
             fail(ValueError, f"forget slots must be in [0, num_slots={self._tail.shape[0]}), got {int(bad[0])}")
         if self.deep is None or host.size == 0:
             return
-        self._tail[import_cupy().asarray(host) if self._cu else host, DEEP_FIELD] = 0
+        with self._on_step_stream():  # ordered with the session's launches on torch's stream too
+            self._tail[import_cupy().asarray(host) if self._cu else host, DEEP_FIELD] = 0
 
-    @staticmethod
-    def _on_step_stream(out_cache_loc: Array):
+    def _on_step_stream(self):
         """Every launch on the step's stream (torch's current one for tensors): in a torch capture a
         launch on CuPy's own stream would run at capture time, outside the graph."""
-        return launch_stream(placement_of(out_cache_loc, "out_cache_loc"))
+        return launch_stream(self._placement)
 
     def _slots(self, out_cache_loc: Array, limit: int | None = None):
         view = backend_view(out_cache_loc, "out_cache_loc")  # inside the caller's launch_stream: capture-safe DLPack
@@ -138,7 +139,7 @@ class KvCoverage:
         """Snapshot the write slots' per-source hashes (lost-store check)."""
         if self.lost is None:
             return
-        with self._on_step_stream(out_cache_loc):
+        with self._on_step_stream():
             slots = self._slots(out_cache_loc, self.max_step_tokens)
             self._impl.lost_snapshot(*self._src(self.lost), slots, self._tail.shape[0], self._pre)
 
@@ -149,11 +150,11 @@ class KvCoverage:
         out_cache_loc = step_inputs[2]
         if self.lost is not None:
             join_head_write()
-            with self._on_step_stream(out_cache_loc):
+            with self._on_step_stream():
                 self._impl.lost_check(*self._src(self.lost), self._slots(out_cache_loc), self.max_step_tokens, self._pre,
                                       self._head, self._tail, self._log, self._kind)
         write(*step_inputs)
-        with self._on_step_stream(out_cache_loc):
+        with self._on_step_stream():
             if self.deep is not None:
                 self._impl.deep_write(*self._src(self.deep), self._slots(out_cache_loc), self._tail)
             if self.deep_check_slots:  # 0 only for a pool of the padding slot alone
@@ -222,6 +223,6 @@ def build(session, like, deep_kv_sources, deep_check_slots, check_lost_stores: b
         else:
             fail(ValueError, "check_lost_stores=True needs KV bytes to compare: deep_kv_sources, or real_kv_sources with "
                              "a real_kv_hash_mode other than NONE")
-    return KvCoverage(backend=backend, head=session.head_canary, tail=session.tail_canary,
+    return KvCoverage(placement=session._placement, head=session.head_canary, tail=session.tail_canary,
                       log_views=log_views(session._group_logs["tail"]), kind=session.tail_tag, like=like, deep=deep,
                       deep_check_slots=deep_check_slots or 0, lost=lost, max_step_tokens=max_step_tokens or 0)

@@ -31,8 +31,14 @@ def test_every_variant_compiles_and_fits_its_launch(family, arch):
     block = {"plan_offsets": abi.PLAN_THREADS, "plan_fused": abi.PLAN_THREADS, "plan_small": abi.PLAN_THREADS,
              "plan_verify": abi.PLAN_THREADS, "canary_write": abi.WRITE_THREADS, "canary_verify": abi.VERIFY_THREADS}
     for name, regs in report.registers.items():
-        threads = block.get(name.split("<")[0].split("::")[1], abi.THREADS)
-        assert 0 < regs and regs * threads <= 65536, (name, regs, threads)
+        kernel = name.split("<")[0].split("::")[1]
+        threads = block.get(kernel, abi.THREADS)
+        per_sm = 1
+        if kernel == "plan_verify":  # the blocks per SM the host launches it with (configs.plan_verify_kernel)
+            layout, *flags = (a.strip() for a in name.split("<")[1].rstrip(">").split(","))
+            one_block = abi.plan_verify_one_block(int(layout), *(f == "true" for f in flags))
+            per_sm = 1 if one_block else abi.PLAN_VERIFY_BLOCKS_PER_SM
+        assert 0 < regs and regs * threads * per_sm <= 65536, (name, regs, threads, per_sm)
     assert set(report.spill_bytes) == set(report.registers)
     assert not any(report.spill_bytes.values()), report.spill_bytes
 

@@ -100,7 +100,6 @@ STAGE_PARAMS = _param_record(("s", SESSION_STAGE), ("stamp", "i8"))  # session_s
 PLAN_THREADS = 512  # kPlanThreads in plan.cu: plan_small, plan_fused, plan_offsets and plan_verify blocks
 PLAN_SMALL_MAX_ROWS = 32  # kPlanSmallRows in plan.cu: a batch of up to this many requests takes plan_small
 PLAN_VERIFY_BLOCKS_PER_SM = 2  # kPlanVerifyBlocksPerSm in step.cu: plan_verify's launch bounds
-
 THREADS = 256  # plan_entries and scatter blocks
 VERIFY_THREADS = 256  # kVerifyThreads in verify.cu
 WRITE_THREADS = 128  # kWriteThreads in write.cu
