@@ -199,6 +199,7 @@ def test_tokens_past_max_step_tokens_are_counted(ab):
     (dict(deep_kv_sources=None, deep_check_slots=0), ValueError, r"deep_check_slots must be"),
 ])
 def test_coverage_options_are_checked_by_name(ab, kw, exc, match):
+    kw = dict(kw)  # the parameter's dict is shared by every backend's run: the defaults below are this run's
     pool = ab.asarray(np.zeros((SLOTS, ROW), np.uint8))
     kw.setdefault("real_kv_sources", (RealKvSource(pool, 1, ROW, ROW),))
     if "deep_kv_sources" in kw and kw["deep_kv_sources"] is None:
