@@ -72,7 +72,8 @@ def sampled_bytes(tokens: int, spec) -> int:
 def run_gpu(lines: list) -> None:
     import cupy
 
-    from kvcanary_cupy.devtools.bench import copy_bandwidth, eager_us, time_graph
+    from kvcanary_cupy.devtools.bench.step_sections import eager_us
+    from kvcanary_cupy.devtools.bench.timing import copy_bandwidth, time_graph
 
     kc.warmup()
     bw = copy_bandwidth(cupy)
