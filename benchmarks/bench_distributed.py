@@ -5,7 +5,11 @@ r on cuda:r).  Each rank runs the same workload step (``kvcanary bench``'s W1/W3
 a session without a group, with a dedicated group (``reduce_every=1``), and with a group and
 ``replicated_kv=True``; every step is pre_forward + post_forward (the device finished before the
 timed call, and the ranks meet at a barrier on the default group, not timed), then the timed
-``end_step``, which reads the previous reduction (landed by then) and starts this step's.  Rank 0
+``end_step``, which reads the previous reduction (landed by then) and starts this step's.  With
+``--forward-us F`` (a comma-separated list; default ``0,1000``) each step also runs a stand-in
+forward of F us between pre_forward and post_forward (a kernel spinning on the step's stream with
+NCCL, a sleep with gloo), as an engine's step does: the worker's reduction then runs beside it, as
+it would in an engine, where back-to-back steps (F = 0) leave it no time.  Rank 0
 prints, per workload and variant, the median and 90th percentile host (wall) time of ``end_step``
 on the step's thread (the critical path), the median added over the session without a group and
 that as a ratio of issue 25's target (``x target``: <= 1 meets 30 us); then the same from the
@@ -17,7 +21,8 @@ without the other variants' noise); then the reduction worker thread's CPU time 
 variant of the first workload, rank 0's cProfile of ``end_step`` on the step's thread (top 25
 cumulative lines).
 
-    python benchmarks/bench_distributed.py [--backend gloo|nccl] [--world 2] [--workloads W3] [--steps 300] [--profile]
+    python benchmarks/bench_distributed.py [--backend gloo|nccl] [--world 2] [--workloads W3] [--steps 300]
+                                           [--forward-us 0,1000] [--profile]
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def _timed(method, into: list):
     return timed
 
 
-def _profile(session, d, sync, barrier, steps: int, show: bool) -> None:
+def _profile(session, d, forward, sync, barrier, steps: int, show: bool) -> None:
     """``steps`` more steps on every rank (the same collectives), ``end_step`` under cProfile; printed if ``show``."""
     import cProfile
     import pstats
@@ -65,6 +70,7 @@ def _profile(session, d, sync, barrier, steps: int, show: bool) -> None:
     profiler = cProfile.Profile()
     for _ in range(steps):
         session.pre_forward(d["rp"], d["prefix"], d["extend"], d["rtt"], d["ids"], d["pos"], d["loc"])
+        forward()
         session.post_forward()
         sync()
         barrier()
@@ -77,7 +83,7 @@ def _profile(session, d, sync, barrier, steps: int, show: bool) -> None:
         pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
 
 
-def _rank(rank, world, backend, port, workloads, steps, profile):
+def _rank(rank, world, backend, port, workloads, forwards, steps, profile):
     import torch
     import torch.distributed as dist
 
@@ -96,9 +102,17 @@ def _rank(rank, world, backend, port, workloads, steps, profile):
         xp, sync = np, (lambda: None)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
+    if gpu:
+        from kvcanary_cupy.devtools.spin import spin
+
+        cycles_per_us = cupy.cuda.Device().attributes["ClockRate"] / 1e3  # kHz -> cycles per us
+        stand_in = lambda us: (lambda: spin(int(us * cycles_per_us)) if us else None)  # noqa: E731
+    else:
+        stand_in = lambda us: (lambda: time.sleep(us / 1e6) if us else None)  # noqa: E731
     rows = []
-    for name in workloads:
+    for name, forward_us in [(n, f) for n in workloads for f in forwards]:
         d = build(WORKLOADS[name], xp)
+        forward = stand_in(forward_us)
         base = None
         for label, variant in VARIANTS:
             options = {}
@@ -113,6 +127,7 @@ def _rank(rank, world, backend, port, workloads, steps, profile):
                 session.distributed.end_step = _timed(session.distributed.end_step, part)
             for i in range(steps + 20):
                 session.pre_forward(d["rp"], d["prefix"], d["extend"], d["rtt"], d["ids"], d["pos"], d["loc"])
+                forward()
                 session.post_forward()
                 sync()
                 dist.barrier()
@@ -127,8 +142,8 @@ def _rank(rank, world, backend, port, workloads, steps, profile):
                 sync()
                 dist.barrier()  # the last reduction done on the worker
                 worker_cpu += _thread_cpu(session.distributed.worker_thread)
-                if profile and label == "group" and name == workloads[0]:
-                    _profile(session, d, sync, dist.barrier, 200, show=rank == 0)
+                if profile and label == "group" and name == workloads[0] and forward_us == forwards[-1]:
+                    _profile(session, d, forward, sync, dist.barrier, 200, show=rank == 0)
             session.check()
             session.close()
             us = sorted(t * 1e6 for t in times)
@@ -136,7 +151,7 @@ def _rank(rank, world, backend, port, workloads, steps, profile):
             base = (median, cpu_us) if base is None else base
             waits = session.distributed.stats["reduce_waits"] if session.distributed is not None else 0
             part = part[20:] or [(0.0, 0.0)]
-            rows.append((WORKLOADS[name].name, label, median, p90, median - base[0], cpu_us, cpu_us - base[1], waits,
+            rows.append((WORKLOADS[name].name, forward_us, label, median, p90, median - base[0], cpu_us, cpu_us - base[1], waits,
                          statistics.median(w for w, _ in part) * 1e6, statistics.median(c for _, c in part) * 1e6,
                          worker_cpu / steps * 1e6))
     if rank == 0:
@@ -144,10 +159,10 @@ def _rank(rank, world, backend, port, workloads, steps, profile):
         print(f"{backend}, {world} ranks, {steps} steps, load average {load:.1f} on {os.cpu_count()} CPUs; end_step us: "
               f"wall median, p90, added over no group, x target ({ADDED_TARGET_US:.0f} us); thread CPU median, added, "
               "x target; reduce waits; the group's part on the step's thread, wall and CPU median; the worker "
-              "thread's CPU us per reduction (off the critical path)")
-        for workload, label, median, p90, added, cpu_us, cpu_added, waits, part_wall, part_cpu, worker_us in rows:
+              "thread's CPU us per reduction (off the critical path); fwd: the stand-in forward's us per step")
+        for workload, forward_us, label, median, p90, added, cpu_us, cpu_added, waits, part_wall, part_cpu, worker_us in rows:
             ratio = (lambda x: "" if label == "no group" else f"{x / ADDED_TARGET_US:.2f}x")
-            print(f"  {workload:<16} {label:<22} wall {median:7.1f} {p90:7.1f} +{added:6.1f} {ratio(added):>6}   "
+            print(f"  {workload:<16} fwd {forward_us:>5} {label:<22} wall {median:7.1f} {p90:7.1f} +{added:6.1f} {ratio(added):>6}   "
                   f"cpu {cpu_us:6.1f} +{cpu_added:6.1f} {ratio(cpu_added):>6}   waits {waits:3d}   "
                   f"group part {part_wall:5.1f} {part_cpu:5.1f}   worker {worker_us:6.1f}")
     dist.destroy_process_group()
@@ -159,6 +174,8 @@ def main(argv=None) -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--workloads", default="W3")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--forward-us", default="0,1000",
+                        help="stand-in forward us per step, comma-separated (0: back-to-back steps)")
     parser.add_argument("--profile", action="store_true", help="print rank 0's cProfile of end_step (group variant)")
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
@@ -166,7 +183,9 @@ def main(argv=None) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(args.world, args.backend, port, args.workloads.split(","), args.steps, args.profile),
+    forwards = [int(f) for f in args.forward_us.split(",")]
+    mp.start_processes(_rank, args=(args.world, args.backend, port, args.workloads.split(","), forwards, args.steps,
+                                    args.profile),
                        nprocs=args.world, start_method="spawn")
 
 
