@@ -1,19 +1,19 @@
 // Same-step reads (kvcanary_cupy/same_step.py, whose NumPy code is the reference): entries that
 // read a slot this step writes are verified as written, and requests whose seed this step writes
-// are deferred to a later write wave.  Four launches in stream order: same_step_begin (the stamp),
-// same_step_mark (per request, its tokens' slots), same_step_entries (per verify entry) and
-// same_step_seeds (per request row).
+// are deferred to a later write wave (write_waves: each request's wave, which the write launch of
+// that wave alone writes; the seeds are never changed).  Four launches in stream order:
+// same_step_begin (the stamp), same_step_mark (per request, its tokens' slots), same_step_entries
+// (per verify entry) and same_step_seeds (per request row: its wave).
 #include "canary_common.cuh"
 
 namespace kvcanary {
 
 constexpr int kStampShift = 32;
 constexpr i64 kTokenMask = (i64{1} << kStampShift) - 1;
-constexpr i64 kSameStepSeedDeferred = -9223372036854775807LL - 1;  // SEED_DEFERRED, INT64_MIN
 
 struct SameStepArgs {
   unsigned long long* written_at;  // [num_slots]
-  i64* wave_seeds;                 // [waves, cap]
+  int* write_waves;                // [cap]: each request's write wave, -1 past the batch
   unsigned long long* counters;    // [3]: stamp, verified as written, deeper than the waves
   i64* verify_slots;
   const i64* verify_tokens;
@@ -30,15 +30,15 @@ struct SameStepArgs {
   i64 num_slots, waves, cap, verify_capacity, num_tokens;
 };
 
-// Every kernel takes the same arguments, in SameStepArgs' order (same_step_cuda.py passes them).
+// Every kernel takes the same arguments, in SameStepArgs' order (backends/cuda/same_step.py passes them).
 #define KVCANARY_SAME_STEP_PARAMS                                                                                 \
-  unsigned long long *written_at, i64 *wave_seeds, unsigned long long *counters, i64 *verify_slots,               \
+  unsigned long long *written_at, int *write_waves, unsigned long long *counters, i64 *verify_slots,               \
       const i64 *verify_tokens, const i64 *verify_positions, const i64 *verify_prev, const int *verify_num_valid, \
       const int *enable, const i64 *write_offsets, const i64 *seeds, const int *write_num_valid_reqs,            \
       const i64 *input_ids, const i64 *positions, const i64 *out_cache_loc, i64 num_slots, i64 waves, i64 cap,   \
       i64 verify_capacity, i64 num_tokens
 #define KVCANARY_SAME_STEP_ARGS                                                                                   \
-  SameStepArgs a{written_at,    wave_seeds, counters,             verify_slots,  verify_tokens, verify_positions, \
+  SameStepArgs a{written_at,   write_waves, counters,             verify_slots,  verify_tokens, verify_positions, \
                  verify_prev,   verify_num_valid, enable,         write_offsets, seeds,         write_num_valid_reqs, \
                  input_ids,     positions,  out_cache_loc,        num_slots,     waves,         cap,            \
                  verify_capacity, num_tokens}
@@ -146,7 +146,7 @@ __global__ void same_step_seeds(KVCANARY_SAME_STEP_PARAMS) {
   const i64 stamp = static_cast<i64>(a.counters[0]);
   for (i64 r = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; r < a.cap; r += static_cast<i64>(gridDim.x) * blockDim.x) {
     if (r >= bs) {
-      for (i64 k = 0; k < a.waves; ++k) a.wave_seeds[k * a.cap + r] = -1;
+      a.write_waves[r] = -1;
       continue;
     }
     i64 depth = 0, cur = r;
@@ -160,8 +160,7 @@ __global__ void same_step_seeds(KVCANARY_SAME_STEP_PARAMS) {
       atomicAdd(a.counters + 2, 1ULL);
       depth = a.waves - 1;
     }
-    const i64 seed = a.seeds[r];
-    for (i64 k = 0; k < a.waves; ++k) a.wave_seeds[k * a.cap + r] = k == depth ? seed : kSameStepSeedDeferred;
+    a.write_waves[r] = static_cast<int>(depth);
   }
 }
 

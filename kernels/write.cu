@@ -23,8 +23,6 @@ namespace kvcanary {
 
 constexpr int kWriteThreads = 128;
 constexpr int kWriteWarps = kWriteThreads / 32;
-// A deferred request (SEED_DEFERRED in constants.py): written by a later launch of the step.
-constexpr i64 kSeedDeferred = -9223372036854775807LL - 1;  // INT64_MIN
 
 // Element i of an int64 (is_int64) or int32 array, read through the read-only data cache.
 __device__ __forceinline__ i64 ldg_index(const void* p, int is_int64, i64 i) {
@@ -60,9 +58,11 @@ struct WriteInputs {
   const i64* expected_tokens;  // null without the write-input assert
   const i64* expected_positions;
   const int* pos_assert_flag;  // null: pos_assert_value decides
+  const int* write_waves;  // [write_req_capacity]: each request's write wave; null: every request is in this one
   i64 write_req_capacity, num_tokens;
   int pos_assert_value;
   int input_widths;  // bit 0: input_ids int64, bit 1: positions, bit 2: out_cache_loc (else int32)
+  int wave;  // this launch's wave: a request of another wave (write_waves) is not written by it
 
   template <bool kInputAssert>
   __device__ __forceinline__ void load_token(TokenInputs<kInputAssert>& tok, i64 i, i64 end) const {
@@ -120,14 +120,16 @@ __global__ void canary_write(const __grid_constant__ CanaryTargets t, WriteInput
     const bool in_capacity = r < capacity;
     i64 start_raw = in_capacity ? in.write_offsets[r] : 0, end_raw = in_capacity ? in.write_offsets[r + 1] : 0;
     i64 seed = in_capacity ? in.seeds[r] : -1;
+    const bool other_wave = in_capacity && in.write_waves && in.write_waves[r] != in.wave;
     TokenInputs<kInputAssert> tok;
     in.load_token(tok, r, num_tokens);  // a decode step's token, if the range turns out [r, r + 1)
     const CanaryRecord seed_record = seed > 0 && seed < num_slots ? load_record(canary, seed) : CanaryRecord{0, 0, 0, 0};
     const i64 num_reqs = num_valid < 0 ? 0 : (num_valid > capacity ? capacity : num_valid);
     if (pass >= num_reqs) break;
 
-    // This lane's request: its clamped token range and seed (each out-of-range value counts once).
-    if (r >= num_reqs || seed == kSeedDeferred) start_raw = end_raw = 0, seed = -1;
+    // This lane's request: its clamped token range and seed (each out-of-range value counts once);
+    // a request of another wave is written by that wave's launch (every seed keeps SGLang's meaning).
+    if (r >= num_reqs || other_wave) start_raw = end_raw = 0, seed = -1;
     const i64 start = start_raw < 0 ? 0 : (start_raw > num_tokens ? num_tokens : start_raw);
     const i64 end = end_raw < start ? start : (end_raw > num_tokens ? num_tokens : end_raw);
     errors += start_raw < 0 || start_raw > num_tokens || end_raw < start_raw || end_raw > num_tokens;

@@ -118,6 +118,8 @@ class WriteArgs(NamedTuple):
     expected_input_tokens: Optional[Any]  # [T] int64 or None (input assert off)
     expected_input_positions: Optional[Any]  # [T] int64 or None
     chain_position_assert: Any  # bool, or [1] int32 array (non-zero = on)
+    write_waves: Optional[Any]  # [wcap] int32: each request's write wave, or None (every request is written)
+    wave: int  # with write_waves: the wave this launch writes (its other requests are skipped, as if absent)
     real_kv_hash_mode: int
     log: LogViews
 

@@ -20,7 +20,7 @@ from .errors import fail
 from .interop import backend_view, byte_rows_view, check_aligned, common_placement, is_torch_tensor
 from .log import ViolationLog
 from .plans import RealKvSource, VerifyPlan, WritePlan, check_num_sources
-from .validation import (I32, I64, INT32_MAX, check_1d, check_contiguous_output, check_disjoint, check_int,
+from .validation import (I32, I64, INT32_MAX, check_1d, check_contiguous_output, check_count, check_disjoint, check_int,
                          contiguous_input, require)
 
 
@@ -240,11 +240,12 @@ def lut_view(view, xp):
 
 
 def write_setup(canary_buf, write_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode, chain_position_assert,
-                 step_arrays: dict):
+                 step_arrays: dict, write_waves=None, wave=0):
     """A write's checks that need no view; returns ``(placement, context, long-lived arrays by name)``.
 
     ``step_arrays`` (the per-step token arrays by name) only join the placement.
     """
+    check_wave(write_waves, wave)
     buffers, mode, named = launch_context(canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode)
     check_type(write_plan, "write_plan", WritePlan)
     flag = chain_position_assert
@@ -253,10 +254,20 @@ def write_setup(canary_buf, write_plan, log, kernel_kind, real_kv_sources, real_
         fail(TypeError, f"chain_position_assert must be a bool or a one-element int32 array, got {type(flag).__name__} {flag!r}")
     named.update(record_arrays("write_plan", write_plan))
     named["chain_position_assert"] = flag if flag_is_array else None
+    named["write_waves"] = write_waves
     return common_placement({**named, **step_arrays}), LaunchContext(buffers, mode), named
 
 
-def write_bound_args(write_plan, log, chain_position_assert, context, xp) -> WriteArgs:
+def check_wave(write_waves, wave) -> int:
+    """A write's ``wave`` (a non-negative int32), which selects requests only with ``write_waves``."""
+    wave = check_count(wave, "wave")
+    if write_waves is None and wave != 0:
+        fail(ValueError, f"wave={wave} selects the requests whose write_waves entry is {wave}; pass write_waves "
+                         "(None writes every request of the plan)")
+    return wave
+
+
+def write_bound_args(write_plan, log, chain_position_assert, context, xp, write_waves=None, wave=0) -> WriteArgs:
     """Checked views of a write's long-lived buffers; the per-step token fields are None."""
     mode = context.mode
     canaries = targets(context.buffers, mode, written=True)
@@ -267,6 +278,11 @@ def write_bound_args(write_plan, log, chain_position_assert, context, xp) -> Wri
     else:
         flag = backend_view(flag, "chain_position_assert")
         check_1d(flag, "chain_position_assert", I32, 1)
+    waves = None
+    if write_waves is not None:
+        waves = backend_view(write_waves, "write_waves")
+        check_1d(waves, "write_waves", I32, plan_v["write_seed_slot_indices"].shape[0], length_name="write_req_capacity")
+        waves = contiguous_input(waves, "write_waves", xp)
     return WriteArgs(
         targets=canaries,
         write_offsets=plan_v["write_offsets"],
@@ -278,6 +294,8 @@ def write_bound_args(write_plan, log, chain_position_assert, context, xp) -> Wri
         expected_input_tokens=None,
         expected_input_positions=None,
         chain_position_assert=flag,
+        write_waves=waves,
+        wave=int(wave),  # checked by write_setup
         real_kv_hash_mode=mode,
         log=log_views(log),
     )

@@ -39,10 +39,6 @@ REAL_KV_SOURCE_FIELD_PAGE_SIZE = 0
 REAL_KV_SOURCE_FIELD_NUM_BYTES_PER_TOKEN = 1
 REAL_KV_SOURCE_FIELD_READ_BYTES = 2
 REAL_KV_PARTIAL_BYTES = 16
-#: A write seed that defers its request: the write skips it (kSeedDeferred in write.cu).  The
-#: same-step pass (kvcanary_cupy.same_step) defers a request whose chain continues from a slot
-#: another request writes in the same step to a later write launch of that step.
-SEED_DEFERRED = -(2**63)  # the one int64 no caller passes as a seed (any other negative seed is the anchor)
 
 # Canary buffers one write or verify launch takes with one plan (e.g. the K and V halves).
 MAX_CANARY_BUFFERS = 4

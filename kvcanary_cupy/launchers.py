@@ -72,8 +72,9 @@ class WriteLauncher:
     canary_buf, write_plan, log, kernel_kind, real_kv_sources, real_kv_hash_mode
         As for :func:`kvcanary_cupy.write`, checked once here; ``write_plan`` is usually a
         :class:`CanaryPlanner`'s ``write_plan``, refilled in place every step.
-    chain_position_assert, stream
-        As for :func:`kvcanary_cupy.write`.
+    chain_position_assert, stream, write_waves, wave
+        As for :func:`kvcanary_cupy.write` (``write_waves``, like ``write_plan``, is read in
+        place at every call; ``wave`` is fixed here).
 
     Raises
     ------
@@ -95,11 +96,11 @@ class WriteLauncher:
     def __init__(self, canary_buf: Array | Sequence[Array], write_plan: WritePlan, *, log: ViolationLog,
                  kernel_kind: int | Sequence[int] = 0, real_kv_sources: Sequence[Any] = (),
                  real_kv_hash_mode: RealKvHashMode | int = RealKvHashMode.NONE, chain_position_assert: bool = True,
-                 stream: Any = None):
+                 stream: Any = None, write_waves: Array | None = None, wave: int = 0):
         self.canary_buf, self.write_plan = canary_buf, write_plan
         self.options = dict(log=log, kernel_kind=kernel_kind, real_kv_sources=real_kv_sources,
                             real_kv_hash_mode=real_kv_hash_mode, chain_position_assert=chain_position_assert,
-                            stream=stream)
+                            stream=stream, write_waves=write_waves, wave=wave)
         self._full = full_validation_forced()
         self._side = None
         self._bind()
@@ -114,21 +115,25 @@ class WriteLauncher:
     def __repr__(self) -> str:
         o = self.options
         stream = "" if o["stream"] is None else ", on a side stream (join() joins it)"
+        wave = "" if o["write_waves"] is None else f", wave {o['wave']} of write_waves"
         return (f"<WriteLauncher {buffers_words(self.canary_buf)}, write_req_capacity={self.write_plan.capacity}, "
-                f"{launch_words(o['kernel_kind'], o)}, chain_position_assert={o['chain_position_assert']}{stream}; "
+                f"{launch_words(o['kernel_kind'], o)}, chain_position_assert={o['chain_position_assert']}{wave}{stream}; "
                 f"{bound_words(self)}>")
 
     def _bind(self) -> None:
         o = self.options
         flag = o["chain_position_assert"]
         placement, context, named = binding.write_setup(self.canary_buf, self.write_plan, o["log"], o["kernel_kind"],
-                                                     o["real_kv_sources"], o["real_kv_hash_mode"], flag, {})
+                                                     o["real_kv_sources"], o["real_kv_hash_mode"], flag, {},
+                                                     o["write_waves"], o["wave"])
         self._bound = None
         if o["stream"] is not None and self._side is None and placement.backend == "cupy":
             self._side = SideStream(o["stream"], placement)  # on the CPU the free function refuses stream=
         with launch_stream(placement):  # on the bound device: grids are sized from its SM count
-            args = binding.write_bound_args(self.write_plan, o["log"], flag, context, array_module(placement))
-            if self._full or not viewed_in_place([*self.write_plan.arrays().values(), named["chain_position_assert"]]):
+            args = binding.write_bound_args(self.write_plan, o["log"], flag, context, array_module(placement),
+                                            o["write_waves"], o["wave"])
+            if self._full or not viewed_in_place([*self.write_plan.arrays().values(), named["chain_position_assert"],
+                                                  o["write_waves"]]):
                 return
             b = _BoundWrite(placement, named, side=self._side)
             if b.numpy:

@@ -165,7 +165,7 @@ class CanaryCapacities:
     def session_bytes(num_slots: int, capacities: "CanaryCapacities") -> int:
         """Bytes a :class:`CanarySession` with ``same_step_reads`` allocates for ``num_slots`` slots
         (HEAD and TAIL buffers of 32 bytes a slot, 8 bytes of same-step marks, 32 bytes a verify
-        entry, ~40 bytes a request).
+        entry, ~32 bytes a request).
 
         Parameters
         ----------
@@ -174,7 +174,7 @@ class CanaryCapacities:
         capacities : CanaryCapacities
             The session's capacities.
         """
-        return num_slots * (2 * 32 + 8) + capacities.verify_capacity * 32 + capacities.write_req_capacity * 40
+        return num_slots * (2 * 32 + 8) + capacities.verify_capacity * 32 + capacities.write_req_capacity * 32
 
 
 #: Bytes of canary buffers past which :meth:`CanaryCapacities.from_block_pool` warns.

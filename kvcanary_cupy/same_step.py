@@ -14,10 +14,12 @@ verify and write of the step, settles both, in the library and from the step's o
   then reads exactly the record A writes; A's records are verified by later steps like any other.
   Any other entry on a slot written this step (another position, another predecessor, another
   token: a fault) stays and is verified before the write, so it is reported.
-- A request whose write seed is a slot written this step is **deferred**: its seed in write wave 0
-  becomes ``SEED_DEFERRED`` (the write skips the request) and it is written by the wave after its
-  seed's writer (``wave_seeds[k]`` holds the seeds of wave ``k``).  A chain of deferrals deeper
-  than the waves is written in the last wave and counted.
+- A request whose write seed is a slot written this step is **deferred**: it is written by the
+  wave after its seed's writer.  ``write_waves[r]`` is request ``r``'s wave; the step's write runs
+  once per wave ``k`` with ``write_waves=..., wave=k`` (:meth:`SameStepReads.wave_options`), each
+  launch writing only its wave's requests.  The seeds are never changed, so every seed value keeps
+  SGLang's meaning (any negative one is an anchor).  A chain of deferrals deeper than the waves is
+  written in the last wave and counted.
 
 Every backend computes the same bytes: the NumPy code here is the reference and
 ``kernels/same_step.cu`` (launched by ``backends/cuda/same_step.py``) the CUDA one.  Cost: one pass over the step's tokens and one over its
@@ -31,12 +33,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .constants import SEED_DEFERRED
 from .errors import fail, public_api
 from .interop import Array, allocate, backend_view, common_placement, to_numpy
 from .runtime import launch_stream
 from .plans import VerifyPlan, WritePlan
-from .validation import I64, check_count
+from .validation import I32, I64, check_count
 
 #: Write launches a step takes by default: a deferral chain of this many requests (A writes B's
 #: seed, B writes C's, ...) is written in order; a deeper one shares the last wave (counted).
@@ -56,16 +57,19 @@ class SameStepReads:
     ----------
     written_at : int64 array [num_slots]
         Per slot, ``stamp << 32 | token`` of the latest token that wrote it in a resolved step.
-    wave_seeds : int64 array [waves, write_req_capacity]
-        The write seeds of each write wave of the step (``SEED_DEFERRED``: not in this wave; -1 past
-        the batch).
+    write_waves : int32 array [write_req_capacity]
+        Each request's write wave in the step, ``0 <= wave < waves`` (-1 past the batch): the
+        ``write_waves`` of :func:`write`.
     counters : int64 array [3]
         :data:`COUNTER_FIELDS`; the counts only grow.
+    waves : int
+        Write launches a step takes.
     """
 
     written_at: Array
-    wave_seeds: Array
+    write_waves: Array
     counters: Array
+    waves: int = SAME_STEP_WAVES
 
     @classmethod
     @public_api
@@ -88,24 +92,13 @@ class SameStepReads:
         cap = check_count(write_req_capacity, "write_req_capacity")
         waves = check_count(waves, "waves", positive=True, maximum=64)
         return cls(allocate((num_slots,), np.int64, like=like, fill=0),
-                   allocate((waves, cap), np.int64, like=like, fill=-1),
-                   allocate((len(COUNTER_FIELDS),), np.int64, like=like, fill=0))
+                   allocate((cap,), np.int32, like=like, fill=-1),
+                   allocate((len(COUNTER_FIELDS),), np.int64, like=like, fill=0), waves)
 
-    @property
-    def waves(self) -> int:
-        return int(self.wave_seeds.shape[0])
-
-    def wave_plans(self, write_plan: WritePlan) -> tuple[WritePlan, ...]:
-        """One WritePlan per wave: ``write_plan``'s offsets and batch size, the wave's seeds.
-
-        Parameters
-        ----------
-        write_plan : WritePlan
-            The step's plan, whose arrays the wave plans share.
-        """
-        return tuple(WritePlan(write_offsets=write_plan.write_offsets, write_seed_slot_indices=self.wave_seeds[k],
-                               write_num_valid_reqs=write_plan.write_num_valid_reqs,
-                               verify_offsets=write_plan.verify_offsets) for k in range(self.waves))
+    def wave_options(self) -> tuple[dict, ...]:
+        """The :func:`write` (or :class:`WriteLauncher`) keywords of each wave, in the order to
+        write them: ``{"write_waves": self.write_waves, "wave": k}``, with the step's own WritePlan."""
+        return tuple({"write_waves": self.write_waves, "wave": k} for k in range(self.waves))
 
     def counts(self) -> dict:
         """The counters by name (a host read: a sync on a GPU)."""
@@ -146,21 +139,22 @@ def resolve_same_step_reads(reads: SameStepReads, verify_plan: VerifyPlan, write
     >>> kc.resolve_same_step_reads(reads, vp, wp, np.arange(5), np.arange(5), np.arange(4, 9))
     >>> vp.verify_slot_indices[:4].tolist(), reads.counts()["verified_as_written"]
     ([0, 0, 0, 0], 4)
-    >>> (reads.wave_seeds == kc.SEED_DEFERRED).tolist()  # request 1 continues from slot 7, written in wave 0
-    [[False, True], [True, False], [True, True]]
-    >>> reads.wave_seeds[1].tolist()[1]
-    7
+    >>> reads.write_waves.tolist()  # request 1 continues from slot 7, which request 0 writes in wave 0
+    [0, 1]
     """
     if not isinstance(reads, SameStepReads):
         fail(TypeError, f"reads must be a SameStepReads, got {type(reads).__name__}")
-    named = {"written_at": reads.written_at, "wave_seeds": reads.wave_seeds, "counters": reads.counters,
+    named = {"written_at": reads.written_at, "write_waves": reads.write_waves, "counters": reads.counters,
              **{k: getattr(verify_plan, k) for k in ("verify_slot_indices", "verify_expected_tokens",
                                                       "verify_expected_positions", "verify_prev_slot_indices",
                                                       "verify_num_valid", "enable")},
              **{k: getattr(write_plan, k) for k in ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs")},
              "input_ids": input_ids, "positions": positions, "out_cache_loc": out_cache_loc}
     placement = common_placement(named)
-    written = ("written_at", "wave_seeds", "counters", "verify_slot_indices")
+    written = ("written_at", "write_waves", "counters", "verify_slot_indices")
+    waves = reads.waves
+    if type(waves) is not int or not 1 <= waves <= 64:
+        fail(ValueError, f"reads.waves must be an int in [1, 64], got {waves!r}")
     with launch_stream(placement):
         v = {k: backend_view(x, k, writable=k in written) for k, x in named.items()}
         tokens = v["input_ids"].shape[0]
@@ -170,14 +164,15 @@ def resolve_same_step_reads(reads: SameStepReads, verify_plan: VerifyPlan, write
         if tokens >= 1 << _STAMP_SHIFT:
             fail(ValueError, f"resolve_same_step_reads takes fewer than 2**32 tokens a step, got {tokens}")
         cap = v["write_seed_slot_indices"].shape[0]
-        if v["wave_seeds"].ndim != 2 or v["wave_seeds"].shape[1] != cap:
-            fail(ValueError, f"reads.wave_seeds must be [waves, write_req_capacity={cap}], got {tuple(v['wave_seeds'].shape)}")
+        ww = v["write_waves"]
+        if ww.ndim != 1 or ww.dtype != I32 or ww.shape[0] != cap:
+            fail(ValueError, f"reads.write_waves must be int32 [write_req_capacity={cap}], got {ww.dtype} {tuple(ww.shape)}")
         if placement.backend == "numpy":
-            _resolve_numpy(v)
+            _resolve_numpy(v, waves)
         else:
             from .backends.cuda import same_step as cuda_same_step
 
-            cuda_same_step.resolve(v)
+            cuda_same_step.resolve(v, waves)
 
 
 def _owners(i: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -197,10 +192,10 @@ def _owners(i: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     return out
 
 
-def _resolve_numpy(v: dict) -> None:
-    written_at, wave_seeds, counters = v["written_at"], v["wave_seeds"], v["counters"]
+def _resolve_numpy(v: dict, waves: int) -> None:
+    written_at, write_waves, counters = v["written_at"], v["write_waves"], v["counters"]
     num_slots = written_at.shape[0]
-    waves, cap = wave_seeds.shape
+    cap = write_waves.shape[0]
     loc = v["out_cache_loc"]
     tokens = loc.shape[0]
     stamp = int(counters[0]) + 1
@@ -263,5 +258,5 @@ def _resolve_numpy(v: dict) -> None:
     deeper = depth >= waves
     counters[2] += int(np.count_nonzero(deeper))
     depth = np.minimum(depth, waves - 1)
-    wave_seeds[:, :bs] = np.where(depth[None, :] == np.arange(waves)[:, None], seeds[None, :], SEED_DEFERRED)
-    wave_seeds[:, bs:] = -1
+    write_waves[:bs] = depth
+    write_waves[bs:] = -1

@@ -113,9 +113,11 @@ def check_write(a: WriteArgs) -> None:
     num_reqs = min(max(int(h.write_num_valid_reqs[0]), 0), cap)
     num_tokens = h.input_ids.shape[0]
     start, end, bad = write_range_checks(h.write_offsets, num_reqs, num_tokens)
+    ours = np.ones(num_reqs, bool) if h.write_waves is None else np.asarray(h.write_waves[:num_reqs]) == h.wave
+    bad &= ours  # a request of another write wave is that wave's launch's to check
     for r in np.nonzero(bad)[0]:
         fail(ValueError, f"write_plan.write_offsets[{r}:{r + 2}] = [{int(h.write_offsets[r])}, {int(h.write_offsets[r + 1])}] is not a range within the {num_tokens} tokens of input_ids")
-    for r in range(num_reqs):
+    for r in np.nonzero(ours)[0]:
         seed = int(h.write_seed_slot_indices[r])
         if seed >= num_slots:
             fail(ValueError, f"write_plan.write_seed_slot_indices[{r}] = {seed} is outside canary_buf's {num_slots} slots")

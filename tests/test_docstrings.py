@@ -103,7 +103,7 @@ def test_public_function_is_type_hinted(name):
     assert sig.return_annotation is not sig.empty, f"{name} has no return type hint"
 
 
-DOCTEST_MODULES = ["constants", "hashing", "launchers", "ops", "planner", "plans", "reporting", "session", "tables",
+DOCTEST_MODULES = ["constants", "hashing", "launchers", "ops", "planner", "plans", "reporting", "same_step", "session", "tables",
                    "digest.format", "digest.layout", "digest.pages", "digest.verdicts"]
 
 

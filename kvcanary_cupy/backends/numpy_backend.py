@@ -18,7 +18,6 @@ from ..constants import (
     FailReason,
     RealKvHashMode,
     REAL_KV_PARTIAL_BYTES,
-    SEED_DEFERRED,
     VIOLATION_FIELDS,
 )
 from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_array
@@ -318,10 +317,12 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
         return
     num_tokens = a.input_ids.shape[0]
     seed = np.asarray(a.write_seed_slot_indices[:num_reqs], I64)
-    deferred = seed == SEED_DEFERRED  # written by a later launch of the step: an empty range here
     start, end, bad_range = write_range_checks(a.write_offsets, num_reqs, num_tokens)
-    start, end, bad_range = np.where(deferred, 0, start), np.where(deferred, 0, end), bad_range & ~deferred
-    seed = np.where(deferred, -1, seed)
+    # A request of another write wave is written by that wave's launch: here an empty range, no seed.
+    skipped = None if a.write_waves is None else np.asarray(a.write_waves[:num_reqs]) != a.wave
+    if skipped is not None:
+        start, end, bad_range = np.where(skipped, 0, start), np.where(skipped, 0, end), bad_range & ~skipped
+        seed = np.where(skipped, -1, seed)
     errors = int(np.count_nonzero(bad_range))
 
     seed_oob = seed >= num_slots
@@ -338,7 +339,7 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
     # Fingerprints depend only on each slot's KV bytes, which a write never changes: hash every
     # in-range slot once, up front, rather than token by token inside the serial chain walk.
     in_range = (loc >= 0) & (loc < num_slots)
-    if np.any(deferred) or int((end - start).sum()) < loc.shape[0]:  # only the tokens this launch writes
+    if int((end - start).sum()) < loc.shape[0] or (skipped is not None and skipped.any()):  # only the tokens this launch writes
         covered = np.zeros(loc.shape[0], np.int64)
         np.add.at(covered, start, 1)
         np.add.at(covered, end[end < loc.shape[0]], -1)

@@ -38,6 +38,8 @@ def write(
     chain_position_assert: bool = True,
     strict: bool = False,
     stream: Any = None,
+    write_waves: Array | None = None,
+    wave: int = 0,
 ) -> None:
     """Write fresh canary records for the step's new tokens, chained along each request.
 
@@ -83,6 +85,12 @@ def write(
         a long prefill chain overlaps what the caller queues next; call :func:`join_stream`
         before anything reads the canary buffers or the log, and keep the arguments alive and
         unchanged until then.  Capture-safe (join before the capture ends).  GPU only.
+    write_waves : int32 array [write_req_capacity], optional
+        Each request's write wave: a step written in several launches (``SameStepReads``) writes
+        in each only the requests whose entry equals ``wave``; the others are skipped as if absent
+        (nothing written or counted, their seeds unread).  None: every request.
+    wave : int
+        The wave this launch writes (non-negative; non-zero only with ``write_waves``).
 
     Returns
     -------
@@ -117,16 +125,16 @@ def write(
     }
     call = CachedCall()
     key = call_key(*_long_lived_stamps(call, canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode),
-                   call.record(write_plan), call.value(chain_position_assert))
+                   call.record(write_plan), call.value(chain_position_assert), call.value(write_waves), call.value(wave))
     placement = call.recall(write_plan, key, tokens)
     if placement is None:  # first sight, a change, or tokens placed elsewhere: the full checks
         placement, context, named = write_setup(canary_buf, write_plan, log, kernel_kind, real_kv_sources,
-                                                real_kv_hash_mode, chain_position_assert, tokens)
+                                                real_kv_hash_mode, chain_position_assert, tokens, write_waves, wave)
     xp = array_module(placement)
 
     with launch_stream(placement):
         if call.hit is None:
-            args = write_bound_args(write_plan, log, chain_position_assert, context, xp)
+            args = write_bound_args(write_plan, log, chain_position_assert, context, xp, write_waves, wave)
             call.keep(common_placement(named), args)
         else:
             args = call.hit[1]

@@ -241,11 +241,11 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
         self.same_step = None
         if same_step_reads:  # one write launch per wave, each in both buffers
             self.same_step = SameStepReads.allocate(num_slots, self.max_batch_size, like=like)
-            waves = self.same_step.wave_plans(wp)
-            self._tail_write = WriteWaves([WriteLauncher(self.tail_canary, w, log=tail_log, kernel_kind=self.tail_tag, **self._kv)
-                                       for w in waves])
-            self._head_write = WriteWaves([WriteLauncher(self.head_canary, w, log=head_log, kernel_kind=self.head_tag,
-                                                     stream=self._head_write_stream) for w in waves])
+            waves = self.same_step.wave_options()
+            self._tail_write = WriteWaves([WriteLauncher(self.tail_canary, wp, log=tail_log, kernel_kind=self.tail_tag,
+                                                         **self._kv, **w) for w in waves])
+            self._head_write = WriteWaves([WriteLauncher(self.head_canary, wp, log=head_log, kernel_kind=self.head_tag,
+                                                         stream=self._head_write_stream, **w) for w in waves])
         self._row_labels = None  # the engine's labels of this step's batch rows (pre_forward's row_labels)
         self._head_write_unjoined = False
         self.coverage = coverage.build(self, like, deep_kv_sources, deep_check_slots, check_lost_stores, max_step_tokens)

@@ -30,7 +30,7 @@ def test_session_bytes_match_what_a_session_allocates():
     session = kc.CanarySession(32, max_batch_size=2, verify_capacity=caps.verify_capacity, same_step_reads=True)
     big = (session.head_canary.nbytes + session.tail_canary.nbytes + session.same_step.written_at.nbytes
            + 4 * session.planner.verify_plan.verify_slot_indices.nbytes)
-    assert big <= kc.CanaryCapacities.session_bytes(32, caps) <= big + 40 * 2 + 4096
+    assert big <= kc.CanaryCapacities.session_bytes(32, caps) <= big + 32 * 2 + 4096
 
 
 @pytest.mark.parametrize("name,value", [("num_blocks", -1), ("block_size", 0), ("max_num_seqs", 0)])

@@ -5,12 +5,11 @@ request B of a step may read, as its cached prefix, blocks another request A wri
 step; B's chain continues from a slot A writes.  Every backend computes the same bytes.
 """
 
-import re
-
 import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from canary_builders import hmix3, signed
 
 I64 = np.int64
 B = 4  # block size
@@ -46,7 +45,7 @@ def resolve(ab, table, prefix, extend, ids, pos, loc, pool=None, lens=None, *, n
     reads = kc.SameStepReads.allocate(num_slots, len(prefix), waves=waves, like=ab.like)
     kc.resolve_same_step_reads(reads, vp, wp, a64(ab, ids), a64(ab, pos), a64(ab, loc))
     n = int(ab.to_numpy(vp.verify_num_valid)[0])
-    return ab.to_numpy(vp.verify_slot_indices)[:n], ab.to_numpy(reads.wave_seeds), reads.counts(), ab.to_numpy(reads.written_at)
+    return ab.to_numpy(vp.verify_slot_indices)[:n], ab.to_numpy(reads.write_waves), reads.counts(), ab.to_numpy(reads.written_at)
 
 
 def test_reads_of_blocks_written_in_the_step_are_verified_as_written(ab):
@@ -54,7 +53,7 @@ def test_reads_of_blocks_written_in_the_step_are_verified_as_written(ab):
     slots, waves, counts, written_at = resolve(ab, table, prefix, extend, ids, pos, loc, pool, lens)
     assert slots.tolist() == [0] * 8  # B's 8 prefix entries: exactly what A writes there
     # B's seed is slot 11 (position 7), written by A: B waits for wave 1; A (anchor) is wave 0.
-    assert waves.tolist() == [[-1, kc.SEED_DEFERRED], [kc.SEED_DEFERRED, 11], [kc.SEED_DEFERRED, kc.SEED_DEFERRED]]
+    assert waves.dtype == np.int32 and waves.tolist() == [0, 1]
     assert counts == {"stamp": 1, "verified_as_written": 8, "deeper_than_waves": 0}
     assert written_at[4:14].tolist() == [(1 << 32) | i for i in range(10)] and written_at[:4].tolist() == [0] * 4
 
@@ -88,22 +87,39 @@ def test_a_chain_of_deferrals_gets_one_wave_per_link_and_the_overflow_is_counted
         vp, wp = kc.plan(rp, a64(ab, prefix), a64(ab, extend), kc.BlockTable(ab.asarray(table), B), verify_capacity=64)
         reads = kc.SameStepReads.allocate(16, 3, waves=waves, like=ab.like)
         kc.resolve_same_step_reads(reads, vp, wp, a64(ab, ids), a64(ab, pos), a64(ab, loc))
-        seeds = ab.to_numpy(reads.wave_seeds)
-        assert [int(np.nonzero(seeds[:, r] != kc.SEED_DEFERRED)[0][0]) for r in range(3)] == want
+        assert ab.to_numpy(reads.write_waves).tolist() == want
         assert reads.counts()["deeper_than_waves"] == deeper
         assert reads.counts()["verified_as_written"] == 12  # B's 4 and C's 8 entries
 
 
-def test_a_deferred_seed_makes_the_write_skip_its_request(ab):
-    canary = kc.allocate_canary_buffer(8, like=ab.like)
-    wp = kc.WritePlan(write_offsets=a64(ab, [0, 2, 3]), write_seed_slot_indices=a64(ab, [kc.SEED_DEFERRED, -1]),
-                      write_num_valid_reqs=ab.asarray(np.array([2], np.int32)), verify_offsets=a64(ab, [0, 0, 0]))
-    log = kc.ViolationLog.allocate(8, like=ab.like)
-    kc.write(canary, wp, a64(ab, [7, 8, 9]), a64(ab, [0, 1, 0]), a64(ab, [1, 2, 3]), log=log, kernel_kind=0)
+def test_the_wave_options_write_a_deferred_request_after_its_seed(ab):
+    # The resolve leaves the seeds as the plan made them; wave 0 writes A alone, wave 1 B, whose
+    # chain continues from A's record in slot 11 (position 7).
+    table, prefix, extend, ids, pos, loc, _, _ = shared_prefix_step()
+    vp, wp = kc.plan(a64(ab, [0, 1]), a64(ab, prefix), a64(ab, extend), kc.BlockTable(ab.asarray(table), B),
+                     verify_capacity=64)
+    seeds = ab.to_numpy(wp.write_seed_slot_indices).tolist()
+    reads = kc.SameStepReads.allocate(16, 2, like=ab.like)
+    step = [a64(ab, x) for x in (ids, pos, loc)]
+    kc.resolve_same_step_reads(reads, vp, wp, *step)
+    assert ab.to_numpy(wp.write_seed_slot_indices).tolist() == seeds == [-1, 11]
+    canary, log = kc.allocate_canary_buffer(16, like=ab.like), kc.ViolationLog.allocate(8, like=ab.like)
+    options = reads.wave_options()
+    assert [o["wave"] for o in options] == [0, 1, 2] and all(o["write_waves"] is reads.write_waves for o in options)
+    kc.write(canary, wp, *step, log=log, **options[0])
     out = ab.to_numpy(canary)
-    assert out[1].tolist() == [0] * 4 and out[2].tolist() == [0] * 4  # request 0 deferred: nothing written
-    assert out[3, :2].tolist() == [9, 0] and out[3, 2] == kc.ANCHOR_HASH - (1 << 64)
-    assert int(ab.to_numpy(log.slot_run_counters)[0]) == 1 and int(ab.to_numpy(log.out_of_range_counters)[0]) == 0
+    assert out[4:12, 0].tolist() == list(range(100, 108)) and not out[12:14].any()  # B waits
+    for o in options[1:]:
+        kc.write(canary, wp, *step, log=log, **o)
+    out = ab.to_numpy(canary)
+    assert out[12:14, :2].tolist() == [[200, 8], [201, 9]]
+    assert out[12, 2] == out_hash(out[11])  # B's first token chains from A's last record
+    assert int(ab.to_numpy(log.slot_run_counters)[0]) == 10 and int(ab.to_numpy(log.violation_counters)[0]) == 0
+
+
+def out_hash(record):
+    """The chain value after a stored record (its prev_hash mixed with its token and position), signed."""
+    return signed(hmix3(int(record[2]), int(record[0]), int(record[1])))
 
 
 def random_step(rng):
@@ -150,7 +166,7 @@ def test_every_backend_resolves_the_same_bytes(ab, seed):
             for _step in range(2):  # the second resolve of the same step finds its own marks again
                 kc.resolve_same_step_reads(reads, vp, wp, a64(x, ids), a64(x, pos), a64(x, loc))
             n = int(x.to_numpy(vp.verify_num_valid)[0])
-            got.append((x.to_numpy(vp.verify_slot_indices)[:n].tolist(), x.to_numpy(reads.wave_seeds).tolist(),
+            got.append((x.to_numpy(vp.verify_slot_indices)[:n].tolist(), x.to_numpy(reads.write_waves).tolist(),
                         x.to_numpy(reads.counters).tolist(), x.to_numpy(reads.written_at).tolist()))
         assert got[0] == got[1]
 
@@ -243,11 +259,104 @@ def test_kernel_constants_match_python():
 
     from kvcanary_cupy import same_step
 
-    def int64_constant(name, filename):  # "-9223372036854775807LL - 1"
-        from kvcanary_cupy.backends.cuda.compile import _read
-
-        expr = re.search(rf"constexpr i64 {name} = ([^;]+);", _read(filename)).group(1)
-        return sum(int(term.replace("LL", "").replace(" ", "")) for term in re.findall(r"-?\s*\d+LL|-\s*\d+", expr))
-
-    assert int64_constant("kSeedDeferred", "write.cu") == kc.SEED_DEFERRED == int64_constant("kSameStepSeedDeferred", "same_step.cu")
     assert _cuh_constant("kStampShift", "same_step.cu") == same_step._STAMP_SHIFT
+
+
+def swapped_prefix_step():
+    """shared_prefix_step with the rows swapped: B (row 0) reads the blocks row 1 (A) writes."""
+    table, prefix, extend, ids, pos, loc, _, _ = shared_prefix_step()
+    order = np.r_[8:10, 0:8]  # B's two tokens first
+    return table[[1, 0]], prefix[[1, 0]], extend[[1, 0]], ids[order], pos[order], loc[order]
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch_cuda"])
+def test_a_captured_session_with_same_step_reads_replays_the_eager_bytes(framework):
+    """pre_forward/post_forward captured once in a CUDA graph (nothing allocated: the resolve and
+    the three wave launches, each with its wave fixed in its parameters) and replayed on two steps
+    whose waves differ ([0, 1], then [1, 0]): the buffers and stats equal the eager NumPy session's."""
+    import gc
+
+    from conftest import get_backend_or_skip
+
+    ab = get_backend_or_skip(framework)
+    kc.warmup()
+    steps = [shared_prefix_step()[:6], swapped_prefix_step()]
+
+    def session_on(x):
+        return kc.CanarySession(64, max_batch_size=2, like=x.like, on_violation="ignore", same_step_reads=True)
+
+    reference = session_on(_NUMPY)
+    for table, prefix, extend, ids, pos, loc in steps:
+        reference.pre_forward(np.arange(2), prefix, extend, kc.BlockTable(table, B), ids, pos, loc)
+        reference.post_forward()
+        reference.end_step()
+    reference.check()
+    assert reference.stats["violations"] == 0 and reference.stats["same_step_verified"] == 16
+
+    session = session_on(ab)
+    bufs = [ab.asarray(np.asarray(a)) for a in steps[0]]  # table, prefix, extend, ids, pos, loc at fixed addresses
+    rows = ab.asarray(np.arange(2))
+    table = kc.BlockTable(bufs[0], B)
+
+    def capture():
+        session.pre_forward(rows, bufs[1], bufs[2], table, *bufs[3:])
+        session.post_forward()
+
+    if framework == "cupy":
+        import cupy
+
+        stream = cupy.cuda.Stream(non_blocking=True)
+        cupy.cuda.Device().synchronize()
+        with stream:
+            stream.begin_capture()
+            capture()
+            graph = stream.end_capture()
+        replay = lambda: (graph.launch(stream), stream.synchronize())  # noqa: E731
+    else:
+        import torch
+
+        torch.cuda.synchronize()
+        gc.collect()  # a CuPy graph of an earlier test freed by the GC inside torch's capture would invalidate it
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            capture()
+        replay = lambda: (graph.replay(), torch.cuda.synchronize())  # noqa: E731
+    waves = []
+    for step in steps:
+        for buf, value in zip(bufs, step):
+            buf[...] = ab.asarray(np.asarray(value))
+        ab.synchronize()
+        replay()
+        waves.append(ab.to_numpy(session.same_step.write_waves).tolist())
+        session.end_step()
+    session.check()
+    assert waves == [[0, 1], [1, 0]]
+    for name in ("head_canary", "tail_canary"):
+        assert ab.to_numpy(getattr(session, name)).tolist() == getattr(reference, name).tolist(), name
+    assert session.stats == reference.stats
+
+
+def test_the_gpu_session_packs_one_write_launch_per_wave_into_each_buffer():
+    """On a fake device (no GPU): the resolve's four launches come before the HEAD verify, then each
+    buffer's write takes one bound launch per wave, in order, each with its wave and the session's
+    write_waves in its WriteInputs (the seeds stay the plan's: one seeds array for every wave)."""
+    pytest.importorskip("cupy")
+    from kvcanary_cupy.devtools.fake_cupy import fake_device
+
+    with fake_device(record_bytes=False) as dev:
+        table, prefix, extend, ids, pos, loc, _, _ = shared_prefix_step()
+        session = kc.CanarySession(16, max_batch_size=2, like=dev.asarray(np.zeros(1, np.int32)), on_violation="ignore",
+                                   same_step_reads=True)
+        dev.timeline.clear()
+        session.pre_forward(*(dev.asarray(x) for x in (np.arange(2), prefix, extend)), kc.BlockTable(dev.asarray(table), B),
+                            *(dev.asarray(x) for x in (ids, pos, loc)))
+        session.post_forward()
+        names = [what.split("::")[-1].split("<")[0] for op, what, _ in dev.timeline if op == "launch"]
+        assert names[1:] == (["same_step_begin", "same_step_mark", "same_step_entries", "same_step_seeds", "canary_verify"]
+                             + ["canary_write"] * 3 + ["canary_verify"] + ["canary_write"] * 3)
+        waves_ptr = session.same_step.write_waves.data.ptr
+        seeds_ptr = session.planner.write_plan.write_seed_slot_indices.data.ptr
+        for write in (session._head_write, session._tail_write):
+            inputs = [launcher._bound.params["inputs"][0] for launcher in write.launchers]
+            assert [int(i["wave"]) for i in inputs] == [0, 1, 2]
+            assert {int(i["write_waves"]) for i in inputs} == {waves_ptr} and {int(i["seeds"]) for i in inputs} == {seeds_ptr}

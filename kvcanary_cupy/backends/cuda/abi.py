@@ -42,8 +42,9 @@ LAUNCH_LOG = np.dtype(
 )
 WRITE_INPUTS = np.dtype(
     [(k, "u8") for k in ("write_offsets", "seeds", "write_num_valid_reqs", "input_ids", "positions", "out_cache_loc",
-                         "expected_tokens", "expected_positions", "pos_assert_flag")]
-    + [("write_req_capacity", "i8"), ("num_tokens", "i8"), ("pos_assert_value", "i4"), ("input_widths", "i4")],
+                         "expected_tokens", "expected_positions", "pos_assert_flag", "write_waves")]
+    + [("write_req_capacity", "i8"), ("num_tokens", "i8"), ("pos_assert_value", "i4"), ("input_widths", "i4"),
+       ("wave", "i4")],
     align=True,
 )
 # One dtype per kernel struct, its field names the C member names (kernels/plan.cu).

@@ -95,11 +95,12 @@ def write_launch(a: WriteArgs) -> KernelLaunch:
                      ("write_num_valid_reqs", a.write_num_valid_reqs), ("input_ids", a.input_ids),
                      ("positions", a.positions), ("out_cache_loc", a.out_cache_loc),
                      ("expected_tokens", a.expected_input_tokens), ("expected_positions", a.expected_input_positions),
-                     ("pos_assert_flag", None if isinstance(flag, bool) else flag)):
+                     ("pos_assert_flag", None if isinstance(flag, bool) else flag), ("write_waves", a.write_waves)):
         ins[key] = ptr(arr)
     ins["write_req_capacity"], ins["num_tokens"] = cap, length(a.input_ids)
     ins["pos_assert_value"] = int(flag) if isinstance(flag, bool) else 0
     ins["input_widths"] = input_widths(a.input_ids, a.positions, a.out_cache_loc)
+    ins["wave"] = a.wave
     p["targets"], p["log"] = targets_struct(a.targets, a.real_kv_hash_mode), log_struct(a.log)
     name = write_kernel(len(a.targets), a.expected_input_tokens is not None, has_real_kv(a.targets, a.real_kv_hash_mode))
     return KernelLaunch("write", name, write_config(name, cap, len(a.targets)), p)

@@ -14,11 +14,11 @@ def _blocks(n: int) -> int:
     return max(1, min(MAX_BLOCKS, (n + THREADS - 1) // THREADS))
 
 
-def resolve(v: dict) -> None:
-    """Four launches in the current stream (CuPy's): begin, mark, entries, seeds."""
-    waves, cap = v["wave_seeds"].shape
+def resolve(v: dict, waves: int) -> None:
+    """Four launches in the current stream (CuPy's): begin, mark, entries, seeds (``write_waves``)."""
+    cap = v["write_waves"].shape[0]
     vcap = v["verify_slot_indices"].shape[0]
-    args = (v["written_at"], v["wave_seeds"], v["counters"], v["verify_slot_indices"], v["verify_expected_tokens"],
+    args = (v["written_at"], v["write_waves"], v["counters"], v["verify_slot_indices"], v["verify_expected_tokens"],
             v["verify_expected_positions"], v["verify_prev_slot_indices"], v["verify_num_valid"], v["enable"],
             v["write_offsets"], v["write_seed_slot_indices"], v["write_num_valid_reqs"], v["input_ids"], v["positions"],
             v["out_cache_loc"], np.int64(v["written_at"].shape[0]), np.int64(waves), np.int64(cap), np.int64(vcap),
