@@ -43,8 +43,13 @@ _CHAIN_BIT = FailReason.VERIFY_CHAIN_HASH_MISMATCH.value
 _POSITION_BIT = FailReason.VERIFY_POSITION_MISMATCH.value
 _REAL_KV_BIT = FailReason.VERIFY_REAL_KV_HASH_MISMATCH.value
 _TOKEN_BIT = FailReason.VERIFY_TOKEN_MISMATCH.value
-#: Entries verified per chunk: its records (32 bytes each), hashes and masks stay in a 512 KiB L2.
-VERIFY_CHUNK = 8192
+#: The plan joins slices of the table's rows for runs of at least this many entries a request on
+#: average, else gathers them (a slice costs about as much as 400 entries' bytes).
+SLICE_MIN_RUN = 400
+#: Entries a group of requests of the plan's gather spans (its index arrays stay in the L3; fewer calls).
+GATHER_GROUP = 65536
+#: Entries verified per chunk: its hashes and masks stay in a 512 KiB L2 (its 32-byte records about do).
+VERIFY_CHUNK = 16384
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,13 +92,21 @@ def plan(a: PlanArgs, verify_capacity: int | None = None) -> None:
 
 def expand_runs(a: PlanArgs, rows, verify_start, verify_len, voff, total: int) -> int:
     """:func:`numpy_backend.expand_entries` for a plain req_to_token: request r's entries are
-    positions ``[start, start + len)`` of table row ``base``, so every array is a join of runs."""
+    positions ``[start, start + len)`` of table row ``base``, so every array is a join of runs:
+    slices of the rows joined, or (short runs, where a slice a request would cost more than its
+    entries) gathered through computed indices, in groups of requests that stay in the cache."""
     out, table = a.out, a.table.entries
     live = np.flatnonzero(verify_len)
     base, start, length = rows.base[live], verify_start[live], verify_len[live]
-    runs = [(table[b], s, s + n) for b, s, n in zip(base.tolist(), start.tolist(), length.tolist())]
-    slots = out.verify_slot_indices[:total]
-    np.concatenate([row[s:e] for row, s, e in runs], out=slots, casting="same_kind")
+    slots, positions = out.verify_slot_indices[:total], out.verify_expected_positions[:total]
+    flat = _flat_view(table) if total < SLICE_MIN_RUN * live.size else None
+    if flat is None:
+        b, s, n = base.tolist(), start.tolist(), length.tolist()
+        np.concatenate([table[r, x : x + k] for r, x, k in zip(b, s, n)], out=slots, casting="same_kind")
+        ramp = np.arange(int((start + length).max()), dtype=I64)
+        np.concatenate([ramp[x : x + k] for x, k in zip(s, n)], out=positions)
+    else:
+        _gather_runs(flat, base, start, length, voff[live], slots, positions)
     prev = out.verify_prev_slot_indices[:total]
     prev[1:] = slots[:-1]
     # Each request's first entry: its table's slot before the run, or -1 at position 0.
@@ -104,28 +117,62 @@ def expand_runs(a: PlanArgs, rows, verify_start, verify_len, voff, total: int) -
             translated, clamped = ref._translate(values, a.swa_lut)
             values[...] = translated
             errors += clamped
-    ramp = np.arange(int((start + length).max()), dtype=I64)
-    np.concatenate([ramp[s:e] for _, s, e in runs], out=out.verify_expected_positions[:total])
     tokens = out.verify_expected_tokens[:total]
     if a.expected_token_pool is None:
         tokens.fill(-1)
     else:
-        _pool_runs(a, live, rows.pool_row[live], runs, tokens)
+        _pool_runs(a, live, rows.pool_row[live], start.tolist(), length.tolist(), tokens)
     return errors
 
 
-def _pool_runs(a: PlanArgs, live, pool_rows, runs, tokens) -> None:
+def _flat_view(table):
+    """``(flat, row_stride)``: the table's buffer as a 1-D view, (r, c) at ``r * row_stride + c``;
+    None for a row stride that is negative or not a whole number of entries."""
+    item, row_bytes = table.itemsize, table.strides[0]
+    if row_bytes < 0 or row_bytes % item or table.strides[1] != item:
+        return None
+    row_stride = row_bytes // item
+    span = (table.shape[0] - 1) * row_stride + table.shape[1]
+    return np.lib.stride_tricks.as_strided(table, shape=(span,), strides=(item,)), row_stride
+
+
+def _gather_runs(flat, base, start, length, first, slots, positions) -> None:
+    """Slots and positions of the runs (request r: ``length[r]`` entries from ``first[r]``) by one
+    gather a group of requests of about GATHER_GROUP entries, its index arrays cache-sized."""
+    flat, row_stride = flat
+    total = slots.shape[0]
+    cuts = np.searchsorted(first, np.arange(GATHER_GROUP, total, GATHER_GROUP))
+    bounds = [0, *np.unique(cuts[(cuts > 0) & (cuts < first.shape[0])]).tolist(), first.shape[0]]
+    ends = (first + length).tolist()
+    firsts = first.tolist()
+    widest = max(ends[j - 1] - firsts[i] for i, j in zip(bounds, bounds[1:]))
+    ramp = np.arange(widest, dtype=I64)
+    shift, row_first = start - first, base * row_stride
+    index, values = np.empty(widest, I64), np.empty(widest, flat.dtype)
+    for i, j in zip(bounds, bounds[1:]):
+        lo, hi = firsts[i], ends[j - 1]
+        m, runs = hi - lo, length[i:j]
+        pos = positions[lo:hi]
+        np.add(ramp[:m], np.repeat(shift[i:j] + lo, runs), out=pos)  # start + (entry - first)
+        idx = index[:m]
+        np.add(np.repeat(row_first[i:j], runs), pos, out=idx)
+        np.take(flat, idx, out=values[:m], mode="clip")  # every index lies in a row's run
+        np.copyto(slots[lo:hi], values[:m], casting="same_kind")
+
+
+def _pool_runs(a: PlanArgs, live, pool_rows, starts, lengths, tokens) -> None:
     """Expected tokens: position p reads ``pool[row, p + token_offset]`` where that column is below
     ``min(valid_len, pool columns)`` and not negative, else -1 (exact arithmetic: an offset that
     would wrap in int64 lands outside ``[0, limit)`` either way)."""
     pool, off = a.expected_token_pool, a.token_offset
     limits = np.minimum(np.asarray(a.expected_token_valid_lens, I64)[live], pool.shape[1]).tolist()
-    filler = np.full(max(e - s for _, s, e in runs), -1, pool.dtype)
+    filler = np.full(max(lengths), -1, pool.dtype)
     pieces = []
-    for row, (_, s, e), limit in zip(pool_rows.tolist(), runs, limits):
+    for row, s, n, limit in zip(pool_rows.tolist(), starts, lengths, limits):
+        e = s + n
         lo, hi = max(s, -off), min(e, limit - off)
         if lo >= hi:
-            pieces.append(filler[: e - s])
+            pieces.append(filler[:n])
         else:
             pieces += [filler[: lo - s], pool[row, lo + off : hi + off], filler[: e - hi]]
     np.concatenate(pieces, out=tokens, casting="same_kind")
@@ -193,17 +240,30 @@ def _irregular(canary, slot, prev):
     return irregular, chain, ~(ok | (p < 0))
 
 
-def _splitmix(x, scratch) -> None:
-    """SplitMix64 of ``x`` (uint64) in place."""
+def _splitmix(x, scratch, first: bool = True) -> None:
+    """SplitMix64 of ``x`` (uint64) in place; ``first=False``: its first xorshift is done."""
     s1, s2, s3 = _SHIFTS
-    np.right_shift(x, s1, out=scratch)
-    np.bitwise_xor(x, scratch, out=x)
+    if first:
+        np.right_shift(x, s1, out=scratch)
+        np.bitwise_xor(x, scratch, out=x)
     np.multiply(x, _MUL1, out=x)
     np.right_shift(x, s2, out=scratch)
     np.bitwise_xor(x, scratch, out=x)
     np.multiply(x, _MUL2, out=x)
     np.right_shift(x, s3, out=scratch)
     np.bitwise_xor(x, scratch, out=x)
+
+
+def record_hashes(records, h, scratch) -> None:
+    """``h[j]`` = mix3(prev_hash, token, position) of record j (uint64 views), in place: 26 elementwise passes."""
+    s1 = _SHIFTS[0]
+    np.right_shift(records[:, 2], s1, out=scratch)  # the first xorshift reads the column itself
+    np.bitwise_xor(records[:, 2], scratch, out=h)
+    _splitmix(h, scratch, first=False)
+    np.bitwise_xor(h, records[:, 0], out=h)
+    _splitmix(h, scratch)
+    np.bitwise_xor(h, records[:, 1], out=h)
+    _splitmix(h, scratch)
 
 
 def _failures(kind, canary, slot, prev, position, token, sources, mode):
@@ -218,33 +278,31 @@ def _failures(kind, canary, slot, prev, position, token, sources, mode):
     bad, check = np.empty(size, bool), np.empty(size, bool)
     real_kv = mode != RealKvHashMode.NONE and bool(sources)
     hits, rows = [], []
-    for lo in range(0, n, size):
+    bounds = np.searchsorted(irregular, np.arange(0, n + size, size)).tolist()  # each chunk's irregular entries
+    any_unreachable = bool(unreachable.any())
+    for k, lo in enumerate(range(0, n, size)):
         hi = min(lo + size, n)
         m = hi - lo
         rec = records[:m]
         np.take(canary, slot[lo:hi], axis=0, out=rec, mode="clip")  # in range: clip only skips the buffered check
         u = rec.view(U64)
-        h, s = hashes[1 : m + 1], scratch[:m]
-        np.copyto(h, u[:, 2])
-        _splitmix(h, s)
-        np.bitwise_xor(h, u[:, 0], out=h)
-        _splitmix(h, s)
-        np.bitwise_xor(h, u[:, 1], out=h)
-        _splitmix(h, s)
+        record_hashes(u, hashes[1 : m + 1], scratch[:m])
         expected = hashes[:m]
-        first, last = np.searchsorted(irregular, (lo, hi))
+        first, last = bounds[k], bounds[k + 1]
         if first < last:
             at = irregular[first:last] - lo
             expected[at] = irregular_chain[first:last]
-            lost = at[unreachable[first:last]]
-            expected[lost] = u[lost, 2]
+            if any_unreachable:
+                lost = at[unreachable[first:last]]
+                expected[lost] = u[lost, 2]
         b, c = bad[:m], check[:m]
         np.not_equal(u[:, 2], expected, out=b)
         np.not_equal(rec[:, 1], position[lo:hi], out=c)
         b |= c
         rkv = ref._as_i64(ref.real_kv_hashes(sources, mode, slot[lo:hi])) if real_kv else 0
-        np.not_equal(rec[:, 3], rkv, out=c)
-        b |= c
+        if real_kv or rec[:, 3].any():  # without sources the expected fingerprint is 0
+            np.not_equal(rec[:, 3], rkv, out=c)
+            b |= c
         if token is not None:
             np.not_equal(rec[:, 0], token[lo:hi], out=c)
             c &= token[lo:hi] != -1

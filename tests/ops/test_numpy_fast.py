@@ -17,6 +17,17 @@ from fuzz_cases import STEP_KINDS, make_case, run_case
 NUMPY = get_backend_or_skip("numpy")
 
 
+# The plan's two ways of laying out runs: joined slices of the rows, or gathers in groups (tiny ones here).
+PLAN_PATHS = {"slices": dict(SLICE_MIN_RUN=0), "gathers": dict(SLICE_MIN_RUN=10**9, GATHER_GROUP=7)}
+
+
+@pytest.fixture(params=sorted(PLAN_PATHS))
+def plan_path(request, monkeypatch):
+    for name, value in PLAN_PATHS[request.param].items():
+        monkeypatch.setattr(numpy_fast, name, value)
+    return request.param
+
+
 @pytest.fixture
 def reference(monkeypatch):
     """A context in which the NumPy backend runs its reference plan, verify and plan_verify."""
@@ -40,13 +51,14 @@ def test_the_numpy_backend_is_the_fast_one():
 
 
 @pytest.mark.parametrize("step", STEP_KINDS)
-@pytest.mark.parametrize("first", range(0, 240, 60))
-def test_fuzz_cases_match_the_reference(step, first, reference, monkeypatch):
+def test_fuzz_cases_match_the_reference(step, reference, plan_path, monkeypatch):
     """The differential fuzz cases (every table kind, SWA and LUT, the expected-token pool, overflow,
     out-of-range values in every input, several buffers, real-KV sources) through the free
-    functions, in small verify chunks so that requests and irregular entries straddle them."""
+    functions, in small verify chunks so that requests and irregular entries straddle them; each
+    plan path takes its own 48 seeds."""
     monkeypatch.setattr(numpy_fast, "VERIFY_CHUNK", 5)
-    cases = [(seed, make_case(seed)) for seed in range(first, first + 60)]
+    first = 0 if plan_path == "slices" else 48
+    cases = [(seed, make_case(seed)) for seed in range(first, first + 48)]
     cases = [(seed, c) for seed, c in cases if step != "fused" or c.buffers == 1]
     fast = [run_case(NUMPY, c, step=step) for _, c in cases]
     reference()
@@ -55,7 +67,7 @@ def test_fuzz_cases_match_the_reference(step, first, reference, monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_wide_fuzz_cases_and_bound_launchers_match_the_reference(seed, reference):
+def test_wide_fuzz_cases_and_bound_launchers_match_the_reference(seed, reference, plan_path):
     """Thousands of requests (several default-size verify chunks), and the bound launchers."""
     cases = [make_case(10_000 + seed, big=True), make_case(seed)]
     fast = [run_case(NUMPY, cases[0]), run_case(NUMPY, cases[1], bound=True)]
@@ -97,7 +109,7 @@ def _draw_plan(rng):
 
 
 @pytest.mark.parametrize("first", range(0, 600, 200))
-def test_req_to_token_plans_match_the_reference(first, reference):
+def test_req_to_token_plans_match_the_reference(first, reference, plan_path):
     """Out-of-range rows, prefixes and extends, padding rows, negative table values, windows, LUTs
     (short ones clamp), pools with bad valid lengths, token offsets at the ends of int64, tables
     with a row stride past their width, tight and overflowing capacities, stale rows of an earlier plan."""
