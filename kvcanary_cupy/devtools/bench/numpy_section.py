@@ -2,14 +2,17 @@
 memory floor measured in the same run (issue 31, target 4).
 
 Every op is the free function (``kc.plan``, ``kc.verify``, ``kc.write``: the front door's checks
-included), timed by wall clock; the write (a serial chain along each request) gets no floor.  The floors are what NumPy itself takes to touch the bytes the op
+included), timed in CPU time of the calling thread (a neighbour that takes the core does not count;
+one that shares the caches does) and in wall-clock time; the write (a serial chain along each
+request) gets no floor.  The floors are what NumPy itself takes to touch the bytes the op
 must touch, in the op's access pattern, timed in the same rounds as the op:
 
 * plan: it must read each request's table run (4 bytes an entry) and write four int64 arrays
   an entry (slot, predecessor, position, expected token; the per-request arrays, a few KB, are not
   counted).  Floor = the table runs widened into one int64 array (``np.copyto`` int32 -> int64,
-  the only stream that reads) + the other three arrays' bytes written (``fill`` of an int64 array
-  of three times the entries: NumPy's write-only bandwidth).  Beside it, the issue's plainer
+  the only stream that reads), then the other three arrays' bytes written (``fill`` of an int64
+  array of three times the entries: NumPy's write-only bandwidth), in one timed call so that its
+  bytes share the caches as the plan's do.  Beside it, the issue's plainer
   floor: ``np.copyto`` of an int64 array of half the plan's bytes (reads + writes = its bytes).
 * verify: it must gather each entry's 32-byte record at a slot of a random permutation (the
   predecessor's record is the entry before's, read once) and read the predecessor and position
@@ -61,16 +64,17 @@ def plan_bytes(d) -> int:
     return bs * 3 * 8 + v * 4 + v * 4 * 8 + bs * 3 * 8
 
 
-def _widen(n: int):
-    """``np.copyto`` of ``n`` int32 into int64: the table runs into the slots."""
-    src, dst = np.ones(max(n, 1), np.int32), np.empty(max(n, 1), np.int64)
-    return lambda: np.copyto(dst, src)
+def _plan_floor(n: int):
+    """The plan's floor as one call: ``n`` int32 widened into int64 (``np.copyto``: the table runs
+    into the slots), then ``3 n`` int64 written (``fill``: nothing read), so that its bytes are in
+    the caches together, as the plan's are."""
+    src, dst, rest = np.ones(max(n, 1), np.int32), np.empty(max(n, 1), np.int64), np.empty(max(3 * n, 1), np.int64)
 
+    def run():
+        np.copyto(dst, src)
+        rest.fill(-1)
 
-def _filler(n: int):
-    """``fill`` of ``n`` int64: written bytes, nothing read."""
-    dst = np.empty(max(n, 1), np.int64)
-    return lambda: dst.fill(-1)
+    return run
 
 
 def _reader(n: int):
@@ -115,34 +119,36 @@ def _hasher(canary, slots):
     return run
 
 
-def time_rounds(fns: dict, rounds: int = ROUNDS, cold: bool = False) -> dict:
-    """Median wall-clock ms of each of ``fns`` (name -> fn), the calls taken in turn, round by round;
-    warm: each timed call right after an untimed one, cold: right after a sweep of the caches."""
+def time_rounds(fns: dict, rounds: int = ROUNDS, cold: bool = False) -> tuple:
+    """``(cpu, wall)``: median ms of each of ``fns`` (name -> fn) in CPU time of the calling thread
+    and in wall-clock time, the calls taken in turn, round by round; warm: each timed call right
+    after an untimed one, cold: right after a sweep of the caches."""
     sweep = np.zeros(SWEEP_BYTES // 8, np.int64) if cold else None
-    times = {name: [] for name in fns}
+    cpu, wall = {name: [] for name in fns}, {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             if cold:
                 sweep += 1
             else:
                 fn()
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+            wall[name].append((time.perf_counter() - t0) * 1e3)
+            cpu[name].append((time.thread_time() - c0) * 1e3)
+    return tuple({name: statistics.median(t) for name, t in times.items()} for times in (cpu, wall))
 
 
 def legend(rounds: int) -> list:
     return [
-        f"NumPy backend (CPU): wall ms of the free function, median of {rounds} rounds, warm and cold caches; floor = NumPy",
-        "touching the bytes the op must touch, timed in the same rounds:",
+        f"NumPy backend (CPU): ms of CPU time of the free function (wall ms beside it), median of {rounds} rounds, warm and",
+        "cold caches; floor = NumPy touching the bytes the op must touch, timed in the same rounds (ratios of CPU times):",
         "  plan: the table runs widened into int64 (np.copyto int32 -> int64) + the other three int64 arrays an entry",
         "        written (fill); in brackets the plainer floor, np.copyto moving as many bytes as the plan touches",
         "  verify: np.take of the plan's slots (32-byte records in random order; the faster of one take and chunked takes)",
         "          + a read (max) of the predecessors and positions; 'hash': mix3 of every record alone (compute:",
         "          no memory floor counts it), and the verify against floor + hash",
-        f"{'workload':<16} {'op':<7} {'caches':<6} {'wall ms':>8} {'floor ms':>9} {'x floor':>8} {'hash ms':>8} "
-        f"{'x fl+hash':>9} {'entries':>8}  floor counts",
+        f"{'workload':<16} {'op':<7} {'caches':<6} {'cpu ms':>8} {'wall ms':>8} {'floor ms':>9} {'x floor':>8} "
+        f"{'hash ms':>8} {'x fl+hash':>9} {'entries':>8}  floor counts",
     ]
 
 
@@ -152,9 +158,8 @@ def _floors(d, ms) -> dict:
     take = min(ms["take"], ms["take chunked"])
     how = "chunked" if ms["take chunked"] < ms["take"] else "one take"
     return {
-        "plan": (ms["widen"] + ms["fill"], f"{v * 4 / 1e6:.1f} MB widened {ms['widen']:.2f} ms + "
-                                           f"{v * 24 / 1e6:.1f} MB written {ms['fill']:.2f} ms (np.copyto of "
-                                           f"{plan_bytes(d) / 1e6:.1f} MB: {ms['plan copy']:.2f} ms)"),
+        "plan": (ms["plan floor"], f"{v * 4 / 1e6:.1f} MB widened to {v * 8 / 1e6:.1f} + {v * 24 / 1e6:.1f} MB written "
+                                   f"(np.copyto of {plan_bytes(d) / 1e6:.1f} MB: {ms['plan copy']:.2f} ms)"),
         "verify": (take + ms["streams"], f"take of {v:,} records {take:.2f} ms ({how}) + "
                                          f"{v * 16 / 1e6:.1f} MB read {ms['streams']:.2f} ms"),
     }
@@ -169,15 +174,16 @@ def run_numpy(names, rows: list, rounds: int = ROUNDS):
         v = d["total_verify"]
         slots = np.array(vp.verify_slot_indices[: int(vp.verify_num_valid[0])])
         whole, chunked = _gathers(d["canary"], slots)
-        fns = {"plan": ops["plan"], "widen": _widen(v), "fill": _filler(3 * v), "plan copy": _copier(plan_bytes(d)),
+        fns = {"plan": ops["plan"], "plan floor": _plan_floor(v), "plan copy": _copier(plan_bytes(d)),
                "verify": ops["verify"], "take": whole, "take chunked": chunked, "streams": _reader(2 * v),
                "hash": _hasher(d["canary"], slots)}
         for caches in ("warm", "cold"):
-            ms = time_rounds(fns, rounds, cold=caches == "cold")
+            ms, wall = time_rounds(fns, rounds, cold=caches == "cold")
             floors = _floors(d, ms)
             for op in ("plan", "verify"):
                 floor, counts = floors.get(op, (None, ""))
-                row = {"workload": key, "op": op, "caches": caches, "wall_ms": round(ms[op], 3), "verify_entries": v}
+                row = {"workload": key, "op": op, "caches": caches, "cpu_ms": round(ms[op], 3),
+                       "wall_ms": round(wall[op], 3), "verify_entries": v}
                 cells = f"{'-':>9} {'-':>8}"
                 if floor is not None:
                     row.update(floor_ms=round(floor, 3), x_floor=round(ms[op] / floor, 2), floor_counts=counts)
@@ -189,9 +195,12 @@ def run_numpy(names, rows: list, rounds: int = ROUNDS):
                     row.update(hash_ms=round(ms["hash"], 3), x_floor_and_hash=round(ms[op] / (floor + ms["hash"]), 2))
                     extra = f"{ms['hash']:>8.3f} {ms[op] / (floor + ms['hash']):>8.2f}x"
                 rows.append(row)
-                lines.append(f"{WORKLOADS[key].name:<16} {op:<7} {caches:<6} {ms[op]:>8.3f} {cells} {extra} {v:>8}  {counts}")
+                lines.append(f"{WORKLOADS[key].name:<16} {op:<7} {caches:<6} {ms[op]:>8.3f} {wall[op]:>8.3f} {cells} {extra} "
+                             f"{v:>8}  {counts}")
         # The write (a serial chain per request: W2's takes a quarter second) has no floor here.
-        write_ms = time_rounds({"write": ops["write"]}, WRITE_ROUNDS)["write"]
-        rows.append({"workload": key, "op": "write", "caches": "warm", "wall_ms": round(write_ms, 3), "verify_entries": v})
-        lines.append(f"{WORKLOADS[key].name:<16} {'write':<7} {'warm':<6} {write_ms:>8.3f} {'-':>9} {'-':>8} {'-':>8} {'-':>9} {v:>8}")
+        cpu, wall = (t["write"] for t in time_rounds({"write": ops["write"]}, WRITE_ROUNDS))
+        rows.append({"workload": key, "op": "write", "caches": "warm", "cpu_ms": round(cpu, 3), "wall_ms": round(wall, 3),
+                     "verify_entries": v})
+        lines.append(f"{WORKLOADS[key].name:<16} {'write':<7} {'warm':<6} {cpu:>8.3f} {wall:>8.3f} {'-':>9} {'-':>8} {'-':>8} "
+                     f"{'-':>9} {v:>8}")
     return lines
