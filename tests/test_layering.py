@@ -104,7 +104,8 @@ def test_the_graph_is_read_from_the_sources():
     graph = import_graph()
     # A hand-checked sample, so that an empty graph cannot pass the test below.
     assert f"{PACKAGE}.errors" in graph[f"{PACKAGE}.validation"]
-    assert f"{PACKAGE}.backends.numpy_backend" in graph[f"{PACKAGE}.backends"]  # lazy, inside get_backend
+    assert f"{PACKAGE}.backends.numpy_fast" in graph[f"{PACKAGE}.backends"]  # lazy, inside get_backend
+    assert f"{PACKAGE}.backends.numpy_backend" in graph[f"{PACKAGE}.backends.numpy_fast"]
     assert f"{PACKAGE}.sim" in graph[f"{PACKAGE}.cli"]
 
 
@@ -167,7 +168,7 @@ LAYERS = {
     "gpu params": ("backends.cuda.params",),
     "gpu launch": ("backends.cuda.launch",),
     "backends": ("backends.cuda.ops", "backends.cuda.same_step", "backends.cuda.coverage", "backends.numpy_backend",
-                 "backends.numpy_coverage", "backends"),
+                 "backends.numpy_fast", "backends.numpy_coverage", "backends"),
     "front door": ("strict", "validation_cache", "binding", "ops", "ops.canary", "ops.plan_cache", "ops.planning", "ops.pool", "digest", "same_step", "coverage"),
     "bound": ("bound", "launchers", "plan_launcher", "planner"),
     "engine": ("rank_exchange", "rank_worker", "rank_verdict", "distributed", "session", "session.loop", "session.staging", "session.sweep",

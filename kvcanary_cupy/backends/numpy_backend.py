@@ -154,9 +154,35 @@ def stale_rows_end(a: PlanArgs) -> int:
     return cap if a.clear_whole_capacity or not 0 <= previous <= cap else previous
 
 
-def plan(a: PlanArgs, verify_capacity: int | None = None) -> None:
+def expand_entries(a: PlanArgs, rows: TableRows, verify_start, verify_len, voff, total: int) -> int:
+    """Write the ``total`` (> 0) verify entries of the batch into the first entries of ``a.out``'s
+    entry arrays; returns the out-of-range values met (virtual ids past the table, LUT clamps)."""
+    out, bs = a.out, verify_len.shape[0]
+    owner = np.repeat(np.arange(bs), verify_len)
+    pos = verify_start[owner] + (np.arange(total, dtype=I64) - voff[owner])
+    base = rows.base[owner]
+    slots, slot_errors = _slots(a, base, pos)
+    has_prev = pos > 0
+    prev = np.full(total, -1, I64)
+    prev[has_prev], prev_errors = _slots(a, base[has_prev], pos[has_prev] - 1)
+    tokens = np.full(total, -1, I64)
+    if a.expected_token_pool is not None:
+        pool = a.expected_token_pool
+        q = pos + a.token_offset
+        limit = np.minimum(np.asarray(a.expected_token_valid_lens, I64)[owner], pool.shape[1])
+        ok = (q >= 0) & (q < limit)
+        tokens[ok] = pool[rows.pool_row[owner][ok], q[ok]]
+    out.verify_slot_indices[:total] = slots
+    out.verify_expected_tokens[:total] = tokens
+    out.verify_expected_positions[:total] = pos
+    out.verify_prev_slot_indices[:total] = prev
+    return slot_errors + prev_errors
+
+
+def plan(a: PlanArgs, verify_capacity: int | None = None, expand=None) -> None:
     """``verify_capacity`` (default: the length of the entry arrays) decides whether the entries
-    are expanded (into the first entries of those arrays)."""
+    are expanded (into the first entries of those arrays), by ``expand`` (default
+    :func:`expand_entries`; the fast backend passes its own)."""
     out = a.out
     bs = a.prefix_lens.shape[0]
     vcap = out.verify_slot_indices.shape[0] if verify_capacity is None else verify_capacity
@@ -177,27 +203,8 @@ def plan(a: PlanArgs, verify_capacity: int | None = None) -> None:
     np.cumsum(write_len, out=woff[1:])
     total = int(voff[bs])
     enabled = total <= vcap
-
     if enabled and total > 0:
-        owner = np.repeat(np.arange(bs), verify_len)
-        pos = verify_start[owner] + (np.arange(total, dtype=I64) - voff[owner])
-        base = rows.base[owner]
-        slots, slot_errors = _slots(a, base, pos)
-        has_prev = pos > 0
-        prev = np.full(total, -1, I64)
-        prev[has_prev], prev_errors = _slots(a, base[has_prev], pos[has_prev] - 1)
-        errors += slot_errors + prev_errors
-        tokens = np.full(total, -1, I64)
-        if a.expected_token_pool is not None:
-            pool = a.expected_token_pool
-            q = pos + a.token_offset
-            limit = np.minimum(np.asarray(a.expected_token_valid_lens, I64)[owner], pool.shape[1])
-            ok = (q >= 0) & (q < limit)
-            tokens[ok] = pool[rows.pool_row[owner][ok], q[ok]]
-        out.verify_slot_indices[:total] = slots
-        out.verify_expected_tokens[:total] = tokens
-        out.verify_expected_positions[:total] = pos
-        out.verify_prev_slot_indices[:total] = prev
+        errors += (expand or expand_entries)(a, rows, verify_start, verify_len, voff, total)
 
     out.verify_num_valid[0] = min(total, vcap)
     out.enable[0] = 1 if enabled else 0

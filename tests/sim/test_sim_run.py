@@ -378,6 +378,10 @@ def test_bench_numpy_backend_writes_json(tmp_path, capsys):
     doc = json.loads((tmp_path / "b.json").read_text())
     assert doc["backend"] == "numpy" and {r["op"] for r in doc["rows"] if "section" not in r} == {"plan", "verify", "write"}
     assert {r["op"] for r in doc["rows"] if r.get("section") == "holes"} == {"verify", "verify[bound]", "plan_and_verify"}
+    floored = [r for r in doc["rows"] if "section" not in r and r["op"] in ("plan", "verify")]
+    assert sorted((r["op"], r["caches"]) for r in floored) == [("plan", "cold"), ("plan", "warm"), ("verify", "cold"), ("verify", "warm")]
+    assert all(r["floor_ms"] > 0 and r["x_floor"] > 0 and r["floor_counts"] for r in floored)
+    assert all(r["hash_ms"] > 0 for r in floored if r["op"] == "verify")
 
 
 @pytest.mark.gpu

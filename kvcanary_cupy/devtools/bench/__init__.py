@@ -5,7 +5,8 @@ replayed R times, median replay / K (METHOD: one replay per event pair measures 
 floor of each op is the bytes it must move over the device-to-device copy bandwidth measured in
 the same run; the baseline is the same plan/verify written with vectorised CuPy ops (cumsum,
 searchsorted, gathers), eager, as a user would without this library.
-CPU (``--backend numpy``): wall-clock median of a few calls of the NumPy backend.
+CPU (``--backend numpy``): wall-clock medians of the NumPy backend's free functions, plan and verify
+against memory floors measured in the same rounds (``numpy_section``: what each floor counts).
 
     kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4,W5]
                    [--sections ops,detail,tables,capacity,step,overlap,host,coverage,cold,holes] [--out FILE] [--json FILE]
@@ -38,8 +39,8 @@ from kvcanary_cupy.interop import cuda_unavailable_reason
 from .workloads import TABLE_WORKLOADS, WORKLOADS, Workload, build
 from .cold_section import cold_rows
 from .ops_sections import detail_rows, run_gpu
-from .step_sections import (HOST_TARGET_US, STEP_WORKLOADS, host_times, overlap_rows, run_capacity, run_numpy, run_tables,
-                            step_rows)
+from .numpy_section import run_numpy
+from .step_sections import HOST_TARGET_US, STEP_WORKLOADS, host_times, overlap_rows, run_capacity, run_tables, step_rows
 
 
 # What benchmarks/ and the tests take from here.

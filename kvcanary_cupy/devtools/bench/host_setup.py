@@ -74,19 +74,24 @@ def measure(fn, calls: int, top: int) -> tuple[float, float]:
 @contextlib.contextmanager
 def stubbed_numpy_backend():
     """The NumPy backend's :data:`STUBBED_OPS` as no-ops for the block; yields ``stub(name, fn)``,
-    which replaces one more of its functions until the block ends.  All are put back on the way out."""
-    from kvcanary_cupy.backends import numpy_backend
+    which replaces one more of its functions until the block ends.  All are put back on the way out.
+    A name is replaced in the module the front door calls (numpy_fast) and in the reference under
+    it (numpy_backend), wherever it is defined."""
+    from kvcanary_cupy.backends import get_backend, numpy_backend
 
+    modules = (get_backend("numpy"), numpy_backend)
     saved = {}
 
     def stub(name, fn):
-        saved.setdefault(name, getattr(numpy_backend, name))
-        setattr(numpy_backend, name, fn)
+        for module in modules:
+            if hasattr(module, name):
+                saved.setdefault((module, name), getattr(module, name))
+                setattr(module, name, fn)
 
     try:
         for op in STUBBED_OPS:
             stub(op, lambda a: None)
         yield stub
     finally:
-        for name, fn in saved.items():
-            setattr(numpy_backend, name, fn)
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)

@@ -1,11 +1,8 @@
-"""The ``tables``, ``capacity``, ``step``, ``overlap``, ``host`` sections and the NumPy run."""
+"""The ``tables``, ``capacity``, ``step``, ``overlap`` and ``host`` sections."""
 
 from __future__ import annotations
 
-import statistics
 import time
-
-import numpy as np
 
 import kvcanary_cupy as kc
 from .workloads import (BLOCK_SIZE, SGLANG_US, TABLE_REPEAT, WORKLOADS, build, build_paged, check_tables_agree,
@@ -243,30 +240,3 @@ def host_times(cupy, names, rows: list):
                     f"{cell(sglang, '13.0f')} {cell(sglang and bound_us / sglang, '9.2f')}"
                 )
     return lines
-
-
-def run_numpy(names, rows: list):
-    lines = [f"{'workload':<16} {'op':<7} {'wall ms (median of 5)':>22} {'verify entries':>15}"]
-    for key in names:
-        d = build(WORKLOADS[key], np)
-        for op, fn in numpy_ops(d).items():
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            ms = statistics.median(times)
-            rows.append({"workload": key, "op": op, "wall_ms": round(ms, 2), "verify_entries": d["total_verify"]})
-            lines.append(f"{WORKLOADS[key].name:<16} {op:<7} {ms:>22.1f} {d['total_verify']:>15}")
-    return lines
-
-
-def numpy_ops(d):
-    vcap = d["total_verify"]
-    vp, wp = kc.VerifyPlan.allocate(vcap), kc.WritePlan.allocate(d["bs"])
-    log = kc.ViolationLog.allocate(1024)
-    return {
-        "plan": lambda: kc.plan(d["rp"], d["prefix"], d["extend"], d["rtt"], verify_capacity=vcap, out=(vp, wp)),
-        "verify": lambda: kc.verify(d["canary"], vp, log=log),
-        "write": lambda: kc.write(d["canary"], wp, d["ids"], d["pos"], d["loc"], log=log),
-    }

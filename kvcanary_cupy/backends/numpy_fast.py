@@ -1,0 +1,342 @@
+"""The NumPy backend as the front door uses it: :mod:`.numpy_backend` (the reference) with fast
+paths for plan through a req_to_token and for verify, which compute the same bytes.
+
+The reference expands a plan's entries with per-entry index arithmetic and verifies through
+whole-array fancy indexing (a dozen temporaries of the entries' length).  Here:
+
+* **plan** (a plain req_to_token, with or without a sliding window, a LUT or an expected-token
+  pool): each request's entries are a run of its table row, so the slots are the rows' runs
+  joined by one ``np.concatenate`` into the VerifyPlan (int32 -> int64 on the way), the
+  predecessors the same array shifted by one (each request's first fixed from its table), the
+  positions runs of one ``arange`` and the tokens runs of the pool rows between -1 fillers.
+* **verify**: in chunks that stay in the L2 cache, one ``np.take(mode="clip")`` gathers the
+  records (every index is in range by then), the chain step ``mix3`` of each record is computed
+  in place, and since an entry's predecessor is almost always the entry before it, the
+  expected chain of entry i is the mix3 of record i - 1: only the other entries ("irregular":
+  each request's first, or a table that breaks the run) gather their predecessor's record.
+  The checks are OR-ed into one mask; failing entries, rare, get their bits as the reference.
+
+Everything else (write, the page ops, staging, other tables) is the reference's.
+``tests/ops/test_numpy_fast.py`` compares every output with the reference on randomized inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..args import VERIFY_ENTRY_FIELDS, CanaryTarget, PlanArgs, PlanVerifyArgs, VerifyArgs
+from ..constants import SPLITMIX64_MUL1, SPLITMIX64_MUL2, SPLITMIX64_SHIFT1, SPLITMIX64_SHIFT2, SPLITMIX64_SHIFT3
+from ..constants import FailReason, RealKvHashMode
+from ..hashing import ANCHOR_HASH, mix3_array
+from ..tables import TableKind
+from ..validation import I64
+from . import numpy_backend as ref
+
+__all__ = ["copy", "move", "plan", "plan_verify", "plan_verify_stores_entries", "prepare_stage", "scatter", "verify",
+           "write"]
+
+U64 = np.uint64
+_ANCHOR = U64(ANCHOR_HASH)
+_MUL1, _MUL2 = U64(SPLITMIX64_MUL1), U64(SPLITMIX64_MUL2)
+_SHIFTS = (U64(SPLITMIX64_SHIFT1), U64(SPLITMIX64_SHIFT2), U64(SPLITMIX64_SHIFT3))
+_CHAIN_BIT = FailReason.VERIFY_CHAIN_HASH_MISMATCH.value
+_POSITION_BIT = FailReason.VERIFY_POSITION_MISMATCH.value
+_REAL_KV_BIT = FailReason.VERIFY_REAL_KV_HASH_MISMATCH.value
+_TOKEN_BIT = FailReason.VERIFY_TOKEN_MISMATCH.value
+#: The plan joins slices of the table's rows for runs of at least this many entries a request on
+#: average, else gathers them (a slice costs about as much as 400 entries' bytes).
+SLICE_MIN_RUN = 400
+#: Entries a group of requests of the plan's gather spans (its index arrays stay in the L3; fewer calls).
+GATHER_GROUP = 65536
+#: Entries verified per chunk: its hashes and masks stay in a 512 KiB L2 (its 32-byte records about do).
+VERIFY_CHUNK = 16384
+
+
+# ----------------------------------------------------------------------------------------------
+# the reference's ops, looked up when called (so a test that replaces one in numpy_backend sees it)
+
+
+def write(a) -> None:
+    ref.write(a)
+
+
+def move(a) -> None:
+    ref.move(a)
+
+
+def copy(a) -> None:
+    ref.copy(a)
+
+
+def scatter(a) -> None:
+    ref.scatter(a)
+
+
+def prepare_stage(a):
+    return ref.prepare_stage(a)
+
+
+def plan_verify_stores_entries(bs: int) -> bool:
+    return ref.plan_verify_stores_entries(bs)
+
+
+# ----------------------------------------------------------------------------------------------
+# plan
+
+
+def plan(a: PlanArgs, verify_capacity: int | None = None) -> None:
+    """:func:`numpy_backend.plan`; through a plain req_to_token its entries are expanded by runs."""
+    fast = a.table.kind == TableKind.REQ_TO_TOKEN
+    ref.plan(a, verify_capacity, expand=expand_runs if fast else None)
+
+
+def expand_runs(a: PlanArgs, rows, verify_start, verify_len, voff, total: int) -> int:
+    """:func:`numpy_backend.expand_entries` for a plain req_to_token: request r's entries are
+    positions ``[start, start + len)`` of table row ``base``, so every array is a join of runs:
+    slices of the rows joined, or (short runs, where a slice a request would cost more than its
+    entries) gathered through computed indices, in groups of requests that stay in the cache."""
+    out, table = a.out, a.table.entries
+    live = np.flatnonzero(verify_len)
+    base, start, length = rows.base[live], verify_start[live], verify_len[live]
+    slots, positions = out.verify_slot_indices[:total], out.verify_expected_positions[:total]
+    flat = _flat_view(table) if total < SLICE_MIN_RUN * live.size else None
+    if flat is None:
+        b, s, n = base.tolist(), start.tolist(), length.tolist()
+        np.concatenate([table[r, x : x + k] for r, x, k in zip(b, s, n)], out=slots, casting="same_kind")
+        ramp = np.arange(int((start + length).max()), dtype=I64)
+        np.concatenate([ramp[x : x + k] for x, k in zip(s, n)], out=positions)
+    else:
+        _gather_runs(flat, base, start, length, voff[live], slots, positions)
+    prev = out.verify_prev_slot_indices[:total]
+    prev[1:] = slots[:-1]
+    # Each request's first entry: its table's slot before the run, or -1 at position 0.
+    prev[voff[live]] = np.where(start > 0, table[base, np.maximum(start - 1, 0)], -1)
+    errors = 0
+    if a.swa_lut is not None:  # the reference translates slots and predecessors alike; -1 passes through
+        for values in (slots, prev):
+            translated, clamped = ref._translate(values, a.swa_lut)
+            values[...] = translated
+            errors += clamped
+    tokens = out.verify_expected_tokens[:total]
+    if a.expected_token_pool is None:
+        tokens.fill(-1)
+    else:
+        _pool_runs(a, live, rows.pool_row[live], start.tolist(), length.tolist(), tokens)
+    return errors
+
+
+def _flat_view(table):
+    """``(flat, row_stride)``: the table's buffer as a 1-D view, (r, c) at ``r * row_stride + c``;
+    None for a row stride that is negative or not a whole number of entries."""
+    item, row_bytes = table.itemsize, table.strides[0]
+    if row_bytes < 0 or row_bytes % item or table.strides[1] != item:
+        return None
+    row_stride = row_bytes // item
+    span = (table.shape[0] - 1) * row_stride + table.shape[1]
+    return np.lib.stride_tricks.as_strided(table, shape=(span,), strides=(item,)), row_stride
+
+
+def _gather_runs(flat, base, start, length, first, slots, positions) -> None:
+    """Slots and positions of the runs (request r: ``length[r]`` entries from ``first[r]``) by one
+    gather a group of requests of about GATHER_GROUP entries, its index arrays cache-sized."""
+    flat, row_stride = flat
+    total = slots.shape[0]
+    cuts = np.searchsorted(first, np.arange(GATHER_GROUP, total, GATHER_GROUP))
+    bounds = [0, *np.unique(cuts[(cuts > 0) & (cuts < first.shape[0])]).tolist(), first.shape[0]]
+    ends = (first + length).tolist()
+    firsts = first.tolist()
+    widest = max(ends[j - 1] - firsts[i] for i, j in zip(bounds, bounds[1:]))
+    ramp = np.arange(widest, dtype=I64)
+    shift, row_first = start - first, base * row_stride
+    index, values = np.empty(widest, I64), np.empty(widest, flat.dtype)
+    for i, j in zip(bounds, bounds[1:]):
+        lo, hi = firsts[i], ends[j - 1]
+        m, runs = hi - lo, length[i:j]
+        pos = positions[lo:hi]
+        np.add(ramp[:m], np.repeat(shift[i:j] + lo, runs), out=pos)  # start + (entry - first)
+        idx = index[:m]
+        np.add(np.repeat(row_first[i:j], runs), pos, out=idx)
+        np.take(flat, idx, out=values[:m], mode="clip")  # every index lies in a row's run
+        np.copyto(slots[lo:hi], values[:m], casting="same_kind")
+
+
+def _pool_runs(a: PlanArgs, live, pool_rows, starts, lengths, tokens) -> None:
+    """Expected tokens: position p reads ``pool[row, p + token_offset]`` where that column is below
+    ``min(valid_len, pool columns)`` and not negative, else -1 (exact arithmetic: an offset that
+    would wrap in int64 lands outside ``[0, limit)`` either way)."""
+    pool, off = a.expected_token_pool, a.token_offset
+    limits = np.minimum(np.asarray(a.expected_token_valid_lens, I64)[live], pool.shape[1]).tolist()
+    filler = np.full(max(lengths), -1, pool.dtype)
+    pieces = []
+    for row, s, n, limit in zip(pool_rows.tolist(), starts, lengths, limits):
+        e = s + n
+        lo, hi = max(s, -off), min(e, limit - off)
+        if lo >= hi:
+            pieces.append(filler[:n])
+        else:
+            pieces += [filler[: lo - s], pool[row, lo + off : hi + off], filler[: e - hi]]
+    np.concatenate(pieces, out=tokens, casting="same_kind")
+
+
+# ----------------------------------------------------------------------------------------------
+# verify
+
+
+def verify(a: VerifyArgs) -> None:
+    """:func:`numpy_backend.verify`: each canary buffer as by its own launch."""
+    for target in a.targets:
+        _verify_one(a, target)
+
+
+def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
+    log, kind, canary = a.log, target.kernel_kind, target.canary
+    num_slots = canary.shape[0]
+    log.kernel_run_counters[kind] += 1
+    if int(a.enable[0]) == 0:
+        return
+    active = min(max(int(a.verify_num_valid[0]), 0), a.verify_slot_indices.shape[0])
+    log.slot_run_counters[kind] += active
+    if active == 0:
+        return
+    slot = np.asarray(a.verify_slot_indices[:active], I64)
+    prev = np.asarray(a.verify_prev_slot_indices[:active], I64)
+    position = np.asarray(a.verify_expected_positions[:active], I64)
+    token = np.asarray(a.verify_expected_tokens[:active], I64) if a.check_expected_token else None
+    errors, keep, holes = 0, None, np.zeros(0, I64)
+    if int(slot.min()) <= 0 or int(slot.max()) >= num_slots:  # padding or out-of-range slots: the reference's masks
+        slot_oob = (slot < 0) | (slot >= num_slots)
+        errors = int(np.count_nonzero(slot_oob))
+        padding = ref.is_padding_slot(slot)
+        holes = np.flatnonzero(padding) if a.check_holes else holes
+        keep = np.flatnonzero(~padding & ~slot_oob)
+        slot, prev, position = slot[keep], prev[keep], position[keep]
+        token = None if token is None else token[keep]
+    if prev.size and int(prev.max()) >= num_slots:
+        errors += int(np.count_nonzero(prev >= num_slots))
+    log.out_of_range_counters[kind] += errors
+    hole_tokens = np.asarray(a.verify_expected_tokens, I64)[holes] if a.check_expected_token else np.full(holes.size, -1, I64)
+    hole_rows = ref._hole_rows(kind, a, holes, hole_tokens)
+    if slot.size == 0:
+        ref.append_rows(log, kind, hole_rows)
+        return
+    hit, rows = _failures(kind, canary, slot, prev, position, token, target.sources, a.real_kv_hash_mode)
+    if holes.size:  # entry order, holes among the checked entries' rows
+        entries = hit if keep is None else keep[hit]
+        rows = np.concatenate([rows, hole_rows])[np.argsort(np.concatenate([entries, holes]), kind="stable")]
+    ref.append_rows(log, kind, rows)
+
+
+def _irregular(canary, slot, prev):
+    """The entries whose predecessor is not the entry before them, with their expected chains
+    (the anchor for prev < 0) and which of them have no reachable predecessor (0 or past the
+    buffer: the chain is not checked, as the reference's expected chain is then the stored one)."""
+    num_slots = canary.shape[0]
+    irregular = np.flatnonzero(prev[1:] != slot[:-1]) + 1
+    irregular = np.concatenate([np.zeros(1, I64), irregular])
+    p = prev[irregular]
+    ok = (p > 0) & (p < num_slots)
+    rec = canary[np.where(ok, p, 0)]
+    chain = np.where(p < 0, _ANCHOR, mix3_array(rec[:, 2], rec[:, 0], rec[:, 1]))
+    return irregular, chain, ~(ok | (p < 0))
+
+
+def _splitmix(x, scratch, first: bool = True) -> None:
+    """SplitMix64 of ``x`` (uint64) in place; ``first=False``: its first xorshift is done."""
+    s1, s2, s3 = _SHIFTS
+    if first:
+        np.right_shift(x, s1, out=scratch)
+        np.bitwise_xor(x, scratch, out=x)
+    np.multiply(x, _MUL1, out=x)
+    np.right_shift(x, s2, out=scratch)
+    np.bitwise_xor(x, scratch, out=x)
+    np.multiply(x, _MUL2, out=x)
+    np.right_shift(x, s3, out=scratch)
+    np.bitwise_xor(x, scratch, out=x)
+
+
+def record_hashes(records, h, scratch) -> None:
+    """``h[j]`` = mix3(prev_hash, token, position) of record j (uint64 views), in place: 26 elementwise passes."""
+    s1 = _SHIFTS[0]
+    np.right_shift(records[:, 2], s1, out=scratch)  # the first xorshift reads the column itself
+    np.bitwise_xor(records[:, 2], scratch, out=h)
+    _splitmix(h, scratch, first=False)
+    np.bitwise_xor(h, records[:, 0], out=h)
+    _splitmix(h, scratch)
+    np.bitwise_xor(h, records[:, 1], out=h)
+    _splitmix(h, scratch)
+
+
+def _failures(kind, canary, slot, prev, position, token, sources, mode):
+    """``(hit, rows)``: the indices of the failing entries among ``slot`` (all in range and not
+    the padding slot) and their violation rows, as the reference computes them."""
+    n = slot.shape[0]
+    irregular, irregular_chain, unreachable = _irregular(canary, slot, prev)
+    size = min(n, VERIFY_CHUNK)
+    records = np.empty((size, canary.shape[1]), I64)
+    # hashes[1 + j] = mix3 of record j of the chunk; hashes[0] that of the record before the chunk.
+    hashes, scratch = np.empty(size + 1, U64), np.empty(size, U64)
+    bad, check = np.empty(size, bool), np.empty(size, bool)
+    real_kv = mode != RealKvHashMode.NONE and bool(sources)
+    hits, rows = [], []
+    bounds = np.searchsorted(irregular, np.arange(0, n + size, size)).tolist()  # each chunk's irregular entries
+    any_unreachable = bool(unreachable.any())
+    for k, lo in enumerate(range(0, n, size)):
+        hi = min(lo + size, n)
+        m = hi - lo
+        rec = records[:m]
+        np.take(canary, slot[lo:hi], axis=0, out=rec, mode="clip")  # in range: clip only skips the buffered check
+        u = rec.view(U64)
+        record_hashes(u, hashes[1 : m + 1], scratch[:m])
+        expected = hashes[:m]
+        first, last = bounds[k], bounds[k + 1]
+        if first < last:
+            at = irregular[first:last] - lo
+            expected[at] = irregular_chain[first:last]
+            if any_unreachable:
+                lost = at[unreachable[first:last]]
+                expected[lost] = u[lost, 2]
+        b, c = bad[:m], check[:m]
+        np.not_equal(u[:, 2], expected, out=b)
+        np.not_equal(rec[:, 1], position[lo:hi], out=c)
+        b |= c
+        rkv = ref._as_i64(ref.real_kv_hashes(sources, mode, slot[lo:hi])) if real_kv else 0
+        if real_kv or rec[:, 3].any():  # without sources the expected fingerprint is 0
+            np.not_equal(rec[:, 3], rkv, out=c)
+            b |= c
+        if token is not None:
+            np.not_equal(rec[:, 0], token[lo:hi], out=c)
+            c &= token[lo:hi] != -1
+            b |= c
+        if b.any():
+            at = np.flatnonzero(b)
+            hits.append(at + lo)
+            rows.append(_rows(kind, slot[lo:hi][at], rec[at], expected[at], position[lo:hi][at],
+                              None if token is None else token[lo:hi][at], rkv if np.isscalar(rkv) else rkv[at]))
+        hashes[0] = hashes[m]
+    if not hits:
+        return np.zeros(0, I64), np.zeros((0, ref.VIOLATION_FIELDS), I64)
+    return np.concatenate(hits), np.concatenate(rows)
+
+
+def _rows(kind, slot, rec, expected_chain, position, token, rkv):
+    """The reference's violation rows of failing entries (records ``rec``)."""
+    stored_chain = rec[:, 2].view(U64)
+    bits = np.where(stored_chain != expected_chain, _CHAIN_BIT, 0)
+    bits |= np.where(rec[:, 1] != position, _POSITION_BIT, 0)
+    bits |= np.where(rec[:, 3] != rkv, _REAL_KV_BIT, 0)
+    expected_token = np.full(rec.shape[0], -1, I64) if token is None else token
+    if token is not None:
+        bits |= np.where((token != -1) & (rec[:, 0] != token), _TOKEN_BIT, 0)
+    return ref._rows(kind, slot, rec[:, 1], rec[:, 0], expected_token, rec[:, 2], ref._as_i64(expected_chain), bits)
+
+
+# ----------------------------------------------------------------------------------------------
+# plan + verify (the fused decode step)
+
+
+def plan_verify(a: PlanVerifyArgs) -> None:
+    """:func:`numpy_backend.plan_verify` through this module's plan and verify."""
+    total = int(ref.plan_row_checks(a.plan)[2].sum())
+    scratch = {k: np.empty(total if total <= a.verify_capacity else 0, I64) for k in VERIFY_ENTRY_FIELDS}
+    plan(a.plan._replace(out=a.plan.out._replace(**scratch)), a.verify_capacity)
+    verify(a.verify._replace(**scratch))

@@ -1,0 +1,228 @@
+"""The NumPy backend's fast paths (backends/numpy_fast.py) against its reference (numpy_backend.py):
+every output byte for byte, the ring's row order included, on randomized inputs and edge cases."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import kvcanary_cupy as kc
+from kvcanary_cupy.args import CanaryTarget, VerifyArgs
+from kvcanary_cupy.backends import get_backend, numpy_backend, numpy_fast
+from kvcanary_cupy.binding import log_views
+from kvcanary_cupy.hashing import mix3_array, to_signed
+from conftest import get_backend_or_skip
+from fuzz_cases import STEP_KINDS, make_case, run_case
+
+NUMPY = get_backend_or_skip("numpy")
+
+
+# The plan's two ways of laying out runs: joined slices of the rows, or gathers in groups (tiny ones here).
+PLAN_PATHS = {"slices": dict(SLICE_MIN_RUN=0), "gathers": dict(SLICE_MIN_RUN=10**9, GATHER_GROUP=7)}
+
+
+@pytest.fixture(params=sorted(PLAN_PATHS))
+def plan_path(request, monkeypatch):
+    for name, value in PLAN_PATHS[request.param].items():
+        monkeypatch.setattr(numpy_fast, name, value)
+    return request.param
+
+
+@pytest.fixture
+def reference(monkeypatch):
+    """A context in which the NumPy backend runs its reference plan, verify and plan_verify."""
+    def use_reference():
+        for name in ("plan", "verify", "plan_verify"):
+            monkeypatch.setattr(numpy_fast, name, getattr(numpy_backend, name))
+    return use_reference
+
+
+def assert_identical(want: dict, got: dict, context: str) -> None:
+    for step, (w, g) in enumerate(zip(want["snapshots"], got["snapshots"])):
+        assert w.keys() == g.keys()
+        for key in w:
+            np.testing.assert_array_equal(g[key], w[key], err_msg=f"{context} step {step}: {key}")
+            assert g[key].dtype == w[key].dtype, f"{context} step {step}: {key}"
+
+
+def test_the_numpy_backend_is_the_fast_one():
+    assert get_backend("numpy") is numpy_fast
+    assert numpy_fast.write.__module__ == numpy_fast.__name__  # each call looks the reference's op up
+
+
+@pytest.mark.parametrize("step", STEP_KINDS)
+def test_fuzz_cases_match_the_reference(step, reference, plan_path, monkeypatch):
+    """The differential fuzz cases (every table kind, SWA and LUT, the expected-token pool, overflow,
+    out-of-range values in every input, several buffers, real-KV sources) through the free
+    functions, in small verify chunks so that requests and irregular entries straddle them; each
+    plan path takes its own 48 seeds."""
+    monkeypatch.setattr(numpy_fast, "VERIFY_CHUNK", 5)
+    first = 0 if plan_path == "slices" else 48
+    cases = [(seed, make_case(seed)) for seed in range(first, first + 48)]
+    cases = [(seed, c) for seed, c in cases if step != "fused" or c.buffers == 1]
+    fast = [run_case(NUMPY, c, step=step) for _, c in cases]
+    reference()
+    for (seed, c), got in zip(cases, fast):
+        assert_identical(run_case(NUMPY, c, step=step), got, f"seed {seed} {step}")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_wide_fuzz_cases_and_bound_launchers_match_the_reference(seed, reference, plan_path):
+    """Thousands of requests (several default-size verify chunks), and the bound launchers."""
+    cases = [make_case(10_000 + seed, big=True), make_case(seed)]
+    fast = [run_case(NUMPY, cases[0]), run_case(NUMPY, cases[1], bound=True)]
+    reference()
+    assert_identical(run_case(NUMPY, cases[0]), fast[0], f"big seed {seed}")
+    assert_identical(run_case(NUMPY, cases[1], bound=True), fast[1], f"bound seed {seed}")
+
+
+# ---- plan through a req_to_token: drawn inputs, valid and not ----------------------------------------
+
+
+def _plan_outputs(run, bs, cap, previous_bs):
+    vp, wp = kc.VerifyPlan.allocate(cap), kc.WritePlan.allocate(bs + 3)
+    for a in vp.arrays().values():
+        a[...] = 0x5A5A
+    wp.write_num_valid_reqs[0] = previous_bs
+    run(verify_capacity=cap, out=(vp, wp))
+    return {k: v.copy() for k, v in {**vp.arrays(), **wp.arrays()}.items()}
+
+
+def _draw_plan(rng):
+    bs, rows, cols = int(rng.integers(0, 12)), int(rng.integers(1, 9)), int(rng.integers(1, 40))
+    rtt = rng.integers(-3, 60, (rows, cols)).astype(np.int32)
+    if rng.random() < 0.3:  # a row stride past the width
+        rtt = np.zeros((rows, cols + 5), np.int32)[:, :cols]
+        rtt[...] = rng.integers(-3, 60, (rows, cols))
+    rp = rng.integers(-1, rows + 1, bs)
+    prefix = rng.choice([-1, 0, 1, cols // 2, cols, cols + 1], bs) if rng.random() < 0.3 else rng.integers(0, cols + 1, bs)
+    extend = rng.choice([-1, 0, 1, 2**62], bs) if rng.random() < 0.2 else rng.integers(0, 3, bs)
+    kw = dict(swa_window_size=int(rng.choice([0, 0, 1, 5])),
+              kv_token_id_vs_position_offset=int(rng.choice([0, 1, -2, 2**62, -(2**63), 2**63 - 1])))
+    if kw["swa_window_size"] or rng.random() < 0.4:
+        kw["full_to_swa_index_mapping"] = rng.integers(-2, 70, int(rng.integers(1, 80)))
+    if rng.random() < 0.5:
+        kw["req_to_verify_expected_tokens"] = rng.integers(0, 9, (rows + 1, int(rng.integers(1, cols + 4)))).astype(np.int32)
+        kw["req_to_verify_expected_tokens_valid_lens"] = rng.integers(-2, cols + 4, bs)
+    args = (rp.astype(np.int64), prefix.astype(np.int64), extend.astype(np.int64), kc.ReqToToken(rtt))
+    return args, kw, bs
+
+
+@pytest.mark.parametrize("first", range(0, 600, 200))
+def test_req_to_token_plans_match_the_reference(first, reference, plan_path):
+    """Out-of-range rows, prefixes and extends, padding rows, negative table values, windows, LUTs
+    (short ones clamp), pools with bad valid lengths, token offsets at the ends of int64, tables
+    with a row stride past their width, tight and overflowing capacities, stale rows of an earlier plan."""
+    drawn = []
+    for seed in range(first, first + 200):
+        rng = np.random.default_rng(seed)
+        args, kw, bs = _draw_plan(rng)
+        cap = int(rng.integers(0, 60))
+        drawn.append((seed, args, kw, bs, cap, int(rng.integers(0, bs + 4))))
+
+    def run_all():
+        out = []
+        for _, args, kw, bs, cap, previous in drawn:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", kc.CanaryCapacityWarning)  # the overflowing plans warn
+                out.append(_plan_outputs(lambda **o: kc.plan(*args, **kw, **o), bs, cap, previous))
+        return out
+
+    fast = run_all()
+    reference()
+    for (seed, *_), want, got in zip(drawn, run_all(), fast):
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"seed {seed}: {key}")
+    assert sum(int(f["verify_num_valid"][0]) > 0 for f in fast) > 100  # most plans expand entries
+
+
+# ---- verify: drawn entries straight to the backend ---------------------------------------------------
+
+
+def _chained_canary(rng, num_slots, fields):
+    """Records whose chains follow slot order (slot s's predecessor is s - 1), a few broken."""
+    canary = np.zeros((num_slots, fields), np.int64)
+    canary[:, 0] = rng.integers(-5, 32000, num_slots)
+    canary[:, 1] = np.arange(num_slots) - 1
+    canary[:, 3] = np.where(rng.random(num_slots) < 0.05, 7, 0)
+    for s in range(2, num_slots):
+        canary[s, 2] = to_signed(int(mix3_array(canary[s - 1 : s, 2], canary[s - 1 : s, 0], canary[s - 1 : s, 1])[0]))
+    broken = rng.random(num_slots) < 0.05
+    canary[broken, 2] ^= 1
+    canary[1, 2] = to_signed(int(numpy_fast._ANCHOR))
+    return canary
+
+
+def _verify_args(rng, canary, n, check_token, check_holes, targets=1):
+    num_slots = canary.shape[0]
+    slot = rng.integers(1, num_slots, n)
+    runs = rng.random(n) < 0.7  # mostly runs of consecutive slots, as a plan lays them out
+    for i in range(1, n):
+        if runs[i]:
+            slot[i] = slot[i - 1] % (num_slots - 1) + 1
+    prev = np.concatenate([[-1], slot[:-1]])
+    prev = np.where(rng.random(n) < 0.1, rng.choice([-1, 0, num_slots, num_slots + 9, 1, 2, 3]), prev)
+    prev = np.where(rng.random(n) < 0.1, slot - 1, prev)
+    if rng.random() < 0.5:
+        slot = np.where(rng.random(n) < 0.05, rng.choice([-2, 0, num_slots, 2**62]), slot)
+    position = np.where(rng.random(n) < 0.95, slot - 1, rng.integers(0, 5, n))
+    tokens = np.where(rng.random(n) < 0.8, canary[np.clip(slot, 0, num_slots - 1), 0], rng.integers(-1, 3, n))
+    cap = n + int(rng.integers(0, 3))
+    pad = lambda a: np.concatenate([a, np.full(cap - n, 3, np.int64)]).astype(np.int64)  # noqa: E731
+    log = kc.ViolationLog.allocate(int(rng.choice([2, 64, 4096])))
+    kinds = [int(k) for k in rng.permutation(4)[:targets]]
+    bufs = [canary] + [canary.copy() for _ in range(targets - 1)]
+    for b in bufs[1:]:
+        b[rng.random(num_slots) < 0.1, 1] += 1
+    num_valid = int(rng.choice([n, n + 5, -1, 0])) if rng.random() < 0.2 else n
+    return VerifyArgs(targets=tuple(CanaryTarget(b, k, ()) for b, k in zip(bufs, kinds)), verify_slot_indices=pad(slot),
+                      verify_expected_tokens=pad(tokens), verify_expected_positions=pad(position),
+                      verify_prev_slot_indices=pad(prev), verify_num_valid=np.array([num_valid], np.int32),
+                      enable=np.array([int(rng.random() < 0.95)], np.int32), check_expected_token=check_token,
+                      check_holes=check_holes, real_kv_hash_mode=0, log=log_views(log))
+
+
+def _log_after(verify, args):
+    fresh = lambda a: np.array(a, copy=True)  # noqa: E731
+    log = type(args.log)(*(fresh(a) for a in args.log))
+    verify(args._replace(log=log))
+    return log
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 7, 64, numpy_fast.VERIFY_CHUNK])
+def test_drawn_verifies_match_the_reference(chunk, monkeypatch):
+    """Runs of slots broken anywhere (chunk edges included), predecessors that are the entry before,
+    another slot, the padding slot, past the buffer or none; slots out of range and padding
+    (holes, with check_holes); every kind of mismatch; tokens checked or not; several buffers;
+    small rings that fill; a disabled plan, a num_valid past the entries or negative."""
+    monkeypatch.setattr(numpy_fast, "VERIFY_CHUNK", chunk)
+    for seed in range(150):
+        rng = np.random.default_rng(seed)
+        canary = _chained_canary(rng, int(rng.integers(2, 90)), int(rng.choice([4, 4, 6])))
+        args = _verify_args(rng, canary, int(rng.integers(0, 120)), bool(rng.random() < 0.5), bool(rng.random() < 0.5),
+                            targets=int(rng.choice([1, 1, 2, 3])))
+        want, got = _log_after(numpy_backend.verify, args), _log_after(numpy_fast.verify, args)
+        for name, w, g in zip(want._fields, want, got):
+            np.testing.assert_array_equal(g, w, err_msg=f"seed {seed}: {name}")
+
+
+def test_a_clean_run_of_chains_finds_nothing_and_a_broken_link_is_found_once():
+    """Hand-made: slots 1..5 chained from the anchor; breaking slot 3's token fails slot 4's chain."""
+    rec = np.zeros((6, 4), np.int64)
+    chain = int(numpy_fast._ANCHOR)
+    for s in range(1, 6):
+        rec[s] = [100 + s, s - 1, to_signed(chain), 0]
+        chain = int(mix3_array(rec[s : s + 1, 2], rec[s : s + 1, 0], rec[s : s + 1, 1])[0])
+    vp = kc.VerifyPlan.allocate(5)
+    vp.verify_slot_indices[:] = [1, 2, 3, 4, 5]
+    vp.verify_prev_slot_indices[:] = [-1, 1, 2, 3, 4]
+    vp.verify_expected_positions[:] = [0, 1, 2, 3, 4]
+    vp.verify_expected_tokens[:] = -1
+    vp.verify_num_valid[0] = 5
+    log = kc.ViolationLog.allocate(8)
+    kc.verify(rec, vp, log=log)
+    assert log.read().total_violations == 0
+    rec[3, 0] += 1
+    kc.verify(rec, vp, log=log)
+    assert int(log.violation_counters.sum()) == 1
+    assert log.ring[0, 1:3].tolist() == [4, 3] and log.ring[0, 7] == 1  # slot 4 at 3: VERIFY_CHAIN_HASH_MISMATCH
