@@ -1,4 +1,4 @@
-"""How the benchmark times: CUDA graphs of K calls replayed, eager calls, the copy bandwidth floor."""
+"""How the benchmark times: CUDA graphs of K calls replayed, eager calls, the copy and read bandwidth floors."""
 
 from __future__ import annotations
 
@@ -72,3 +72,27 @@ def copy_bandwidth(cupy) -> float:
     b = cupy.empty_like(a)
     us = time_graph(cupy, lambda: cupy.copyto(b, a), k=5, replays=10)
     return 2 * n / (us * 1e-6)
+
+
+_READ_KERNEL = r"""
+extern "C" __global__ void read_all(const ulonglong2* __restrict__ p, long long n, unsigned long long* out) {
+  unsigned long long acc = 0;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const ulonglong2 v = __ldg(p + i);
+    acc ^= v.x ^ v.y;
+  }
+  if (acc == 0x5eed) *out = acc;  // never true for the ones read: keeps the loads, writes nothing
+}
+"""
+
+
+def read_bandwidth(cupy, nbytes: int = 1 << 31) -> float:
+    """Device read bandwidth in bytes/s: one kernel streaming ``nbytes`` with 16-byte loads and
+    writing nothing (the floor of an op that reads KV and writes a few sums, e.g. a FULL digest)."""
+    n = nbytes // 16
+    a = cupy.ones(n * 2, cupy.uint64)
+    out = cupy.zeros(1, cupy.uint64)
+    kernel = cupy.RawKernel(_READ_KERNEL, "read_all")
+    blocks = cupy.cuda.Device().attributes["MultiProcessorCount"] * 8
+    us = time_graph(cupy, lambda: kernel((blocks,), (256,), (a, cupy.int64(n), out)), k=5, replays=10)
+    return n * 16 / (us * 1e-6)
