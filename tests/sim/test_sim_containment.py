@@ -106,16 +106,11 @@ def test_the_episodes_that_leaked_are_contained_from_the_report():
     assert stats.unattributed == 0, stats.unattributed_examples
 
 
-def test_without_containment_the_same_episodes_leak():
+def test_without_containment_the_same_episodes_leak(monkeypatch):
     """The leak figure sees what containment prevents: an engine that ignores its canary keeps
     running the requests that read bad KV."""
-    config = SimConfig(steps=240, seed=2, rate=1.0, faults=LEAKED_BEFORE)
-    original = sim_engine.Engine.contain
-    try:
-        sim_engine.Engine.contain = lambda self, reported: (set(), set())
-        results, _ = simulate(config)
-    finally:
-        sim_engine.Engine.contain = original
+    monkeypatch.setattr(sim_engine.Engine, "contain", lambda self, reported: (set(), set()))
+    results, _ = simulate(SimConfig(steps=240, seed=2, rate=1.0, faults=LEAKED_BEFORE))
     assert all(f.to_json()["contained"]["leaked_requests"] > 0 for f in results)
 
 
