@@ -13,7 +13,8 @@ the live tables.  Nothing about the fault is used: only the reports and the engi
 the step after a detection, every real slot the fault wrote or mis-addressed (``episode.touched``,
 the null block's excepted) stays poisoned until the engine writes it again (moves and transfers
 carry it along).  A read is bad when the slot's bytes are not the KV of the reader's own token at
-that position (every layer).  A victim of the fault (``episode.victims``, bystanders excepted)
+that position behind its own tokens (every layer; the bytes depend on the context, so a slot a
+fault rewrote with the reader's own KV again reads right).  A victim of the fault (``episode.victims``, bystanders excepted)
 that still reads bad KV after the detection (a table hole, a swapped token), and a request that
 reads a poisoned slot wrong in two steps after it (the first read is the canary's next sighting,
 which containment acts on), *leaked*: it kept reading poisoned KV.  Target: none.
@@ -27,7 +28,7 @@ import numpy as np
 
 from ..constants import FailReason
 from ..containment import poisoned_pages, victims
-from .kvpool import kv_rows
+from .kvpool import kv_rows, prefix_contexts
 from .tables import NULL_BLOCK
 
 
@@ -75,11 +76,14 @@ def contain(engine, reported) -> tuple[set, set]:
 
 def _wrong_positions(pool, req, prefix: int) -> list:
     """Positions of ``req``'s prefix whose slot does not hold the KV bytes of its own token there
-    (every layer, K and V): what it really reads wrong."""
+    (every layer, K and V, behind its own tokens: the bytes depend on the context): what it really reads wrong."""
     xp = pool.kv.xp
     if prefix == 0:
         return []
-    want = kv_rows(xp, req.tokens[:prefix], np.arange(prefix), pool.kv.num_layers, pool.kv.row_bytes)
+    if req.kv_contexts is None:
+        req.kv_contexts = prefix_contexts(req.tokens)
+    want = kv_rows(xp, req.tokens[:prefix], np.arange(prefix), pool.kv.num_layers, pool.kv.row_bytes,
+                   req.kv_contexts[:prefix])
     have = pool.kv.data[:, :, xp.asarray(pool.slots(req, 0, prefix))].transpose(2, 0, 1, 3)
     differs = (want != have).reshape(prefix, -1).any(axis=1)
     return np.nonzero(differs.get() if hasattr(differs, "get") else differs)[0].tolist()

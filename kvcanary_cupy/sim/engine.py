@@ -704,9 +704,9 @@ class Engine:
 
     def blast_radius(self, pool_name: str, ep) -> set:
         """Slots whose violations fault episode ``ep`` explains: the slots it touched, the blocks its
-        victims read or held during the episode (finished victims included), every block of a
-        request holding one of those, and the cached blocks below them (a corrupted record also
-        breaks its successor's chain check)."""
+        victims read or held during the episode and those of any request that read a touched block
+        (finished ones included), every block of a request holding one of those, and the cached
+        blocks below them (a corrupted record also breaks its successor's chain check)."""
         pool = self.pools[pool_name]
         blocks = self._fault_blocks(pool_name, ep)
         slots = {s for p, s in ep.touched if p == pool_name}

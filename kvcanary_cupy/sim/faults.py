@@ -57,11 +57,17 @@ class Episode(NoHook):
         self.touch(dst_pool, [d for s, d in zip(np.asarray(src_slots).tolist(), np.asarray(dst_slots).tolist())
                               if (src_pool.name, s) in self.touched])
 
-    # Hooks: only an armed (not yet fired) fault acts; where victims write is always recorded.
+    # Hooks: only an armed (not yet fired) fault acts; where victims write is always recorded, and
+    # what any request reads whose table holds a block the fault touched (another request's block a
+    # fault wrote into: it reads the fault's records, and may finish in the very step it does).
     def on_batch(self, engine, pool, batch):
+        bs = engine.config.block_size
+        touched = {s // bs for p, s in self.touched if p == pool.name} - {NULL_BLOCK}
         for req in batch.reqs:
             if req in self.victims:
                 self._note_writes(engine, pool.name, req)
+            elif touched and touched.intersection(req.blocks):
+                self.read.update((pool.name, b) for b in req.blocks)
         if self.fired_step is None:
             self.fault.on_batch(engine, self, pool, batch)
 
@@ -288,11 +294,12 @@ class DoubleAllocation(Fault):
         if pool.name == ep.state["pool"] and block == ep.state["block"]:
             ep.hurt(engine, req)
             ep.bystanders.add(req)  # its own writes land there; the first owner reads them as its KV
-            # the corruption exists once the block is held twice: a live request's list or the prefix
-            # cache (the first owner finished and cached it) already holds it; when neither does, this
-            # hand-out is the block's only one, and the next is the bug
-            cached = pool.cache is not None and any(e.block == block for e in pool.cache.entries.values())
-            if cached or any(block in r.blocks for r in pool.running):
+            # the corruption exists once the block is held twice: a live request's list, the prefix
+            # cache (the first owner finished and cached it) or an earlier hand-out not yet in a list (a
+            # transfer allocates all its blocks before the request joins the pool: it may get this block
+            # twice) already holds it, so the count this hand-out raised is above 1; when nobody held
+            # it, this hand-out is the block's only one, and the next is the bug
+            if pool.allocator.refcount[block] > 1:
                 ep.fire(engine)
 
 

@@ -133,7 +133,7 @@ def write_plot(result, path: str, *, name: str = "kvcanary sim") -> str | None:
     ax_lat.legend(handles=[plt.Line2D([], [], color="black", marker="o", linestyle="none", label="median"),
                            plt.Line2D([], [], color=seen, marker="|", markersize=12, markeredgewidth=2, linewidth=2,
                                       label="0 to max")],
-                  loc="lower right", fontsize=8, framealpha=1)
+                  loc="best", fontsize=8, framealpha=1)
     for ax in (ax_rate, ax_lat):
         ax.grid(axis="x", color="0.9")
         ax.set_axisbelow(True)

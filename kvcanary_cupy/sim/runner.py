@@ -3,7 +3,8 @@
 **Attribution.**  One fault is live at a time.  A violation counts as a detection of the live fault
 only if its slot lies in the fault's blast radius (:meth:`Engine.blast_radius`: the slots it
 touched, every slot of a request or cached block path holding a touched block, since a corrupted
-record also breaks its successor's chain check, and the blocks its victims read or wrote).  Every
+record also breaks its successor's chain check, and the blocks its victims read or wrote, or
+any request read whose table held a touched block).  Every
 sighting counts, a repeat of a violation the session saw before included.  An episode ends at its
 first detection or ``window`` steps after it fired.
 
