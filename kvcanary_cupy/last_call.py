@@ -13,7 +13,8 @@ kernels read the values at each launch.  Weak references: the memo never keeps a
 
 Users: :func:`kvcanary_cupy.digest_pages` and :func:`kvcanary_cupy.verify_digest` (digest/memo.py
 says why they stay apart from validation_cache.py), :func:`kvcanary_cupy.verify` and
-:func:`kvcanary_cupy.write` (ops/canary.py), one memo per op.  The canary ops also skip it under
+:func:`kvcanary_cupy.write` (ops/canary.py) and :func:`kvcanary_cupy.plan` (ops/plan_cache.py), one
+memo per op.  The canary ops also skip it under
 ``KVCANARY_FULL_VALIDATION=1`` (:func:`replay_allowed`); every user skips it with ``strict``.
 """
 
@@ -25,7 +26,6 @@ from enum import Enum
 import numpy as np
 
 from .interop import is_torch_tensor
-from .records import ArrayRecord
 from .validation_cache import _kind, full_validation_forced
 
 
@@ -121,13 +121,14 @@ def _add(a, objects: list, values: list) -> bool:
 
 
 def device_arrays(objects: tuple) -> list | None:
-    """The CuPy arrays and torch tensors among ``objects`` and inside their records; None where one
+    """The CuPy arrays and torch tensors among ``objects`` and inside their records (each with an
+    ``arrays()``: plans, the log, a table); None where one
     is not contiguous (the checked path may have launched on a copy, which a replay must not reuse)."""
     found = []
     for o in objects:
         if o is None:
             continue
-        for x in (o.arrays().values() if isinstance(o, ArrayRecord) else (o,)):
+        for x in (o.arrays().values() if _kind(o) is None else (o,)):  # a record (plan, log, table) or an array
             if x is None or _kind(x) not in ("cupy", "torch"):
                 continue
             if not (x.is_contiguous() if is_torch_tensor(x) else x.flags.c_contiguous):

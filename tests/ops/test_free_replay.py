@@ -1,4 +1,4 @@
-"""kc.verify and kc.write replay their last CUDA call (kvcanary_cupy/last_call.py).
+"""kc.plan, kc.verify and kc.write replay their last CUDA call (kvcanary_cupy/last_call.py).
 
 On the fake device (kvcanary_cupy/devtools/fake_cupy.py: launches recorded with each argument's
 bytes and their stream, nothing run): a call with the last call's objects, unchanged, issues the
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
-from kvcanary_cupy.ops import canary
+from kvcanary_cupy.ops import canary, plan_cache
 from kvcanary_cupy.validation_cache import FULL_VALIDATION_ENV
 
 NUM_SLOTS = 256
@@ -64,12 +64,12 @@ def dev(request):
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import fake_device
 
-    canary._VERIFY.clear()
-    canary._WRITE.clear()
+    for memo in (canary._VERIFY, canary._WRITE, plan_cache._PLAN):
+        memo.clear()
     with fake_device(overlap=request.param) as d:
         yield d
-    canary._VERIFY.clear()
-    canary._WRITE.clear()
+    for memo in (canary._VERIFY, canary._WRITE, plan_cache._PLAN):
+        memo.clear()
 
 
 @pytest.fixture
@@ -126,6 +126,49 @@ def test_a_replayed_call_issues_the_checked_launches_on_the_same_stream(dev, scr
         want_side = checked(monkeypatch, lambda: launches(dev, run))
         assert want_side[0][4] == "stream1" and launches(dev, run) == want_side
     assert len(packs) == 3
+
+
+def test_a_replayed_plan_issues_the_checked_launches_copy_and_event(dev, script, monkeypatch):
+    """The plan's launches, then its overflow note (event query, 4-byte copy of enable, event
+    record) on the same stream, every call; a plan into a WritePlan not known clean clears it whole."""
+    from kvcanary_cupy.backends.cuda import ops
+
+    def device_calls():
+        dev.timeline.clear()
+        got = launches(dev, script.plan)
+        return got, [e for e in dev.timeline if e[0] != "launch"]
+
+    packs = counting(monkeypatch, ops, "plan_params")
+    want = checked(monkeypatch, device_calls)  # the fixture's plan (into fresh, clean plans) was remembered
+    assert len(want[0]) >= 1 and [e[0] for e in want[1]] == ["query", "copy", "record"]
+    assert device_calls() == device_calls() == want and len(packs) == 1
+    side = dev.cupy.cuda.Stream()
+    with side:
+        want_side = checked(monkeypatch, device_calls)
+        assert want_side[1][-1][2] == "stream1" and device_calls() == want_side and len(packs) == 2
+    script.wp.__dict__.pop("_kvcanary_clean")  # as a bound planner's or an engine's plan leaves it
+    dirty = device_calls()
+    assert len(packs) == 3 and dirty[0] != want[0]  # checked: clear_whole_capacity set
+    assert device_calls() == want and len(packs) == 4  # clean again: checked once, remembered
+    assert device_calls() == want and len(packs) == 4
+    script.rtt = dev.asarray(dev.to_numpy(script.rtt))  # another table
+    device_calls()
+    assert len(packs) == 5
+    script.prefix.shape = (1, 3)  # reshaped in place
+    got = outcome(script.plan)
+    assert got is not None and got[0] is ValueError and got == checked(monkeypatch, lambda: outcome(script.plan))
+    script.prefix.shape = (3,)
+    device_calls()
+    assert len(packs) == 5  # back as remembered: replayed
+    table = kc.ReqToToken(script.rtt)
+    for _ in range(3):
+        kc.plan(script.rp, script.prefix, script.extend, table, verify_capacity=64, out=(script.vp, script.wp))
+    assert len(packs) == 6  # a ReqToToken record counts by identity
+    from kvcanary_cupy import strict as strict_checks
+
+    monkeypatch.setattr(strict_checks, "check_plan", lambda args: None)  # its host reads: no device here
+    kc.plan(script.rp, script.prefix, script.extend, table, verify_capacity=64, out=(script.vp, script.wp), strict=True)
+    assert len(packs) == 7  # strict checks every call
 
 
 def test_new_objects_and_in_place_changes_take_the_checked_path(dev, script, monkeypatch):
@@ -210,14 +253,14 @@ def test_a_copied_per_step_input_is_never_replayed(dev, script, monkeypatch):
 
 
 def test_numpy_calls_stay_on_the_numpy_path():
-    canary._VERIFY.clear()
-    canary._WRITE.clear()
+    for memo in (canary._VERIFY, canary._WRITE, plan_cache._PLAN):
+        memo.clear()
     s = Script(np.asarray, None)
-    s.plan()
     for _ in range(2):
+        s.plan()
         s.verify()
         s.write()
-    assert canary._VERIFY._entry is None and canary._WRITE._entry is None
+    assert canary._VERIFY._entry is None and canary._WRITE._entry is None and plan_cache._PLAN._entry is None
 
 
 def test_the_memo_keeps_no_array_alive(dev):
@@ -225,9 +268,9 @@ def test_the_memo_keeps_no_array_alive(dev):
     script.plan()
     script.verify()
     script.write()
-    assert canary._VERIFY._entry is not None and canary._WRITE._entry is not None
+    assert None not in (canary._VERIFY._entry, canary._WRITE._entry, plan_cache._PLAN._entry)
     refs = [weakref.ref(x) for x in (script.canary, script.ids, script.vp.verify_slot_indices, script.log.ring,
-                                     script.wp.write_offsets)]
+                                     script.wp.write_offsets, script.rtt, script.prefix)]
     del script
     gc.collect()
     assert [r() is None for r in refs] == [True] * len(refs)
@@ -242,6 +285,7 @@ def test_on_the_device_replayed_steps_leave_the_bytes_of_checked_ones(gpu_ab, mo
         for seed in range(4):
             ids = _step_arrays(_table(), seed)[0]
             s.ids[...] = gpu_ab.asarray(ids)
+            s.prefix[...] = gpu_ab.asarray(PREFIX + seed)  # the plan reads the new values
             s.plan()
             s.verify()
             s.write()
