@@ -3,7 +3,7 @@
 Checks every argument (shapes, dtypes, devices: no device read), views the caller's arrays
 without copying and hands a :class:`~kvcanary_cupy.digest.reference.DigestArgs` to the NumPy
 reference or the CUDA kernels, on the caller's stream.  Capture-safe with ``out=`` given.  A CUDA
-call with the last call's arguments, unchanged, replays its launches without the checks (memo.py).
+call with the last call's arguments, unchanged, replays its launches without the checks (last_call.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from ..validation import I32, I64, check_1d, check_2d_rows, check_contiguous_out
 from . import reference
 from .format import DIGEST_RECORD_FIELDS, DigestRecord, DigestSpec, header_word
 from .layout import KvLayout
-from .memo import LastCall
+from ..last_call import LastCall
 
-_LAST_CALL = LastCall()  # digest_pages' last CUDA call, replayed when the same arguments come back (memo.py)
+_LAST_CALL = LastCall()  # digest_pages' last CUDA call, replayed when the same arguments come back (last_call.py)
 
 
 @dataclass(frozen=True)

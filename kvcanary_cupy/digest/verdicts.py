@@ -17,10 +17,10 @@ from ..tables import TableKind, as_table, table_view
 from ..validation import I32, I64, check_1d, check_contiguous_output, check_int, require
 from . import reference
 from .format import DIGEST_NUM_KINDS, DigestLaunchTag
-from .memo import LastCall
+from ..last_call import LastCall
 from .pages import DigestBatch, batch_views
 
-_LAST_CALL = LastCall()  # verify_digest's last CUDA call, replayed when the same arguments come back (memo.py)
+_LAST_CALL = LastCall()  # verify_digest's last CUDA call, replayed when the same arguments come back (last_call.py)
 
 
 @public_api

@@ -1,12 +1,20 @@
-"""What a free plan remembers of its long-lived arguments (kvcanary_cupy.validation_cache), and a
-remembered plan's per-step checks: the same checks, in the same order, as a plan's first call."""
+"""What a free plan remembers of its long-lived arguments (kvcanary_cupy.validation_cache), a
+remembered plan's per-step checks (the same checks, in the same order, as a plan's first call), its
+last CUDA call replayed (kvcanary_cupy.last_call) and the overflow note every GPU plan leaves."""
 
 from __future__ import annotations
 
+import warnings
+from enum import Enum
+
+import numpy as np
+
 from ..args import PlanArgs
-from ..errors import fail
-from ..interop import backend_view, common_placement
-from ..plans import VerifyPlan, WritePlan, is_clean, scan_state
+from ..errors import CanaryCapacityWarning, fail
+from ..interop import backend_view, common_placement, import_cupy, is_torch_tensor
+from ..last_call import LastCall, call_parts, device_arrays, replay_allowed
+from ..plans import VerifyPlan, WritePlan, is_clean, mark_clean, scan_state
+from ..runtime import is_capturing, launch_stream
 from ..tables import BlockTable, PagedKvIndices, ReqToToken
 from ..validation import I64, check_1d, contiguous_input
 from ..validation_cache import CachedCall, Stamps, call_key
@@ -71,3 +79,99 @@ def replan(args: PlanArgs, step: dict, wp: WritePlan, xp) -> PlanArgs:
                          extend_seq_lens=v["extend_seq_lens"],
                          expected_token_valid_lens=v["req_to_verify_expected_tokens_valid_lens"],
                          clear_whole_capacity=not is_clean(wp))
+
+
+_PLAN = LastCall()  # the free plan's last CUDA call, replayed while the same arguments come back unchanged
+
+
+def plan_parts(arguments: tuple, out, strict: bool):
+    """A free plan's ``(objects, values)`` for its memo (``arguments``: plan's, in order, the table
+    fourth), or None: never replayed (strict, KVCANARY_FULL_VALIDATION=1, out no plan pair, a
+    PagedKvIndices table, NumPy arrays, ...).  The WritePlan's scan state and cleanliness (which
+    the launch's clear_whole_capacity reads) are part of it."""
+    if not (replay_allowed(strict) and type(out) is tuple and len(out) == 2 and type(out[0]) is VerifyPlan
+            and type(out[1]) is WritePlan):
+        return None
+    table = arguments[3]
+    if isinstance(table, (ReqToToken, BlockTable)):
+        records, arguments = (*out, table), arguments[:3] + (None,) + arguments[4:]
+    else:
+        records = out
+    return call_parts(records, (*arguments, scan_state(out[1]), is_clean(out[1])))
+
+
+def replay_plan(parts, out) -> bool:
+    """Replay the memo's launches if ``parts`` are its call's, then what every plan call does after
+    them (mark the WritePlan clean, the overflow note); False where the checked path must run."""
+    hit = _PLAN.get(*parts)
+    if hit is None:
+        return False
+    packed, placement, capacity = hit
+    with launch_stream(placement):
+        packed()
+        mark_clean(out[1])
+        note_overflow(out[0], out[0].enable, placement, capacity, stacklevel=5)
+    return True
+
+
+def packed_plan(parts, placement, args: PlanArgs, capacity: int) -> bool:
+    """On the GPU, launch a checked plan's kernels packed and remember them to be replayed (where
+    every view it launches with is one of the caller's arrays: nothing copied); False: the usual launch."""
+    if parts is None or placement.backend != "cupy":
+        return False
+    arrays = device_arrays(parts[0])
+    if arrays is None or not _views_of(args, {_address(x) for x in arrays}):
+        return False
+    from ..backends.cuda import launch as cuda_launch, ops as cuda_ops
+
+    packed = cuda_launch.PackedLaunches(cuda_ops.plan_launches(args), placement)
+    packed()
+    _PLAN.put(*parts, arrays, (packed, placement, capacity))
+    return True
+
+
+def _address(x) -> int:
+    return x.data_ptr() if is_torch_tensor(x) else x.data.ptr
+
+
+def _views_of(value, addresses: set) -> bool:
+    """Whether every array in ``value`` (the plan's arguments, nested records) starts at one of ``addresses``."""
+    if value is None or isinstance(value, (bool, int, float, str, np.integer, Enum)):
+        return True
+    if isinstance(value, tuple):  # PlanArgs, the table view, PlanOutputs: named tuples
+        return all(_views_of(v, addresses) for v in value)
+    return hasattr(value, "data") and getattr(value.data, "ptr", None) in addresses
+
+
+def note_overflow(vp: VerifyPlan, enable, placement, verify_capacity: int, stacklevel: int = 4) -> None:
+    """Warn once per VerifyPlan record when a free plan into it overflowed ``verify_capacity``.
+
+    Host memory is read at once.  A GPU plan never syncs: an eager call queues a copy of ``enable``
+    (a CuPy view or the caller's torch tensor) into pinned memory behind an event, which the next
+    free plan into the same record reads if the event has completed.  Nothing is allocated or
+    queued while capturing.  ``stacklevel``: the warning's, pointing at the caller of plan."""
+    state = vp.__dict__
+    if state.get("_kvcanary_overflow_warned"):
+        return
+    if placement.backend == "numpy":
+        overflowed = int(enable[0]) == 0
+    else:
+        if is_capturing(placement):  # an event query would invalidate the capture
+            return
+        pending = state.get("_kvcanary_overflow_copy")
+        overflowed = pending is not None and pending[1].done and int(pending[0][0]) == 0
+        if not overflowed:
+            cupy = import_cupy()
+            if pending is None:
+                import cupyx
+
+                pending = (cupyx.empty_pinned((1,), dtype=np.int32), cupy.cuda.Event(disable_timing=True))
+                state["_kvcanary_overflow_copy"] = pending
+            stream, runtime = cupy.cuda.get_current_stream(), cupy.cuda.runtime
+            runtime.memcpyAsync(pending[0].ctypes.data, _address(enable), 4, runtime.memcpyDeviceToHost, stream.ptr)
+            pending[1].record(stream)
+    if overflowed:
+        state["_kvcanary_overflow_warned"] = True
+        warnings.warn(f"kv-canary: a free plan overflowed verify_capacity={verify_capacity}: its verify is skipped "
+                      "(enable == 0); WritePlan.verify_entries_needed() says how many entries it asked for",
+                      CanaryCapacityWarning, stacklevel=stacklevel)  # the caller of plan, past public_api's wrapper

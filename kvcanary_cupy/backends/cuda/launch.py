@@ -23,9 +23,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 
 from ...interop import import_cupy
-from ...runtime import wrapped_torch_stream
+from ...runtime import torch_stream_handle, wrapped_torch_stream
 from . import device
 from .abi import PROGRAMMATIC_STREAM_SERIALIZATION, CuLaunchAttribute, CuLaunchConfig
 from .compile import get_function
@@ -145,3 +146,25 @@ def launch_record(launch: KernelLaunch) -> None:
     c = launch.config
     BoundLaunch(launch.params, device.current_id())(get_function(launch.family, launch.name).kernel, (c.grid,), (c.block,),
                                                    c.shared_mem)
+
+
+class PackedLaunches:
+    """A free call's record launches packed once, to be replayed while its arguments come back
+    unchanged (:mod:`kvcanary_cupy.last_call`): each record's :class:`BoundLaunch` with its kernel,
+    grid, block and shared memory, on the caller's stream read at each call (torch's current one
+    for torch tensors, else CuPy's on the record's device), as :func:`launch_record` launches them."""
+
+    __slots__ = ("calls", "_lock")
+
+    def __init__(self, launches, placement):
+        """``launches``: :class:`KernelLaunch` records, launched in order, on the current device."""
+        torch_stream = torch_stream_handle(placement.device) if placement.framework == "torch" else None
+        device_id = device.current_id()
+        self.calls = tuple((BoundLaunch(x.params, device_id, torch_stream), get_function(x.family, x.name).kernel,
+                            (x.config.grid,), (x.config.block,), x.config.shared_mem) for x in launches)
+        self._lock = threading.Lock()  # an overlapped launch sets its stream then launches: one thread at a time
+
+    def __call__(self) -> None:
+        with self._lock:
+            for bound, fn, grid, block, shared_mem in self.calls:
+                bound(fn, grid, block, shared_mem)

@@ -31,7 +31,7 @@ from .params import (KernelLaunch, ParamSlots, has_real_kv, kernel_arguments, le
 # bound launchers bind with.
 __all__ = ["move", "plan", "plan_verify", "plan_verify_stores_entries", "prepare_stage", "scatter", "verify", "write",
            "BoundLaunch", "BoundStage", "ParamSlots", "get_function", "has_real_kv", "narrow_layout", "plan_kernels", "plan_params",
-           "plan_verify_launch", "table_fields", "verify_launch", "write_kernel", "write_launch"]
+           "plan_launches", "plan_verify_launch", "table_fields", "verify_launch", "write_kernel", "write_launch"]
 
 
 def _launch(family: str, name: str, config, args: tuple) -> None:
@@ -77,6 +77,15 @@ def plan(a: PlanArgs) -> None:
     for family, name, config in plan_kernels(view_layout(a.table), a.prefix_lens.shape[0], a.out.verify_slot_indices.shape[0],
                                              a.swa_lut is not None, a.expected_token_pool is not None):
         launch(get_function(family, name).kernel, (config.grid,), (config.block,), config.shared_mem)
+
+
+def plan_launches(a: PlanArgs) -> list:
+    """The plan's launches, as :func:`plan` makes them, each a :class:`KernelLaunch` of one shared record."""
+    params = plan_params(a)
+    return [KernelLaunch(family, name, config, params)
+            for family, name, config in plan_kernels(view_layout(a.table), a.prefix_lens.shape[0],
+                                                     a.out.verify_slot_indices.shape[0], a.swa_lut is not None,
+                                                     a.expected_token_pool is not None)]
 
 
 def input_widths(input_ids, positions, out_cache_loc) -> int:
