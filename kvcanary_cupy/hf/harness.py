@@ -34,6 +34,7 @@ class Harness:
         self.torch, self.model, self.fault, self.rng, self.progress = torch, model, fault, rng, progress
         self.version = parse_version(transformers.__version__)
         self.steps = self.step = 0
+        self.written_tokens = 0  # KV stores the engine's steps made (each checked by the lost-store check)
         self._prepare, self._inner, self._outer, self._update = [], [], [], []
         self._timers = False
         self._model_undo: list = []
@@ -123,6 +124,7 @@ class Harness:
                 if self.fault is not None:
                     self.fault.after_prepare(self)
                 self._prepare.append((time.perf_counter() - t0) * 1e6)
+                self.written_tokens += sum(fs.query_length for fs in self.io.requests_in_batch)  # untimed
             return ready
         return prepare_next_batch
 
@@ -133,11 +135,11 @@ class Harness:
                 original(model, batch_data)
             else:
                 self.fault.around_compute(self, lambda: original(model, batch_data))
-            self._inner.append((time.perf_counter() - t0) * 1e6)
             self.step += 1
             self.steps += 1
             if self.progress is not None:
                 self.progress(1)
+            self._inner.append((time.perf_counter() - t0) * 1e6)  # the progress bar is not the canary's
         return compute_batch
 
     @property
