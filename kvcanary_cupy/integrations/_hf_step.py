@@ -48,7 +48,10 @@ class _History:
             grown = np.zeros(2 * end, np.int32)
             grown[: self.n] = self.tokens[: self.n]
             self.tokens = grown
-        if end > self.n:
+        if end == self.n + 1:  # a decode step's one new token: a scalar store
+            self.tokens[self.n] = generated[-1]
+            self.n = end
+        elif end > self.n:
             self.tokens[self.n : end] = generated[self.n - self.prompt :]
             self.n = end
         return self.tokens
@@ -96,6 +99,8 @@ class StepCanary:
         self._pool_host = np.zeros((max_bs, width), np.int32)
         self._pool = None  # the device copy on a GPU (grown with the host pool)
         self._pool_fill = [(None, 0)] * max_bs  # per pool row: (history, tokens of it the row holds)
+        self._pool_view = None  # (host pool, its torch view) on the CPU
+        self._cpu = self.device.type == "cpu"
         self._histories: dict = {}
         self.rewrites: set = set()  # (step, canary slot) of writes into complete blocks (5.17's shared rewrite)
         # step -> (request id, past length, query length, its block list) of each batch row, for naming a
@@ -216,11 +221,13 @@ class StepCanary:
         layout, size = self.layout, self.layout.block_size
         if layout.version >= FLAT_CACHE or not layout.cache.use_prefix_sharing:  # 5.23 never writes a complete block
             return
+        blocks_by_id = layout.cache._block_manager._id_to_block  # layout.is_complete, inline: a lookup per block
         for fs, past in zip(requests, pasts):
             blocks = tables.get(fs.state.request_id, ())
             end = past + fs.query_length
             for b in range(past // size, min((end - 1) // size + 1, len(blocks))):
-                if layout.is_complete(blocks[b]):
+                block = blocks_by_id.get(blocks[b])
+                if block is not None and block.is_complete:
                     for p in range(max(past, b * size), min(end, (b + 1) * size)):
                         self.rewrites.add((self.step, layout.canary_page(blocks[b]) * size + p % size))
 
@@ -248,7 +255,10 @@ class StepCanary:
             held, n = fill[i]  # row i already holds the first n tokens of held's history (a token's place never changes)
             if held is not h:
                 n = 0
-            if past > n:
+            if past == n + 1:
+                host[i, n] = h.update()[n]
+                fill[i] = (h, past)
+            elif past > n:
                 host[i, n:past] = h.update()[n:past]
                 fill[i] = (h, past)
             elif held is not h:
@@ -258,8 +268,10 @@ class StepCanary:
         else:
             self._histories.update(live)
         bs = len(requests)
-        if self.device.type == "cpu":
-            return self.torch.from_numpy(host)[:bs, : max(width, 1)]
+        if self._cpu:
+            if self._pool_view is None or self._pool_view[0] is not host:
+                self._pool_view = (host, self.torch.from_numpy(host))
+            return self._pool_view[1][:bs, : max(width, 1)]
         if self._pool is None:
             self._pool_pinned = self.torch.from_numpy(host).pin_memory()
             self._pool = self.torch.zeros(host.shape, dtype=self.torch.int32, device=self.device)
