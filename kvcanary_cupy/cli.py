@@ -154,6 +154,9 @@ def _add_hf(sub) -> None:
                    help="fault classes to inject, or all (see --list-faults)")
     p.add_argument("--rounds", type=int, default=2, help="runs per fault class")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model, its KV cache and the canary run")
+    p.add_argument("--sglang-coverage", action="store_true",
+                   help="the record's coverage alone, as SGLang's canary: no deep fingerprints of every layer, no "
+                        "lost-store check (a flip outside the fingerprinted layers and a lost KV store are then blind)")
     p.add_argument("--json", default="kvcanary-hf.json", metavar="PATH", help="report file ('' for none)")
     p.add_argument("--plot", default="kvcanary-hf.png", metavar="PATH", help="PNG plot ('' for none; needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
@@ -161,11 +164,14 @@ def _add_hf(sub) -> None:
 
 
 def _run_hf(args) -> int:
+    from .hf.config import HfEngineConfig
     from .hf.faults import FAULTS
 
+    engine = HfEngineConfig.sglang_coverage() if args.sglang_coverage else HfEngineConfig()
     if args.list_faults:
         for name, cls in FAULTS.items():
-            print(f"{name}: {cls.description}" + ("" if cls.detectable_with() else f" [blind by design: {cls.why_not_detectable}]"))
+            blind = "" if cls.detectable_with(engine=engine) else f" [blind by design: {cls.why_not_detectable}]"
+            print(f"{name}: {cls.description}{blind}")
         return 0
     try:
         import torch
@@ -184,7 +190,7 @@ def _run_hf(args) -> int:
     from .hf import HfConfig, run
 
     try:
-        config = HfConfig(seed=args.seed, faults=args.faults, rounds=args.rounds, device=args.device)
+        config = HfConfig(seed=args.seed, faults=args.faults, rounds=args.rounds, device=args.device, engine=engine)
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2

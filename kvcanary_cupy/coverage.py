@@ -169,7 +169,8 @@ def tail_buffer(num_slots: int, deep_kv_sources, like):
     return allocate_canary_buffer(num_slots, like=like)
 
 
-def build(session, like, deep_kv_sources, deep_check_slots, check_lost_stores: bool, max_step_tokens) -> KvCoverage:
+def build(session, like, deep_kv_sources, deep_check_slots, check_lost_stores: bool, max_step_tokens,
+          lost_kv_sources=()) -> KvCoverage:
     """The coverage checks of ``session`` (a CanarySession whose buffers and launchers exist), its options checked.
 
     Parameters
@@ -185,10 +186,15 @@ def build(session, like, deep_kv_sources, deep_check_slots, check_lost_stores: b
         any layer is caught within :attr:`KvCoverage.deep_check_period` steps.
     check_lost_stores : bool
         Flag a write slot whose bytes the forward left unchanged (``WRITE_KV_NOT_STORED``), by the
-        deep sources or else the real-KV sources; needs ``max_step_tokens``.
+        ``lost_kv_sources``, else the deep sources, else the real-KV sources; needs ``max_step_tokens``.
     max_step_tokens : int, optional
         The most tokens one step writes (the lost-store snapshot's size); more are not checked,
         counted in ``stats["out_of_range_skipped"]`` (the TAIL tag's out-of-range counter).
+    lost_kv_sources : sequence of RealKvSource, optional
+        The sources the lost-store check compares instead (any number; folded under the session's
+        ``real_kv_hash_mode``, ``ALL`` when it is ``NONE``): leave out a source whose bytes do not
+        depend on the token's position and prefix (a first layer's V is the same for the same
+        token anywhere), where a legitimate store of the same token leaves identical bytes.
 
     Returns
     -------
@@ -198,7 +204,7 @@ def build(session, like, deep_kv_sources, deep_check_slots, check_lost_stores: b
     num_slots, backend = session.num_slots, session._placement.backend
     real_kv_sources, real_kv_hash_mode = session.real_kv_sources, session.real_kv_hash_mode
 
-    deep_kv_sources = tuple(deep_kv_sources)
+    deep_kv_sources, lost_kv_sources = tuple(deep_kv_sources), tuple(lost_kv_sources)
     if not isinstance(check_lost_stores, (bool, np.bool_)):
         fail(TypeError, f"check_lost_stores must be a bool, got {type(check_lost_stores).__name__}")
     if deep_check_slots is not None and not deep_kv_sources:
@@ -209,13 +215,18 @@ def build(session, like, deep_kv_sources, deep_check_slots, check_lost_stores: b
                             name="deep_kv_sources")
         deep_check_slots = DEFAULT_DEEP_CHECK_SLOTS if deep_check_slots is None else check_count(
             deep_check_slots, "deep_check_slots", positive=True)
+    if lost_kv_sources and not check_lost_stores:
+        fail(ValueError, "lost_kv_sources needs check_lost_stores=True (they are the bytes the lost-store check compares)")
     lost = None
     if check_lost_stores:
         if max_step_tokens is None:
             fail(ValueError, "check_lost_stores=True needs max_step_tokens (the most tokens one step writes; the "
                              "snapshot of their slots is allocated once)")
         max_step_tokens = check_count(max_step_tokens, "max_step_tokens", positive=True)
-        if deep is not None:
+        if lost_kv_sources:
+            lost = pack_sources(lost_kv_sources, real_kv_hash_mode if real_kv_hash_mode != RealKvHashMode.NONE
+                                else RealKvHashMode.ALL, num_slots, like=like, backend=backend, name="lost_kv_sources")
+        elif deep is not None:
             lost = deep
         elif real_kv_sources and real_kv_hash_mode != RealKvHashMode.NONE:
             lost = pack_sources(real_kv_sources, real_kv_hash_mode, num_slots, like=like, backend=backend,

@@ -85,26 +85,51 @@ _U64_S3 = np.uint64(SPLITMIX64_SHIFT3)
 
 def _as_u64(x) -> np.ndarray:
     x = np.asarray(x)
+    if x.dtype == np.uint64:
+        return x
     return x.view(np.uint64) if x.dtype == np.int64 else x.astype(np.uint64)
+
+
+# The constants as 0-d arrays: a ufunc converts a scalar operand on every call (about half a
+# microsecond each, which the per-step host time of the NumPy backend feels).
+_A_MUL1, _A_MUL2, _A_S1, _A_S2, _A_S3 = (np.array(c) for c in (_U64_MUL1, _U64_MUL2, _U64_S1, _U64_S2, _U64_S3))
+
+
+def _splitmix64_inplace(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 of the uint64 array ``x`` in place (array ufuncs wrap modulo 2**64 and never warn;
+    one scratch array for the shifts)."""
+    t = np.right_shift(x, _A_S1, out=np.empty_like(x))  # out=: an array even when x is 0-d
+    np.bitwise_xor(x, t, out=x)
+    np.multiply(x, _A_MUL1, out=x)
+    np.right_shift(x, _A_S2, out=t)
+    np.bitwise_xor(x, t, out=x)
+    np.multiply(x, _A_MUL2, out=x)
+    np.right_shift(x, _A_S3, out=t)
+    np.bitwise_xor(x, t, out=x)
+    return x
 
 
 def splitmix64_array(x) -> np.ndarray:
     """Element-wise SplitMix64 finaliser of a NumPy integer array (int64 read as uint64)."""
-    x = _as_u64(x).copy()
-    with np.errstate(over="ignore"):
-        x ^= x >> _U64_S1
-        x *= _U64_MUL1
-        x ^= x >> _U64_S2
-        x *= _U64_MUL2
-        x ^= x >> _U64_S3
-    return x
+    x = np.asarray(x)
+    return _splitmix64_inplace(x.view(np.uint64).copy() if x.dtype == np.int64 else x.astype(np.uint64))
+
+
+def splitmix64_xor(acc: np.ndarray, x) -> np.ndarray:
+    """``splitmix64(acc ^ x)`` into ``acc`` (a uint64 array the caller owns; ``x`` broadcasts to it)."""
+    np.bitwise_xor(acc, _as_u64(x), out=acc)
+    return _splitmix64_inplace(acc)
 
 
 def mix3_array(a, b, c) -> np.ndarray:
     """Element-wise ``mix3`` of NumPy integer arrays; returns ``uint64``."""
     h = splitmix64_array(a)
-    h = splitmix64_array(h ^ _as_u64(b))
-    return splitmix64_array(h ^ _as_u64(c))
+    if not (np.shape(b) == h.shape == np.shape(c)):
+        shape = np.broadcast_shapes(h.shape, np.shape(b), np.shape(c))
+        if shape != h.shape:  # b or c widen the result
+            h = np.broadcast_to(h, shape).copy()
+    splitmix64_xor(h, b)
+    return splitmix64_xor(h, c)
 
 
 def splitmix64(x: int | np.ndarray) -> int | np.ndarray:

@@ -12,9 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvcanary_cupy import ViolationReport  # noqa: E402
+from kvcanary_cupy import FailReason, ViolationReport  # noqa: E402
 from kvcanary_cupy.hf import CLEAN_CONFIGS, FAULTS, HfEngineConfig  # noqa: E402
 from kvcanary_cupy.hf.runner import configs, run_engine, tiny_llama, workload  # noqa: E402
+from kvcanary_cupy.integrations._base import CanaryOptions  # noqa: E402
 from kvcanary_cupy.integrations._hf_layout import FLAT_CACHE, parse_version  # noqa: E402
 from kvcanary_cupy.integrations.transformers import SHARED_BLOCK_REWRITE, attach  # noqa: E402
 
@@ -53,10 +54,14 @@ def test_clean_configurations_report_nothing_unexplained_and_generate_the_same_t
         assert len(seen.outputs) == 8 and s["engine_steps"] > plain.steps - 1
 
 
+#: What each class the record alone cannot see is first reported as, with the job's coverage options.
+COVERAGE_REASONS = {"bitflip_unfingerprinted_layer": "verify_deep_kv", "lost_kv_store": "write_kv_not_stored"}
+
+
 @pytest.mark.parametrize("name", list(FAULTS))
 def test_each_fault_class_is_caught_or_documented_as_missed(model, name):
     fault = FAULTS[name]()
-    outcome = run_engine(model, ENGINE, {}, seed=11, fault=fault)
+    outcome = run_engine(model, ENGINE, fault.overrides, seed=11, fault=fault)
     assert fault.fired_step is not None, f"{name} never fired"
     before = [v for v in outcome.violations if v.first_step < fault.fired_step]
     after = [v for v in outcome.violations if v.first_step >= fault.fired_step]
@@ -65,7 +70,9 @@ def test_each_fault_class_is_caught_or_documented_as_missed(model, name):
         assert after == [], f"{name} is documented as missed by design but was reported"
         return
     assert after, f"{name} was not reported"
-    assert min(v.first_step for v in after) - fault.fired_step <= 1
+    assert min(v.first_step for v in after) - fault.fired_step <= 1  # the deep rotation's period is 2 steps
+    if name in COVERAGE_REASONS:
+        assert min(after, key=lambda v: v.first_step).reasons == COVERAGE_REASONS[name]
     named = {r for v in after for r in v.request_ids}
     request_victims = [v for v in fault.victims if not v.startswith("block ")]
     # A misdirected write, a double free and a stale hit are reported by whoever reads the slots they
@@ -73,6 +80,61 @@ def test_each_fault_class_is_caught_or_documented_as_missed(model, name):
     if request_victims and name not in ("write_index_off_by_one", "double_free", "stale_prefix_hit"):
         assert named & set(request_victims), (named, fault.victims)
     assert named  # every report row names the requests (or the swept cached paths) behind it
+
+
+def test_every_class_is_visible_with_the_jobs_coverage_and_two_are_blind_with_the_record_alone(model):
+    """kvcanary hf runs with deep fingerprints of every layer and the lost-store check; without them
+    (--sglang-coverage) a flip outside the fingerprinted layers and a lost store are missed, as documented."""
+    record_only = HfEngineConfig.sglang_coverage()
+    assert all(f.detectable_with() for f in FAULTS.values())
+    assert {n for n, f in FAULTS.items() if not f.detectable_with(engine=record_only)} == set(COVERAGE_REASONS)
+    for name in COVERAGE_REASONS:
+        fault = FAULTS[name]()
+        outcome = run_engine(model, record_only, fault.overrides, seed=11, fault=fault)
+        assert fault.fired_step is not None and outcome.violations == (), name
+        assert not {"verify_deep_kv", "write_kv_not_stored"} & set(outcome.stats["violations_by_reason"])
+
+
+@pytest.mark.parametrize("flags, blind", [((), set()), (("--sglang-coverage",), set(COVERAGE_REASONS))])
+def test_kvcanary_hf_lists_the_classes_its_coverage_cannot_see(capsys, flags, blind):
+    from kvcanary_cupy.cli import main
+
+    assert main(["hf", "--list-faults", *flags]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == list(FAULTS)
+    assert {line.split(":")[0] for line in lines if "[blind by design:" in line} == blind
+
+
+def test_coverage_options_reach_the_session(model):
+    """deep_kv_layers="all": every layer's K and V, every slot re-fingerprinted within deep_check_period
+    steps; check_lost_stores compares layers 1 and up (layer 0's bytes depend on the token and position alone)."""
+    cb, gen, _, _ = configs(ENGINE, {})
+    with attach(model, deep_kv_layers="all", deep_check_period=3, check_lost_stores=True) as canary:
+        model.generate_batch([[1, 2, 3, 4, 5]], generation_config=gen, continuous_batching_config=cb, progress_bar=False)
+    coverage = canary.sessions[0].coverage
+    layers = ENGINE.num_layers
+    assert canary.deep_kv_layers == (tuple(range(layers)),) and canary.fingerprinted_layers == ((0, 1, 2, 3),)
+    assert coverage.deep.count == 2 * layers and coverage.lost.count == 2 * (layers - 1)
+    assert coverage.lost.bytes_per_slot == 2 * (layers - 1) * 16  # PARTIAL, the session's mode
+    assert coverage.deep_check_period == 3 and canary.sessions[0].tail_canary.shape[1] == 6
+    with attach(model) as plain:  # off by default: SGLang's 32-byte record
+        model.generate_batch([[1, 2, 3]], generation_config=gen, continuous_batching_config=cb, progress_bar=False)
+    assert plain.sessions[0].coverage.deep is None and plain.sessions[0].coverage.lost is None
+    assert plain.deep_kv_layers == ((),) and plain.sessions[0].tail_canary.shape[1] == 4
+
+
+def test_a_lost_store_row_in_a_slot_never_stamped_is_a_labelled_finding(model):
+    """A slot's first store since attach is compared with the allocator's leftovers (the cache is
+    torch.empty): a row there (its former record's prev_hash 0) is labelled, reported, not unexplained."""
+    from kvcanary_cupy.integrations.transformers import FIRST_STORE_UNCHANGED
+    from kvcanary_cupy.reporting import Violation
+
+    canary = attach(model, check_lost_stores=True)
+    lost = FailReason.WRITE_KV_NOT_STORED.value
+    fresh = Violation(2, 9, 1, 0, 318, 0, 1, lost)
+    reused = Violation(2, 9, 1, 57, 318, 0x5DA1989DCE7DACFD, 1, lost)
+    assert canary.classify(0, fresh) == FIRST_STORE_UNCHANGED and canary.classify(0, reused) is None
+    canary.detach()
 
 
 def test_the_517_rewrite_of_a_shared_block_is_a_labelled_finding(model):
@@ -174,6 +236,18 @@ def test_bad_options_targets_and_versions_are_refused(model, monkeypatch):
         attach(model, on_violation="shout")
     with pytest.raises(TypeError, match=r"^kv-canary: attach\(\) takes a transformers model with continuous batching"):
         attach(object())
+    with pytest.raises(TypeError, match=r"^kv-canary: check_lost_stores must be a bool, got int"):
+        attach(model, check_lost_stores=1)
+    with pytest.raises(ValueError, match=r"^kv-canary: deep_check_period must be >= 1"):
+        attach(model, deep_kv_layers="all", deep_check_period=0)
+    with pytest.raises(ValueError, match=r"^kv-canary: deep_kv_layers \[9\] past the model's 5 layers"):
+        attach(model, deep_kv_layers=[0, 9])
+    one_layer = tiny_llama(HfEngineConfig(num_layers=1), "cpu", seed=0)
+    with pytest.raises(ValueError, match=r"^kv-canary: check_lost_stores=True needs a model of two or more layers"):
+        attach(one_layer, check_lost_stores=True)
+    with pytest.raises(TypeError, match=r"^kv-canary: vLLM attach\(\) got unknown option\(s\) deep_kv_layers"):
+        CanaryOptions.from_options("vLLM", {"deep_kv_layers": "all"})  # the coverage options are transformers' own
+    assert "init_continuous_batching" not in vars(model)
     # transformers' lazy module may have been re-registered since this file imported it: patch the live one
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.16.1")
     with pytest.raises(ImportError, match=r"^kv-canary: transformers 5.16.1 is outside the supported range 5.17.0 <= version < 5.26$"):

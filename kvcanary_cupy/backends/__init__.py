@@ -40,11 +40,16 @@ class Backend(Protocol):
         """A callable ``stage(stamp, stream=None, staging=None)`` that stages one step's record."""
 
 
+_loaded: dict = {}  # name -> module: the bound launchers ask on every launch
+
+
 def get_backend(name: str) -> Backend:
+    backend = _loaded.get(name)
+    if backend is not None:
+        return backend
     if name == "numpy":
-        from . import numpy_fast  # the reference, numpy_backend, with its fast paths
-
-        return numpy_fast
-    from .cuda import ops
-
-    return ops
+        from . import numpy_fast as backend  # the reference, numpy_backend, with its fast paths
+    else:
+        from .cuda import ops as backend
+    _loaded[name] = backend
+    return backend

@@ -15,12 +15,17 @@ import numpy as np
 from ..args import (STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_ENTRY_FIELDS, CanaryTarget, CopyArgs, LogViews, MoveArgs, PlanArgs,
                     PlanVerifyArgs, ScatterArgs, SourceView, StageArgs, TableView, VerifyArgs, WriteArgs, stage_rings)
 from ..constants import (
+    SPLITMIX64_MUL1,
+    SPLITMIX64_MUL2,
+    SPLITMIX64_SHIFT1,
+    SPLITMIX64_SHIFT2,
+    SPLITMIX64_SHIFT3,
     FailReason,
     RealKvHashMode,
     REAL_KV_PARTIAL_BYTES,
     VIOLATION_FIELDS,
 )
-from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_array
+from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_xor
 from ..tables import TableKind
 from ..validation import I64
 
@@ -87,6 +92,9 @@ def table_slots(t: TableView, base: np.ndarray, pos: np.ndarray):
         physical = v2p[np.where(negative | past, 0, page)]
         slots = np.where(past | (physical == -1), 0, page_slot(physical, t.page_size, offset))
         return np.where(negative, values, slots), int(np.count_nonzero(past))
+    if t.page_size == 1 and t.kind == TableKind.PAGED_KV:  # page_slot(ids, 1, 0): ids, INT64_MIN raised to -MAX
+        ids = t.entries[base + pos]
+        return (np.maximum(ids, -_I64_MAX) if ids.dtype == I64 else ids.astype(I64)), 0
     page, offset = np.divmod(pos, t.page_size)
     if t.kind == TableKind.BLOCK:
         ids = t.entries[base, page].astype(I64)
@@ -119,7 +127,7 @@ def plan_row_checks(a: PlanArgs):
 
     window = a.swa_window_size
     verify_start = np.maximum(prefix - window, 0) if window > 0 else np.zeros_like(prefix)
-    verify_end = np.clip(prefix, 0, rows.length)
+    verify_end = np.minimum(np.maximum(prefix, 0), rows.length)  # rows.length >= 0
     verify_len = np.where(rows.active & rows.ok, np.maximum(verify_end - verify_start, 0), 0)
     write_len = np.where(rows.active & extend_ok, extend, 0)
     seed_ok = rows.active & rows.ok & prefix_ok & (prefix > 0) & (write_len > 0)
@@ -191,7 +199,7 @@ def plan(a: PlanArgs, verify_capacity: int | None = None, expand=None) -> None:
     stale_end = stale_rows_end(a)
 
     prefix = np.asarray(a.prefix_lens, I64)
-    seed_rows = np.nonzero(seed_ok)[0]
+    seed_rows = seed_ok.nonzero()[0]
     seeds = np.full(bs, -1, I64)
     if seed_rows.size:
         seeds[seed_rows], seed_errors = _slots(a, rows.base[seed_rows], prefix[seed_rows] - 1)
@@ -228,19 +236,57 @@ def plan(a: PlanArgs, verify_capacity: int | None = None, expand=None) -> None:
 HASH_CHUNK_BYTES = 1 << 20
 
 
-def _strip_hashes(src: SourceView, nbytes: int, slots: np.ndarray) -> np.ndarray:
-    pool_slots = slots - src.slot_offset
-    below = pool_slots < 0  # no KV bytes: the strip's hash stays 0, as the kernels fold it
-    pool_slots = np.where(below, 0, pool_slots)
-    row = pool_slots // src.page_size
-    col = src.byte_offset + (pool_slots % src.page_size) * src.stride
-    offsets = np.arange(nbytes) if src.unit == 16 else src.stream_offsets(nbytes)
-    words = np.ascontiguousarray(src.data[row[:, None], col[:, None] + offsets]).view("<u8")
-    h = np.zeros(slots.shape[0], np.uint64)
-    for w in range(words.shape[1]):
-        h = splitmix64_array(h ^ words[:, w])
-    h[below] = 0
-    return h
+def _pool_slots(slots: np.ndarray, slot_offset: int):
+    """The pool slots a source of ``slot_offset`` reads for canary ``slots`` (0 below it), and which
+    slots lie below it (no KV bytes: their strip's hash stays 0, as the kernels fold it; None: none)."""
+    if not slot_offset:
+        return slots, None
+    pool_slots = slots - slot_offset
+    below = pool_slots < 0
+    if not np.count_nonzero(below):
+        return pool_slots, None
+    return np.where(below, 0, pool_slots), below
+
+
+def _strip_words(src: SourceView, nbytes: int, pool_slots: np.ndarray) -> np.ndarray:
+    """The first ``nbytes`` bytes of each pool slot's stream as little-endian words ``uint64 [n, nbytes // 8]``."""
+    if src.page_size == 1 and src.unit == 16:  # one row per slot, its bytes contiguous from byte_offset
+        words = np.ascontiguousarray(src.data[pool_slots, src.byte_offset : src.byte_offset + nbytes])
+    else:
+        row = pool_slots // src.page_size
+        col = src.byte_offset + (pool_slots % src.page_size) * src.stride
+        offsets = np.arange(nbytes) if src.unit == 16 else src.stream_offsets(nbytes)
+        words = np.ascontiguousarray(src.data[row[:, None], col[:, None] + offsets])
+    return words.view("<u8")
+
+
+def strip_hashes(sources: tuple, slots: np.ndarray) -> np.ndarray:
+    """uint64 ``[len(sources), len(slots)]``: each source's strip fold (``acc = splitmix64(acc ^ w)``
+    over its words) of each slot; ``sources`` are ``(SourceView, nbytes)`` pairs.  Sources of one
+    ``nbytes`` are folded together, word by word, in chunks of at most ``HASH_CHUNK_BYTES``."""
+    out = np.zeros((len(sources), slots.shape[0]), np.uint64)
+    groups: dict = {}
+    for j, (_, nbytes) in enumerate(sources):
+        groups.setdefault(nbytes, []).append(j)
+    for nbytes, members in groups.items():
+        step = max(1, HASH_CHUNK_BYTES // (nbytes * len(members)))
+        for lo in range(0, slots.shape[0], step):
+            part, placed = slots[lo : lo + step], {}  # slot_offset -> (pool slots, below)
+            for j in members:
+                offset = sources[j][0].slot_offset
+                if offset not in placed:
+                    placed[offset] = _pool_slots(part, offset)
+            words = np.stack([_strip_words(sources[j][0], nbytes, placed[sources[j][0].slot_offset][0])
+                              for j in members])  # [sources, n, words]
+            h = np.zeros(words.shape[:2], np.uint64)
+            for w in range(words.shape[2]):
+                splitmix64_xor(h, words[:, :, w])
+            for j, row in zip(members, h):
+                below = placed[sources[j][0].slot_offset][1]
+                if below is not None:
+                    row[below] = 0
+            out[members, lo : lo + step] = h
+    return out
 
 
 def real_kv_hashes(sources: tuple, mode: int, slots: np.ndarray) -> np.ndarray:
@@ -248,12 +294,9 @@ def real_kv_hashes(sources: tuple, mode: int, slots: np.ndarray) -> np.ndarray:
     acc = np.zeros(slots.shape[0], np.uint64)
     if mode == RealKvHashMode.NONE or not sources or slots.size == 0:
         return acc
-    for src in sources:
-        src: SourceView
-        nbytes = REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else src.read_bytes
-        step = max(1, HASH_CHUNK_BYTES // nbytes)
-        h = np.concatenate([_strip_hashes(src, nbytes, slots[lo : lo + step]) for lo in range(0, slots.shape[0], step)])
-        acc = splitmix64_array(acc ^ h)
+    pairs = tuple((src, REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else src.read_bytes) for src in sources)
+    for h in strip_hashes(pairs, slots):
+        splitmix64_xor(acc, h)
     return acc
 
 
@@ -290,14 +333,36 @@ def _rows(kind, slot, position, stored_token, expected_token, chain, aux, bits) 
 # ----------------------------------------------------------------------------------------------
 # write
 
+#: Per caller ("verify", "write"): the last records ``_next_chains`` hashed and the result.  A step's
+#: HEAD and TAIL launches hash the same records of both buffers when they agree: the second reuses it.
+_last_records: dict = {}
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """``np.array_equal`` of two arrays of one dtype, without its conversions."""
+    return a.shape == b.shape and not np.count_nonzero(a != b)
+
+
+def _next_chains(records: np.ndarray, caller: str) -> np.ndarray:
+    """``mix3(prev_hash, token, position)`` of each record (rows of a canary buffer): the chain hash
+    of the record that follows it."""
+    key = records[:, :3]
+    last = _last_records.get(caller)  # one read: another thread may replace it meanwhile
+    if last is not None and _same(last[0], key):
+        return last[1]
+    out = mix3_array(key[:, 2], key[:, 0], key[:, 1])
+    _last_records[caller] = (key.copy(), out)
+    return out
+
+
 
 def write_range_checks(offsets, num_valid_reqs: int, num_tokens: int):
     """Each request's token range ``[start, end)`` clamped into ``[0, num_tokens]``, and a mask of
     requests whose raw range was out of range (counted once each)."""
     start_raw = np.asarray(offsets[:num_valid_reqs], I64)
     end_raw = np.asarray(offsets[1 : num_valid_reqs + 1], I64)
-    start = np.clip(start_raw, 0, num_tokens)
-    end = np.clip(end_raw, start, num_tokens)
+    start = np.minimum(np.maximum(start_raw, 0), num_tokens)  # np.clip, without its dispatch cost
+    end = np.minimum(np.maximum(end_raw, start), num_tokens)
     bad = (start_raw < 0) | (start_raw > num_tokens) | (end_raw < start_raw) | (end_raw > num_tokens)
     return start, end, bad
 
@@ -337,7 +402,7 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
     seed_ok = (seed > 0) & ~seed_oob  # seed 0 is the padding slot: no predecessor, like -1
     seed_rec = canary[np.where(seed_ok, seed, 0)]
     running = np.where(
-        seed_ok, mix3_array(seed_rec[:, 2], seed_rec[:, 0], seed_rec[:, 1]), _ANCHOR_U64
+        seed_ok, _next_chains(seed_rec, "write"), _ANCHOR_U64
     )
     pos_assert = seed_ok & _flag_value(a.chain_position_assert)
     running_pos = seed_rec[:, 1].copy()
@@ -348,57 +413,144 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
     in_range = (loc >= 0) & (loc < num_slots)
     if int((end - start).sum()) < loc.shape[0] or (skipped is not None and skipped.any()):  # only the tokens this launch writes
         covered = np.zeros(loc.shape[0], np.int64)
-        np.add.at(covered, start, 1)
+        np.add.at(covered, start[start < loc.shape[0]], 1)  # a range [T, T) at the end covers nothing
         np.add.at(covered, end[end < loc.shape[0]], -1)
         in_range &= np.cumsum(covered) > 0
     fingerprints = np.zeros(loc.shape[0], np.uint64)
     fingerprints[in_range] = real_kv_hashes(target.sources, a.real_kv_hash_mode, loc[in_range])
-    input_assert = a.expected_input_tokens is not None
-    written = 0
-    rows, row_keys = [], []
+    # Every token of every request, in the order the kernel's lock-step walk takes them: the k-th
+    # token of each request (requests in order), k = 0, 1, ...; the serial chain walk is the only
+    # part done token by token (_chains), and only over the tokens whose slot is in range.
     length = end - start
-    for k in range(int(length.max(initial=0))):
-        live = np.nonzero(length > k)[0]
-        idx = start[live] + k
-        slot = loc[idx]
-        oob = slot >= num_slots
-        errors += int(np.count_nonzero(oob))
-        ok = (slot >= 0) & ~oob
-        live, idx, slot = live[ok], idx[ok], slot[ok]
-        if live.size == 0:
-            continue
-        token = np.asarray(a.input_ids[idx], I64)
-        pos = np.asarray(a.positions[idx], I64)
-        chain = running[live]
-        if input_assert:
-            bits = np.where(token != a.expected_input_tokens[idx], FailReason.WRITE_TOKEN_MISMATCH.value, 0)
-            bits |= np.where(pos != a.expected_input_positions[idx], FailReason.WRITE_POSITION_MISMATCH.value, 0)
-            hit = bits != 0
-            rows.append(_rows(kind, slot[hit], pos[hit], token[hit], a.expected_input_tokens[idx][hit],
-                              _as_i64(chain[hit]), a.expected_input_positions[idx][hit], bits[hit]))
+    req = np.repeat(np.arange(num_reqs), length)
+    req_first = np.cumsum(length) - length
+    k = np.arange(req.shape[0], dtype=I64) - req_first[req]
+    order = np.lexsort((req, k))
+    req, idx = req[order], start[req[order]] + k[order]
+    slot = loc[idx]
+    oob = slot >= num_slots
+    errors += int(np.count_nonzero(oob))
+    ok = (slot >= 0) & ~oob
+    req, idx, slot = req[ok], idx[ok], slot[ok]
+    token = np.asarray(a.input_ids[idx], I64)
+    pos = np.asarray(a.positions[idx], I64)
+    by_req = np.argsort(req, kind="stable")  # each request's tokens together, in walk order
+    chain = np.empty(req.shape[0], np.uint64)
+    chain[by_req] = _chains(running, req[by_req], token[by_req], pos[by_req])
+
+    rows, row_keys = [], []
+    if a.expected_input_tokens is not None:
+        want_tok, want_pos = a.expected_input_tokens[idx], a.expected_input_positions[idx]
+        bits = np.where(token != want_tok, FailReason.WRITE_TOKEN_MISMATCH.value, 0)
+        bits |= np.where(pos != want_pos, FailReason.WRITE_POSITION_MISMATCH.value, 0)
+        hit = bits != 0
+        if np.count_nonzero(hit):
+            rows.append(_rows(kind, slot[hit], pos[hit], token[hit], want_tok[hit], _as_i64(chain[hit]), want_pos[hit],
+                              bits[hit]))
             row_keys.append(idx[hit] * 2)
-        checked = pos_assert[live]
-        want = running_pos[live] + 1
-        hit = checked & (pos != want)
-        rows.append(_rows(kind, slot[hit], pos[hit], token[hit], token[hit], _as_i64(chain[hit]),
-                          want[hit], FailReason.WRITE_POSITION_MISMATCH.value))
+    # the position assert: each token's position follows the request's previous in-range token
+    # (its first follows the seed record), on the requests whose seed is a real slot
+    r_sorted = req[by_req]
+    previous = np.empty(req.shape[0], I64)
+    previous[1:] = pos[by_req][:-1]
+    head = np.ones(req.shape[0], bool)
+    head[1:] = r_sorted[1:] != r_sorted[:-1]
+    previous[head] = running_pos[r_sorted[head]]
+    want = np.empty(req.shape[0], I64)
+    want[by_req] = previous + 1
+    hit = pos_assert[req] & (pos != want)
+    if np.count_nonzero(hit):
+        rows.append(_rows(kind, slot[hit], pos[hit], token[hit], token[hit], _as_i64(chain[hit]), want[hit],
+                          FailReason.WRITE_POSITION_MISMATCH.value))
         row_keys.append(idx[hit] * 2 + 1)
-        running_pos[live] = np.where(checked, pos, running_pos[live])
-        # The padding slot 0 keeps its bytes: padded tokens of many requests land there at once.
-        stored = slot != 0
-        dst = slot[stored]
-        canary[dst, 0] = token[stored]
-        canary[dst, 1] = pos[stored]
-        canary[dst, 2] = _as_i64(chain[stored])
-        canary[dst, 3] = _as_i64(fingerprints[idx[stored]])
-        running[live] = mix3_array(chain, token, pos)
-        written += live.size
+    # The padding slot 0 keeps its bytes: padded tokens of many requests land there at once.  Later
+    # tokens of the walk overwrite earlier ones, as the lock-step walk's stores do.
+    stored = slot != 0
+    dst = slot[stored]
+    canary[dst, 0] = token[stored]
+    canary[dst, 1] = pos[stored]
+    canary[dst, 2] = _as_i64(chain[stored])
+    canary[dst, 3] = _as_i64(fingerprints[idx[stored]])
 
     if rows:
         all_rows = np.concatenate(rows)
         append_rows(log, kind, all_rows[np.argsort(np.concatenate(row_keys), kind="stable")])
-    log.slot_run_counters[kind] += written
+    log.slot_run_counters[kind] += int(req.shape[0])
     log.out_of_range_counters[kind] += errors
+
+
+#: Tokens per request above which the chain walk runs on NumPy arrays (all requests in lock-step)
+#: rather than on Python ints (token by token): each lock-step round costs about as much as this many
+#: Python-int mix3 steps.
+LOCKSTEP_TOKENS_PER_ROUND = 12
+_M64 = (1 << 64) - 1
+#: The last walk's inputs and result: a step's HEAD and TAIL writes walk the same chains (the same
+#: seeds, tokens and positions) when both buffers agree, and the second one reuses the first's.
+_last_walk: tuple = ()
+
+
+def _chains(running: np.ndarray, req: np.ndarray, token: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """The chain hash (uint64) before each token, for tokens grouped by request (``req`` sorted, each
+    request's tokens in order): a request's first token gets ``running[req]``, each next one
+    ``mix3(chain, token, position)`` of the token before it."""
+    global _last_walk
+    seeds = running[req]
+    last = _last_walk  # one read: another thread may replace it meanwhile
+    if last and _same(last[0], seeds) and _same(last[1], req) and _same(last[2], token) and _same(last[3], pos):
+        return last[4]
+    n = req.shape[0]
+    out = np.empty(n, np.uint64)
+    if n:
+        head = np.ones(n, bool)
+        head[1:] = req[1:] != req[:-1]
+        rank = np.arange(n) - np.maximum.accumulate(np.where(head, np.arange(n), 0))
+        rounds = int(rank.max()) + 1
+        if n <= LOCKSTEP_TOKENS_PER_ROUND * rounds:
+            _walk_ints(out, seeds.tolist(), head.tolist(), token.tolist(), pos.tolist())
+        else:
+            _walk_lockstep(out, running, req, rank, rounds, token, pos)
+    _last_walk = (seeds, req, token, pos, out)
+    return out
+
+
+def _walk_ints(out: np.ndarray, seeds: list, head: list, token: list, pos: list) -> None:
+    """The chain walk on Python ints: ``mix3`` (hashing.py) written out, one token at a time."""
+    m, m1, m2, s1, s2, s3 = _M64, SPLITMIX64_MUL1, SPLITMIX64_MUL2, SPLITMIX64_SHIFT1, SPLITMIX64_SHIFT2, SPLITMIX64_SHIFT3
+    chains, h = [], 0
+    keep = chains.append
+    for seed, first, t, p in zip(seeds, head, token, pos):
+        if first:
+            h = seed
+        keep(h)
+        h ^= h >> s1
+        h = (h * m1) & m
+        h ^= h >> s2
+        h = (h * m2) & m
+        h ^= (h >> s3) ^ (t & m)
+        h ^= h >> s1
+        h = (h * m1) & m
+        h ^= h >> s2
+        h = (h * m2) & m
+        h ^= (h >> s3) ^ (p & m)
+        h ^= h >> s1
+        h = (h * m1) & m
+        h ^= h >> s2
+        h = (h * m2) & m
+        h ^= h >> s3
+    out[:] = chains
+
+
+def _walk_lockstep(out, running, req, rank, rounds: int, token, pos) -> None:
+    """The chain walk on arrays: the j-th token of every request at once, j = 0, 1, ..."""
+    by_rank = np.argsort(rank, kind="stable")
+    bounds = np.searchsorted(rank[by_rank], np.arange(rounds + 1))
+    current = running.copy()
+    for j in range(rounds):
+        sel = by_rank[bounds[j] : bounds[j + 1]]
+        r = req[sel]
+        chain = current[r]
+        out[sel] = chain
+        current[r] = mix3_array(chain, token[sel], pos[sel])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,8 +589,8 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     slot_oob = (slot < 0) | (slot >= num_slots)
     errors = int(np.count_nonzero(slot_oob))
     padding = is_padding_slot(slot)
-    holes = np.nonzero(padding)[0] if a.check_holes else np.zeros(0, I64)
-    keep = np.nonzero(~padding & ~slot_oob)[0]
+    holes = padding.nonzero()[0] if a.check_holes else np.zeros(0, I64)
+    keep = (~padding & ~slot_oob).nonzero()[0]
     slot = slot[keep]
     prev = np.asarray(a.verify_prev_slot_indices[:active], I64)[keep]
     prev_oob = prev >= num_slots
@@ -446,16 +598,16 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     log.out_of_range_counters[kind] += errors
     all_tok = (np.asarray(a.verify_expected_tokens[:active], I64) if a.check_expected_token
                else np.full(active, -1, I64))
-    hole_rows = _hole_rows(kind, a, holes, all_tok[holes])
     if keep.size == 0:
-        append_rows(log, kind, hole_rows)
+        if holes.size:
+            append_rows(log, kind, _hole_rows(kind, a, holes, all_tok[holes]))
         return
 
     stored = canary[slot, :4]
     prev_ok = (prev > 0) & ~prev_oob
     prev_rec = canary[np.where(prev_ok, prev, 0)]
     expected_chain = np.where(
-        prev < 0, _ANCHOR_U64, mix3_array(prev_rec[:, 2], prev_rec[:, 0], prev_rec[:, 1])
+        prev < 0, _ANCHOR_U64, _next_chains(prev_rec, "verify")
     )
     reachable = (prev < 0) | prev_ok
     stored_chain = stored[:, 2].view(np.uint64)
@@ -464,18 +616,28 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     expected_tok = all_tok[keep]
     expected_rkv = _as_i64(real_kv_hashes(target.sources, a.real_kv_hash_mode, slot))
 
-    bits = np.where(stored_chain != expected_chain, FailReason.VERIFY_CHAIN_HASH_MISMATCH.value, 0)
-    bits |= np.where(stored[:, 1] != expected_pos, FailReason.VERIFY_POSITION_MISMATCH.value, 0)
-    bits |= np.where(stored[:, 3] != expected_rkv, FailReason.VERIFY_REAL_KV_HASH_MISMATCH.value, 0)
+    bits = np.where(stored_chain != expected_chain, _BIT_CHAIN, _BIT_NONE)
+    bits |= np.where(stored[:, 1] != expected_pos, _BIT_POSITION, _BIT_NONE)
+    bits |= np.where(stored[:, 3] != expected_rkv, _BIT_REAL_KV, _BIT_NONE)
     if a.check_expected_token:
         token_bad = (expected_tok != -1) & (stored[:, 0] != expected_tok)
-        bits |= np.where(token_bad, FailReason.VERIFY_TOKEN_MISMATCH.value, 0)
+        bits |= np.where(token_bad, _BIT_TOKEN, _BIT_NONE)
     hit = bits != 0
+    if not holes.size:
+        if np.count_nonzero(hit):
+            append_rows(log, kind, _rows(kind, slot[hit], stored[hit, 1], stored[hit, 0], expected_tok[hit],
+                                         stored[hit, 2], _as_i64(expected_chain[hit]), bits[hit]))
+        return
     rows = _rows(kind, slot[hit], stored[hit, 1], stored[hit, 0], expected_tok[hit], stored[hit, 2],
                  _as_i64(expected_chain[hit]), bits[hit])
-    if holes.size:  # entry order, holes among the checked entries' rows
-        rows = np.concatenate([rows, hole_rows])[np.argsort(np.concatenate([keep[hit], holes]), kind="stable")]
-    append_rows(log, kind, rows)
+    hole_rows = _hole_rows(kind, a, holes, all_tok[holes])  # entry order, holes among the checked entries' rows
+    append_rows(log, kind, np.concatenate([rows, hole_rows])[np.argsort(np.concatenate([keep[hit], holes]), kind="stable")])
+
+
+#: The verify fail bits as 0-d arrays (np.where converts a Python int operand on every call).
+_BIT_CHAIN, _BIT_POSITION, _BIT_REAL_KV, _BIT_TOKEN, _BIT_NONE = (np.array(v, I64) for v in (
+    FailReason.VERIFY_CHAIN_HASH_MISMATCH.value, FailReason.VERIFY_POSITION_MISMATCH.value,
+    FailReason.VERIFY_REAL_KV_HASH_MISMATCH.value, FailReason.VERIFY_TOKEN_MISMATCH.value, 0))
 
 
 # ----------------------------------------------------------------------------------------------

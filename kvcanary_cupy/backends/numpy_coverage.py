@@ -10,28 +10,23 @@ import numpy as np
 
 from ..args import LogViews
 from ..constants import FailReason
-from ..hashing import splitmix64_array
+from ..hashing import splitmix64_xor
 from ..validation import I64
-from .numpy_backend import HASH_CHUNK_BYTES, _as_i64, _rows, _strip_hashes, append_rows
+from .numpy_backend import _as_i64, _rows, append_rows, strip_hashes
 
 DEEP_FIELD = 4
 
 
 def source_hashes(sources: tuple, slots: np.ndarray) -> np.ndarray:
     """uint64 ``[len(slots), len(sources)]``: the fold of each source's stream of each slot."""
-    out = np.zeros((slots.shape[0], len(sources)), np.uint64)
-    for j, (src, nbytes) in enumerate(sources):
-        step = max(1, HASH_CHUNK_BYTES // nbytes)
-        for lo in range(0, slots.shape[0], step):
-            out[lo : lo + step, j] = _strip_hashes(src, nbytes, slots[lo : lo + step])
-    return out
+    return strip_hashes(sources, slots).T
 
 
 def deep_fold(sources: tuple, slots: np.ndarray) -> np.ndarray:
     """uint64 deep fingerprints: the per-source hashes folded in order, 0 stored as 1."""
     acc = np.zeros(slots.shape[0], np.uint64)
-    for h in source_hashes(sources, slots).T:
-        acc = splitmix64_array(acc ^ h)
+    for h in strip_hashes(sources, slots):
+        splitmix64_xor(acc, h)
     return np.where(acc == 0, np.uint64(1), acc)
 
 

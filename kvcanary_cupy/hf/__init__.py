@@ -3,6 +3,7 @@ faults injected the way real bugs happen (:mod:`.faults`), measured and reported
 (:mod:`.runner`).  Needs transformers and torch: ``pip install kvcanary-cupy[transformers]``."""
 
 from .faults import FAULTS
-from .runner import CLEAN_CONFIGS, HfConfig, HfEngineConfig, run
+from .config import HfEngineConfig
+from .runner import CLEAN_CONFIGS, HfConfig, HfResult, run
 
-__all__ = ["CLEAN_CONFIGS", "FAULTS", "HfConfig", "HfEngineConfig", "run"]
+__all__ = ["CLEAN_CONFIGS", "FAULTS", "HfConfig", "HfEngineConfig", "HfResult", "run"]

@@ -10,21 +10,32 @@ when the canary reports it.
 from __future__ import annotations
 
 from ..integrations._hf_layout import FLAT_CACHE
+from .config import HfEngineConfig
 
 
 class Fault:
     name = ""
     description = ""
-    #: Why the canary cannot see this class (None: it can).
+    #: Why the canary cannot see this class without the coverage option ``visible_by`` (None: it can).
     why_not_detectable: str | None = None
+    #: The HfEngineConfig coverage option (deep_kv_layers, check_lost_stores) that lets the canary see it.
+    visible_by: str | None = None
+    #: ContinuousBatchingConfig overrides of this class's runs (the engine state the fault needs).
+    overrides: dict = {}
 
     def __init__(self):
         self.fired_step: int | None = None
         self.victims: tuple = ()
 
     @classmethod
-    def detectable_with(cls, addressing: str = "") -> bool:
-        return cls.why_not_detectable is None
+    def detectable_with(cls, addressing: str = "", engine=None) -> bool:
+        """Whether the canary can see this class by design with ``engine``'s coverage options
+        (an HfEngineConfig; None: its defaults)."""
+        if cls.why_not_detectable is None:
+            return True
+        if engine is None:
+            engine = HfEngineConfig()
+        return bool(cls.visible_by and getattr(engine, cls.visible_by) not in (None, False, "none", ()))
 
     # hooks, called by the harness with its context (kvcanary_cupy.hf.runner.Harness)
     def before_prepare(self, h) -> None:
@@ -134,9 +145,11 @@ class BitFlipFingerprinted(_KvFlip):
 class BitFlipUnfingerprinted(_KvFlip):
     name = "bitflip_unfingerprinted_layer"
     layer = -1
-    description = "One bit of a live request's cached K flips in the last layer, which the canary does not fingerprint."
-    why_not_detectable = ("only the fingerprinted layers' bytes are hashed (fingerprint_layers; the sessions' "
-                          "MAX_REAL_KV_SOURCES sources hold four layers' K and V; the job's model has five)")
+    description = ("One bit of a live request's cached K flips in the last layer, outside the record's fingerprinted "
+                   "layers (seen by the deep fingerprints of every layer, deep_kv_layers).")
+    visible_by = "deep_kv_layers"
+    why_not_detectable = ("without deep_kv_layers only the fingerprinted layers' bytes are hashed (fingerprint_layers; "
+                          "the sessions' MAX_REAL_KV_SOURCES sources hold four layers' K and V; the job's model has five)")
 
 
 class StalePrefixHit(Fault):
@@ -210,17 +223,34 @@ class ZeroedBlockTableEntry(Fault):
 
 class LostKvStore(Fault):
     name = "lost_kv_store"
-    description = "The model's KV store of one decoding token is lost (the slot keeps its old bytes); the canary's write happens."
-    why_not_detectable = ("the TAIL write fingerprints whatever bytes are in the slot after the forward, so the "
-                          "lost store's old bytes become the expected ones")
+    description = ("The model's KV store of one decoding token into a reused slot is lost (the slot keeps its former "
+                   "owner's bytes); the canary's write happens (seen by the lost-store check, check_lost_stores).")
+    visible_by = "check_lost_stores"
+    overrides = {"num_blocks": 20}  # a cache that reuses blocks while requests decode: slots with former owners
+    why_not_detectable = ("without check_lost_stores the TAIL write fingerprints whatever bytes are in the slot after the "
+                          "forward, so the lost store's old bytes become the expected ones")
+
+    def __init__(self):
+        super().__init__()
+        self._positions: dict = {}  # engine index -> the position last written there this run
 
     def around_compute(self, h, compute):
-        rows = _decoding(h)
-        if self.fired_step is not None or not rows or h.io.use_block_table:
+        now = [] if h.io.use_block_table else h.io.write_index_storage[h.layout.group].tolist()
+        armed = self.fired_step is None and bool(now)
+        # a decoding token whose slot last held another position: a former owner's bytes, another record
+        rows = [r for r in _decoding(h) if self._positions.get(now[r[2]], r[1].state.position_offset - 1)
+                != r[1].state.position_offset - 1] if armed else []
+        start = 0
+        for fs in h.io.requests_in_batch if now else ():
+            past = fs.state.position_offset - fs.query_length
+            for i in range(fs.query_length):
+                self._positions[now[start + i]] = past + i
+            start += fs.query_length
+        if not rows:
             compute()
             return
         _, fs, t = rows[0]
-        slot = int(h.io.write_index_storage[h.layout.group, t])
+        slot = now[t]
         saved = [(k[slot].clone(), v[slot].clone()) for k, v in h.layout.kv.values()]
         compute()
         for (k, v), (ks, vs) in zip(h.layout.kv.values(), saved):

@@ -15,14 +15,18 @@ import time
 from ..integrations._hf_layout import FLAT_CACHE, hook_cache, layout_of, parse_version, wrap
 
 
-def timed(fn, into: list):
-    """``fn``'s wall time in microseconds appended to ``into`` on each call."""
+def timed(fn, into: list, cpu_into: list | None = None):
+    """``fn``'s wall time in microseconds appended to ``into`` on each call (and this thread's CPU
+    time to ``cpu_into``)."""
     def call(*args, **kwargs):
+        c0 = time.thread_time() if cpu_into is not None else 0.0
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             into.append((time.perf_counter() - t0) * 1e6)
+            if cpu_into is not None:
+                cpu_into.append((time.thread_time() - c0) * 1e6)
     return call
 
 
@@ -34,7 +38,9 @@ class Harness:
         self.torch, self.model, self.fault, self.rng, self.progress = torch, model, fault, rng, progress
         self.version = parse_version(transformers.__version__)
         self.steps = self.step = 0
+        self.written_tokens = 0  # KV stores the engine's steps made (each checked by the lost-store check)
         self._prepare, self._inner, self._outer, self._update = [], [], [], []
+        self._inner_cpu, self._outer_cpu = [], []  # this thread's CPU time: what the machine's other jobs move less
         self._timers = False
         self._model_undo: list = []
         self._processor = self.io = self.layout = None
@@ -113,7 +119,7 @@ class Harness:
         def prepare_next_batch():
             if not self._timers:  # the canary has hooked the processor by now: time around its wrapper
                 self._timers = True
-                wrap(self._processor.model_runner, "compute_batch", lambda fn: timed(fn, self._outer), [])
+                wrap(self._processor.model_runner, "compute_batch", lambda fn: timed(fn, self._outer, self._outer_cpu), [])
                 wrap(self._processor, "update_batch", lambda fn: timed(fn, self._update), [])
             t0 = time.perf_counter()
             if self.fault is not None:
@@ -123,21 +129,24 @@ class Harness:
                 if self.fault is not None:
                     self.fault.after_prepare(self)
                 self._prepare.append((time.perf_counter() - t0) * 1e6)
+                self.written_tokens += sum(fs.query_length for fs in self.io.requests_in_batch)  # untimed
             return ready
         return prepare_next_batch
 
     def _wrap_compute(self, original):
         def compute_batch(model, batch_data):
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             if self.fault is None:
                 original(model, batch_data)
             else:
                 self.fault.around_compute(self, lambda: original(model, batch_data))
-            self._inner.append((time.perf_counter() - t0) * 1e6)
             self.step += 1
             self.steps += 1
             if self.progress is not None:
                 self.progress(1)
+            self._inner.append((time.perf_counter() - t0) * 1e6)  # the progress bar is not the canary's
+            self._inner_cpu.append((time.thread_time() - c0) * 1e6)
         return compute_batch
 
     @property
@@ -149,3 +158,8 @@ class Harness:
     def canary_us(self) -> list:
         """The canary's share of each step: its compute_batch wrapper around the forward (and what it stages)."""
         return [outer - inner for outer, inner in zip(self._outer, self._inner)]
+
+    @property
+    def canary_cpu_us(self) -> list:
+        """The same share in this thread's CPU time (the forward's other threads excluded either way)."""
+        return [outer - inner for outer, inner in zip(self._outer_cpu, self._inner_cpu)]

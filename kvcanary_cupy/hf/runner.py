@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..integrations._hf_step import FIRST_STORE_UNCHANGED
 from ..sim.runner import FaultResult, RunStats, SimResult
+from .config import HfEngineConfig
 from .faults import FAULTS
 
 DEVICES = ("cpu", "cuda")
@@ -28,21 +30,6 @@ CLEAN_CONFIGS = {
     "forks_with_sampling": {"num_return_sequences": 3, "do_sample": True, "requests": 4},
     "block_size_16": {"block_size": 16},
 }
-
-
-@dataclass(frozen=True)
-class HfEngineConfig:
-    hidden_size: int = 64
-    num_layers: int = 5  # one more than the four layers MAX_REAL_KV_SOURCES fingerprints, so a layer stays unread
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    vocab_size: int = 512
-    block_size: int = 8
-    num_blocks: int = 48
-    max_batch_tokens: int = 32
-    requests: int = 12
-    max_new_tokens: int = 10
-    sweep_every: int = 2
 
 
 @dataclass(frozen=True)
@@ -123,6 +110,7 @@ class Outcome:
     stats: dict
     step_us: list
     canary_us: list
+    written_tokens: int = 0  # KV stores the steps made: the slots the lost-store check examined (with it on)
 
 
 def run_engine(model, engine: HfEngineConfig, overrides: dict, seed: int, fault=None, *, canary: bool = True,
@@ -138,12 +126,46 @@ def run_engine(model, engine: HfEngineConfig, overrides: dict, seed: int, fault=
     with harness:
         if not canary:
             outputs = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, progress_bar=False)
-            return Outcome(harness.steps, outputs, (), (), {}, harness.step_us, [])
-        with attach(model, on_violation="ignore", sweep_every=engine.sweep_every) as c:
+            return Outcome(harness.steps, outputs, (), (), {}, harness.step_us, [], harness.written_tokens)
+        with attach(model, on_violation="ignore", sweep_every=engine.sweep_every, **engine.coverage_options()) as c:
             outputs = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, progress_bar=False)
     report = c.report()
     return Outcome(harness.steps, outputs, tuple(v for v in report.violations if v.finding is None),
-                   tuple(v for v in report.violations if v.finding is not None), c.stats, harness.step_us, harness.canary_us)
+                   tuple(v for v in report.violations if v.finding is not None), c.stats, harness.step_us, harness.canary_us,
+                   harness.written_tokens)
+
+
+@dataclass
+class HfResult(SimResult):
+    """``kvcanary sim``'s result, with the lost-store check's false-positive rate over the clean runs
+    (``clean.lost_store_check`` in the JSON: the slots it examined and the ones it flagged)."""
+
+    lost_store_checked: int = 0
+    lost_store_flagged: int = 0  # unexplained write_kv_not_stored rows: false positives
+    lost_store_first_use: int = 0  # rows labelled first_store_unchanged_bytes (reported, not counted)
+
+    def to_json(self) -> dict:
+        doc = super().to_json()
+        if self.config.engine.check_lost_stores:
+            n, k = self.lost_store_checked, self.lost_store_flagged
+            doc["clean"]["lost_store_check"] = {"checked_slots": n, "flagged_slots": k,
+                                                "false_positive_rate": k / n if n else None,
+                                                "labelled_first_store_rows": self.lost_store_first_use}
+        return doc
+
+    @property
+    def notes(self) -> list:
+        """Lines the table adds under the clean run."""
+        lost = self.to_json()["clean"].get("lost_store_check")
+        if lost is None:
+            return []
+        return [f"lost-store check over the clean runs: {lost['flagged_slots']} of {lost['checked_slots']} written slots "
+                f"flagged (false-positive rate {_fmt_rate(lost['false_positive_rate'])}); "
+                f"{lost['labelled_first_store_rows']} labelled {FIRST_STORE_UNCHANGED} (a slot's first store)"]
+
+
+def _fmt_rate(rate) -> str:
+    return "-" if rate is None else f"{rate:.2g}"
 
 
 def _add(stats: RunStats, outcome: Outcome, counters) -> None:
@@ -161,15 +183,16 @@ def run(config: HfConfig, *, progress=None) -> SimResult:
     """Every fault class ``rounds`` times, then the clean configurations; after an interrupt, what was
     measured so far (``partial``)."""
     model = tiny_llama(config.engine, config.device, config.seed)
-    results = {n: FaultResult(n, FAULTS[n].description, FAULTS[n].detectable_with(), FAULTS[n].why_not_detectable)
-               for n in config.faults}
+    results = {n: FaultResult(n, FAULTS[n].description, FAULTS[n].detectable_with(engine=config.engine),
+                              FAULTS[n].why_not_detectable) for n in config.faults}
+    checked = flagged = first_use = 0
     faulty, clean = RunStats(), RunStats()
     try:
         for r in range(config.rounds):
             for i, name in enumerate(config.faults):
                 fault = FAULTS[name]()
                 seed = config.seed * 1000 + r * 100 + i
-                outcome = run_engine(model, config.engine, {}, seed, fault, progress=progress)
+                outcome = run_engine(model, config.engine, fault.overrides, seed, fault, progress=progress)
                 _add(faulty, outcome, faulty.engine_counters)
                 result = results[name]
                 if fault.fired_step is None:
@@ -192,8 +215,12 @@ def run(config: HfConfig, *, progress=None) -> SimResult:
             outcome = run_engine(model, config.engine, overrides, config.seed * 1000 + 900 + j, progress=progress)
             _add(clean, outcome, clean.engine_counters)
             clean.violations += len(outcome.violations)
+            checked += outcome.written_tokens
+            flagged += sum(v.repeats for v in outcome.violations if "write_kv_not_stored" in v.reasons.split("+"))
+            first_use += sum(v.repeats for v in outcome.findings if v.finding == FIRST_STORE_UNCHANGED)
             clean.unattributed_examples += [f"{name}: {v.format()}" for v in outcome.violations[:3]]
     except KeyboardInterrupt:
         (clean if clean.steps or faulty.steps >= config.steps else faulty).interrupted = True
-    return SimResult(config, list(results.values()), faulty, clean)
+    return HfResult(config, list(results.values()), faulty, clean, lost_store_checked=checked, lost_store_flagged=flagged,
+                    lost_store_first_use=first_use)
 

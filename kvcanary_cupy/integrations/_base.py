@@ -31,6 +31,11 @@ logger = logging.getLogger("kvcanary_cupy")
 #: internals: sizes, tables and KV views come from the engine).
 OPTION_NAMES = ("on_violation", "ring_capacity", "check_expected_tokens", "fingerprint_layers", "real_kv_hash_mode",
                 "sweep_every", "verify_capacity")
+#: The coverage options past the 32-byte record (docs/format.md section 9), taken by the integrations
+#: that implement them (``from_options(..., coverage=True)``; transformers).
+COVERAGE_OPTION_NAMES = ("deep_kv_layers", "deep_check_period", "check_lost_stores")
+#: Default steps within which the deep rotation re-fingerprints every slot (as ``kvcanary sim``).
+DEFAULT_DEEP_CHECK_PERIOD = 4
 #: Steps (and sweeps) whose row labels are kept: a violation reaches the policy at most
 #: ``STAGED_RECORDS`` stagings after its step, far inside this window.
 LABEL_WINDOW = 256
@@ -58,6 +63,15 @@ class CanaryOptions:
         Sweep the engine's cached blocks every this many steps (0: never).
     verify_capacity : int, optional
         The most slots one step may verify; default sized from the engine's pool.
+    deep_kv_layers : None, "none", "all" or a sequence of layer indices
+        The layers whose K and V, every byte, go into each written slot's deep fingerprint
+        (``CanarySession``'s ``deep_kv_sources``; any number of layers).  Default None: off.
+    deep_check_period : int
+        With ``deep_kv_layers``: every slot is re-fingerprinted within this many steps, so a flip in
+        any of those layers is reported within them (``deep_check_slots`` is sized from the pool).
+    check_lost_stores : bool
+        Report a write slot whose bytes the forward left unchanged (``write_kv_not_stored``).  The
+        integration picks the bytes compared (docs/engines.md).  Default off.
     """
 
     on_violation: Any = "log"
@@ -67,14 +81,19 @@ class CanaryOptions:
     real_kv_hash_mode: RealKvHashMode = RealKvHashMode.PARTIAL
     sweep_every: int = 0
     verify_capacity: int | None = None
+    deep_kv_layers: Any = None
+    deep_check_period: int = DEFAULT_DEEP_CHECK_PERIOD
+    check_lost_stores: bool = False
 
     @classmethod
-    def from_options(cls, engine: str, options: dict) -> "CanaryOptions":
-        """The options of ``attach(..., **options)``: an unknown name is a TypeError naming it and the known ones."""
-        unknown = sorted(set(options) - set(OPTION_NAMES))
+    def from_options(cls, engine: str, options: dict, *, coverage: bool = False) -> "CanaryOptions":
+        """The options of ``attach(..., **options)`` (with ``coverage``, the coverage options too): an
+        unknown name is a TypeError naming it and the known ones."""
+        known = OPTION_NAMES + (COVERAGE_OPTION_NAMES if coverage else ())
+        unknown = sorted(set(options) - set(known))
         if unknown:
             fail(TypeError, f"{engine} attach() got unknown option(s) {', '.join(unknown)}; "
-                            f"the options are {', '.join(OPTION_NAMES)}")
+                            f"the options are {', '.join(known)}")
         o = cls(**options)
         policy = o.on_violation
         if not (callable(policy) or (isinstance(policy, str) and policy in POLICIES)):
@@ -89,12 +108,11 @@ class CanaryOptions:
         check_int(o.sweep_every, "sweep_every", minimum=0)
         if o.verify_capacity is not None:
             check_count(o.verify_capacity, "verify_capacity")
-        layers = o.fingerprint_layers
-        if not (layers is None or layers in ("all", "none")):
-            if isinstance(layers, str) or not isinstance(layers, Sequence):
-                fail(TypeError, f"fingerprint_layers must be 'all', 'none' or a sequence of layer indices, got {layers!r}")
-            layers = tuple(check_int(i, "fingerprint_layers[i]", minimum=0) for i in layers)
-        return replace(o, real_kv_hash_mode=mode, fingerprint_layers=layers)
+        check_int(o.deep_check_period, "deep_check_period", minimum=1)
+        if not isinstance(o.check_lost_stores, bool):
+            fail(TypeError, f"check_lost_stores must be a bool, got {type(o.check_lost_stores).__name__}")
+        return replace(o, real_kv_hash_mode=mode, fingerprint_layers=_layer_names(o.fingerprint_layers, "fingerprint_layers"),
+                       deep_kv_layers=_layer_names(o.deep_kv_layers, "deep_kv_layers"))
 
     def layers(self, num_layers: int) -> tuple[int, ...]:
         """The fingerprinted layers of a model of ``num_layers`` layers (each takes a K and a V source)."""
@@ -114,6 +132,26 @@ class CanaryOptions:
             fail(ValueError, f"fingerprint_layers names {len(chosen)} layers; at most {fit} fit the "
                              f"{MAX_REAL_KV_SOURCES} real-KV sources of a session (K and V each take one)")
         return tuple(sorted(set(chosen)))
+
+    def deep_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers of a model of ``num_layers`` layers whose every byte the deep fingerprints fold."""
+        chosen = self.deep_kv_layers
+        if chosen in (None, "none"):
+            return ()
+        chosen = tuple(range(num_layers)) if chosen == "all" else chosen
+        bad = [i for i in chosen if i >= num_layers]
+        if bad:
+            fail(ValueError, f"deep_kv_layers {bad} past the model's {num_layers} layers")
+        return tuple(sorted(set(chosen)))
+
+
+def _layer_names(layers, name: str):
+    """``layers`` checked: None, "all", "none" or a tuple of layer indices."""
+    if layers is None or layers in ("all", "none"):
+        return layers
+    if isinstance(layers, str) or not isinstance(layers, Sequence):
+        fail(TypeError, f"{name} must be 'all', 'none' or a sequence of layer indices, got {layers!r}")
+    return tuple(check_int(i, f"{name}[i]", minimum=0) for i in layers)
 
 
 class _Labels:
@@ -191,6 +229,11 @@ class EngineCanary:
         """The engine finding ``v`` is (a documented label), or None: unexplained.  Default: None."""
         return None
 
+    def writers(self, session_index: int, v: Violation) -> tuple:
+        """The request ids that wrote ``v``'s slot in its step, for a write row no read names (a lost
+        store: its writer will read the former owner's KV).  Default: none known."""
+        return ()
+
     def _uninstall(self) -> None:
         raise NotImplementedError
 
@@ -227,7 +270,7 @@ class EngineCanary:
     def _label(self, index: int, v: Violation) -> Violation:
         known = self._labelled.get((index, v.key))
         if known is None:
-            known = (self._labels.ids(v), self.classify(index, v))
+            known = (self._labels.ids(v) or self.writers(index, v), self.classify(index, v))
             self._labelled[(index, v.key)] = known
         return replace(v, request_ids=known[0] or v.request_ids, finding=known[1])  # or the session's own (row_labels)
 

@@ -10,6 +10,7 @@ the canary's own buffers, on the engine's compute stream.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any
 
@@ -18,10 +19,15 @@ import numpy as np
 from ..ops import copy_pages
 from ..plans import RealKvSource
 from ..tables import BlockTable, PagedKvIndices
+from ._base import LABEL_WINDOW
 from ._hf_layout import FLAT_CACHE, Layout, hook_cache, wrap
 
 #: The label of 5.17's in-place rewrite of a complete, shared block (docs/engines.md).
 SHARED_BLOCK_REWRITE = "engine_rewrote_shared_block"
+#: The label of a lost-store row in a slot the canary had never stamped (docs/engines.md): transformers
+#: allocates its cache with torch.empty, so a slot's first store is compared with recycled memory,
+#: which an earlier run of the same prompts leaves holding the very KV this store writes.
+FIRST_STORE_UNCHANGED = "first_store_unchanged_bytes"
 
 
 class _History:
@@ -42,7 +48,10 @@ class _History:
             grown = np.zeros(2 * end, np.int32)
             grown[: self.n] = self.tokens[: self.n]
             self.tokens = grown
-        if end > self.n:
+        if end == self.n + 1:  # a decode step's one new token: a scalar store
+            self.tokens[self.n] = generated[-1]
+            self.n = end
+        elif end > self.n:
             self.tokens[self.n : end] = generated[self.n - self.prompt :]
             self.n = end
         return self.tokens
@@ -64,18 +73,21 @@ class StepCanary:
         max_tokens = io.write_index_storage.shape[1]
         reads = io.read_index_storage.shape[1]
         options = owner.options
-        chosen = options.layers(len(layout.layers))
-        sources = []
-        for i in chosen:
-            k, v = layout.kv[layout.layers[i]]
-            for t in (k, v):
-                flat = t.reshape(t.shape[0], -1)
-                width = flat.shape[1] * flat.element_size()
-                sources.append(RealKvSource(flat, 1, width, width, slot_offset=layout.slot_offset))
+        chosen, deep = options.layers(len(layout.layers)), options.deep_layers(len(layout.layers))
         self.fingerprinted = tuple(layout.layers[i] for i in chosen)
+        self.deep_layers = tuple(layout.layers[i] for i in deep)
+        coverage = {}
+        if deep:  # every slot re-fingerprinted within deep_check_period steps
+            coverage.update(deep_kv_sources=self._sources(deep),
+                            deep_check_slots=max(1, -(-(layout.num_slots - 1) // options.deep_check_period)))
+        if options.check_lost_stores:  # layers past the model's first: their K and V depend on the whole prefix
+            later = [i for i, layer in enumerate(layout.layers) if layer != 0]
+            coverage.update(check_lost_stores=True, lost_kv_sources=self._sources(later),
+                            max_step_tokens=max(max_tokens, max_bs, 1))
         i64 = dict(dtype=torch.int64, device=self.device)
-        self.session = owner.new_session(layout.num_slots, max_batch_size=max_bs, like=first_k, real_kv_sources=tuple(sources),
-                                         verify_capacity=options.verify_capacity or max(reads, 1))
+        self.session = owner.new_session(layout.num_slots, max_batch_size=max_bs, like=first_k,
+                                         real_kv_sources=self._sources(chosen),
+                                         verify_capacity=options.verify_capacity or max(reads, 1), **coverage)
         self._sweep_every = options.sweep_every
         self._ext, self._pre = torch.zeros(max_bs, **i64), torch.zeros(max_bs, **i64)
         self._zeros, self._rows = torch.zeros(max_bs + 1, **i64), torch.arange(max_bs, **i64)
@@ -86,13 +98,29 @@ class StepCanary:
         width = max(64, layout.block_size)
         self._pool_host = np.zeros((max_bs, width), np.int32)
         self._pool = None  # the device copy on a GPU (grown with the host pool)
+        self._pool_fill = [(None, 0)] * max_bs  # per pool row: (history, tokens of it the row holds)
+        self._pool_view = None  # (host pool, its torch view) on the CPU
+        self._cpu = self.device.type == "cpu"
         self._histories: dict = {}
         self.rewrites: set = set()  # (step, canary slot) of writes into complete blocks (5.17's shared rewrite)
+        # step -> (request id, past length, query length, its block list) of each batch row, for naming a
+        # lost store's writer (the engine's own lists: it pops them when a request ends, never clears them)
+        self._writes = collections.OrderedDict() if options.check_lost_stores else None
         self.step = 0
         self._sweep_at = 0
         self._undo: list = []
         wrap(processor.model_runner, "compute_batch", self._wrap_compute, self._undo)
         hook_cache(layout, self._on_copy, self._undo)
+
+    def _sources(self, layers) -> tuple:
+        """K and V of each of the group's ``layers`` (indices into ``layout.layers``), one row per engine index."""
+        layout, sources = self.layout, []
+        for i in layers:
+            for t in layout.kv[layout.layers[i]]:
+                flat = t.reshape(t.shape[0], -1)
+                width = flat.shape[1] * flat.element_size()
+                sources.append(RealKvSource(flat, 1, width, width, slot_offset=layout.slot_offset))
+        return tuple(sources)
 
     def uninstall(self) -> None:
         for undo in reversed(self._undo):
@@ -160,6 +188,11 @@ class StepCanary:
         ids.copy_(batch_data["input_ids"][0, :tokens])
         pos.copy_(batch_data["position_ids"][0, :tokens])
         self._note_rewrites(requests, pasts, tables)
+        if self._writes is not None:
+            self._writes[self.step] = [(fs.state.request_id, p, fs.query_length, tables.get(fs.state.request_id, ()))
+                                       for fs, p in zip(requests, pasts)]
+            if len(self._writes) > LABEL_WINDOW:
+                self._writes.popitem(last=False)
         pool = self._expected(requests, pasts) if self.owner.options.check_expected_tokens else None
         self.session.pre_forward(rp, pre, ext, table, ids, pos, loc, expected_tokens=pool,
                                  expected_tokens_valid_lens=pre if pool is not None else None,
@@ -188,20 +221,29 @@ class StepCanary:
         layout, size = self.layout, self.layout.block_size
         if layout.version >= FLAT_CACHE or not layout.cache.use_prefix_sharing:  # 5.23 never writes a complete block
             return
+        blocks_by_id = layout.cache._block_manager._id_to_block  # layout.is_complete, inline: a lookup per block
         for fs, past in zip(requests, pasts):
             blocks = tables.get(fs.state.request_id, ())
             end = past + fs.query_length
             for b in range(past // size, min((end - 1) // size + 1, len(blocks))):
-                if layout.is_complete(blocks[b]):
+                block = blocks_by_id.get(blocks[b])
+                if block is not None and block.is_complete:
                     for p in range(max(past, b * size), min(end, (b + 1) * size)):
                         self.rewrites.add((self.step, layout.canary_page(blocks[b]) * size + p % size))
+
+    def writer_of(self, step: int, slot: int, position: int) -> tuple:
+        """The request ids of step ``step``'s rows that wrote ``position`` into canary slot ``slot``."""
+        size, rows = self.layout.block_size, (self._writes or {}).get(step, ())
+        return tuple(r for r, past, q, blocks in rows if past <= position < past + q and position // size < len(blocks)
+                     and self.layout.canary_page(blocks[position // size]) * size + position % size == slot)
 
     def _expected(self, requests, pasts):
         """The expected-token pool, one row per batch row: the engine's own history of the request."""
         width = max(pasts, default=0)
-        host = self._pool_host
+        host, fill = self._pool_host, self._pool_fill
         if width > host.shape[1] or len(requests) > host.shape[0]:
             host = self._pool_host = np.zeros((max(host.shape[0], len(requests)), 2 * width), np.int32)
+            fill = self._pool_fill = [(None, 0)] * host.shape[0]
             self._pool = None
         live = {}
         for i, (fs, past) in enumerate(zip(requests, pasts)):
@@ -210,14 +252,26 @@ class StepCanary:
             if h is None or h.state is not state:
                 h = _History(state)
             live[state.request_id] = h
-            host[i, :past] = h.update()[:past]
+            held, n = fill[i]  # row i already holds the first n tokens of held's history (a token's place never changes)
+            if held is not h:
+                n = 0
+            if past == n + 1:
+                host[i, n] = h.update()[n]
+                fill[i] = (h, past)
+            elif past > n:
+                host[i, n:past] = h.update()[n:past]
+                fill[i] = (h, past)
+            elif held is not h:
+                fill[i] = (h, 0)
         if len(self._histories) > 4 * host.shape[0]:
             self._histories = live
         else:
             self._histories.update(live)
         bs = len(requests)
-        if self.device.type == "cpu":
-            return self.torch.from_numpy(host)[:bs, : max(width, 1)]
+        if self._cpu:
+            if self._pool_view is None or self._pool_view[0] is not host:
+                self._pool_view = (host, self.torch.from_numpy(host))
+            return self._pool_view[1][:bs, : max(width, 1)]
         if self._pool is None:
             self._pool_pinned = self.torch.from_numpy(host).pin_memory()
             self._pool = self.torch.zeros(host.shape, dtype=self.torch.int32, device=self.device)

@@ -24,11 +24,11 @@ from ..errors import fail
 from ..reporting import Violation
 from ._base import CanaryOptions, EngineCanary
 from ._hf_layout import SUPPORTED, layout_of, parse_version, wrap
-from ._hf_step import SHARED_BLOCK_REWRITE, StepCanary
+from ._hf_step import FIRST_STORE_UNCHANGED, SHARED_BLOCK_REWRITE, StepCanary
 
 logger = logging.getLogger("kvcanary_cupy")
 
-__all__ = ["SHARED_BLOCK_REWRITE", "TransformersCanary", "attach"]
+__all__ = ["FIRST_STORE_UNCHANGED", "SHARED_BLOCK_REWRITE", "TransformersCanary", "attach"]
 
 
 def _import_transformers():
@@ -74,11 +74,21 @@ def _refuse_manager_modes(manager) -> None:
     _refuse_model_modes(manager.model.config)
 
 
+def _check_layers(options: CanaryOptions, config) -> None:
+    layers = config.get_text_config().num_hidden_layers
+    options.layers(layers)
+    options.deep_layers(layers)
+    if options.check_lost_stores and layers < 2:
+        fail(ValueError, "check_lost_stores=True needs a model of two or more layers: the check compares layers 1 and "
+                         "up (layer 0's K and V depend on the token and position alone, so equal bytes there are legitimate)")
+
+
 class TransformersCanary(EngineCanary):
     """The canary attached to a transformers model or continuous-batching manager (see :func:`attach`).
 
     ``report()`` names the request ids behind each violation and labels 5.17's in-place rewrite of
-    a shared prefix block ``finding="engine_rewrote_shared_block"``; ``stats`` is the sessions'
+    a shared prefix block ``finding="engine_rewrote_shared_block"`` and a lost-store row in a slot the
+    canary had never stamped ``finding="first_store_unchanged_bytes"``; ``stats`` is the sessions'
     stats summed with ``engine_steps``, ``fork_copied_blocks`` and ``swept_blocks``.
     """
 
@@ -91,11 +101,11 @@ class TransformersCanary(EngineCanary):
         self._steps: list[StepCanary] = []
         self._hooked: set = set()
         if isinstance(target, manager_type):
-            options.layers(target.model.config.get_text_config().num_hidden_layers)  # names a bad fingerprint_layers now
+            _check_layers(options, target.model.config)  # names a bad fingerprint_layers / deep_kv_layers now
             self._hook_manager(target)
         elif hasattr(target, "init_continuous_batching"):
             _refuse_model_modes(target.config)
-            options.layers(target.config.get_text_config().num_hidden_layers)
+            _check_layers(options, target.config)
             wrap(target, "init_continuous_batching", self._wrap_init, self._undo)
             cached = getattr(target, "_cached_continuous_batching_manager", None)
             if isinstance(cached, manager_type):
@@ -147,16 +157,32 @@ class TransformersCanary(EngineCanary):
 
     def classify(self, session_index: int, v: Violation) -> str | None:
         """5.17 recomputes a prompt's last token into its complete, shared prefix block while other
-        requests read it: the readers' TAIL verify sees the block's bytes change in that step."""
+        requests read it: the readers' TAIL verify sees the block's bytes change in that step.  A
+        lost-store row whose slot held no record (previous prev_hash 0: never stamped since attach)
+        compared the store with the allocator's leftovers, which the canary never saw."""
+        if v.reasons == "write_kv_not_stored" and v.stored_chain_hash == 0:
+            return FIRST_STORE_UNCHANGED
         step = next((s for s in self._steps if s.index == session_index), None)
         if step is not None and v.reasons == "verify_real_kv_hash" and (v.first_step, v.slot_idx) in step.rewrites:
             return SHARED_BLOCK_REWRITE
         return None
 
+    def writers(self, session_index: int, v: Violation) -> tuple:
+        """A lost-store row names the request whose step wrote the slot (it reads those bytes next)."""
+        step = next((s for s in self._steps if s.index == session_index), None)
+        if step is None or v.reasons != "write_kv_not_stored":
+            return ()
+        return step.writer_of(v.first_step, v.slot_idx, v.position)
+
     @property
     def fingerprinted_layers(self) -> tuple:
         """The model layers whose K and V bytes each processor's TAIL buffer fingerprints."""
         return tuple(s.fingerprinted for s in self._steps)
+
+    @property
+    def deep_kv_layers(self) -> tuple:
+        """The model layers whose every K and V byte each processor's deep fingerprints fold."""
+        return tuple(s.deep_layers for s in self._steps)
 
 
 def attach(model_or_manager, **options) -> TransformersCanary:
@@ -171,7 +197,11 @@ def attach(model_or_manager, **options) -> TransformersCanary:
         The options of :class:`~kvcanary_cupy.integrations._base.CanaryOptions`: ``on_violation``
         (default ``"log"``), ``ring_capacity``, ``check_expected_tokens`` (default on: the engine's
         own token history is the expected-token pool), ``fingerprint_layers``,
-        ``real_kv_hash_mode`` (default PARTIAL), ``sweep_every``, ``verify_capacity``.
+        ``real_kv_hash_mode`` (default PARTIAL), ``sweep_every``, ``verify_capacity``; and the
+        coverage past the record, off by default: ``deep_kv_layers`` (``"all"`` or layer indices:
+        every byte of their K and V fingerprinted, each slot re-checked within
+        ``deep_check_period`` steps, default 4) and ``check_lost_stores`` (a store the forward
+        should have made and did not: ``write_kv_not_stored``).
 
     Returns
     -------
@@ -186,4 +216,4 @@ def attach(model_or_manager, **options) -> TransformersCanary:
         An unknown option, or a mode the canary does not support (named: async batching, CUDA graphs
         or torch.compile of the engine, tensor parallelism, sliding-window groups, CPU offload pools).
     """
-    return TransformersCanary(model_or_manager, CanaryOptions.from_options("transformers", options))
+    return TransformersCanary(model_or_manager, CanaryOptions.from_options("transformers", options, coverage=True))

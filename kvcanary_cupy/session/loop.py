@@ -120,7 +120,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
     allow_default_group : bool
         Accept the default (WORLD) group as ``process_group``: only when nothing else (the model,
         a KV transfer) issues collectives on it.
-    deep_kv_sources, deep_check_slots, check_lost_stores, max_step_tokens
+    deep_kv_sources, deep_check_slots, check_lost_stores, lost_kv_sources, max_step_tokens
         The coverage past the record, off by default: :func:`kvcanary_cupy.coverage.build`.
 
     Raises
@@ -156,7 +156,7 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
                  sweep_source=None, overlap_head_write=True, write_req_capacity=None, process_group=None,
                  reduce_every=1, replicated_kv=False, allow_default_group=False, same_step_reads=False,
                  deep_kv_sources=(), deep_check_slots=None, check_lost_stores=False, max_step_tokens=None,
-                 check_holes=True):
+                 check_holes=True, lost_kv_sources=()):
         num_slots = check_count(num_slots, "num_slots", maximum=2**62)
         if num_slots == 0:
             fail(ValueError, "num_slots must be >= 1 (slot 0 is the padding slot), got 0")
@@ -248,7 +248,8 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
                                                          stream=self._head_write_stream, **w) for w in waves])
         self._row_labels = None  # the engine's labels of this step's batch rows (pre_forward's row_labels)
         self._head_write_unjoined = False
-        self.coverage = coverage.build(self, like, deep_kv_sources, deep_check_slots, check_lost_stores, max_step_tokens)
+        self.coverage = coverage.build(self, like, deep_kv_sources, deep_check_slots, check_lost_stores, max_step_tokens,
+                                       lost_kv_sources)
 
         self._stamp = 0
         self._step_inputs = None  # (input_ids, positions, out_cache_loc) between pre_ and post_forward

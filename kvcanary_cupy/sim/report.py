@@ -34,6 +34,7 @@ def format_table(result, *, step_name: str = "simulated step") -> str:
     clean, cost = doc["clean"], doc["cost"]
     lines.append(f"clean run: {clean['steps']} steps, {clean['false_positives']} false positives; "
                  f"violations outside any fault's blast radius in the faulty run: {result.faulty.unattributed}")
+    lines += getattr(result, "notes", [])  # what a job adds under its clean run (kvcanary hf: the lost-store check)
     device = (f"; device: canary {cost['canary_device_us']} us, model KV store {cost['model_kv_store_device_us']} us"
               if cost["canary_device_us"] is not None else "")
     fraction = _fmt(cost["canary_host_fraction"] and 100 * cost["canary_host_fraction"], ".0f")

@@ -24,7 +24,7 @@ def kv_row(token, position, layer, half):
 class Engine:
     """Requests on req_to_token rows; each step appends tokens and runs the session around a toy forward."""
 
-    def __init__(self, ab, *, deep=False, **session_kw):
+    def __init__(self, ab, *, deep=False, lost_layers=None, **session_kw):
         self.ab = ab
         self.pool_host = np.zeros((LAYERS, 2, SLOTS, ROW), np.uint8)
         self.pool = ab.asarray(self.pool_host)
@@ -36,6 +36,8 @@ class Engine:
         self.every_layer = tuple(RealKvSource(self.pool[l, h], 1, ROW, ROW) for l in range(LAYERS) for h in (0, 1))
         if deep:
             session_kw["deep_kv_sources"] = self.every_layer
+        if lost_layers is not None:
+            session_kw["lost_kv_sources"] = tuple(self.every_layer[2 * l + h] for l in lost_layers for h in (0, 1))
         session_kw.setdefault("real_kv_sources", self.layer0)
         session_kw.setdefault("real_kv_hash_mode", RealKvHashMode.ALL)
         self.session = kc.CanarySession(SLOTS, max_batch_size=ROWS, like=ab.like, on_violation="ignore", **session_kw)
@@ -168,6 +170,29 @@ def test_identical_bytes_of_the_same_record_are_legitimate(ab):
     assert [(v.slot_idx, v.position, v.stored_token, v.expected_token) for v in lost] == [(2, 1, 12, 12)]
 
 
+def test_lost_kv_sources_leave_out_a_position_independent_source(ab, monkeypatch):
+    """A first layer's V that depends on the token alone (as a transformer's layer-0 V does): the same
+    token stored at another position leaves those bytes unchanged, a row when that source is compared;
+    lost_kv_sources of the other layers compare only bytes that depend on the position, and still see
+    a store lost in one of them (expected_aux: its index among those sources)."""
+    token_only = kv_row
+    monkeypatch.setitem(globals(), "kv_row",
+                        lambda t, p, layer, half: token_only(t, 0 if (layer, half) == (0, 1) else p, layer, half))
+
+    def reuse(e, drop=()):
+        e.step({1: [11, 12]})  # slots 1, 2: token 11 at position 0
+        e.lens[1] = 0
+        e.step({2: [5, 11]}, slots=[3, 1], drop=drop)  # slot 1: token 11 again, at position 1
+        return [(v.slot_idx, v.position, v.stored_token, v.expected_token, v.expected_aux) for v in e.report().violations
+                if v.fail_reason_bits & LOST]
+
+    assert reuse(Engine(ab, check_lost_stores=True, max_step_tokens=4)) == [(1, 1, 11, 11, 1)]  # layer 0's V: unchanged
+    assert reuse(Engine(ab, check_lost_stores=True, max_step_tokens=4, lost_layers=(1, 2))) == []
+    e = Engine(ab, check_lost_stores=True, max_step_tokens=4, lost_layers=(1, 2))
+    assert e.session.coverage.lost.count == 4 and e.session.coverage.lost.bytes_per_slot == 4 * ROW  # ALL: every byte
+    assert reuse(e, drop={(1, 2)}) == [(1, 1, 11, 11, 2)]  # layer 2's K, the third of the four sources
+
+
 def test_clean_steps_give_no_false_positive(ab):
     e = Engine(ab, deep=True, check_lost_stores=True, max_step_tokens=8)
     rng = np.random.default_rng(7)
@@ -197,13 +222,17 @@ def test_tokens_past_max_step_tokens_are_counted(ab):
     (dict(deep_kv_sources=[object()]), TypeError, r"deep_kv_sources\[0\] must be a RealKvSource, got object"),
     (dict(check_lost_stores=True, max_step_tokens=0), ValueError, r"max_step_tokens must be"),
     (dict(deep_kv_sources=None, deep_check_slots=0), ValueError, r"deep_check_slots must be"),
+    (dict(lost_kv_sources=None), ValueError, r"lost_kv_sources needs check_lost_stores=True"),
+    (dict(lost_kv_sources=[object()], check_lost_stores=True, max_step_tokens=4), TypeError,
+     r"lost_kv_sources\[0\] must be a RealKvSource, got object"),
 ])
 def test_coverage_options_are_checked_by_name(ab, kw, exc, match):
     kw = dict(kw)  # the parameter's dict is shared by every backend's run: the defaults below are this run's
     pool = ab.asarray(np.zeros((SLOTS, ROW), np.uint8))
     kw.setdefault("real_kv_sources", (RealKvSource(pool, 1, ROW, ROW),))
-    if "deep_kv_sources" in kw and kw["deep_kv_sources"] is None:
-        kw["deep_kv_sources"] = kw["real_kv_sources"]
+    for name in ("deep_kv_sources", "lost_kv_sources"):
+        if name in kw and kw[name] is None:
+            kw[name] = kw["real_kv_sources"]
     with pytest.raises(exc, match=match):
         kc.CanarySession(SLOTS, max_batch_size=2, like=ab.like, real_kv_hash_mode=RealKvHashMode.ALL, **kw)
 
