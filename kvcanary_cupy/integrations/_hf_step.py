@@ -275,8 +275,14 @@ class StepCanary:
         if self._pool is None:
             self._pool_pinned = self.torch.from_numpy(host).pin_memory()
             self._pool = self.torch.zeros(host.shape, dtype=self.torch.int32, device=self.device)
+            self._pool_copied = None
+        if self._pool_copied is not None:  # the last step's copy out of the pinned rows has run (a device
+            self._pool_copied.synchronize()  # a step behind would otherwise copy this step's rows for it)
         self._pool_pinned[:bs, :width].copy_(self.torch.from_numpy(host[:bs, :width]))
         self._pool[:bs, :width].copy_(self._pool_pinned[:bs, :width], non_blocking=True)
+        if self._pool_copied is None:
+            self._pool_copied = self.torch.cuda.Event()
+        self._pool_copied.record()
         return self._pool[:bs, : max(width, 1)]
 
     # -- forks and the prefix cache -----------------------------------------------------------------
