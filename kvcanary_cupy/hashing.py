@@ -95,11 +95,14 @@ def _as_u64(x) -> np.ndarray:
 _A_MUL1, _A_MUL2, _A_S1, _A_S2, _A_S3 = (np.array(c) for c in (_U64_MUL1, _U64_MUL2, _U64_S1, _U64_S2, _U64_S3))
 
 
-def _splitmix64_inplace(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 of the uint64 array ``x`` in place (array ufuncs wrap modulo 2**64 and never warn;
-    one scratch array for the shifts)."""
-    t = np.right_shift(x, _A_S1, out=np.empty_like(x))  # out=: an array even when x is 0-d
-    np.bitwise_xor(x, t, out=x)
+def splitmix64_inplace(x: np.ndarray, scratch: np.ndarray | None = None, first: bool = True) -> np.ndarray:
+    """SplitMix64 of the uint64 array ``x`` in place (array ufuncs wrap modulo 2**64 and never warn),
+    its shifts into ``scratch`` (an array like ``x``; a new one when None); ``first=False``: the
+    caller did the first xorshift."""
+    t = np.empty_like(x) if scratch is None else scratch  # an array even when x is 0-d
+    if first:
+        np.right_shift(x, _A_S1, out=t)
+        np.bitwise_xor(x, t, out=x)
     np.multiply(x, _A_MUL1, out=x)
     np.right_shift(x, _A_S2, out=t)
     np.bitwise_xor(x, t, out=x)
@@ -112,13 +115,13 @@ def _splitmix64_inplace(x: np.ndarray) -> np.ndarray:
 def splitmix64_array(x) -> np.ndarray:
     """Element-wise SplitMix64 finaliser of a NumPy integer array (int64 read as uint64)."""
     x = np.asarray(x)
-    return _splitmix64_inplace(x.view(np.uint64).copy() if x.dtype == np.int64 else x.astype(np.uint64))
+    return splitmix64_inplace(x.view(np.uint64).copy() if x.dtype == np.int64 else x.astype(np.uint64))
 
 
 def splitmix64_xor(acc: np.ndarray, x) -> np.ndarray:
     """``splitmix64(acc ^ x)`` into ``acc`` (a uint64 array the caller owns; ``x`` broadcasts to it)."""
     np.bitwise_xor(acc, _as_u64(x), out=acc)
-    return _splitmix64_inplace(acc)
+    return splitmix64_inplace(acc)
 
 
 def mix3_array(a, b, c) -> np.ndarray:

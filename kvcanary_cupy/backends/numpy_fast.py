@@ -25,9 +25,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..args import VERIFY_ENTRY_FIELDS, CanaryTarget, PlanArgs, PlanVerifyArgs, VerifyArgs
-from ..constants import SPLITMIX64_MUL1, SPLITMIX64_MUL2, SPLITMIX64_SHIFT1, SPLITMIX64_SHIFT2, SPLITMIX64_SHIFT3
+from ..constants import SPLITMIX64_SHIFT1
 from ..constants import FailReason, RealKvHashMode
-from ..hashing import ANCHOR_HASH, mix3_array
+from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_inplace
 from ..tables import TableKind
 from ..validation import I64
 from . import numpy_backend as ref
@@ -37,8 +37,7 @@ __all__ = ["copy", "move", "plan", "plan_verify", "plan_verify_stores_entries", 
 
 U64 = np.uint64
 _ANCHOR = U64(ANCHOR_HASH)
-_MUL1, _MUL2 = U64(SPLITMIX64_MUL1), U64(SPLITMIX64_MUL2)
-_SHIFTS = (U64(SPLITMIX64_SHIFT1), U64(SPLITMIX64_SHIFT2), U64(SPLITMIX64_SHIFT3))
+_SHIFT1 = U64(SPLITMIX64_SHIFT1)
 _CHAIN_BIT = FailReason.VERIFY_CHAIN_HASH_MISMATCH.value
 _POSITION_BIT = FailReason.VERIFY_POSITION_MISMATCH.value
 _REAL_KV_BIT = FailReason.VERIFY_REAL_KV_HASH_MISMATCH.value
@@ -240,30 +239,15 @@ def _irregular(canary, slot, prev):
     return irregular, chain, ~(ok | (p < 0))
 
 
-def _splitmix(x, scratch, first: bool = True) -> None:
-    """SplitMix64 of ``x`` (uint64) in place; ``first=False``: its first xorshift is done."""
-    s1, s2, s3 = _SHIFTS
-    if first:
-        np.right_shift(x, s1, out=scratch)
-        np.bitwise_xor(x, scratch, out=x)
-    np.multiply(x, _MUL1, out=x)
-    np.right_shift(x, s2, out=scratch)
-    np.bitwise_xor(x, scratch, out=x)
-    np.multiply(x, _MUL2, out=x)
-    np.right_shift(x, s3, out=scratch)
-    np.bitwise_xor(x, scratch, out=x)
-
-
 def record_hashes(records, h, scratch) -> None:
     """``h[j]`` = mix3(prev_hash, token, position) of record j (uint64 views), in place: 26 elementwise passes."""
-    s1 = _SHIFTS[0]
-    np.right_shift(records[:, 2], s1, out=scratch)  # the first xorshift reads the column itself
+    np.right_shift(records[:, 2], _SHIFT1, out=scratch)  # the first xorshift reads the column itself
     np.bitwise_xor(records[:, 2], scratch, out=h)
-    _splitmix(h, scratch, first=False)
+    splitmix64_inplace(h, scratch, first=False)
     np.bitwise_xor(h, records[:, 0], out=h)
-    _splitmix(h, scratch)
+    splitmix64_inplace(h, scratch)
     np.bitwise_xor(h, records[:, 1], out=h)
-    _splitmix(h, scratch)
+    splitmix64_inplace(h, scratch)
 
 
 def _failures(kind, canary, slot, prev, position, token, sources, mode):
