@@ -487,3 +487,12 @@ def equivalent_req_to_token(kind: str, table: dict, rp, bs: int):
 def shifted_pool(pool):
     """An expected-token pool for the shifted rows of :func:`equivalent_req_to_token`."""
     return None if pool is None else np.concatenate([np.zeros((1, pool.shape[1]), pool.dtype), pool])
+
+
+def outcome(fn):
+    """``(type, message)`` of what ``fn()`` raises, or None: what two ways of making a call compare."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the type and message are what is compared
+        return type(exc), str(exc)
+    return None

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from canary_builders import outcome
 from kvcanary_cupy.ops import canary, plan_cache
 from kvcanary_cupy.validation_cache import FULL_VALIDATION_ENV
 
@@ -100,14 +101,6 @@ def checked(monkeypatch, fn):
         return fn()
     finally:
         monkeypatch.delenv(FULL_VALIDATION_ENV)
-
-
-def outcome(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the type and message are what is compared
-        return type(exc), str(exc)
-    return None
 
 
 @pytest.mark.parametrize("op", ["verify", "write"])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kvcanary_cupy as kc
+from canary_builders import outcome
 from kvcanary_cupy.validation_cache import FULL_VALIDATION_ENV
 
 NUM_SLOTS, ROWS, COLS = 256, 6, 32
@@ -58,14 +59,6 @@ class _Loop:
         return [a.tobytes() for a in entries] + [self.ab.to_numpy(a).tobytes() for a in arrays] + ring
 
 
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the type and message are what is compared
-        return type(exc), str(exc)
-    return None
-
-
 def test_cached_calls_give_the_bytes_of_uncached_ones(ab, monkeypatch):
     cached = _Loop(ab)
     for seed in range(6):
@@ -84,10 +77,10 @@ def test_cached_calls_give_the_bytes_of_uncached_ones(ab, monkeypatch):
 
 def _both(monkeypatch, call):
     """The outcome of ``call`` with the cache warm, then with every check run."""
-    cached = _outcome(call)
+    cached = outcome(call)
     with monkeypatch.context() as mp:
         mp.setenv(FULL_VALIDATION_ENV, "1")
-        uncached = _outcome(call)
+        uncached = outcome(call)
     return cached, uncached
 
 
@@ -170,7 +163,7 @@ def _changes(ab, loop):
 
 @pytest.mark.parametrize("change", ["canary_shape", "plan_shape", "canary_read_only", "log_read_only", "canary_resize",
                                     "plan_address", "table_strides", "version"])
-def test_an_in_place_change_of_a_remembered_array_gets_the_uncached_outcome(ab, monkeypatch, change):
+def test_an_in_place_change_of_a_remembered_array_gets_the_uncachedoutcome(ab, monkeypatch, change):
     loop = _Loop(ab)
     changes = _changes(ab, loop)
     if change not in changes:
