@@ -577,14 +577,23 @@ def _hole_rows(kind: int, a: VerifyArgs, entries: np.ndarray, expected_tok: np.n
     return _rows(kind, slot, position, -1, expected_tok, 0, entries, FailReason.VERIFY_TABLE_HOLE.value)
 
 
+def verify_launch(a: VerifyArgs, kind: int) -> int | None:
+    """A verify launch's counters (every launch; its entries only when the plan is enabled) and
+    its active entries, None when the plan is disabled."""
+    a.log.kernel_run_counters[kind] += 1
+    if int(a.enable[0]) == 0:
+        return None
+    active = min(max(int(a.verify_num_valid[0]), 0), a.verify_slot_indices.shape[0])
+    a.log.slot_run_counters[kind] += active
+    return active
+
+
 def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     log, kind, canary = a.log, target.kernel_kind, target.canary
     num_slots = canary.shape[0]
-    log.kernel_run_counters[kind] += 1
-    if int(a.enable[0]) == 0:
+    active = verify_launch(a, kind)
+    if active is None:
         return
-    active = min(max(int(a.verify_num_valid[0]), 0), a.verify_slot_indices.shape[0])
-    log.slot_run_counters[kind] += active
     slot = np.asarray(a.verify_slot_indices[:active], I64)
     slot_oob = (slot < 0) | (slot >= num_slots)
     errors = int(np.count_nonzero(slot_oob))

@@ -190,12 +190,8 @@ def verify(a: VerifyArgs) -> None:
 def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     log, kind, canary = a.log, target.kernel_kind, target.canary
     num_slots = canary.shape[0]
-    log.kernel_run_counters[kind] += 1
-    if int(a.enable[0]) == 0:
-        return
-    active = min(max(int(a.verify_num_valid[0]), 0), a.verify_slot_indices.shape[0])
-    log.slot_run_counters[kind] += active
-    if active == 0:
+    active = ref.verify_launch(a, kind)
+    if not active:  # disabled or empty
         return
     slot = np.asarray(a.verify_slot_indices[:active], I64)
     prev = np.asarray(a.verify_prev_slot_indices[:active], I64)
