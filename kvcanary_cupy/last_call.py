@@ -135,3 +135,22 @@ def device_arrays(objects: tuple) -> list | None:
                 return None
             found.append(x)
     return found
+
+
+def launch_packed(parts, placement, launch: str, args, accept=None):
+    """On the GPU, a checked call's launches packed, launched and returned with the arrays to stamp
+    (``(packed, arrays)`` for :meth:`LastCall.put`), or None where the call launches the usual way:
+    no ``parts`` (never replayed), NumPy, an argument the checks viewed through a copy (a
+    non-contiguous array, or one ``accept(arrays)`` refuses).  ``launch``: the function of
+    ``backends.cuda.ops`` that makes the call's :class:`KernelLaunch` records (one or a list) from ``args``."""
+    if parts is None or placement.backend != "cupy":
+        return None
+    arrays = device_arrays(parts[0])
+    if arrays is None or (accept is not None and not accept(arrays)):
+        return None
+    from .backends.cuda import launch as cuda_launch, ops as cuda_ops
+
+    made = getattr(cuda_ops, launch)(args)
+    packed = cuda_launch.PackedLaunches(made if isinstance(made, list) else (made,), placement)
+    packed()
+    return packed, arrays

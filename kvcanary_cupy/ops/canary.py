@@ -11,7 +11,7 @@ from ..binding import check_type, verify_args, verify_setup, write_bound_args, w
 from ..constants import RealKvHashMode
 from ..errors import fail, public_api
 from ..interop import Array, array_module, backend_view, common_placement
-from ..last_call import LastCall, call_parts, device_arrays, replay_allowed
+from ..last_call import LastCall, call_parts, launch_packed, replay_allowed
 from ..log import ViolationLog
 from ..plans import VerifyPlan, WritePlan
 from ..runtime import launch_stream, side_stream
@@ -282,19 +282,11 @@ def verify(
 
 
 def _launched(memo: LastCall, parts, placement, launch: str, args) -> bool:
-    """On the GPU, launch a checked call's kernel packed, and remember it in ``memo`` to be replayed
-    (a call of copy-free arguments that ``call_parts`` describes); False: launch it the usual way."""
-    if parts is None or placement.backend != "cupy":
-        return False
-    arrays = device_arrays(parts[0])
-    if arrays is None:
-        return False
-    from ..backends.cuda import launch as cuda_launch, ops as cuda_ops
-
-    packed = cuda_launch.PackedLaunches((getattr(cuda_ops, launch)(args),), placement)
-    packed()
-    memo.put(*parts, arrays, packed)
-    return True
+    """Whether the call launched packed (and is remembered in ``memo`` to be replayed); False: launch it the usual way."""
+    got = launch_packed(parts, placement, launch, args)
+    if got is not None:
+        memo.put(*parts, got[1], got[0])
+    return got is not None
 
 
 def _long_lived_stamps(stamps: Stamps, canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode) -> tuple:

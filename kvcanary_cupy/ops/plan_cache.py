@@ -12,7 +12,7 @@ import numpy as np
 from ..args import PlanArgs
 from ..errors import CanaryCapacityWarning, fail
 from ..interop import backend_view, common_placement, import_cupy, is_torch_tensor
-from ..last_call import LastCall, call_parts, device_arrays, replay_allowed
+from ..last_call import LastCall, call_parts, launch_packed, replay_allowed
 from ..plans import VerifyPlan, WritePlan, is_clean, mark_clean, scan_state
 from ..runtime import is_capturing, launch_stream
 from ..tables import BlockTable, PagedKvIndices, ReqToToken
@@ -117,17 +117,11 @@ def replay_plan(parts, out) -> bool:
 def packed_plan(parts, placement, args: PlanArgs, capacity: int) -> bool:
     """On the GPU, launch a checked plan's kernels packed and remember them to be replayed (where
     every view it launches with is one of the caller's arrays: nothing copied); False: the usual launch."""
-    if parts is None or placement.backend != "cupy":
-        return False
-    arrays = device_arrays(parts[0])
-    if arrays is None or not _views_of(args, {_address(x) for x in arrays}):
-        return False
-    from ..backends.cuda import launch as cuda_launch, ops as cuda_ops
-
-    packed = cuda_launch.PackedLaunches(cuda_ops.plan_launches(args), placement)
-    packed()
-    _PLAN.put(*parts, arrays, (packed, placement, capacity))
-    return True
+    got = launch_packed(parts, placement, "plan_launches", args,
+                        accept=lambda arrays: _views_of(args, {_address(x) for x in arrays}))
+    if got is not None:
+        _PLAN.put(*parts, got[1], (got[0], placement, capacity))
+    return got is not None
 
 
 def _address(x) -> int:

@@ -72,20 +72,21 @@ def plan_params(a: PlanArgs) -> np.ndarray:
     return p
 
 
+def _plan_kernels(a: PlanArgs) -> tuple:
+    return plan_kernels(view_layout(a.table), a.prefix_lens.shape[0], a.out.verify_slot_indices.shape[0],
+                        a.swa_lut is not None, a.expected_token_pool is not None)
+
+
 def plan(a: PlanArgs) -> None:
     launch = BoundLaunch(plan_params(a), cuda_device.current_id())
-    for family, name, config in plan_kernels(view_layout(a.table), a.prefix_lens.shape[0], a.out.verify_slot_indices.shape[0],
-                                             a.swa_lut is not None, a.expected_token_pool is not None):
+    for family, name, config in _plan_kernels(a):
         launch(get_function(family, name).kernel, (config.grid,), (config.block,), config.shared_mem)
 
 
 def plan_launches(a: PlanArgs) -> list:
     """The plan's launches, as :func:`plan` makes them, each a :class:`KernelLaunch` of one shared record."""
     params = plan_params(a)
-    return [KernelLaunch(family, name, config, params)
-            for family, name, config in plan_kernels(view_layout(a.table), a.prefix_lens.shape[0],
-                                                     a.out.verify_slot_indices.shape[0], a.swa_lut is not None,
-                                                     a.expected_token_pool is not None)]
+    return [KernelLaunch(family, name, config, params) for family, name, config in _plan_kernels(a)]
 
 
 def input_widths(input_ids, positions, out_cache_loc) -> int:
