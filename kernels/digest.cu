@@ -165,11 +165,33 @@ __device__ __forceinline__ u64 warp_sum(u64 v) {
   return v;
 }
 
-// Grid (x: warps sharing a request, y: requests).  For each candidate layer (the local layers when
-// every layer is sampled, else the spec's rotated layers, of which those outside this pool's layers
-// add no KV), the warps stride over the request's positions; lanes stride over (head, word).  The
-// pass of candidate 0 also adds each position's provenance terms and counts the positions whose
-// slot is out of range (once each).
+// How a warp's lanes share one half of one layer at one position: `per_pass` heads at a time,
+// `group` lanes a head, lane (head h, sublane s) taking words s, s + group, ... of its head.  A
+// lane then derives one key per head (two splitmix64) for all its words, and each load instruction
+// reads `group` consecutive words of every head in the pass (32-byte sectors whole from group 4).
+struct LaneShare {
+  int head, sub, group, per_pass;
+};
+
+__device__ __forceinline__ LaneShare lane_share(int lane, int num_heads, int words) {
+  int group = 4;  // aim at about 8 words a lane, sectors whole
+  while (group < 32 && group * 8 < words) group *= 2;
+  int per_pass = 32 / group;
+  while (per_pass > 1 && per_pass > num_heads) {  // few heads: more lanes on each
+    per_pass /= 2;
+    group *= 2;
+  }
+  return LaneShare{lane / group, lane % group, group, per_pass};
+}
+
+// Loads in flight per lane and half before their words are hashed.
+constexpr int kDigestUnroll = 4;
+
+// Grid (x: warps sharing a request, y: requests).  The warps stride over the request's positions;
+// each position's slot is looked up once, its provenance terms added (and an out-of-range slot
+// counted) once, then for each candidate layer (the local layers when every layer is sampled,
+// else the spec's rotated layers, of which those outside this pool's layers add no KV) the lanes
+// hash their words of both halves (LaneShare), the loads of a batch issued before its hashes.
 __global__ void __launch_bounds__(kDigestThreads) digest_accumulate(const __grid_constant__ DigestTable t,
                                                                     const __grid_constant__ DigestPool pool,
                                                                     const __grid_constant__ DigestRequests q) {
@@ -181,6 +203,10 @@ __global__ void __launch_bounds__(kDigestThreads) digest_accumulate(const __grid
   const unsigned L = static_cast<unsigned>(q.num_layers_total);
   const bool all_layers = q.sample_layers == 0 || static_cast<unsigned>(q.sample_layers) >= L;
   const unsigned candidates = all_layers ? static_cast<unsigned>(pool.num_layers) : static_cast<unsigned>(q.sample_layers);
+  const bool windowed = q.window_words > 0 && q.window_words < pool.strip_words;
+  const int nw = windowed ? q.window_words : pool.strip_words;
+  const LaneShare share = lane_share(lane, pool.num_heads, nw);
+  const int halves = pool.halves;
   for (i64 b = blockIdx.y; b < q.bs; b += gridDim.y) {
     const RowInfo row = row_info(t, q, b);
     const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
@@ -189,55 +215,72 @@ __global__ void __launch_bounds__(kDigestThreads) digest_accumulate(const __grid
     const unsigned first = all_layers ? 0u : static_cast<unsigned>(splitmix64(key ^ kDigestLayerRotation) % L);
     u64 kv = 0, words = 0, rec = 0;
     i64 skipped = 0;
-    for (unsigned ci = 0; ci < candidates; ++ci) {
-      const int layer = static_cast<int>(all_layers ? pool.layer_offset + ci : (first + ci * L / q.sample_layers) % L);
-      const int local = layer - pool.layer_offset;
-      const bool in_pool = local >= 0 && local < pool.num_layers;
-      if (!in_pool && ci != 0) continue;
-      int w0 = 0, nw = pool.strip_words;
-      if (q.window_words > 0 && q.window_words < pool.strip_words) {
-        const u64 pick = splitmix64(key ^ (static_cast<u64>(layer + 1) * kDigestWordStride)) %
-                         static_cast<u64>(pool.strip_words / q.window_words);
-        w0 = static_cast<int>(pick) * q.window_words;
-        nw = q.window_words;
+    for (i64 p = start + warp; p < end; p += warps) {
+      const i64 slot = table_slot_of(t, row.base, p);
+      if (!slot_ok(pool, q, slot)) {
+        skipped += lane == 0;
+        continue;
       }
-      for (i64 p = start + warp; p < end; p += warps) {
-        const i64 slot = table_slot_of(t, row.base, p);
-        if (!slot_ok(pool, q, slot)) {
-          skipped += (ci == 0 && lane == 0);
-          continue;
-        }
-        if (ci == 0 && lane == 0 && q.mode != kRecNone) {
-          i64 token, position = p;
-          if (q.mode == kRecSender) {
-            const i64* r = record_row(q, slot);
-            token = r[0];
-            position = r[1];
-          } else {
-            const i64 idx = p + q.token_offset;
-            i64 limit = q.exp_cols;
-            if (q.valid_lens) {
-              const i64 v = reinterpret_cast<const i64*>(q.valid_lens)[b];
-              limit = v < 0 ? 0 : (v < limit ? v : limit);
-            }
-            const bool known = idx >= 0 && idx < limit && row.pool_row >= 0 && row.pool_row < q.exp_rows;
-            token = known ? load_index(reinterpret_cast<const void*>(q.expected), q.exp_i64, row.pool_row * q.exp_row_stride + idx) : -1;
+      if (lane < 2 && q.mode != kRecNone) {  // lane 0 the token's term, lane 1 the position's
+        i64 value = p;
+        if (q.mode == kRecSender) {
+          value = record_row(q, slot)[lane];
+        } else if (lane == 0) {
+          const i64 idx = p + q.token_offset;
+          i64 limit = q.exp_cols;
+          if (q.valid_lens) {
+            const i64 v = reinterpret_cast<const i64*>(q.valid_lens)[b];
+            limit = v < 0 ? 0 : (v < limit ? v : limit);
           }
-          rec += splitmix64(static_cast<u64>(token) ^ digest_key(kDigestRecLayer, 0, 0, static_cast<u64>(p)));
-          rec += splitmix64(static_cast<u64>(position) ^ digest_key(kDigestRecLayer, 1, 0, static_cast<u64>(p)));
+          const bool known = idx >= 0 && idx < limit && row.pool_row >= 0 && row.pool_row < q.exp_rows;
+          value = known ? load_index(reinterpret_cast<const void*>(q.expected), q.exp_i64, row.pool_row * q.exp_row_stride + idx) : -1;
         }
-        if (!in_pool) continue;
-        const i64 page = slot / pool.page_size, tok = slot - page * pool.page_size;
-        const i64 at = page * pool.page_stride + tok * pool.token_stride;
-        for (int c = 0; c < pool.halves; ++c) {
-          const unsigned char* base = reinterpret_cast<const unsigned char*>(pointers[local * pool.halves + c]) + at;
-          for (int j = lane; j < pool.num_heads * nw; j += 32) {
-            const int h = j / nw, w = w0 + (j - h * nw);
-            const u64 word = *reinterpret_cast<const u64*>(base + h * pool.head_stride + w * 8);
-            const u64 k = digest_key(static_cast<u64>(layer), static_cast<u64>(c), static_cast<u64>(pool.head_offset + h),
-                                     static_cast<u64>(p));
-            kv += splitmix64(word ^ (k + static_cast<u64>(w) * kDigestWordStride));
-            words += 1;
+        rec += splitmix64(static_cast<u64>(value) ^ digest_key(kDigestRecLayer, static_cast<u64>(lane), 0, static_cast<u64>(p)));
+      }
+      const i64 page = slot / pool.page_size, tok = slot - page * pool.page_size;
+      const i64 at = page * pool.page_stride + tok * pool.token_stride;
+      for (unsigned ci = 0; ci < candidates; ++ci) {
+        const int layer = static_cast<int>(all_layers ? pool.layer_offset + ci : (first + ci * L / q.sample_layers) % L);
+        const int local = layer - pool.layer_offset;
+        if (local < 0 || local >= pool.num_layers) continue;
+        int w0 = 0;
+        if (windowed) {
+          const u64 pick = splitmix64(key ^ (static_cast<u64>(layer + 1) * kDigestWordStride)) %
+                           static_cast<u64>(pool.strip_words / q.window_words);
+          w0 = static_cast<int>(pick) * q.window_words;
+        }
+        const unsigned char* base[2];
+        #pragma unroll
+        for (int c = 0; c < 2; ++c)
+          base[c] = reinterpret_cast<const unsigned char*>(pointers[local * halves + (c < halves ? c : 0)]) + at;
+        for (int h = share.head; h < pool.num_heads; h += share.per_pass) {
+          u64 k[2];
+          #pragma unroll
+          for (int c = 0; c < 2; ++c)
+            k[c] = digest_key(static_cast<u64>(layer), static_cast<u64>(c), static_cast<u64>(pool.head_offset + h),
+                              static_cast<u64>(p));
+          for (int w = share.sub; w < nw; w += kDigestUnroll * share.group) {
+            u64 word[2][kDigestUnroll];
+            #pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              #pragma unroll
+              for (int u = 0; u < kDigestUnroll; ++u) {
+                const int wu = w + u * share.group;
+                word[c][u] = (c < halves && wu < nw)
+                                 ? *reinterpret_cast<const u64*>(base[c] + h * pool.head_stride + (w0 + wu) * 8) : 0;
+              }
+            }
+            #pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              #pragma unroll
+              for (int u = 0; u < kDigestUnroll; ++u) {
+                const int wu = w + u * share.group;
+                if (c < halves && wu < nw) {
+                  kv += splitmix64(word[c][u] ^ (k[c] + static_cast<u64>(w0 + wu) * kDigestWordStride));
+                  words += 1;
+                }
+              }
+            }
           }
         }
       }

@@ -178,6 +178,24 @@ def test_fuzzed_cases_are_byte_identical_to_numpy(ab):
             assert got[0].tobytes() == want[0].tobytes() and got[1] == want[1], (case, table_kind)
 
 
+def test_wide_heads_are_byte_identical_to_numpy(ab):
+    """Model-sized heads (up to 128 words a head, up to 9 heads): the CUDA kernel's lanes share a
+    position's heads in passes and take several words of a head each, batches of loads in flight."""
+    rng = np.random.default_rng(77)
+    for case, (heads, head_dim, dtype) in enumerate([(8, 128, "bfloat16"), (9, 128, "bfloat16"), (1, 128, "float32"),
+                                                     (3, 256, "float32"), (2, 64, "fp8"), (5, 96, "bfloat16")]):
+        model = Model.random(rng, list(rng.integers(1, 30, 2)), num_layers=2, num_heads=heads, head_dim=head_dim, dtype=dtype)
+        pool = filled(KINDS[case % len(KINDS)], model, rng, page_size=int(rng.choice([1, 4, 16])))
+        for spec in (kc.DigestSpec.full(2), kc.DigestSpec(2, sample_layers=1, window_bytes=int(rng.choice([8, 32, 64])))):
+            got = run(ab, pool, model, spec)
+            want = run(kc_numpy(), pool, model, spec)
+            assert got[0].tobytes() == want[0].tobytes() and got[1] == want[1], (case, spec)
+            for r, kv in enumerate(model.kv):
+                assert (kc.to_unsigned(got[0][r, 5]), int(got[0][r, 7])) == kv_sum(
+                    kv, 0, kv.shape[2], r * 7919 - 3, total_layers=2, sample_layers=spec.sample_layers,
+                    window_bytes=spec.window_bytes), (case, spec, r)
+
+
 def test_mla_k_only_pools_digest_to_the_oracle(ab):
     """An MLA pool (one half, one head of kv_lora_rank + rope values) through from_mla."""
     rng = np.random.default_rng(40)
