@@ -404,16 +404,13 @@ class StepTimer:
         self._spoiled = False
         if not self._sampled:
             return
-        from ..devtools.spin import spin
+        from ..devtools import spin as spin_kernel  # only under CUDA, on a sampled step: off the import path
 
         if self._cycles_per_s is None:
-            try:  # kHz; clock64() counts SM cycles, at most this fast, so the spin is never shorter than asked
-                self._cycles_per_s = self.cupy.cuda.Device().attributes["ClockRate"] * 1e3
-            except (KeyError, AttributeError, self.cupy.cuda.runtime.CUDARuntimeError):
-                self._cycles_per_s = 2e9
+            self._cycles_per_s = spin_kernel.cycles_per_second()
             self._spin_done = self._event()
         seconds = min(max(self._window_s * self._margin, self.MIN_SPIN_S), self.MAX_SPIN_S)
-        spin(int(seconds * self._cycles_per_s))
+        spin_kernel.spin(int(seconds * self._cycles_per_s))
         self._spin_done.record()
         self._window_start = time.perf_counter()
 

@@ -93,15 +93,9 @@ class _Cupy:
         test = self
 
         class cuda:
-            runtime = type("runtime", (), {"CUDARuntimeError": RuntimeError})
-
             @staticmethod
             def Event():
                 return _Event(test)
-
-            @staticmethod
-            def Device():
-                return type("Device", (), {"attributes": {"ClockRate": 1_000_000}})()  # 1 GHz
 
             @staticmethod
             def get_elapsed_time(a, b):
@@ -116,6 +110,7 @@ def fake_timer(monkeypatch):
     import kvcanary_cupy.devtools.spin as spin_mod
 
     monkeypatch.setattr(spin_mod, "spin", lambda cycles, stream=None: cupy.spins.append(cycles))
+    monkeypatch.setattr(spin_mod, "cycles_per_second", lambda: 1e9)
     return cupy, engine_mod.StepTimer(cupy, sample_every=2)
 
 
