@@ -89,7 +89,7 @@ class KvCoverage:
         self._impl = impl
         self._head = backend_view(head, "head_canary", writable=True)
         self._tail = backend_view(tail, "tail_canary", writable=True)
-        self._log, self._kind = log_views, kind
+        self._log, self._kind = (impl.pack_log(log_views) if self._cu else log_views), kind  # the GPU's record packed once
         self.deep, self.lost = deep, lost
         num_slots = self._tail.shape[0]
         self.deep_check_slots = min(deep_check_slots, num_slots - 1) if deep is not None else 0

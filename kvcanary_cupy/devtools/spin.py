@@ -30,3 +30,14 @@ def spin(cycles: int, stream=None) -> None:
     cycles (about 2e6 per millisecond on an H200): for stream-ordering tests and stand-in work.
     Capture-safe once compiled (the kernel is kept)."""
     _spin_kernel()((1,), (1,), (np.int64(cycles),), stream=stream)
+
+
+def cycles_per_second() -> float:
+    """The current device's clock rate, in the cycles :func:`spin` counts (``clock64()`` runs at most
+    this fast, so a spin of ``seconds * cycles_per_second()`` cycles lasts at least ``seconds``);
+    2e9 when the device does not say."""
+    cupy = import_cupy()
+    try:
+        return cupy.cuda.Device().attributes["ClockRate"] * 1e3  # kHz
+    except (KeyError, cupy.cuda.runtime.CUDARuntimeError):
+        return 2e9

@@ -25,8 +25,10 @@ import numpy as np
 from .containment import Aftermaths, contain
 from .kvpool import KvPool, prefix_contexts, step_contexts
 from .session import (
+    BOUND_HOST_US,
     Sightings,
     allocate_move_workspace,
+    call_ops,
     canary_buffers,
     copy_canary_rows,
     make_session,
@@ -285,6 +287,8 @@ class Pool:
                                     real_kv_sources=self.kv.real_kv_sources(), coverage=config.coverage_options(self.kv))
         self.sightings = Sightings(self.session)
         self.move_workspace = allocate_move_workspace(self.session, 1, config.block_size, like=like)  # compaction moves one block
+        self.ops = {call: (call, call_ops(self.session, call))  # what the timer counts of each canary call
+                    for call in ("pre_forward", "post_forward", "end_step", "sweep", "move", "copy")}
         self.running: list[Request] = []
         self.ran = False  # whether this step ran a forward (and so the canary)
         self.writers: dict = {}  # slot -> id of the request whose token this step wrote there (the engine's own batch)
@@ -328,47 +332,120 @@ class Pool:
 
 class StepTimer:
     """Host CPU time of the canary calls per step (this thread's: other processes sharing the
-    cores do not inflate it) and, under CUDA, device time (events) of the canary calls and of the
-    model's KV store."""
+    cores do not inflate it), the library ops they make (:func:`session.call_ops`) and, under
+    CUDA, device time (events) of the canary calls and of the model's KV store.
 
-    def __init__(self, cupy=None):
+    Events around eager calls also count the GPU idling while the host launches; so every
+    ``sample_every``-th step (under CUDA) is a *kernel sample*: :meth:`begin_step` first holds
+    the stream with the stand-in spin kernel for longer than the host took to enqueue the last
+    sampled step, so that the step's canary calls are queued before the GPU reaches them and
+    the events around them measure the GPU running them back to back (kernel time plus
+    device-side gaps).  :meth:`enqueued`, after the step's last canary call and before anything
+    waits on the device, asks whether the spin had already finished: then the GPU may have
+    waited for the host inside the window (the spin too short, or a call that blocked) and the
+    sample is *spoiled*: counted, not used, and the next spin is longer.  A sampled step reports
+    no event time (its events are the kernel time)."""
+
+    MIN_SPIN_S, MAX_SPIN_S = 0.5e-3, 50e-3
+
+    def __init__(self, cupy=None, *, sample_every: int = 7):
         self.cupy = cupy
+        self.sample_every = sample_every if cupy is not None else 0
         self.canary_host = 0.0
+        self.ops = 0
+        self.bound_us = 0.0
+        self.figures = BOUND_HOST_US  # host us per op kind that the ops are held against
         self._events = {"canary": [], "model": []}
+        self._spare = []  # events reused across steps: creating two per call would cost host time inside the window
+        self._steps = 0
+        self._sampled = False
+        self._spin_done = None
+        self._window_start = 0.0
+        self._window_s = self.MIN_SPIN_S  # the host's time from the spin to the last call of the last sample
+        self._margin = 3.0
+        self._spoiled = False
+        self._cycles_per_s = None
 
     @contextmanager
-    def canary(self):
+    def canary(self, call=("other", ())):
+        """Around one canary call: ``call`` is ``(name, ops)``, its name and the library ops it makes
+        (kinds of :data:`session.BOUND_HOST_US`)."""
+        ops = call[1]
         t0 = time.thread_time()
         with self._device("canary"):
             yield
         self.canary_host += time.thread_time() - t0
+        self.ops += len(ops)
+        self.bound_us += sum(self.figures[k] for k in ops)
 
     @contextmanager
     def model(self):
         with self._device("model"):
             yield
 
+    def _event(self):
+        return self._spare.pop() if self._spare else self.cupy.cuda.Event()
+
     @contextmanager
     def _device(self, what):
         if self.cupy is None:
             yield
             return
-        start, stop = self.cupy.cuda.Event(), self.cupy.cuda.Event()
+        start, stop = self._event(), self._event()
         start.record()
         yield
         stop.record()
         self._events[what].append((start, stop))
 
+    def begin_step(self) -> None:
+        """At a step's start: on a sampled step, hold the stream with the spin kernel."""
+        self._steps += 1
+        self._sampled = bool(self.sample_every) and self._steps % self.sample_every == 0
+        self._spoiled = False
+        if not self._sampled:
+            return
+        from ..devtools import spin as spin_kernel  # only under CUDA, on a sampled step: off the import path
+
+        if self._cycles_per_s is None:
+            self._cycles_per_s = spin_kernel.cycles_per_second()
+            self._spin_done = self._event()
+        seconds = min(max(self._window_s * self._margin, self.MIN_SPIN_S), self.MAX_SPIN_S)
+        spin_kernel.spin(int(seconds * self._cycles_per_s))
+        self._spin_done.record()
+        self._window_start = time.perf_counter()
+
+    def enqueued(self) -> None:
+        """After the step's last canary call, before anything waits on the device."""
+        if not self._sampled:
+            return
+        self._window_s = time.perf_counter() - self._window_start
+        self._spoiled = self._spin_done.done
+        if self._spoiled:
+            self._margin = min(self._margin * 2, 64.0)
+
     def take(self) -> dict:
-        """This step's figures in microseconds (device ones None on the CPU); resets."""
-        out = {"canary_host_us": self.canary_host * 1e6, "canary_device_us": None, "model_device_us": None}
+        """This step's figures in microseconds (device ones None on the CPU; on a sampled step the
+        canary's events are its kernel time, ``kernel_sample`` says whether the sample holds); resets."""
+        out = {"canary_host_us": self.canary_host * 1e6, "canary_ops": self.ops, "canary_bound_us": self.bound_us,
+               "canary_device_us": None, "model_device_us": None, "canary_kernel_us": None,
+               "kernel_sample": None}
         if self.cupy is not None:
+            device = {}
             for what, pairs in self._events.items():
                 for _, stop in pairs[-1:]:
                     stop.synchronize()
-                out[f"{what}_device_us"] = sum(self.cupy.cuda.get_elapsed_time(a, b) for a, b in pairs) * 1e3
+                device[what] = sum(self.cupy.cuda.get_elapsed_time(a, b) for a, b in pairs) * 1e3
+                for pair in pairs:
+                    self._spare.extend(pair)
                 pairs.clear()
-        self.canary_host = 0.0
+            if not self._sampled:
+                out["canary_device_us"], out["model_device_us"] = device["canary"], device["model"]
+            else:
+                out["kernel_sample"] = "spoiled" if self._spoiled else "ok"
+                if not self._spoiled:
+                    out["canary_kernel_us"] = device["canary"]
+        self.canary_host, self.ops, self.bound_us = 0.0, 0, 0.0
+        self._sampled = False
         return out
 
 
@@ -461,6 +538,7 @@ class Engine:
     # -- one step --------------------------------------------------------------------------
 
     def step(self) -> None:
+        self.timer.begin_step()
         self.arrivals()
         self.admit()
         for pool in self.pools.values():
@@ -471,11 +549,12 @@ class Engine:
         self.maybe_abort()
         for pool in self.pools.values():
             if pool.ran:  # an idle pool has no step to end (its session would report that no canary ran)
-                with self.timer.canary():
+                with self.timer.canary(pool.ops["end_step"]):
                     pool.session.end_step()
         if self.step_index % self.config.sweep_every == self.config.sweep_every - 1:
             self.sweep()
         self.hook.on_step_end(self)
+        self.timer.enqueued()  # the step's canary calls are queued; check() below waits for the device
         for pool in self.pools.values():
             pool.session.check()  # the simulator's choice, for exact latencies: an engine reads one step late
             pool.ran = False
@@ -533,7 +612,7 @@ class Engine:
         table = session_table(self.addressing, [r.blocks for r in batch.reqs], [r.tokens for r in batch.reqs],
                               batch.prefix, self.config.block_size, pool.page_map, self.dev)
         d = self.dev
-        with self.timer.canary():
+        with self.timer.canary(pool.ops["pre_forward"]):
             pool.session.pre_forward(table.req_pool_indices, d(batch.prefix), d(batch.extend), table.table,
                                      d(batch.input_ids), d(batch.positions), d(batch.out_cache_loc),
                                      expected_tokens=table.expected_tokens, expected_tokens_valid_lens=d(batch.prefix),
@@ -544,7 +623,7 @@ class Engine:
             contexts = np.asarray(self.kv_contexts(batch), np.uint64)
             pool.kv.store(d(batch.out_cache_loc[keep]), d(batch.input_ids[keep]), d(batch.positions[keep]),
                           d(contexts[keep]))
-        with self.timer.canary():
+        with self.timer.canary(pool.ops["post_forward"]):
             pool.session.post_forward()
         pool.ran = True
         self.commit(pool, batch)
@@ -611,7 +690,9 @@ class Engine:
                 src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
                 src.kv.copy_rows(self.dev(src_slots), self.dev(dst_slots), dst.kv)
                 self.hook.on_copy(src, src_slots, dst, dst_slots)
-                copy_canary_rows(src.session, dst.session, self.dev(src_slots), self.dev(dst_slots))
+                src_dev, dst_dev = self.dev(src_slots), self.dev(dst_slots)
+                with self.timer.canary(src.ops["copy"]):
+                    copy_canary_rows(src.session, dst.session, src_dev, dst_dev)
             src_slots, dst_slots = src.block_slots(req.blocks), dst.block_slots(copy_to)
             self.aftermaths.carry(src.name, src_slots, dst.name, dst_slots)
             dst.origin.update((b, (src.name, a)) for a, b in zip(req.blocks, copy_to))
@@ -643,8 +724,10 @@ class Engine:
         self.aftermaths.carry(pool.name, pool.block_slots([old]), pool.name, pool.block_slots([new]))
         self.hook.on_copy(pool, pool.block_slots([old]), pool, pool.block_slots([new]))
         if move_canary:
-            move_canary_pages(pool.session, self.dev(np.array([old], np.int64)), self.dev(np.array([new], np.int64)),
-                              page_size=self.config.block_size, workspace=pool.move_workspace)
+            src_page, dst_page = self.dev(np.array([old], np.int64)), self.dev(np.array([new], np.int64))
+            with self.timer.canary(pool.ops["move"]):
+                move_canary_pages(pool.session, src_page, dst_page, page_size=self.config.block_size,
+                                  workspace=pool.move_workspace)
         if update_table:
             req.blocks[i] = new
             pool.page_map.rebind(old, new)
@@ -677,7 +760,7 @@ class Engine:
             lens = np.array([len(p) * bs for p in chunk], np.int64)
             table = session_table(self.addressing, chunk, [np.zeros(0, np.int64)] * len(chunk),
                                   np.zeros(len(chunk), np.int64), bs, pool.page_map, self.dev)
-            with self.timer.canary():
+            with self.timer.canary(pool.ops["sweep"]):
                 pool.session.sweep(table.req_pool_indices, self.dev(lens), table.table)
 
     # -- helpers for faults ----------------------------------------------------------------

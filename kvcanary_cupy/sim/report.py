@@ -40,10 +40,25 @@ def format_table(result, *, step_name: str = "simulated step") -> str:
     fraction = _fmt(cost["canary_host_fraction"] and 100 * cost["canary_host_fraction"], ".0f")
     lines.append(f"canary cost per step (median, {cost['measured_on']}): host {_fmt(cost['canary_host_us'])} us of a "
                  f"{_fmt(cost['engine_step_host_us'])} us {step_name} ({fraction}%){device}")
+    if cost.get("canary_ops_per_step") is not None:
+        lines.append(_targets_line(cost))
     if result.partial:
         lines.append(f"PARTIAL: interrupted after {result.faulty.steps} of {result.config.steps} faulty steps and "
                      f"{result.clean.steps} clean ones; the counts above cover only those")
     return "\n".join(lines)
+
+
+def _targets_line(cost: dict) -> str:
+    """The canary's ops per step and, under CUDA, its kernel time and the two 2x targets as ratios."""
+    line = f"canary ops per step (median): {_fmt(cost['canary_ops_per_step'], 'g')}"
+    if cost.get("canary_bound_host_us") is not None:
+        line += (f"; host {_fmt(cost['canary_host_x_bound'])}x those ops at the bound path's per-op host figures "
+                 f"({cost['canary_bound_host_us']} us; target <= 2)")
+    if cost.get("canary_device_us") is not None:
+        line += (f"; kernels {_fmt(cost['canary_kernel_us'])} us back to back ({cost['kernel_samples']} samples, "
+                 f"{cost['kernel_samples_spoiled']} spoiled), events {_fmt(cost['canary_event_x_kernel'])}x kernels "
+                 "(target <= 2)")
+    return line
 
 
 def check_writable(path: str) -> str | None:

@@ -125,8 +125,12 @@ class RunStats:
     unattributed_examples: list = field(default_factory=list)  # the first few, as text
     step_us: list = field(default_factory=list)  # host CPU time of each engine step
     canary_us: list = field(default_factory=list)  # host CPU time of the canary calls of each step
-    canary_device_us: list = field(default_factory=list)
+    canary_device_us: list = field(default_factory=list)  # CUDA events around the canary calls (None: a kernel sample)
     model_device_us: list = field(default_factory=list)
+    canary_kernel_us: list = field(default_factory=list)  # the same events on the kernel samples that held (StepTimer)
+    kernel_samples_spoiled: int = 0  # kernel samples whose spin ended before the step's last canary call was queued
+    canary_ops: list = field(default_factory=list)  # library ops of the canary calls of each step (session.call_ops)
+    canary_bound_us: list = field(default_factory=list)  # those ops at the bound path's per-op host figures
     engine_counters: dict = field(default_factory=dict)
     session_stats: dict = field(default_factory=dict)
     interrupted: bool = False  # KeyboardInterrupt: ``steps`` counts the steps that completed
@@ -164,18 +168,36 @@ def _median(values):
     return round(statistics.median(values), 1) if values else None
 
 
+def _ratio(a, b):
+    return round(a / b, 2) if a is not None and b else None
+
+
 def cost_summary(run: RunStats) -> dict:
     """Per step medians of the clean run, in microseconds: host CPU time of this thread (the engine's
-    whole step, and the canary calls within it); device time from CUDA events (only under CUDA)."""
+    whole step, and the canary calls within it); device time from CUDA events (only under CUDA):
+    around the eager calls (``canary_device_us``) and on the kernel samples (``canary_kernel_us``,
+    the calls run back to back: :class:`engine.StepTimer`); the library ops per step and the two
+    targets as ratios (each <= 2): host time against those ops at the bound path's per-op host
+    figures on the H200 (``session.BOUND_HOST_US``; only under CUDA, where those figures apply), and
+    event time against kernel time."""
     step, canary = _median(run.step_us), _median(run.canary_us)
+    device, kernel, bound = _median(run.canary_device_us), _median(run.canary_kernel_us), _median(run.canary_bound_us)
+    gpu = run.canary_device_us and any(v is not None for v in run.canary_device_us)
     return {
         "measured_on": "clean run",
         "engine_step_host_us": step,
         "canary_host_us": canary,
         "canary_host_fraction": round(canary / step, 3) if step else None,
-        "canary_device_us": _median(run.canary_device_us),
+        "canary_device_us": device,
         "model_kv_store_device_us": _median(run.model_device_us),
         "canary_verified_entries_per_step": round(sum(s["verified_entries"] for s in run.session_stats.values()) / max(run.steps, 1), 1),
+        "canary_kernel_us": kernel,
+        "kernel_samples": len([v for v in run.canary_kernel_us if v is not None]),
+        "kernel_samples_spoiled": run.kernel_samples_spoiled,
+        "canary_event_x_kernel": _ratio(device, kernel),
+        "canary_ops_per_step": _median(run.canary_ops),
+        "canary_bound_host_us": bound if gpu else None,
+        "canary_host_x_bound": _ratio(canary, bound) if gpu else None,
     }
 
 
@@ -227,11 +249,18 @@ def simulate(config: SimConfig, *, faults=None, progress=None) -> tuple[list, Ru
                     episode = engine.hook = candidate
             t0 = time.thread_time()
             engine.step()
-            stats.step_us.append((time.thread_time() - t0) * 1e6)
+            step_us = (time.thread_time() - t0) * 1e6
             timing = engine.timer.take()
+            # a kernel sample's check() waits out the spin (a spinning sync counts as CPU time): not a step's cost
+            stats.step_us.append(step_us if timing["kernel_sample"] is None else None)
             stats.canary_us.append(timing["canary_host_us"])
             stats.canary_device_us.append(timing["canary_device_us"])
             stats.model_device_us.append(timing["model_device_us"])
+            stats.canary_kernel_us.append(timing["canary_kernel_us"])
+            stats.kernel_samples_spoiled += timing["kernel_sample"] == "spoiled"
+            if timing["canary_ops"]:  # a step that ran no canary call has no mix to count
+                stats.canary_ops.append(timing["canary_ops"])
+                stats.canary_bound_us.append(timing["canary_bound_us"])
             reported = engine.take_violations()
             seen += len(reported)
             stats.steps += 1

@@ -15,6 +15,33 @@ from ..interop import allocate
 from ..ops import move_pages
 from ..session import CanarySession
 
+#: Host us of one eager op of each kind on the bound path, on the H200 (docs/benchmarks.md, the
+#: latest ``kvcanary bench --sections host`` and ``bench_session.py`` figures with CuPy arrays, W3):
+#: what the canary's host time per simulated step is held against (target: within 2x the sum over
+#: the step's ops).  ``launch``: one more kernel of a call (a coverage check, a move or a copy of one
+#: buffer), an overlapped launch's cost; ``stage``: the staging of end_step or of a sweep, end_step's
+#: figure when nothing happened.
+BOUND_HOST_US = {"plan": 8.6, "verify": 5.1, "write": 7.7, "launch": 6.5, "stage": 17.0}
+
+
+def call_ops(session, call: str) -> tuple:
+    """The library ops (kinds of :data:`BOUND_HOST_US`) one canary call of the simulator makes on
+    ``session``: ``pre_forward``, ``post_forward``, ``end_step``, ``sweep``, ``move`` (a block's
+    rows, both buffers) or ``copy`` (a transfer's rows, both buffers)."""
+    cov = session.coverage
+    lost, deep = cov.lost is not None, cov.deep is not None
+    if call == "pre_forward":
+        return ("plan", "verify", "write") + ("launch",) * lost
+    if call == "post_forward":
+        return ("verify", "write") + ("launch",) * (lost + deep + bool(cov.deep_check_slots))
+    if call == "end_step":
+        return ("stage",)
+    if call == "sweep":
+        return ("plan", "verify", "stage")
+    if call in ("move", "copy"):
+        return ("launch",) * len(canary_buffers(session))
+    raise ValueError(f"call must be one of pre_forward, post_forward, end_step, sweep, move, copy; got {call!r}")
+
 
 def make_session(num_slots: int, *, max_batch_size: int, verify_capacity: int, like, real_kv_sources, coverage=None):
     """The session of one KV pool: HEAD (chain only) and TAIL (real-KV fingerprints of every byte
@@ -71,6 +98,8 @@ def move_canary_pages(session, src_pages, dst_pages, *, page_size: int, workspac
 
 def copy_canary_rows(src_session, dst_session, src_slots, dst_slots) -> None:
     """A KV transfer between pools carries the canary rows of both buffers (as SGLang's transfer
-    lists do: the canary buffers are spliced around the KV layers)."""
+    lists do: the canary buffers are spliced around the KV layers).  Plain indexing: ``kc.copy_pages``
+    would do the same through its free function's checks, several times the host time (2026-12-03,
+    docs/benchmarks.md)."""
     for src, dst in zip(canary_buffers(src_session), canary_buffers(dst_session)):
         dst[dst_slots] = src[src_slots]

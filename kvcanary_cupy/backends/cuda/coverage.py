@@ -35,10 +35,21 @@ def deep_write(table, num_sources: int, slots, canary) -> None:
                                               np.int64(canary.shape[0]), np.int32(canary.shape[1])))
 
 
-def deep_check(table, num_sources: int, canary, state, per_step: int, log: LogViews, kind: int) -> None:
+def pack_log(log: LogViews) -> np.ndarray:
+    """The launch record of a log's views, packed once by the caller that keeps the log (a session's
+    coverage): packing it on every call cost host time inside the step."""
+    return log_struct(log)
+
+
+def _log(log) -> np.ndarray:
+    return log if isinstance(log, np.ndarray) else log_struct(log)
+
+
+def deep_check(table, num_sources: int, canary, state, per_step: int, log, kind: int) -> None:
+    """``log``: the log's views, or their record from :func:`pack_log`."""
     _launch("deep_check", _grid(per_step, _WARPS), (table, np.int32(num_sources), canary, np.int64(canary.shape[0]),
                                                      np.int32(canary.shape[1]), np.int64(per_step), state,
-                                                     log_struct(log), np.int32(kind)))
+                                                     _log(log), np.int32(kind)))
 
 
 def lost_snapshot(table, num_sources: int, slots, num_slots: int, pre) -> None:
@@ -49,11 +60,12 @@ def lost_snapshot(table, num_sources: int, slots, num_slots: int, pre) -> None:
             (table, np.int32(num_sources), slots, np.int64(n), np.int64(num_slots), pre))
 
 
-def lost_check(table, num_sources: int, slots, capacity: int, pre, head, tail, log: LogViews, kind: int) -> None:
+def lost_check(table, num_sources: int, slots, capacity: int, pre, head, tail, log, kind: int) -> None:
+    """``log``: as for :func:`deep_check`."""
     total = slots.shape[0]
     n = min(total, capacity)
     if total == 0:
         return
     _launch("lost_check", _grid(n, _WARPS), (table, np.int32(num_sources), slots, np.int64(n), np.int64(total - n), pre,
                                               head, np.int32(head.shape[1]), tail, np.int32(tail.shape[1]),
-                                              np.int64(tail.shape[0]), log_struct(log), np.int32(kind)))
+                                              np.int64(tail.shape[0]), _log(log), np.int32(kind)))

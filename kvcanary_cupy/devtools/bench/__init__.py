@@ -9,7 +9,7 @@ CPU (``--backend numpy``): wall-clock medians of the NumPy backend's free functi
 against memory floors measured in the same rounds (``numpy_section``: what each floor counts).
 
     kvcanary bench [--backend cupy|numpy] [--workloads W1,W2,W3,W4,W5]
-                   [--sections ops,detail,tables,capacity,step,overlap,host,coverage,cold,holes] [--out FILE] [--json FILE]
+                   [--sections ops,detail,tables,capacity,step,overlap,host,coverage,cold,holes,loop] [--out FILE] [--json FILE]
 
 ``tables`` times the plan through a vLLM block table and a FlashInfer CSR table (block size 16)
 next to the equivalent req_to_token at W1, W3 and W4, against what a user writes without them;
@@ -24,7 +24,9 @@ profiles the same front door on the CPU).  ``benchmarks/bench_canary.py`` runs t
 source checkout.  ``coverage`` (issue #27): a session step with the checks past the record
 (``coverage_section``) against SGLang's coverage at W1 and W3.  ``holes`` (issue #27): the verify,
 the bound verify and plan_and_verify with ``check_holes`` off and on at W1 and W3
-(``holes_section``; with ``--backend numpy`` too).
+(``holes_section``; with ``--backend numpy`` too).  ``loop`` (issue #31): a CanarySession through
+``kvcanary sim``'s per-step mix, host, event and kernel us per step against the 2x targets
+(``loop_section``; with ``--backend numpy`` too, host time only).
 """
 
 from __future__ import annotations
@@ -58,12 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["cupy", "numpy"], default="cupy",
                         help="cupy: this machine's GPU; numpy: the CPU backend")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
-    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host,coverage,cold,holes",
+    parser.add_argument("--sections", default="ops,detail,tables,capacity,step,overlap,host,coverage,cold,holes,loop",
                         help="GPU sections: ops (plan/verify/write), detail (verify/write: grids, floors, several "
                              "buffers), tables (engine tables), capacity, step (the fused decode step), overlap "
                              "(overlapped launches against plain ones), host, coverage (the checks past the record "
                              "in a session step), cold (first calls and warmup() in a fresh process, empty kernel cache then warm), "
-                             "holes (the hole check's cost, also with --backend numpy)")
+                             "holes (the hole check's cost, also with --backend numpy), loop (a session through "
+                             "kvcanary sim's per-step mix: host, event and kernel us per step; also with --backend numpy)")
     parser.add_argument("--out", metavar="FILE", help="also write the table to FILE")
     parser.add_argument("--json", metavar="FILE", help="also write the measurements as JSON to FILE")
 
@@ -108,12 +111,20 @@ def run(args) -> int:
             from .timing import time_graph
 
             lines += hole_rows(_hole_workloads(names, cupy), rows, cupy=cupy, timers=(time_graph, eager_us))
+        if "loop" in sections:
+            from .loop_section import loop_rows
+
+            lines += loop_rows(rows, cupy=cupy)
     else:
         lines = run_numpy(names, rows)
         if "holes" in args.sections.split(","):
             from .holes_section import hole_rows
 
             lines += hole_rows(_hole_workloads(names, np), rows)
+        if "loop" in args.sections.split(","):
+            from .loop_section import loop_rows
+
+            lines += loop_rows(rows)
     text = "\n".join(lines)
     print(text)
     if args.out:

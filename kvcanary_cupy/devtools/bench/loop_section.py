@@ -1,0 +1,89 @@
+"""The ``loop`` section: a CanarySession through the simulator's per-step mix.
+
+``kvcanary sim``'s engine (default config, seed 0, SGLang tables, no faults) runs its steps with the
+canary in its loop, exactly as a clean simulated run: per pool ``pre_forward`` (plan, HEAD verify,
+HEAD write, lost-store snapshot), the model's KV store, ``post_forward`` (TAIL verify, lost-store
+check, TAIL write, deep fingerprints and their rotation), ``end_step``, and at the simulator's rates
+the prefix-cache sweeps, compaction moves (``kc.move_pages``) and transfers of canary rows.  Per
+step it reports the canary's host time, its event time around the eager calls, its kernel time (the
+simulator's kernel samples: the stream held by the spin kernel while the step is enqueued, so the
+calls run back to back; ``end_step`` and the sweeps stage and cannot be captured in a graph, so
+graph replay would leave them out) and the two targets as ratios: host time within 2x the step's
+ops at the bound path's per-op host figures (the plan, verify and write figures measured in this
+run at W3, the others ``sim.session.BOUND_HOST_US``), event time within 2x kernel time.
+With ``--backend numpy`` the same loop on NumPy sessions: host time and ops only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...sim.engine import Engine, EngineConfig
+from ...sim.runner import RunStats, cost_summary
+from ...sim.session import BOUND_HOST_US
+
+LOOP_STEPS, LOOP_WARMUP = 400, 50
+
+
+def run_loop(xp, cupy=None, *, steps: int = LOOP_STEPS, warmup: int = LOOP_WARMUP, figures=None) -> dict:
+    """The clean simulated loop on ``xp`` (NumPy, or CuPy with ``cupy``): its :func:`cost_summary`,
+    with ``figures`` (op kind -> host us) in place of :data:`BOUND_HOST_US` where given."""
+    engine = Engine(EngineConfig(), seed=0, addressing="sglang", xp=xp, cupy=cupy)
+    if figures:
+        engine.timer.figures = {**BOUND_HOST_US, **figures}
+    stats = RunStats()
+    for i in range(warmup + steps):
+        engine.step()
+        t = engine.timer.take()
+        engine.take_violations()  # as the simulator's loop does (outside the canary's timer)
+        if i < warmup:
+            continue
+        stats.steps += 1
+        stats.canary_us.append(t["canary_host_us"])
+        stats.canary_device_us.append(t["canary_device_us"])
+        stats.canary_kernel_us.append(t["canary_kernel_us"])
+        stats.kernel_samples_spoiled += t["kernel_sample"] == "spoiled"
+        if t["canary_ops"]:
+            stats.canary_ops.append(t["canary_ops"])
+            stats.canary_bound_us.append(t["canary_bound_us"])
+    stats.session_stats = {name: dict(pool.session.stats) for name, pool in engine.pools.items()}
+    violations = sum(s["violations"] for s in stats.session_stats.values())
+    if violations:
+        raise RuntimeError(f"the clean simulated loop must verify clean, got {violations} violations")
+    return cost_summary(stats)
+
+
+def loop_rows(rows: list, *, cupy=None, steps: int = LOOP_STEPS) -> list:
+    """Print lines and JSON rows of the loop section (``cupy`` None: NumPy sessions)."""
+    figures = None
+    if cupy is not None:
+        from .step_sections import bound_ops, eager_us
+        from .workloads import WORKLOADS, build
+
+        ops = bound_ops(build(WORKLOADS["W3"], cupy))
+        figures = {op: eager_us(cupy, fn) for op, fn in ops.items()}
+    c = run_loop(cupy if cupy is not None else np, cupy, steps=steps, figures=figures)
+    backend = "cupy" if cupy is not None else "numpy"
+    row = {"section": "loop", "op": "session loop", "backend": backend, "steps": steps,
+           "host_us_per_step": c["canary_host_us"], "event_us_per_step": c["canary_device_us"],
+           "kernel_us_per_step": c["canary_kernel_us"], "event_x_kernel": c["canary_event_x_kernel"],
+           "ops_per_step": c["canary_ops_per_step"], "bound_host_us": c["canary_bound_host_us"],
+           "host_x_bound": c["canary_host_x_bound"], "kernel_samples": c["kernel_samples"],
+           "kernel_samples_spoiled": c["kernel_samples_spoiled"],
+           "verified_entries_per_step": c["canary_verified_entries_per_step"],
+           "bound_op_host_us": {**BOUND_HOST_US, **(figures or {})} if cupy is not None else None}
+    rows.append(row)
+    fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"session loop ({backend}): kvcanary sim's clean run, seed 0, {steps} steps after {LOOP_WARMUP}; "
+             "per step (median): canary host us, event us (eager calls), kernel us (back to back), ops; "
+             "targets <= 2x: host / (ops x bound per-op host us), event / kernel",
+             f"{'host us':>9} {'event us':>9} {'kernel us':>10} {'x kernel':>9} {'ops':>5} {'bound us':>9} "
+             f"{'x bound':>8} {'samples':>8} {'spoiled':>8} {'entries':>8}",
+             f"{fmt(row['host_us_per_step']):>9} {fmt(row['event_us_per_step']):>9} {fmt(row['kernel_us_per_step']):>10} "
+             f"{fmt(row['event_x_kernel'], '.2f'):>9} {fmt(row['ops_per_step'], 'g'):>5} {fmt(row['bound_host_us']):>9} "
+             f"{fmt(row['host_x_bound'], '.2f'):>8} {row['kernel_samples']:>8} {row['kernel_samples_spoiled']:>8} "
+             f"{fmt(row['verified_entries_per_step']):>8}"]
+    if figures:
+        lines.append("(bound per-op host us measured here at W3: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
+                     + "; launch and stage from sim.session.BOUND_HOST_US)")
+    return lines
