@@ -186,15 +186,32 @@ __device__ __forceinline__ LaneShare lane_share(int lane, int num_heads, int wor
 
 // Loads in flight per lane and half before their words are hashed.
 constexpr int kDigestUnroll = 4;
+// Candidate layers whose (layer, first window word) a block derives once per request, in shared
+// memory; a spec sampling more derives them at each position.
+constexpr int kDigestTableLayers = 128;
+
+// Candidate ci's global layer and first window word (w0: 0 unwindowed).
+__device__ __forceinline__ void candidate(const DigestPool& pool, const DigestRequests& q, bool all_layers, bool windowed,
+                                          unsigned first, u64 key, unsigned ci, int* layer, int* w0) {
+  const unsigned L = static_cast<unsigned>(q.num_layers_total);
+  *layer = static_cast<int>(all_layers ? pool.layer_offset + ci : (first + ci * L / q.sample_layers) % L);
+  *w0 = 0;
+  if (windowed) {
+    const u64 pick = splitmix64(key ^ (static_cast<u64>(*layer + 1) * kDigestWordStride)) %
+                     static_cast<u64>(pool.strip_words / q.window_words);
+    *w0 = static_cast<int>(pick) * q.window_words;
+  }
+}
 
 // Grid (x: warps sharing a request, y: requests).  The warps stride over the request's positions;
 // each position's slot is looked up once, its provenance terms added (and an out-of-range slot
 // counted) once, then for each candidate layer (the local layers when every layer is sampled,
 // else the spec's rotated layers, of which those outside this pool's layers add no KV) the lanes
 // hash their words of both halves (LaneShare), the loads of a batch issued before its hashes.
-__global__ void __launch_bounds__(kDigestThreads) digest_accumulate(const __grid_constant__ DigestTable t,
+__global__ void __launch_bounds__(kDigestThreads, 4) digest_accumulate(const __grid_constant__ DigestTable t,
                                                                     const __grid_constant__ DigestPool pool,
                                                                     const __grid_constant__ DigestRequests q) {
+  __shared__ int table_layer[kDigestTableLayers], table_w0[kDigestTableLayers];
   wait_for_prior_grids();
   const int lane = threadIdx.x & 31;
   const i64 warps = static_cast<i64>(gridDim.x) * (kDigestThreads / 32);
@@ -204,15 +221,25 @@ __global__ void __launch_bounds__(kDigestThreads) digest_accumulate(const __grid
   const bool all_layers = q.sample_layers == 0 || static_cast<unsigned>(q.sample_layers) >= L;
   const unsigned candidates = all_layers ? static_cast<unsigned>(pool.num_layers) : static_cast<unsigned>(q.sample_layers);
   const bool windowed = q.window_words > 0 && q.window_words < pool.strip_words;
+  const bool tabled = candidates <= kDigestTableLayers;
   const int nw = windowed ? q.window_words : pool.strip_words;
   const LaneShare share = lane_share(lane, pool.num_heads, nw);
   const int halves = pool.halves;
+  // this lane's words of a head (sub, sub + group, ... below nw) and the key step between two of them
+  const u64 lane_words = share.sub < nw ? static_cast<u64>((nw - share.sub + share.group - 1) / share.group) : 0;
+  const u64 key_step = static_cast<u64>(share.group) * kDigestWordStride;
   for (i64 b = blockIdx.y; b < q.bs; b += gridDim.y) {
     const RowInfo row = row_info(t, q, b);
     const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
     if (!range_ok(row, start, end)) continue;  // uniform across the block: counted by digest_init
     const u64 key = static_cast<u64>(reinterpret_cast<const i64*>(q.sample_keys)[b]);
     const unsigned first = all_layers ? 0u : static_cast<unsigned>(splitmix64(key ^ kDigestLayerRotation) % L);
+    if (tabled) {
+      __syncthreads();  // the previous request's table is read no more
+      for (unsigned ci = threadIdx.x; ci < candidates; ci += kDigestThreads)
+        candidate(pool, q, all_layers, windowed, first, key, ci, &table_layer[ci], &table_w0[ci]);
+      __syncthreads();
+    }
     u64 kv = 0, words = 0, rec = 0;
     i64 skipped = 0;
     for (i64 p = start + warp; p < end; p += warps) {
@@ -240,25 +267,26 @@ __global__ void __launch_bounds__(kDigestThreads) digest_accumulate(const __grid
       const i64 page = slot / pool.page_size, tok = slot - page * pool.page_size;
       const i64 at = page * pool.page_stride + tok * pool.token_stride;
       for (unsigned ci = 0; ci < candidates; ++ci) {
-        const int layer = static_cast<int>(all_layers ? pool.layer_offset + ci : (first + ci * L / q.sample_layers) % L);
+        int layer, w0;
+        if (tabled) {
+          layer = table_layer[ci];
+          w0 = table_w0[ci];
+        } else {
+          candidate(pool, q, all_layers, windowed, first, key, ci, &layer, &w0);
+        }
         const int local = layer - pool.layer_offset;
         if (local < 0 || local >= pool.num_layers) continue;
-        int w0 = 0;
-        if (windowed) {
-          const u64 pick = splitmix64(key ^ (static_cast<u64>(layer + 1) * kDigestWordStride)) %
-                           static_cast<u64>(pool.strip_words / q.window_words);
-          w0 = static_cast<int>(pick) * q.window_words;
-        }
         const unsigned char* base[2];
         #pragma unroll
         for (int c = 0; c < 2; ++c)
-          base[c] = reinterpret_cast<const unsigned char*>(pointers[local * halves + (c < halves ? c : 0)]) + at;
+          base[c] = reinterpret_cast<const unsigned char*>(pointers[local * halves + (c < halves ? c : 0)]) + at +
+                    static_cast<i64>(w0 + share.sub) * 8;
         for (int h = share.head; h < pool.num_heads; h += share.per_pass) {
-          u64 k[2];
+          u64 k[2];  // the key of this lane's next word of head h in each half
           #pragma unroll
           for (int c = 0; c < 2; ++c)
             k[c] = digest_key(static_cast<u64>(layer), static_cast<u64>(c), static_cast<u64>(pool.head_offset + h),
-                              static_cast<u64>(p));
+                              static_cast<u64>(p)) + static_cast<u64>(w0 + share.sub) * kDigestWordStride;
           for (int w = share.sub; w < nw; w += kDigestUnroll * share.group) {
             u64 word[2][kDigestUnroll];
             #pragma unroll
@@ -267,21 +295,19 @@ __global__ void __launch_bounds__(kDigestThreads) digest_accumulate(const __grid
               for (int u = 0; u < kDigestUnroll; ++u) {
                 const int wu = w + u * share.group;
                 word[c][u] = (c < halves && wu < nw)
-                                 ? *reinterpret_cast<const u64*>(base[c] + h * pool.head_stride + (w0 + wu) * 8) : 0;
+                                 ? *reinterpret_cast<const u64*>(base[c] + h * pool.head_stride + (wu - share.sub) * 8) : 0;
               }
             }
             #pragma unroll
             for (int c = 0; c < 2; ++c) {
               #pragma unroll
               for (int u = 0; u < kDigestUnroll; ++u) {
-                const int wu = w + u * share.group;
-                if (c < halves && wu < nw) {
-                  kv += splitmix64(word[c][u] ^ (k[c] + static_cast<u64>(w0 + wu) * kDigestWordStride));
-                  words += 1;
-                }
+                if (c < halves && w + u * share.group < nw) kv += splitmix64(word[c][u] ^ k[c]);
+                k[c] += key_step;
               }
             }
           }
+          words += lane_words * static_cast<u64>(halves);
         }
       }
     }

@@ -112,9 +112,8 @@ def launch_stream(placement: Placement, torch_device_hint=None):
         return
     cupy = import_cupy()
     with cupy.cuda.Device(placement.device):
-        if placement.framework == "torch":
-            torch = sys.modules["torch"]
-            with cupy.cuda.Stream.from_external(torch.cuda.current_stream(placement.device)):
+        if placement.framework == "torch":  # the raw handle: torch.cuda.current_stream looks the device up again
+            with wrapped_torch_stream(torch_stream_handle(placement.device)()):
                 yield
         else:
             yield

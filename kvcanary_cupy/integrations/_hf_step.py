@@ -57,6 +57,28 @@ class _History:
         return self.tokens
 
 
+class _StreamSwitch:
+    """``torch.cuda.stream(stream)`` for a stream whose device is known: torch's context looks the
+    current device up several times on each entry, which costs more than the switch itself."""
+
+    __slots__ = ("_cuda", "_stream", "_index", "_device", "_previous")
+
+    def __init__(self, torch, stream):
+        self._cuda, self._stream, self._index = torch.cuda, stream, stream.device_index
+
+    def __enter__(self):
+        cuda = self._cuda
+        self._device = cuda.current_device()
+        self._previous = cuda.current_stream(self._index)
+        cuda.set_stream(self._stream)  # makes the stream's device current, as torch's context does
+
+    def __exit__(self, *exc):
+        cuda = self._cuda
+        cuda.set_stream(self._previous)
+        if self._device != self._index:
+            cuda.set_device(self._device)
+
+
 class StepCanary:
     """The canary of one processor (one full-attention KV group): its session, buffers and hooks."""
 
@@ -95,12 +117,10 @@ class StepCanary:
         self._slots = torch.zeros(max_bs, **i64)  # the decode path's write slots
         self._pages = torch.zeros(tuple(io.block_table.shape[1:]), **i64)  # its block table as canary pages (5.17)
         self._read = torch.zeros(reads, **i64) if layout.slot_offset else None
-        width = max(64, layout.block_size)
-        self._pool_host = np.zeros((max_bs, width), np.int32)
-        self._pool = None  # the device copy on a GPU (grown with the host pool)
-        self._pool_fill = [(None, 0)] * max_bs  # per pool row: (history, tokens of it the row holds)
-        self._pool_view = None  # (host pool, its torch view) on the CPU
         self._cpu = self.device.type == "cpu"
+        self._pool_copied = None  # on a GPU: recorded after each step's copy of the host pool to the device
+        self._new_pool((max_bs, max(64, layout.block_size)))  # _pool_host, its torch view and (GPU) device copy
+        self._pool_fill = [(None, 0)] * max_bs  # per pool row: (history, tokens of it the row holds)
         self._histories: dict = {}
         self.rewrites: set = set()  # (step, canary slot) of writes into complete blocks (5.17's shared rewrite)
         # step -> (request id, past length, query length, its block list) of each batch row, for naming a
@@ -128,16 +148,17 @@ class StepCanary:
         self._undo.clear()
 
     def _on_stream(self):
-        return self.torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        return _StreamSwitch(self.torch, self.stream) if self.stream is not None else contextlib.nullcontext()
 
     # -- the step -------------------------------------------------------------------------------------
 
     def _wrap_compute(self, original):
         def compute_batch(model, batch_data):
+            # one switch to the engine's compute stream for the whole step: the forward enters it again
+            # itself, and two torch.cuda.stream contexts a step cost more host time than the canary's launches
             with self._on_stream():
                 self._pre_forward(batch_data)
-            original(model, batch_data)
-            with self._on_stream():
+                original(model, batch_data)
                 self.session.post_forward()
                 self.step += 1
                 self.owner.count("engine_steps")
@@ -238,13 +259,17 @@ class StepCanary:
                      and self.layout.canary_page(blocks[position // size]) * size + position % size == slot)
 
     def _expected(self, requests, pasts):
-        """The expected-token pool, one row per batch row: the engine's own history of the request."""
+        """The expected-token pool, one row per batch row: the engine's own history of the request.
+
+        On a GPU the rows are kept in pinned memory and copied to the device pool behind the step's
+        work; a row is rewritten only after the last step's copy out of it has run (an event)."""
         width = max(pasts, default=0)
         host, fill = self._pool_host, self._pool_fill
         if width > host.shape[1] or len(requests) > host.shape[0]:
-            host = self._pool_host = np.zeros((max(host.shape[0], len(requests)), 2 * width), np.int32)
+            host = self._new_pool((max(host.shape[0], len(requests)), 2 * width))
             fill = self._pool_fill = [(None, 0)] * host.shape[0]
-            self._pool = None
+        if self._pool_copied is not None:  # the last step's copy out of the pinned rows (a device a step behind
+            self._pool_copied.synchronize()  # would otherwise copy this step's rows for it)
         live = {}
         for i, (fs, past) in enumerate(zip(requests, pasts)):
             state = fs.state
@@ -267,23 +292,29 @@ class StepCanary:
             self._histories = live
         else:
             self._histories.update(live)
-        bs = len(requests)
+        bs, cols = len(requests), max(width, 1)
         if self._cpu:
-            if self._pool_view is None or self._pool_view[0] is not host:
-                self._pool_view = (host, self.torch.from_numpy(host))
-            return self._pool_view[1][:bs, : max(width, 1)]
-        if self._pool is None:
-            self._pool_pinned = self.torch.from_numpy(host).pin_memory()
-            self._pool = self.torch.zeros(host.shape, dtype=self.torch.int32, device=self.device)
-            self._pool_copied = None
-        if self._pool_copied is not None:  # the last step's copy out of the pinned rows has run (a device
-            self._pool_copied.synchronize()  # a step behind would otherwise copy this step's rows for it)
-        self._pool_pinned[:bs, :width].copy_(self.torch.from_numpy(host[:bs, :width]))
-        self._pool[:bs, :width].copy_(self._pool_pinned[:bs, :width], non_blocking=True)
+            return self._pool_view[:bs, :cols]
+        self._pool[:bs, :width].copy_(self._pool_view[:bs, :width], non_blocking=True)
         if self._pool_copied is None:
             self._pool_copied = self.torch.cuda.Event()
-        self._pool_copied.record()
-        return self._pool[:bs, : max(width, 1)]
+        self._pool_copied.record(self.stream)
+        return self._pool[:bs, :cols]
+
+    def _new_pool(self, shape) -> np.ndarray:
+        """A host pool of ``shape`` (pinned on a GPU, its device copy beside it) and its torch view; the
+        last step's copy out of the old one is waited for first."""
+        torch = self.torch
+        if self._pool_copied is not None:
+            self._pool_copied.synchronize()
+        if self._cpu:
+            self._pool_host = np.zeros(shape, np.int32)
+            self._pool_view = torch.from_numpy(self._pool_host)
+        else:
+            self._pool_view = torch.zeros(shape, dtype=torch.int32, pin_memory=True)
+            self._pool_host = self._pool_view.numpy()
+            self._pool = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        return self._pool_host
 
     # -- forks and the prefix cache -----------------------------------------------------------------
 
