@@ -66,8 +66,10 @@ def pack_sources(sources: Sequence[RealKvSource], mode: int, num_slots: int, *, 
             (_, s0), (inner, s1) = v.levels
             host[j] = (v.data.data.ptr, v.data.strides[0], v.stride, v.byte_offset, s0, s1, inner, v.page_size,
                        nbytes, v.piece_bytes or v.num_bytes_per_token, v.unit, v.slot_offset)
+        from .backends.cuda.device import copy_from_host
+
         table = backend_view(allocate(host.shape, np.int64, like=like, fill=0), f"{name} table", writable=True)
-        table.set(host)  # once, at construction
+        copy_from_host(table, host)  # once, at construction
     return CoverageSources(pairs, table, len(pairs), sum(nbytes for _, nbytes in pairs))
 
 
