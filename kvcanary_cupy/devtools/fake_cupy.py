@@ -289,6 +289,8 @@ def _parameter_record(name: str):
     from kvcanary_cupy.digest import cuda as digest_cuda
 
     kernel = kernel_of(name)
+    if kernel in abi.COVERAGE_PARAMS:
+        return abi.COVERAGE_PARAMS[kernel]
     if kernel.startswith("plan_verify"):
         return abi.PLAN_VERIFY_PARAMS
     return {"canary_write": abi.WRITE_PARAMS, "canary_verify": abi.VERIFY_PARAMS, "session_stage": abi.STAGE_PARAMS,
