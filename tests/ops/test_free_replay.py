@@ -228,14 +228,21 @@ def test_strict_a_side_stream_and_full_validation_always_check(dev, script, monk
     script.write(stream=side)
     assert len(packs) == 3
     assert [e[0] for e in dev.timeline][:2] == ["record", "wait"]  # the fork, every call
+    _full_validation_checks_every_call(monkeypatch, script.write, packs)
+
+
+def _full_validation_checks_every_call(monkeypatch, call, packs):
+    """Calls under KVCANARY_FULL_VALIDATION=1 each pack (check); after it, the call remembered
+    before the variable, still unchanged, is replayed."""
+    before = len(packs)
     monkeypatch.setenv(FULL_VALIDATION_ENV, "1")
-    script.write()
-    script.write()
-    assert len(packs) == 5
+    call()
+    call()
+    assert len(packs) == before + 2
     monkeypatch.delenv(FULL_VALIDATION_ENV)
-    script.write()
-    script.write()
-    assert len(packs) == 5  # the call remembered before the variable is still unchanged: replayed
+    call()
+    call()
+    assert len(packs) == before + 2
 
 
 def test_a_copied_per_step_input_is_never_replayed(dev, script, monkeypatch):
@@ -383,13 +390,7 @@ def test_plan_and_verify_with_strict_or_full_validation_always_checks(dev, scrip
     script.plan_and_verify(strict=True)
     script.plan_and_verify(strict=True)
     assert len(packs) == 3
-    monkeypatch.setenv(FULL_VALIDATION_ENV, "1")
-    script.plan_and_verify()
-    script.plan_and_verify()
-    assert len(packs) == 5
-    monkeypatch.delenv(FULL_VALIDATION_ENV)
-    script.plan_and_verify()
-    assert len(packs) == 5  # remembered before the variable, still unchanged: replayed
+    _full_validation_checks_every_call(monkeypatch, script.plan_and_verify, packs)
 
 
 def test_a_plan_and_verify_past_one_launch_replays_its_plan_and_verify(dev, script, monkeypatch):
