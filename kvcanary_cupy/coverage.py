@@ -240,17 +240,22 @@ class KvCoverage:
                                   self._kind)
 
     def _gpu_tail_write(self, write, step_inputs: tuple, join_head_write) -> None:
-        """:meth:`tail_write` through the packed launches, in the same order."""
+        """:meth:`tail_write` through the packed launches, in the same order (a refused out_cache_loc
+        raises where the unbound code raised: after the join, or after the TAIL write)."""
         gpu, warps = self._gpu, self._impl.WARPS
-        (slots, total), _keep = self._gpu_slots(step_inputs[2])
+        found = None
         if self.lost is not None:
             join_head_write()
+            found = self._gpu_slots(step_inputs[2])
+            (slots, total), _keep = found
             if total:
                 n = min(total, self.max_step_tokens)
                 gpu(gpu.check, (slots, n, total - n), n, warps)
         write(*step_inputs)
-        if self.deep is not None and total:
-            gpu(gpu.deep_write, (slots, total), total, warps)
+        if self.deep is not None:
+            (slots, total), _keep = found or self._gpu_slots(step_inputs[2])
+            if total:
+                gpu(gpu.deep_write, (slots, total), total, warps)
         if self.deep_check_slots:  # 0 only for a pool of the padding slot alone
             gpu(gpu.deep_check, None, self.deep_check_slots, warps)
 
