@@ -1,4 +1,4 @@
-"""CPU profile of the free functions' host path (kc.plan / kc.verify / kc.write), no GPU needed.
+"""CPU profile of the free functions' host path (kc.plan / kc.verify / kc.write / kc.plan_and_verify), no GPU needed.
 
 Each free call runs on long-lived arrays (canary buffer, plans, log, table) as a script would,
 with the backend's work taken out: CuPy arrays on the fake device
@@ -43,7 +43,7 @@ def main():
     cache = "on" if enabled() else "off"
     print(f"free-function host us and Python-level calls per call at {args.workload}, validation cache {cache} "
           "(backend work stubbed out)")
-    print(f"{'arrays':<20} {'op':<8} {'us':>8} {'calls':>6}")
+    print(f"{'arrays':<20} {'op':<15} {'us':>8} {'calls':>6}")
 
     movers = {"numpy": ("NumPy", lambda x: x)}
     try:
@@ -67,7 +67,7 @@ def main():
 def report(label, ops, args):
     for op, fn in ops.items():
         us, calls = measure(fn, args.calls, args.top)
-        print(f"{label:<20} {op:<8} {us:>8.1f} {calls:>6.0f}", flush=True)
+        print(f"{label:<20} {op:<15} {us:>8.1f} {calls:>6.0f}", flush=True)
 
 
 if __name__ == "__main__":

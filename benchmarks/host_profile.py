@@ -1,11 +1,16 @@
 """CPU profile of the eager host path: microseconds and Python-level calls per op, no GPU needed.
 
 For plan (through a CanaryPlanner, and kc.plan with ``out=``), verify and write (bound launchers,
-and the free functions), and a CanarySession's pre_forward (plan + HEAD verify + HEAD write) and
-whole step (pre_forward + post_forward: 5 ops) against the free functions it would otherwise call,
-at one workload, the backend's own work is taken out so only the front door is measured: NumPy arrays with the NumPy backend stubbed, and CuPy arrays on a fake device
+and the free functions), kc.plan_and_verify (a free call only: no bound launcher), and a
+CanarySession's pre_forward (plan + HEAD verify + HEAD write) and whole step (pre_forward +
+post_forward: 5 ops) against the free functions it would otherwise call, at one workload, the backend's own work is taken out so only the front door is measured: NumPy arrays with the NumPy backend stubbed, and CuPy arrays on a fake device
 (``kvcanary_cupy/devtools/fake_cupy.py``: real CuPy arrays over host memory, kernel launches recorded, not run).
 On a GPU the launch itself adds its driver cost (``kvcanary bench --sections host`` measures that).
+
+Then, on the fake device, a session step with the coverage past the record
+(``kvcanary_cupy/coverage.py``: the lost-store check, the deep fingerprints, both) against the
+plain step, on a pool of ``COVERAGE_LAYERS`` layers (K and V each a source).  Not with NumPy,
+whose coverage kernels are the CPU's own work, not the front door's.
 
 Then the session's ``end_step`` when nothing happened (the HEAD and TAIL kernels ran, no
 violation), with the device calls it makes per call on the fake device (launches, event records,
@@ -32,6 +37,46 @@ sys.path.insert(0, os.path.dirname(HERE))  # the checkout's package, installed o
 import kvcanary_cupy as kc  # noqa: E402
 from kvcanary_cupy.devtools.bench.host_setup import (add_arguments, free_ops, measure, placed,  # noqa: E402
                                                      stubbed_numpy_backend, workload)
+
+
+COVERAGE_LAYERS, COVERAGE_ROW = 4, 64  # the coverage rows' pool: layers x (K, V) x slots x bytes
+COVERAGE_CONFIGS = {
+    "+ lost stores": dict(check_lost_stores=True),
+    "+ deep": dict(deep=True),
+    "+ deep + lost": dict(deep=True, check_lost_stores=True),
+}
+
+
+def coverage_steps(d, move) -> dict:
+    """A session step (pre_forward + post_forward) on the workload, plain and with each coverage option."""
+    a = placed(d, move)
+    num_slots = a["canary"].shape[0]
+    pool = move(np.zeros((COVERAGE_LAYERS, 2, num_slots, COVERAGE_ROW), np.uint8))
+    every = tuple(kc.RealKvSource(pool[l, h], 1, COVERAGE_ROW, COVERAGE_ROW) for l in range(COVERAGE_LAYERS) for h in (0, 1))
+    steps = {}
+    for label, options in {"step": {}, **COVERAGE_CONFIGS}.items():
+        lost = options.get("check_lost_stores", False)
+        session = kc.CanarySession(num_slots, max_batch_size=d["bs"], verify_capacity=d["total_verify"], like=a["rp"],
+                                   on_violation="ignore", real_kv_sources=every[:2],
+                                   real_kv_hash_mode=kc.RealKvHashMode.PARTIAL,
+                                   deep_kv_sources=every if options.get("deep") else (), check_lost_stores=lost,
+                                   max_step_tokens=d["tokens"] if lost else None)
+
+        def step(session=session):
+            session.pre_forward(a["rp"], a["prefix"], a["extend"], a["rtt"], a["ids"], a["pos"], a["loc"])
+            session.post_forward()
+
+        steps[label] = step
+    return steps
+
+
+def coverage_report(label, steps, args):
+    base_us, base_calls = measure(steps["step"], args.calls, args.top)
+    print(f"{label:<20} {'step':<15} {base_us:>8.1f} {base_calls:>6.0f}")
+    for name in COVERAGE_CONFIGS:
+        us, calls = measure(steps[name], args.calls, args.top)
+        print(f"{label:<20} {name:<15} {us:>8.1f} {calls:>6.0f} {us - base_us:>8.1f} {calls - base_calls:>6.0f} "
+              f"{(us - base_us) / base_us:>7.0%}")
 
 
 def step_ops(d, move):
@@ -81,9 +126,9 @@ def main():
     args = parser.parse_args()
     d = workload(args.workload)
     print(f"host us and Python-level calls per eager op at {args.workload} (backend work stubbed out)")
-    print(f"{'arrays':<20} {'op':<11} {'free us':>8} {'calls':>6} {'bound us':>9} {'calls':>6} {'x faster':>9}")
+    print(f"{'arrays':<20} {'op':<15} {'free us':>8} {'calls':>6} {'bound us':>9} {'calls':>6} {'x faster':>9}")
 
-    end_step_lines = [f"{'arrays':<20} {'op':<11} {'us':>8} {'calls':>6}   device calls per call"]
+    end_step_lines = [f"{'arrays':<20} {'op':<15} {'us':>8} {'calls':>6}   device calls per call"]
     with stubbed_numpy_backend() as stub:
         report("NumPy", step_ops(d, lambda x: x), args)
         session, mark = quiet_session(d, lambda x: x)
@@ -95,7 +140,10 @@ def main():
         print("\n".join(["", *end_step_lines]))
         return
     with fake_device(record_bytes=False) as dev:
+        print("")
         report("CuPy (fake device)", step_ops(d, dev.asarray), args)
+        print("\n" + COVERAGE_HEADER)
+        coverage_report("CuPy (fake device)", coverage_steps(d, dev.asarray), args)
         session, mark = quiet_session(d, dev.asarray)
         size = session._layout.size
         records = {}  # host address -> its view
@@ -139,14 +187,21 @@ def end_step_row(label, session, dev, args) -> str:
         device = ", ".join(f"{n / 100:g} {op}" for op, n in ops.items())
     s = session.stats
     assert s["health_failures"] == s["violations"] == 0 and s["steps"] > args.calls, s  # nothing happened
-    return f"{label:<20} {'end_step':<11} {us:>8.1f} {calls:>6.0f}   {device}"
+    return f"{label:<20} {'end_step':<15} {us:>8.1f} {calls:>6.0f}   {device}"
+
+
+COVERAGE_HEADER = (f"a session step with coverage past the record ({COVERAGE_LAYERS} layers x K, V as sources)\n"
+                   f"{'arrays':<20} {'session':<15} {'us':>8} {'calls':>6} {'+ us':>8} {'+ calls':>6} {'+ share':>7}")
 
 
 def report(label, ops, args):
-    for op in ("plan", "verify", "write", "pre_forward", "step"):
+    for op in ("plan", "verify", "write", "plan_and_verify", "pre_forward", "step"):
         free_us, free_calls = measure(ops[(op, "free")], args.calls, args.top)
+        if (op, "bound") not in ops:  # a free call only
+            print(f"{label:<20} {op:<15} {free_us:>8.1f} {free_calls:>6.0f} {'-':>9} {'-':>6} {'-':>9}")
+            continue
         bound_us, bound_calls = measure(ops[(op, "bound")], args.calls, args.top)
-        print(f"{label:<20} {op:<11} {free_us:>8.1f} {free_calls:>6.0f} {bound_us:>9.1f} {bound_calls:>6.0f} "
+        print(f"{label:<20} {op:<15} {free_us:>8.1f} {free_calls:>6.0f} {bound_us:>9.1f} {bound_calls:>6.0f} "
               f"{free_us / bound_us:>9.1f}")
 
 

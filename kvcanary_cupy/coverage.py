@@ -26,8 +26,9 @@ from .constants import RealKvHashMode, REAL_KV_PARTIAL_BYTES
 from .errors import fail
 from .interop import Array, allocate, backend_view, import_cupy, to_numpy
 from .binding import CanaryBuffer, log_views, source_views
+from .bound import BoundState, full_validation_forced
 from .plans import allocate_canary_buffer
-from .runtime import launch_stream
+from .runtime import launch_stream, refuse_view_copy_during_capture
 from .sources import RealKvSource
 from .validation import check_count
 
@@ -61,14 +62,64 @@ def pack_sources(sources: Sequence[RealKvSource], mode: int, num_slots: int, *, 
     pairs = tuple((v, REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else v.read_bytes) for v in views)
     table = None
     if backend != "numpy":
+        from .backends.cuda.coverage import source_table
+
         host = np.zeros((len(pairs), SOURCE_FIELDS), np.int64)
         for j, (v, nbytes) in enumerate(pairs):
             (_, s0), (inner, s1) = v.levels
             host[j] = (v.data.data.ptr, v.data.strides[0], v.stride, v.byte_offset, s0, s1, inner, v.page_size,
                        nbytes, v.piece_bytes or v.num_bytes_per_token, v.unit, v.slot_offset)
-        table = backend_view(allocate(host.shape, np.int64, like=like, fill=0), f"{name} table", writable=True)
-        table.set(host)  # once, at construction
+        table = source_table(host, like, name)  # once, at construction
     return CoverageSources(pairs, table, len(pairs), sum(nbytes for _, nbytes in pairs))
+
+
+class _BoundKernel(BoundState):
+    """One coverage kernel's parameter record, packed when the session binds: its loaded kernel and
+    the setter of its per-step fields (the write's slots and their counts; None for deep_check)."""
+
+    __slots__ = ("kernel", "set_step")
+
+
+class _GpuLaunches:
+    """A session's coverage kernels on the GPU, each record packed once from the session's own
+    buffers (the source tables, both canary buffers, the snapshot, the cursor, the TAIL log) and
+    launched as the bound launchers launch (``BoundState.launch``: on the step's stream, torch's
+    current one for tensors, overlapped where the device allows).  Per step only the slots' address
+    and count, and the grid they size, change."""
+
+    def __init__(self, cov: KvCoverage):
+        impl, placement = cov._impl, cov._placement
+        self.snapshot = self.check = self.deep_write = self.deep_check = None
+        self._grid, self._block = impl.grid, (impl.COVERAGE_THREADS,)
+        with launch_stream(placement):
+            cap = self.cap = impl.grid_cap(placement.device)
+            lost, deep, num_slots = cov.lost, cov.deep, cov._tail.shape[0]
+            if lost is not None:
+                self.snapshot = self._bind(placement, impl.lost_snapshot_launch(lost.table, lost.count, None, num_slots,
+                                                                                cov._pre, cap), "slots", "num_tokens")
+                self.check = self._bind(placement, impl.lost_check_launch(
+                    lost.table, lost.count, None, cov.max_step_tokens, cov._pre, cov._head, cov._tail, cov._log, cov._kind,
+                    cap), "slots", "num_tokens", "unchecked")
+            if deep is not None:
+                self.deep_write = self._bind(placement, impl.deep_write_launch(deep.table, deep.count, None, cov._tail, cap),
+                                             "slots", "num_tokens")
+            if cov.deep_check_slots:
+                self.deep_check = self._bind(placement, impl.deep_check_launch(
+                    deep.table, deep.count, cov._tail, cov._state, cov.deep_check_slots, cov._log, cov._kind, cap))
+        self.arrays = next(b for b in (self.snapshot, self.deep_write, self.deep_check) if b is not None).arrays
+
+    @staticmethod
+    def _bind(placement, launch, *step_fields) -> _BoundKernel:
+        b = _BoundKernel(placement, {})  # binds no caller's array: the session's buffers never move
+        b.pack(launch.params)
+        b.kernel = b.function(launch.family, launch.name)
+        b.set_step = b.setter(*step_fields) if step_fields else None
+        return b
+
+    def __call__(self, b: _BoundKernel, fields, items: int, per_block: int) -> None:
+        if fields is not None:
+            b.set_step(fields)
+        b.launch(b.kernel, (self._grid(items, per_block, self.cap),), self._block)
 
 
 class KvCoverage:
@@ -76,6 +127,9 @@ class KvCoverage:
 
     ``deep`` and ``lost`` are the packed sources of each check (None: off); ``tail`` / ``head``
     the session's canary buffers; ``log`` the TAIL group's log views; ``kind`` the TAIL tag.
+    On the GPU each kernel's parameters are packed here, once (:class:`_GpuLaunches`); a step
+    passes only ``out_cache_loc``, taken unchecked in the bound launchers' common case (a
+    contiguous int64 array of the session's framework and device), else checked as a view.
     """
 
     def __init__(self, *, placement, head, tail, log_views, kind: int, like, deep: CoverageSources | None,
@@ -89,7 +143,7 @@ class KvCoverage:
         self._impl = impl
         self._head = backend_view(head, "head_canary", writable=True)
         self._tail = backend_view(tail, "tail_canary", writable=True)
-        self._log, self._kind = (impl.pack_log(log_views) if self._cu else log_views), kind  # the GPU's record packed once
+        self._log, self._kind = log_views, kind
         self.deep, self.lost = deep, lost
         num_slots = self._tail.shape[0]
         self.deep_check_slots = min(deep_check_slots, num_slots - 1) if deep is not None else 0
@@ -101,6 +155,8 @@ class KvCoverage:
         if lost is not None:
             self._pre = backend_view(allocate((max(max_step_tokens, 1) * lost.count,), np.int64, like=like, fill=0),
                                      "lost-store snapshot", writable=True)
+        self._gpu = _GpuLaunches(self) if self._cu and (deep is not None or lost is not None) else None
+        self._full = full_validation_forced()  # every step's out_cache_loc checked as a view
 
     @property
     def deep_check_period(self) -> int:
@@ -132,34 +188,76 @@ class KvCoverage:
             fail(ValueError, f"out_cache_loc must be contiguous for the coverage checks, got strides {tuple(view.strides)}")
         return view if limit is None or view.shape[0] <= limit else view[:limit]
 
+    def _gpu_slots(self, out_cache_loc: Array) -> tuple:
+        """``((address, length), keep)`` of ``out_cache_loc`` for the GPU kernels, which read int64
+        slots: the common case unchecked; else the checked view, an int32 one widened into a copy
+        (``keep``, alive until launched: CuPy's pool reuses its memory only behind the launch on
+        this stream), which a capture refuses (the graph would keep reading freed memory)."""
+        found = None if self._full else self._gpu.arrays.leading(out_cache_loc)
+        if found is not None:
+            return found, None
+        with self._on_step_stream():
+            view = self._slots(out_cache_loc)
+            if view.dtype != np.int64:
+                refuse_view_copy_during_capture(view, f"the coverage checks widen an {view.dtype} out_cache_loc to int64",
+                                                "pass out_cache_loc as int64")
+                view = view.astype(np.int64)
+        return (view.data.ptr, view.shape[0]), view
+
     def _src(self, sources: CoverageSources) -> tuple:
-        return (sources.table, sources.count) if self._cu else (sources.views,)
+        return (sources.views,)  # the NumPy backend's: the GPU's tables are packed in _GpuLaunches
 
     def before_forward(self, out_cache_loc: Array) -> None:
         """Snapshot the write slots' per-source hashes (lost-store check)."""
         if self.lost is None:
             return
-        with self._on_step_stream():
-            slots = self._slots(out_cache_loc, self.max_step_tokens)
-            self._impl.lost_snapshot(*self._src(self.lost), slots, self._tail.shape[0], self._pre)
+        if self._gpu is not None:
+            (slots, total), _keep = self._gpu_slots(out_cache_loc)
+            n = min(total, self.max_step_tokens)
+            if n:
+                self._gpu(self._gpu.snapshot, (slots, n), n * self.lost.count, self._impl.COVERAGE_THREADS)
+            return
+        slots = self._slots(out_cache_loc, self.max_step_tokens)
+        self._impl.lost_snapshot(*self._src(self.lost), slots, self._tail.shape[0], self._pre)
 
     def tail_write(self, write, step_inputs: tuple, join_head_write) -> None:
         """The session's TAIL write ``write(*step_inputs)`` with the checks around it: before it, the
         lost-store check (on the HEAD records this step wrote: ``join_head_write`` first); after
         it, the written slots' deep fingerprints and this step's share of the rotation."""
         out_cache_loc = step_inputs[2]
+        if self._gpu is not None:
+            self._gpu_tail_write(write, step_inputs, join_head_write)
+            return
         if self.lost is not None:
             join_head_write()
-            with self._on_step_stream():
-                self._impl.lost_check(*self._src(self.lost), self._slots(out_cache_loc), self.max_step_tokens, self._pre,
-                                      self._head, self._tail, self._log, self._kind)
+            self._impl.lost_check(*self._src(self.lost), self._slots(out_cache_loc), self.max_step_tokens, self._pre,
+                                  self._head, self._tail, self._log, self._kind)
         write(*step_inputs)
-        with self._on_step_stream():
-            if self.deep is not None:
-                self._impl.deep_write(*self._src(self.deep), self._slots(out_cache_loc), self._tail)
-            if self.deep_check_slots:  # 0 only for a pool of the padding slot alone
-                self._impl.deep_check(*self._src(self.deep), self._tail, self._state, self.deep_check_slots, self._log,
-                                      self._kind)
+        if self.deep is not None:
+            self._impl.deep_write(*self._src(self.deep), self._slots(out_cache_loc), self._tail)
+        if self.deep_check_slots:  # 0 only for a pool of the padding slot alone
+            self._impl.deep_check(*self._src(self.deep), self._tail, self._state, self.deep_check_slots, self._log,
+                                  self._kind)
+
+    def _gpu_tail_write(self, write, step_inputs: tuple, join_head_write) -> None:
+        """:meth:`tail_write` through the packed launches, in the same order (a refused out_cache_loc
+        raises where the unbound code raised: after the join, or after the TAIL write)."""
+        gpu, warps = self._gpu, self._impl.WARPS
+        found = None
+        if self.lost is not None:
+            join_head_write()
+            found = self._gpu_slots(step_inputs[2])
+            (slots, total), _keep = found
+            if total:
+                n = min(total, self.max_step_tokens)
+                gpu(gpu.check, (slots, n, total - n), n, warps)
+        write(*step_inputs)
+        if self.deep is not None:
+            (slots, total), _keep = found or self._gpu_slots(step_inputs[2])
+            if total:
+                gpu(gpu.deep_write, (slots, total), total, warps)
+        if self.deep_check_slots:  # 0 only for a pool of the padding slot alone
+            gpu(gpu.deep_check, None, self.deep_check_slots, warps)
 
 
 def tail_buffer(num_slots: int, deep_kv_sources, like):

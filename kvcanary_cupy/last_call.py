@@ -13,8 +13,8 @@ kernels read the values at each launch.  Weak references: the memo never keeps a
 
 Users: :func:`kvcanary_cupy.digest_pages` and :func:`kvcanary_cupy.verify_digest` (digest/memo.py
 says why they stay apart from validation_cache.py), :func:`kvcanary_cupy.verify` and
-:func:`kvcanary_cupy.write` (ops/canary.py) and :func:`kvcanary_cupy.plan` (ops/plan_cache.py), one
-memo per op.  The canary ops also skip it under
+:func:`kvcanary_cupy.write` (ops/canary.py), :func:`kvcanary_cupy.plan` and
+:func:`kvcanary_cupy.plan_and_verify` (ops/plan_cache.py), one memo per op.  The canary ops also skip it under
 ``KVCANARY_FULL_VALIDATION=1`` (:func:`replay_allowed`); every user skips it with ``strict``.
 """
 

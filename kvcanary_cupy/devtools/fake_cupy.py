@@ -13,7 +13,8 @@ can be checked without a GPU.  A copy happens at once; an event completes at onc
 :meth:`FakeDevice.emulate_session_staging` runs the NumPy reference of the session's staging
 kernels at their launch, so a session's end_step computes real records.
 Of the library it replaces only its seam, ``backends/cuda/device.py`` (the cache of the device's
-answers and loaded kernels, module loading, occupancy and cuLaunchKernelEx); the rest is CuPy's.
+answers and loaded kernels, module loading, occupancy, cuLaunchKernelEx and the host-to-device copy
+of a construction-time table); the rest is CuPy's.
 Used by the tests and by ``benchmarks/host_profile.py`` (which is why it ships here rather than
 in ``tests/``).
 """
@@ -257,11 +258,14 @@ class FakeDevice:
             return 0
 
         # The library's own seam (backends/cuda/device.py): a cache of this device's answers and
-        # kernels, fake modules, an occupancy of 4 blocks per SM, and cuLaunchKernelEx on sm_90.
+        # kernels, fake modules, an occupancy of 4 blocks per SM, cuLaunchKernelEx on sm_90 and
+        # construction-time host-to-device copies (host addresses: a memmove).
         monkeypatch.setattr(cuda_device, "cache", {})
         monkeypatch.setattr(cuda_device, "load_module", lambda code, options, name_expressions: RawModule())
         monkeypatch.setattr(cuda_device, "max_active_blocks_per_sm", lambda fn, block: 4)
         monkeypatch.setattr(cuda_device, "driver_launch", lambda: launch_kernel_ex if self.overlap else None)
+        monkeypatch.setattr(cuda_device, "copy_from_host",
+                            lambda view, host: ctypes.memmove(view.data.ptr, np.ascontiguousarray(host).ctypes.data, host.nbytes))
 
     def argument_bytes(self, name: str, args) -> tuple:
         """The bytes of each launch argument: a NumPy value's own, or, for an address (a CuPy
@@ -285,6 +289,8 @@ def _parameter_record(name: str):
     from kvcanary_cupy.digest import cuda as digest_cuda
 
     kernel = kernel_of(name)
+    if kernel in abi.COVERAGE_PARAMS:
+        return abi.COVERAGE_PARAMS[kernel]
     if kernel.startswith("plan_verify"):
         return abi.PLAN_VERIFY_PARAMS
     return {"canary_write": abi.WRITE_PARAMS, "canary_verify": abi.VERIFY_PARAMS, "session_stage": abi.STAGE_PARAMS,

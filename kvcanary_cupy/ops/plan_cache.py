@@ -1,6 +1,7 @@
 """What a free plan remembers of its long-lived arguments (kvcanary_cupy.validation_cache), a
 remembered plan's per-step checks (the same checks, in the same order, as a plan's first call), its
-last CUDA call replayed (kvcanary_cupy.last_call) and the overflow note every GPU plan leaves."""
+last CUDA call replayed (kvcanary_cupy.last_call; plan_and_verify's too) and the overflow note every
+GPU plan leaves."""
 
 from __future__ import annotations
 
@@ -81,46 +82,54 @@ def replan(args: PlanArgs, step: dict, wp: WritePlan, xp) -> PlanArgs:
                          clear_whole_capacity=not is_clean(wp))
 
 
-_PLAN = LastCall()  # the free plan's last CUDA call, replayed while the same arguments come back unchanged
+# The last CUDA call of the free plan and of plan_and_verify, each replayed while the same
+# arguments come back unchanged.
+_PLAN, _PLAN_VERIFY = LastCall(), LastCall()
 
 
-def plan_parts(arguments: tuple, out, strict: bool):
+def plan_parts(arguments: tuple, out, strict: bool, records: tuple = ()):
     """A free plan's ``(objects, values)`` for its memo (``arguments``: plan's, in order, the table
-    fourth), or None: never replayed (strict, KVCANARY_FULL_VALIDATION=1, out no plan pair, a
-    PagedKvIndices table, NumPy arrays, ...).  The WritePlan's scan state and cleanliness (which
-    the launch's clear_whole_capacity reads) are part of it."""
+    fourth, then plan_and_verify's own; ``records``: its other records, the log), or None: never
+    replayed (strict, KVCANARY_FULL_VALIDATION=1, out no plan pair, a PagedKvIndices table, NumPy
+    arrays, ...).  The WritePlan's scan state and cleanliness (which the launch's
+    clear_whole_capacity reads) are part of it."""
     if not (replay_allowed(strict) and type(out) is tuple and len(out) == 2 and type(out[0]) is VerifyPlan
             and type(out[1]) is WritePlan):
         return None
     table = arguments[3]
     if isinstance(table, (ReqToToken, BlockTable)):
-        records, arguments = (*out, table), arguments[:3] + (None,) + arguments[4:]
+        records, arguments = (*out, *records, table), arguments[:3] + (None,) + arguments[4:]
     else:
-        records = out
+        records = (*out, *records)
     return call_parts(records, (*arguments, scan_state(out[1]), is_clean(out[1])))
 
 
-def replay_plan(parts, out) -> bool:
-    """Replay the memo's launches if ``parts`` are its call's, then what every plan call does after
-    them (mark the WritePlan clean, the overflow note); False where the checked path must run."""
-    hit = _PLAN.get(*parts)
+def replay_plan(parts, out, fused: bool = False) -> bool:
+    """Replay the memo's launches (plan's, or plan_and_verify's when ``fused``) if ``parts`` are its
+    call's, then what every such call does after them (mark the WritePlan clean; the free plan's
+    overflow note); False where the checked path must run."""
+    hit = (_PLAN_VERIFY if fused else _PLAN).get(*parts)
     if hit is None:
         return False
     packed, placement, capacity = hit
     with launch_stream(placement):
         packed()
         mark_clean(out[1])
-        note_overflow(out[0], out[0].enable, placement, capacity, stacklevel=5)
+        if not fused:  # plan_and_verify leaves no note
+            note_overflow(out[0], out[0].enable, placement, capacity, stacklevel=5)
     return True
 
 
-def packed_plan(parts, placement, args: PlanArgs, capacity: int) -> bool:
+def packed_plan(parts, placement, args, capacity: int, fused: bool = False) -> bool:
     """On the GPU, launch a checked plan's kernels packed and remember them to be replayed (where
-    every view it launches with is one of the caller's arrays: nothing copied); False: the usual launch."""
-    got = launch_packed(parts, placement, "plan_launches", args,
+    every view it launches with is one of the caller's arrays: nothing copied); False: the usual
+    launch.  ``args``: the PlanArgs, or with ``fused`` plan_and_verify's PlanVerifyArgs;
+    ``capacity``: what the replay's overflow note names."""
+    launch, memo = ("plan_verify_launches", _PLAN_VERIFY) if fused else ("plan_launches", _PLAN)
+    got = launch_packed(parts, placement, launch, args,
                         accept=lambda arrays: _views_of(args, {_address(x) for x in arrays}))
     if got is not None:
-        _PLAN.put(*parts, got[1], (got[0], placement, capacity))
+        memo.put(*parts, got[1], (got[0], placement, capacity))
     return got is not None
 
 

@@ -247,6 +247,8 @@ def _kernel_parameter_bytes(kernel, filename):
     ("canary_write", "write.cu", "WRITE_PARAMS"), ("canary_verify", "verify.cu", "VERIFY_PARAMS"),
     ("plan_fused", "plan.cu", "PLAN_PARAMS"), ("plan_offsets", "plan.cu", "PLAN_PARAMS"),
     ("plan_entries", "plan.cu", "PLAN_PARAMS"), ("plan_verify", "step.cu", "PLAN_VERIFY_PARAMS"),
+    ("deep_write", "coverage.cu", "DEEP_WRITE_PARAMS"), ("deep_check", "coverage.cu", "DEEP_CHECK_PARAMS"),
+    ("lost_snapshot", "coverage.cu", "LOST_SNAPSHOT_PARAMS"), ("lost_check", "coverage.cu", "LOST_CHECK_PARAMS"),
 ])
 def test_parameter_records_mirror_the_kernel_signatures(kernel, filename, record):
     """Field i of a kernel's parameter record has the size of the kernel's parameter i."""

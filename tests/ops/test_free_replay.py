@@ -1,4 +1,4 @@
-"""kc.plan, kc.verify and kc.write replay their last CUDA call (kvcanary_cupy/last_call.py).
+"""kc.plan, kc.verify, kc.write and kc.plan_and_verify replay their last CUDA call (kvcanary_cupy/last_call.py).
 
 On the fake device (kvcanary_cupy/devtools/fake_cupy.py: launches recorded with each argument's
 bytes and their stream, nothing run): a call with the last call's objects, unchanged, issues the
@@ -59,17 +59,24 @@ class Script:
     def write(self, **kw):
         kc.write(self.canary, self.wp, self.ids, self.pos, self.loc, log=self.log, **kw)
 
+    def plan_and_verify(self, **kw):
+        kc.plan_and_verify(self.rp, self.prefix, self.extend, self.rtt, self.canary, log=self.log, verify_capacity=64,
+                           out=(self.vp, self.wp), **kw)
+
+
+MEMOS = (canary._VERIFY, canary._WRITE, plan_cache._PLAN, plan_cache._PLAN_VERIFY)
+
 
 @pytest.fixture(params=[False, True], ids=["cupy-launch", "overlapped"])
 def dev(request):
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import fake_device
 
-    for memo in (canary._VERIFY, canary._WRITE, plan_cache._PLAN):
+    for memo in MEMOS:
         memo.clear()
     with fake_device(overlap=request.param) as d:
         yield d
-    for memo in (canary._VERIFY, canary._WRITE, plan_cache._PLAN):
+    for memo in MEMOS:
         memo.clear()
 
 
@@ -221,14 +228,21 @@ def test_strict_a_side_stream_and_full_validation_always_check(dev, script, monk
     script.write(stream=side)
     assert len(packs) == 3
     assert [e[0] for e in dev.timeline][:2] == ["record", "wait"]  # the fork, every call
+    _full_validation_checks_every_call(monkeypatch, script.write, packs)
+
+
+def _full_validation_checks_every_call(monkeypatch, call, packs):
+    """Calls under KVCANARY_FULL_VALIDATION=1 each pack (check); after it, the call remembered
+    before the variable, still unchanged, is replayed."""
+    before = len(packs)
     monkeypatch.setenv(FULL_VALIDATION_ENV, "1")
-    script.write()
-    script.write()
-    assert len(packs) == 5
+    call()
+    call()
+    assert len(packs) == before + 2
     monkeypatch.delenv(FULL_VALIDATION_ENV)
-    script.write()
-    script.write()
-    assert len(packs) == 5  # the call remembered before the variable is still unchanged: replayed
+    call()
+    call()
+    assert len(packs) == before + 2
 
 
 def test_a_copied_per_step_input_is_never_replayed(dev, script, monkeypatch):
@@ -246,14 +260,15 @@ def test_a_copied_per_step_input_is_never_replayed(dev, script, monkeypatch):
 
 
 def test_numpy_calls_stay_on_the_numpy_path():
-    for memo in (canary._VERIFY, canary._WRITE, plan_cache._PLAN):
+    for memo in MEMOS:
         memo.clear()
     s = Script(np.asarray, None)
     for _ in range(2):
         s.plan()
         s.verify()
         s.write()
-    assert canary._VERIFY._entry is None and canary._WRITE._entry is None and plan_cache._PLAN._entry is None
+        s.plan_and_verify()
+    assert [memo._entry for memo in MEMOS] == [None] * len(MEMOS)
 
 
 def test_the_memo_keeps_no_array_alive(dev):
@@ -261,12 +276,133 @@ def test_the_memo_keeps_no_array_alive(dev):
     script.plan()
     script.verify()
     script.write()
-    assert None not in (canary._VERIFY._entry, canary._WRITE._entry, plan_cache._PLAN._entry)
+    script.plan_and_verify()  # into a WritePlan the plan left clean: remembered at once
+    assert None not in [memo._entry for memo in MEMOS]
     refs = [weakref.ref(x) for x in (script.canary, script.ids, script.vp.verify_slot_indices, script.log.ring,
                                      script.wp.write_offsets, script.rtt, script.prefix)]
     del script
     gc.collect()
     assert [r() is None for r in refs] == [True] * len(refs)
+
+
+def _device_calls(dev, fn):
+    dev.timeline.clear()
+    got = launches(dev, fn)
+    return got, [e for e in dev.timeline if e[0] != "launch"]
+
+
+def test_a_replayed_plan_and_verify_issues_the_checked_launches(dev, script, monkeypatch):
+    """The fused launch on the same stream, and no other device call (plan_and_verify leaves no
+    overflow note); a WritePlan not known clean is checked again (clear_whole_capacity set)."""
+    from kvcanary_cupy.backends.cuda import ops
+
+    packs = counting(monkeypatch, ops, "plan_verify_launch")
+    want = checked(monkeypatch, lambda: _device_calls(dev, script.plan_and_verify))
+    assert len(want[0]) == 1 and want[0][0][0].startswith("kvcanary::plan_verify") and want[1] == [] and len(packs) == 1
+    first, second, third = (_device_calls(dev, script.plan_and_verify) for _ in range(3))
+    assert first == second == third == want and len(packs) == 2  # packed once, then replayed
+    side = dev.cupy.cuda.Stream()
+    with side:
+        want_side = checked(monkeypatch, lambda: _device_calls(dev, script.plan_and_verify))
+        assert want_side[0][0][4] == side.name and _device_calls(dev, script.plan_and_verify) == want_side
+    assert len(packs) == 3
+    script.wp.__dict__.pop("_kvcanary_clean")  # as a bound planner's or an engine's plan leaves it
+    dirty = _device_calls(dev, script.plan_and_verify)
+    assert len(packs) == 4 and dirty[0] != want[0]
+    assert _device_calls(dev, script.plan_and_verify) == want and len(packs) == 5  # clean again: checked once
+    assert _device_calls(dev, script.plan_and_verify) == want and len(packs) == 5
+
+
+def test_plan_and_verify_replay_is_its_own(dev, script, monkeypatch):
+    """plan's memo and plan_and_verify's do not mix: each replays its own launches, in turn."""
+    from kvcanary_cupy.backends.cuda import ops
+
+    fused, plans = counting(monkeypatch, ops, "plan_verify_launch"), counting(monkeypatch, ops, "plan_params")
+    for _ in range(3):
+        script.plan()
+        script.plan_and_verify()
+    # the fixture's plan was remembered: only plan_and_verify's first call packs (its plan record inside its own)
+    assert len(fused) == 1 and len(plans) == 1
+
+
+@pytest.mark.parametrize("change", ["canary", "log", "table", "kernel_kind", "check_holes", "check_expected_tokens",
+                                    "real_kv_hash_mode", "verify_capacity", "reshaped", "dtype", "resized"])
+def test_plan_and_verify_is_checked_again_after_any_change(dev, script, monkeypatch, change):
+    """A change of object, value, shape, strides or dtype takes the checked path: its launches or its error."""
+    from kvcanary_cupy.backends.cuda import ops
+
+    packs = counting(monkeypatch, ops, "plan_verify_launch")
+    script.plan_and_verify()
+    script.plan_and_verify()
+    assert len(packs) == 1
+    kw = {}
+    if change == "canary":
+        script.canary = kc.allocate_canary_buffer(NUM_SLOTS, like=script.rp)
+    elif change == "log":
+        script.log = kc.ViolationLog.allocate(64, like=script.rp)
+    elif change == "table":
+        script.rtt = dev.asarray(dev.to_numpy(script.rtt))
+    elif change == "kernel_kind":
+        kw = {"kernel_kind": 1}
+    elif change == "check_holes":
+        kw = {"check_holes": True}
+    elif change == "check_expected_tokens":
+        kw = {"check_expected_tokens": True}
+    elif change == "real_kv_hash_mode":
+        kw = {"real_kv_hash_mode": kc.RealKvHashMode.PARTIAL}  # without sources: the same launch, checked again
+    elif change == "verify_capacity":
+        kw = {"verify_capacity": 65}  # refused: out[0] holds 64 (a batch past one launch stores its entries)
+        monkeypatch.setattr(ops, "plan_verify_stores_entries", lambda bs: True)
+    elif change == "reshaped":
+        script.prefix.shape = (1, 3)  # in place: the same object and address
+    elif change == "dtype":
+        script.prefix = dev.asarray(dev.to_numpy(script.prefix).astype(np.int32))
+    elif change == "resized":
+        script.canary.shape = (NUM_SLOTS * 2, 2)  # in place: 2 fields a slot
+
+    def call():
+        if change == "verify_capacity":
+            kc.plan_and_verify(script.rp, script.prefix, script.extend, script.rtt, script.canary, log=script.log,
+                               out=(script.vp, script.wp), **kw)
+        else:
+            script.plan_and_verify(**kw)
+
+    got = outcome(lambda: launches(dev, call))
+    want = checked(monkeypatch, lambda: outcome(lambda: launches(dev, call)))
+    assert got == want
+    assert (got is None) == (change not in ("verify_capacity", "reshaped", "dtype", "resized")), got
+    if got is None:  # launched: checked (then again with the variable set), remembered and replayed
+        assert len(packs) == 3
+        assert launches(dev, call) == checked(monkeypatch, lambda: launches(dev, call)) and len(packs) == 4
+        call()
+        assert len(packs) == 4
+    else:
+        assert got[0] in (TypeError, ValueError) and len(packs) == 1
+
+
+def test_plan_and_verify_with_strict_or_full_validation_always_checks(dev, script, monkeypatch):
+    from kvcanary_cupy import strict as strict_checks
+    from kvcanary_cupy.backends.cuda import ops
+
+    monkeypatch.setattr(strict_checks, "check_plan", lambda args, **kw: None)  # its host reads: no device here
+    packs = counting(monkeypatch, ops, "plan_verify_launch")
+    script.plan_and_verify()
+    script.plan_and_verify(strict=True)
+    script.plan_and_verify(strict=True)
+    assert len(packs) == 3
+    _full_validation_checks_every_call(monkeypatch, script.plan_and_verify, packs)
+
+
+def test_a_plan_and_verify_past_one_launch_replays_its_plan_and_verify(dev, script, monkeypatch):
+    """A batch too large for the fused launch takes plan + verify through out[0]'s entries: both replayed."""
+    from kvcanary_cupy.backends.cuda import ops
+
+    monkeypatch.setattr(ops, "plan_verify_stores_entries", lambda bs: True)
+    packs = counting(monkeypatch, ops, "verify_launch")
+    want = checked(monkeypatch, lambda: launches(dev, script.plan_and_verify))
+    assert want[-1][0].startswith("kvcanary::canary_verify") and len(want) >= 2
+    assert launches(dev, script.plan_and_verify) == launches(dev, script.plan_and_verify) == want
+    assert len(packs) == 2
 
 
 def test_on_the_device_replayed_steps_leave_the_bytes_of_checked_ones(gpu_ab, monkeypatch):
@@ -291,3 +427,24 @@ def test_on_the_device_replayed_steps_leave_the_bytes_of_checked_ones(gpu_ab, mo
     assert canary._WRITE.get(*canary.call_parts(
         (s.wp, s.log), (s.canary, s.ids, s.pos, s.loc, None, None, None, True, 0, (), kc.RealKvHashMode.NONE, 0))) is not None
     assert checked(monkeypatch, lambda: run()[0]) == replayed
+
+
+def test_on_the_device_replayed_plan_and_verify_steps_leave_the_bytes_of_checked_ones(gpu_ab, monkeypatch):
+    """The fused step (plan_and_verify + write) in a loop on a GPU: replayed, the bytes of checked calls."""
+
+    def run():
+        s = Script(gpu_ab.asarray, gpu_ab.like)
+        for seed in range(4):
+            s.ids[...] = gpu_ab.asarray(_step_arrays(_table(), seed)[0])
+            s.prefix[...] = gpu_ab.asarray(PREFIX + seed)
+            s.plan_and_verify(check_expected_tokens=False)
+            s.write()
+        gpu_ab.synchronize()
+        ring = sorted(map(bytes, gpu_ab.to_numpy(s.log.ring)))
+        arrays = [s.canary, *s.wp.arrays().values(), s.vp.verify_num_valid, s.vp.enable, s.vp.out_of_range_count,
+                  *(a for k, a in s.log.arrays().items() if k != "ring")]
+        return [gpu_ab.to_numpy(a).tobytes() for a in arrays] + ring
+
+    replayed = run()
+    assert plan_cache._PLAN_VERIFY._entry is not None
+    assert checked(monkeypatch, run) == replayed

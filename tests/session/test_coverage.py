@@ -405,3 +405,24 @@ def test_deep_sources_with_slot_offset(ab):
         want = kc.real_kv_fold([pool[0, slot - 1].tobytes(), pool[1, slot - 1].tobytes()]) or 1
         assert int(tail[slot, DEEP_FIELD]) == kc.to_signed(want)
     assert s.check() == 0 and s.report().total_violations == 0
+
+
+def test_int32_out_cache_loc_gives_the_int64_bytes(ab):
+    """The kernels read int64 slots: an int32 out_cache_loc (as transformers builds it) is widened
+    on the GPU's checked path, never read as int64 (which would read past its end)."""
+    pool = np.random.default_rng(5).integers(0, 256, (2, SLOTS, ROW), dtype=np.uint8)
+    dev = ab.asarray(pool)
+    deep = tuple(RealKvSource(dev[h], 1, ROW, ROW) for h in (0, 1))
+    results = []
+    for dtype in (np.int64, np.int32):
+        s = kc.CanarySession(SLOTS, max_batch_size=2, like=ab.like, on_violation="ignore", deep_kv_sources=deep,
+                             deep_check_slots=8, check_lost_stores=True, max_step_tokens=4)
+        a = lambda v, t=np.int64: ab.asarray(np.asarray(v, t))  # noqa: E731
+        s.pre_forward(a([1]), a([0]), a([3]), ab.asarray(np.arange(SLOTS, dtype=np.int32).reshape(4, 16)), a([7, 8, 9]),
+                      a([0, 1, 2]), a([16, 17, 18], dtype))
+        s.post_forward()
+        s.end_step()
+        s.check()
+        results.append((ab.to_numpy(s.tail_canary).tobytes(), s.report().to_dicts(), s.stats["out_of_range_skipped"]))
+    assert results[0] == results[1]
+    assert results[0][1]  # the unchanged pool is a lost store of every slot: rows to compare

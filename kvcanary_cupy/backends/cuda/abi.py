@@ -95,6 +95,20 @@ PLAN_VERIFY_PARAMS = _param_record(("inputs", PLAN_INPUTS), ("outputs", PLAN_OUT
 
 STAGE_PARAMS = _param_record(("s", SESSION_STAGE), ("stamp", "i8"))  # session_stage's; session_attribute takes s alone
 
+# kernels/coverage.cu takes plain parameters: one record per kernel, field i = parameter i.
+DEEP_WRITE_PARAMS = _param_record(("table", "u8"), ("num_sources", "i4"), ("slots", "u8"), ("num_tokens", "i8"),
+                                  ("canary", "u8"), ("num_slots", "i8"), ("fields", "i4"))
+DEEP_CHECK_PARAMS = _param_record(("table", "u8"), ("num_sources", "i4"), ("canary", "u8"), ("num_slots", "i8"),
+                                  ("fields", "i4"), ("per_step", "i8"), ("state", "u8"), ("log", LAUNCH_LOG), ("kind", "i4"))
+LOST_SNAPSHOT_PARAMS = _param_record(("table", "u8"), ("num_sources", "i4"), ("slots", "u8"), ("num_tokens", "i8"),
+                                     ("num_slots", "i8"), ("pre", "u8"))
+LOST_CHECK_PARAMS = _param_record(("table", "u8"), ("num_sources", "i4"), ("slots", "u8"), ("num_tokens", "i8"),
+                                  ("unchecked", "i8"), ("pre", "u8"), ("head", "u8"), ("head_fields", "i4"), ("tail", "u8"),
+                                  ("tail_fields", "i4"), ("num_slots", "i8"), ("log", LAUNCH_LOG), ("kind", "i4"))
+#: Each coverage kernel's record, by kernel name.
+COVERAGE_PARAMS = {"deep_write": DEEP_WRITE_PARAMS, "deep_check": DEEP_CHECK_PARAMS, "lost_snapshot": LOST_SNAPSHOT_PARAMS,
+                   "lost_check": LOST_CHECK_PARAMS}
+
 # ----------------------------------------------------------------------------------------------
 # The kernels' compile-time constants.
 

@@ -1,6 +1,7 @@
 """Every question the GPU side asks of the CUDA device and driver, and every kernel it loads: the
 one seam a fake device replaces (``devtools/fake_cupy.py`` swaps :data:`cache` for its own and
-answers :func:`load_module`, :func:`max_active_blocks_per_sm` and :func:`driver_launch`).
+answers :func:`load_module`, :func:`max_active_blocks_per_sm`, :func:`driver_launch` and
+:func:`copy_from_host`).
 
 The answers that never change for a device, and the loaded modules and kernels, are kept in
 :data:`cache` (CuPy reads every attribute of a device to answer one), so that a fake device's
@@ -65,6 +66,12 @@ def allow_all_shared_mem(fn, device_id: int) -> None:
     ptr = fn.kernel.ptr
     static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, ptr)
     driver.funcSetAttribute(ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem_optin(device_id) - static)
+
+
+def copy_from_host(view, host) -> None:
+    """Copy the NumPy array ``host`` into the device view ``view`` of the same shape and dtype (a
+    synchronous copy: construction-time tables only, never on a step's path)."""
+    view.set(host)
 
 
 def load_module(code: str, options: tuple, name_expressions: list):

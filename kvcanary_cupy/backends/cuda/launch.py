@@ -3,7 +3,7 @@
 CuPy launches through ``cuLaunchKernel``: a kernel starts once everything before it on the stream
 has finished, and the launch's own latency follows that (docs/design-notes.md has the H200's
 figure).  On sm_90 and later the canary's record launches (plan, plan_and_verify, verify, write; free functions and
-bound launchers) go through ``cuLaunchKernelEx`` with
+bound launchers; a session's coverage checks) go through ``cuLaunchKernelEx`` with
 ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` instead, which lets the launch overlap
 the end of the work before it.  Every kernel of ``kernels/`` opens with ``wait_for_prior_grids()``
 (``griddepcontrol.wait``), which holds its threads until that work has completed and its writes

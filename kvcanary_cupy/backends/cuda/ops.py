@@ -31,7 +31,7 @@ from .params import (KernelLaunch, ParamSlots, has_real_kv, kernel_arguments, le
 # bound launchers bind with.
 __all__ = ["move", "plan", "plan_verify", "plan_verify_stores_entries", "prepare_stage", "scatter", "verify", "write",
            "BoundLaunch", "BoundStage", "ParamSlots", "get_function", "has_real_kv", "narrow_layout", "plan_kernels", "plan_params",
-           "plan_launches", "plan_verify_launch", "table_fields", "verify_launch", "write_kernel", "write_launch"]
+           "plan_launches", "plan_verify_launch", "plan_verify_launches", "table_fields", "verify_launch", "write_kernel", "write_launch"]
 
 
 def _launch(family: str, name: str, config, args: tuple) -> None:
@@ -152,15 +152,19 @@ def plan_verify_launch(a: PlanVerifyArgs) -> KernelLaunch:
     return KernelLaunch(family, name, config, p)
 
 
-def plan_verify(a: PlanVerifyArgs) -> None:
+def plan_verify_launches(a: PlanVerifyArgs) -> list:
+    """plan_verify's launches, in order, each a :class:`KernelLaunch`: the fused one, or past
+    PLAN_FUSED_MAX_ROWS the plan's then a verify of the entries it stored in plan.out's arrays
+    (the front door checked that they hold verify_capacity entries)."""
     if not plan_verify_stores_entries(a.plan.prefix_lens.shape[0]):
-        launch_record(plan_verify_launch(a))
-        return
-    # Past PLAN_FUSED_MAX_ROWS the plan takes two launches: plan + verify, the entries stored in
-    # plan.out's arrays (the front door checked that they hold verify_capacity entries).
+        return [plan_verify_launch(a)]
     out = a.plan.out
-    plan(a.plan)
-    verify(a.verify._replace(**{k: getattr(out, k) for k in VERIFY_ENTRY_FIELDS}))
+    return [*plan_launches(a.plan), verify_launch(a.verify._replace(**{k: getattr(out, k) for k in VERIFY_ENTRY_FIELDS}))]
+
+
+def plan_verify(a: PlanVerifyArgs) -> None:
+    for launch in plan_verify_launches(a):
+        launch_record(launch)
 
 
 def move(a: MoveArgs) -> None:

@@ -18,7 +18,8 @@ decode step (plan_and_verify + write) against plan + verify + write at W1, W3, W
 ``overlap`` times the plan and the steps with launch overlap (sm_90 and later,
 ``kvcanary_cupy.backends.cuda.launch``) against plain CuPy launches.
 ``host`` (issue #10): host microseconds per eager call, back to back, of the free functions and of
-the bound path (CanaryPlanner, VerifyLauncher, WriteLauncher), with CuPy arrays and with CUDA
+the bound path (CanaryPlanner, VerifyLauncher, WriteLauncher; plan_and_verify, which has no bound
+launcher, as a free call), with CuPy arrays and with CUDA
 torch tensors, against the targets and SGLang's eager calls (``benchmarks/host_profile.py``
 profiles the same front door on the CPU).  ``benchmarks/bench_canary.py`` runs the same from a
 source checkout.  ``coverage`` (issue #27): a session step with the checks past the record

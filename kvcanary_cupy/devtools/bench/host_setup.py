@@ -20,7 +20,7 @@ import kvcanary_cupy as kc
 from .workloads import WORKLOADS, build
 
 #: The NumPy backend's entry points the profiles stub out (only the front door is measured).
-STUBBED_OPS = ("plan", "verify", "write")
+STUBBED_OPS = ("plan", "verify", "write", "plan_verify")
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, workload: str, calls: int) -> None:
@@ -41,7 +41,8 @@ def placed(d: dict, move) -> dict:
 
 
 def free_ops(d: dict, a: dict, vp, wp, log) -> dict:
-    """kc.plan / kc.verify / kc.write on the placed arrays ``a`` and the long-lived ``vp``, ``wp`` and ``log``."""
+    """kc.plan / kc.verify / kc.write / kc.plan_and_verify on the placed arrays ``a`` and the long-lived
+    ``vp``, ``wp`` and ``log``."""
     vcap = d["total_verify"]
     inputs = (a["rp"], a["prefix"], a["extend"], a["rtt"])
     tokens = (a["ids"], a["pos"], a["loc"])
@@ -49,6 +50,7 @@ def free_ops(d: dict, a: dict, vp, wp, log) -> dict:
         "plan": lambda: kc.plan(*inputs, verify_capacity=vcap, out=(vp, wp)),
         "verify": lambda: kc.verify(a["canary"], vp, log=log),
         "write": lambda: kc.write(a["canary"], wp, *tokens, log=log),
+        "plan_and_verify": lambda: kc.plan_and_verify(*inputs, a["canary"], log=log, verify_capacity=vcap, out=(vp, wp)),
     }
 
 
