@@ -211,8 +211,8 @@ __device__ __forceinline__ void candidate(const DigestPool& pool, const DigestRe
 __global__ void __launch_bounds__(kDigestThreads, 4) digest_accumulate(const __grid_constant__ DigestTable t,
                                                                     const __grid_constant__ DigestPool pool,
                                                                     const __grid_constant__ DigestRequests q) {
-  __shared__ int table_layer[kDigestTableLayers], table_w0[kDigestTableLayers];
   wait_for_prior_grids();
+  __shared__ int table_layer[kDigestTableLayers], table_w0[kDigestTableLayers];
   const int lane = threadIdx.x & 31;
   const i64 warps = static_cast<i64>(gridDim.x) * (kDigestThreads / 32);
   const i64 warp = static_cast<i64>(blockIdx.x) * (kDigestThreads / 32) + (threadIdx.x >> 5);
