@@ -68,6 +68,37 @@ def test_a_digest_is_pinned():
     assert kv_sum(logical, 0, 4, 7, total_layers=2) == (rec.kv, rec.words)
 
 
+@pytest.mark.parametrize("chunk_words", [1, 10, None])
+@pytest.mark.parametrize("window_bytes", [0, 8, 16])
+def test_kv_sum_chunks_and_gathers_match_the_oracle(monkeypatch, chunk_words, window_bytes):
+    """reference.kv_sum's chunks of positions (one, several with a remainder, all at once) and both
+    of its gathers (whole rows where the strides are multiples of the window: 24-byte strips with
+    8- and 24-byte windows; 16-byte windows of them take the strided view), over every slot of the
+    pool, the padding slot 0 and the last slot (the span's last bytes) among them."""
+    if chunk_words is not None:
+        monkeypatch.setattr(reference, "KV_CHUNK_WORDS", chunk_words)
+    rng = np.random.default_rng(window_bytes)
+    L, H, n = 3, 2, 20
+    kv = rng.integers(0, 256, (L, 2, n, H, 24), dtype=np.uint8)
+    slots = rng.permutation(n)
+    k = [np.zeros((n, H, 24), np.uint8) for _ in range(L)]
+    v = [np.zeros((n, H, 24), np.uint8) for _ in range(L)]
+    for p, s in enumerate(slots):
+        for l in range(L):
+            k[l][s], v[l][s] = kv[l, 0, p], kv[l, 1, p]
+    layout = kc.KvLayout.from_sglang(k, v)
+    rtt = np.zeros((2, n), np.int32)
+    rtt[1] = slots
+    for sample_layers in (0, 2):
+        spec = kc.DigestSpec(L, sample_layers=sample_layers, window_bytes=window_bytes, records=False)
+        for start, end in ((0, n), (3, 17), (5, 6)):
+            out = kc.digest_pages(layout, rtt, np.array([1]), np.array([start]), np.array([end]), spec=spec,
+                                  sample_keys=np.array([99]))
+            (r,) = out.to_records()
+            assert (r.kv, r.words) == kv_sum(kv, start, end, 99, total_layers=L, sample_layers=sample_layers,
+                                             window_bytes=window_bytes)
+
+
 @pytest.mark.parametrize("sample_layers, window_bytes", [(0, 0), (1, 8), (2, 0), (1, 0), (0, 8)])
 def test_reference_equals_the_pure_python_oracle(sample_layers, window_bytes):
     rng = np.random.default_rng(sample_layers * 10 + window_bytes)

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from ..hashing import ANCHOR_HASH, splitmix64_array, to_signed
+from ..hashing import ANCHOR_HASH, splitmix64_array, splitmix64_inplace, to_signed
 from ..tables import TableKind
 from ..backends.numpy_backend import append_rows
 from .format import (DIGEST_LAYER_ROTATION, DIGEST_MAX_POSITION, DIGEST_REC_LAYER, DIGEST_SEED, DIGEST_WORD_STRIDE,
@@ -60,21 +60,7 @@ def smix(x) -> np.ndarray:
     return splitmix64_array(np.asarray(x, U64))
 
 
-_M1, _M2 = U64(0xBF58476D1CE4E5B9), U64(0x94D049BB133111EB)
-
-
-def _smix_inplace(x: np.ndarray) -> np.ndarray:
-    """splitmix64 of a uint64 array, in place (one temporary): the reference's hot loop."""
-    with np.errstate(over="ignore"):
-        t = x >> U64(30)
-        x ^= t
-        x *= _M1
-        np.right_shift(x, U64(27), out=t)
-        x ^= t
-        x *= _M2
-        np.right_shift(x, U64(31), out=t)
-        x ^= t
-    return x
+_SEED = np.array(DIGEST_SEED, U64)  # 0-d: a ufunc converts a scalar operand on every call
 
 
 def strip_key(layer, half, head, pos) -> np.ndarray:
@@ -195,9 +181,6 @@ def positions(a: DigestArgs, b: int) -> Positions | None:
 
 def digest(a: DigestArgs) -> None:
     """Fill ``a.out[b]`` for every request b (the wire record's columns) and count skips."""
-    lay = a.layout
-    strip_words = lay.strip_bytes // 8
-    lo_layer, hi_layer = lay.layer_offset, lay.layer_offset + lay.num_layers
     skipped = 0
     for b in range(a.starts.shape[0]):
         start, end, key = int(a.starts[b]), int(a.ends[b]), int(a.sample_keys[b])
@@ -207,31 +190,71 @@ def digest(a: DigestArgs) -> None:
             skipped += 1
         elif start < end:
             skipped += at.skipped
-            pos, slot = at.pos, at.slot
-            page, tok = slot // lay.page_size, slot % lay.page_size
-            heads = np.arange(lay.num_heads, dtype=np.int64)
-            # the head and position bits of every strip key, shared by all its layers and halves
-            head_pos = ((heads + lay.head_offset).astype(U64) << U64(32))[None, :] | pos.astype(U64)[:, None]
-            with np.errstate(over="ignore"):
-                for layer in sampled_layers(key, a.num_layers_total, a.sample_layers):
-                    if not lo_layer <= layer < hi_layer:
-                        continue
-                    w0, nw = window(key, layer, strip_words, a.window_bytes)
-                    salt = (np.arange(w0, w0 + nw, dtype=np.uint64) * U64(DIGEST_WORD_STRIDE))[None, None, :]
-                    for half in range(lay.halves):
-                        data = _strips(lay, lay._spans[layer - lo_layer][half], w0, nw)[page, tok]  # [n, H, nw]
-                        keys = head_pos | U64(layer << 48 | half << 47)
-                        _smix_inplace(keys)
-                        keys ^= U64(DIGEST_SEED)
-                        terms = _smix_inplace(keys)[:, :, None] + salt
-                        terms ^= data
-                        kv += int(_smix_inplace(terms).sum(dtype=U64))
-                        words += data.size
-                if a.mode != REC_NONE:
-                    rec, seam_skipped = _provenance(a, b, at.base, at.rp, start, pos, slot)
-                    skipped += seam_skipped
+            kv, words = kv_sum(a, key, at.pos, at.slot)
+            if a.mode != REC_NONE:
+                rec, seam_skipped = _provenance(a, b, at.base, at.rp, start, at.pos, at.slot)
+                skipped += seam_skipped
         a.out[b] = [to_signed(v) for v in (a.header, a.signature, key, start, end, kv, rec, words)]
     a.out_of_range_count[0] += skipped
+
+
+#: Strip words a chunk of :func:`kv_sum` hashes at once: its terms and their scratch stay in the L2.
+KV_CHUNK_WORDS = 32768
+
+
+def kv_sum(a: DigestArgs, key: int, pos: np.ndarray, slot: np.ndarray) -> tuple[int, int]:
+    """``(KV, words)`` of one request's positions ``pos`` (slots ``slot``, all in range): for each
+    sampled layer and half, chunk by chunk of positions, the keys of its strips, the words of their
+    windows gathered and the terms hashed and summed, every array of the chunk in the L2."""
+    lay = a.layout
+    lo_layer = lay.layer_offset
+    layers = [l for l in sampled_layers(key, a.num_layers_total, a.sample_layers) if lo_layer <= l < lo_layer + lay.num_layers]
+    if not layers:
+        return 0, 0
+    n, heads, strip_words = pos.shape[0], lay.num_heads, lay.strip_bytes // 8
+    page, tok = slot // lay.page_size, slot % lay.page_size
+    # the head and position bits of every strip key, [n, heads]: each layer and half ORs in its own
+    head_pos = (np.arange(heads, dtype=np.int64) + lay.head_offset).astype(U64) << U64(32) | pos.astype(U64)[:, None]
+    nw = window(key, layers[0], strip_words, a.window_bytes)[1]  # the same width for every layer
+    # Where every stride is a multiple of the window's bytes, the windows are rows of each span seen
+    # as [-1, nw] words from its layer's first sampled word: one take of whole rows gathers them.
+    row_bytes = nw * 8
+    rows = None
+    if not (lay.page_stride % row_bytes or lay.token_stride % row_bytes or lay.head_stride % row_bytes):
+        rows = ((page * (lay.page_stride // row_bytes) + tok * (lay.token_stride // row_bytes))[:, None]
+                + np.arange(heads, dtype=np.int64) * (lay.head_stride // row_bytes))
+    step = max(1, KV_CHUNK_WORDS // (heads * nw))
+    terms, scratch = np.empty((min(step, n), heads, nw), U64), np.empty((min(step, n), heads, nw), U64)
+    keys, key_scratch = np.empty((min(step, n), heads), U64), np.empty((min(step, n), heads), U64)
+    total = 0
+    for layer in layers:
+        w0 = window(key, layer, strip_words, a.window_bytes)[0]
+        salt = np.arange(w0, w0 + nw, dtype=U64) * U64(DIGEST_WORD_STRIDE)
+        for half in range(lay.halves):
+            span = lay._spans[layer - lo_layer][half]
+            if rows is None:
+                strips = _strips(lay, span, w0, nw)
+            else:
+                words = span[: span.shape[0] // 8 * 8].view("<u8")[w0:]
+                windows = words[: words.shape[0] // nw * nw].reshape(-1, nw)
+            high = U64(layer << 48 | half << 47)
+            for lo in range(0, n, step):
+                hi = min(lo + step, n)
+                t, s, k = terms[: hi - lo], scratch[: hi - lo], keys[: hi - lo]
+                np.bitwise_or(head_pos[lo:hi], high, out=k)  # key(layer, half, h, p)
+                splitmix64_inplace(k, key_scratch[: hi - lo])
+                np.bitwise_xor(k, _SEED, out=k)
+                splitmix64_inplace(k, key_scratch[: hi - lo])
+                if rows is None:
+                    t[...] = strips[page[lo:hi], tok[lo:hi]]
+                else:  # every row index lies in the span (the layout's reach covers each strip)
+                    np.take(windows, rows[lo:hi].reshape(-1), axis=0, out=t.reshape(-1, nw), mode="clip")
+                for w in range(nw):  # key + w * stride, word by word (a broadcast add of nw-long rows is slow)
+                    np.add(k, salt[w], out=s[:, :, w])
+                np.bitwise_xor(t, s, out=t)
+                splitmix64_inplace(t, s)
+                total += int(t.sum(dtype=U64))
+    return total & (2**64 - 1), len(layers) * lay.halves * n * heads * nw
 
 
 def _provenance(a: DigestArgs, b: int, base: int, rp: int, start: int, pos, slot) -> tuple[int, int]:
