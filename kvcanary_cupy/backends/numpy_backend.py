@@ -25,7 +25,7 @@ from ..constants import (
     REAL_KV_PARTIAL_BYTES,
     VIOLATION_FIELDS,
 )
-from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_xor
+from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_inplace
 from ..tables import TableKind
 from ..validation import I64
 
@@ -248,16 +248,53 @@ def _pool_slots(slots: np.ndarray, slot_offset: int):
     return np.where(below, 0, pool_slots), below
 
 
-def _strip_words(src: SourceView, nbytes: int, pool_slots: np.ndarray) -> np.ndarray:
-    """The first ``nbytes`` bytes of each pool slot's stream as little-endian words ``uint64 [n, nbytes // 8]``."""
+def _word_gather(src: SourceView, nbytes: int):
+    """``(words, row_words)`` when each slot's first ``nbytes`` bytes are whole little-endian words of
+    one row, from byte_offset (page size 1, a contiguous stream) of a C-contiguous buffer of whole-word
+    rows: the buffer as a flat uint64 view (row r's word c at ``r * row_words + c``); else None."""
+    data = src.data
+    if (src.page_size != 1 or src.unit != 16 or src.byte_offset % 8 or data.shape[1] % 8
+            or not data.flags.c_contiguous):
+        return None
+    return data.reshape(-1).view("<u8"), data.shape[1] // 8
+
+
+def _strip_words(src: SourceView, nbytes: int, pool_slots: np.ndarray, out: np.ndarray, gathers: dict) -> None:
+    """The first ``nbytes`` bytes of each pool slot's stream as little-endian words into ``out``
+    (``uint64 [nbytes // 8, n]``: word w of every slot together); ``gathers`` keeps the word indices
+    of the sources read the same way (the K and V buffers of every layer, usually)."""
+    flat = _word_gather(src, nbytes)
+    if flat is not None:
+        words, row_words = flat
+        key = (id(pool_slots), row_words, src.byte_offset)
+        index = gathers.get(key)
+        if index is None:
+            first = pool_slots * row_words + src.byte_offset // 8
+            index = gathers[key] = first[None, :] + np.arange(nbytes // 8, dtype=I64)[:, None]
+        np.take(words, index, out=out, mode="clip")  # in range: every pool slot is within the rows
+        return
     if src.page_size == 1 and src.unit == 16:  # one row per slot, its bytes contiguous from byte_offset
-        words = np.ascontiguousarray(src.data[pool_slots, src.byte_offset : src.byte_offset + nbytes])
+        strips = src.data[pool_slots, src.byte_offset : src.byte_offset + nbytes]
     else:
         row = pool_slots // src.page_size
         col = src.byte_offset + (pool_slots % src.page_size) * src.stride
         offsets = np.arange(nbytes) if src.unit == 16 else src.stream_offsets(nbytes)
-        words = np.ascontiguousarray(src.data[row[:, None], col[:, None] + offsets])
-    return words.view("<u8")
+        strips = src.data[row[:, None], col[:, None] + offsets]
+    out[...] = np.ascontiguousarray(strips).view("<u8").T
+
+
+def fold_rows(hashes: np.ndarray) -> np.ndarray:
+    """``acc = splitmix64(acc ^ h)`` from ``acc = 0`` over ``hashes[0], hashes[1], ...`` (uint64
+    arrays of one shape): a strip's fold of its words, or a slot's fold of its sources' hashes."""
+    if not len(hashes):
+        return np.zeros(hashes.shape[1:], np.uint64)
+    acc = np.array(hashes[0], np.uint64)  # splitmix64(0 ^ h) is splitmix64(h)
+    scratch = np.empty_like(acc)
+    splitmix64_inplace(acc, scratch)
+    for h in hashes[1:]:
+        np.bitwise_xor(acc, h, out=acc)
+        splitmix64_inplace(acc, scratch)
+    return acc
 
 
 def strip_hashes(sources: tuple, slots: np.ndarray) -> np.ndarray:
@@ -271,16 +308,14 @@ def strip_hashes(sources: tuple, slots: np.ndarray) -> np.ndarray:
     for nbytes, members in groups.items():
         step = max(1, HASH_CHUNK_BYTES // (nbytes * len(members)))
         for lo in range(0, slots.shape[0], step):
-            part, placed = slots[lo : lo + step], {}  # slot_offset -> (pool slots, below)
-            for j in members:
-                offset = sources[j][0].slot_offset
-                if offset not in placed:
-                    placed[offset] = _pool_slots(part, offset)
-            words = np.stack([_strip_words(sources[j][0], nbytes, placed[sources[j][0].slot_offset][0])
-                              for j in members])  # [sources, n, words]
-            h = np.zeros(words.shape[:2], np.uint64)
-            for w in range(words.shape[2]):
-                splitmix64_xor(h, words[:, :, w])
+            part, placed, gathers = slots[lo : lo + step], {}, {}  # slot_offset -> (pool slots, below)
+            words = np.empty((len(members), nbytes // 8, part.shape[0]), np.uint64)  # [sources, words, n]
+            for i, j in enumerate(members):
+                src = sources[j][0]
+                if src.slot_offset not in placed:
+                    placed[src.slot_offset] = _pool_slots(part, src.slot_offset)
+                _strip_words(src, nbytes, placed[src.slot_offset][0], words[i], gathers)
+            h = fold_rows(words.transpose(1, 0, 2))  # [sources, n]
             for j, row in zip(members, h):
                 below = placed[sources[j][0].slot_offset][1]
                 if below is not None:
@@ -291,13 +326,10 @@ def strip_hashes(sources: tuple, slots: np.ndarray) -> np.ndarray:
 
 def real_kv_hashes(sources: tuple, mode: int, slots: np.ndarray) -> np.ndarray:
     """``real_kv_hash`` (uint64) of each slot in ``slots`` (all within every source's rows)."""
-    acc = np.zeros(slots.shape[0], np.uint64)
     if mode == RealKvHashMode.NONE or not sources or slots.size == 0:
-        return acc
+        return np.zeros(slots.shape[0], np.uint64)
     pairs = tuple((src, REAL_KV_PARTIAL_BYTES if mode == RealKvHashMode.PARTIAL else src.read_bytes) for src in sources)
-    for h in strip_hashes(pairs, slots):
-        splitmix64_xor(acc, h)
-    return acc
+    return fold_rows(strip_hashes(pairs, slots))
 
 
 def append_rows(log: LogViews, kind: int, rows: np.ndarray) -> None:

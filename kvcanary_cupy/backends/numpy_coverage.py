@@ -10,9 +10,8 @@ import numpy as np
 
 from ..args import LogViews
 from ..constants import FailReason
-from ..hashing import splitmix64_xor
 from ..validation import I64
-from .numpy_backend import _as_i64, _rows, append_rows, strip_hashes
+from .numpy_backend import _as_i64, _rows, append_rows, fold_rows, strip_hashes
 
 DEEP_FIELD = 4
 
@@ -24,9 +23,7 @@ def source_hashes(sources: tuple, slots: np.ndarray) -> np.ndarray:
 
 def deep_fold(sources: tuple, slots: np.ndarray) -> np.ndarray:
     """uint64 deep fingerprints: the per-source hashes folded in order, 0 stored as 1."""
-    acc = np.zeros(slots.shape[0], np.uint64)
-    for h in strip_hashes(sources, slots):
-        splitmix64_xor(acc, h)
+    acc = fold_rows(strip_hashes(sources, slots))
     return np.where(acc == 0, np.uint64(1), acc)
 
 

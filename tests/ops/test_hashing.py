@@ -265,3 +265,38 @@ def test_all_mode_over_a_large_batch_hashes_in_bounded_memory():
     assert peak < 32 * 2**20, f"{peak / 2**20:.0f} MiB"
     want = numpy_backend.real_kv_hashes((SourceView(data[:64], 1, read, read),), int(kc.RealKvHashMode.ALL), slots[:64])
     assert got[:64].tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("mode", [int(kc.RealKvHashMode.PARTIAL), int(kc.RealKvHashMode.ALL)])
+def test_real_kv_hashes_word_gather_matches_the_strip_fold(mode):
+    """real_kv_hashes reads a C-contiguous source of whole-word rows (page size 1) as one flat word
+    view and takes each slot's words; a padded-row copy of the same bytes (not C-contiguous), a byte
+    offset off the word grid and a paged source take the strided gathers: every one folds to the
+    oracle's bytes, with a slot offset (slots below it hash 0 for that source), the padding slot 0
+    and the last row among the slots, and no slot at all."""
+    from kvcanary_cupy.backends import SourceView, numpy_backend
+
+    rng = np.random.default_rng(mode)
+    rows, width = 10, 48
+    data = [rng.integers(0, 256, (rows, width), dtype=np.uint8) for _ in range(3)]
+    padded = np.zeros((rows, width + 16), np.uint8)
+    padded[:, :width] = data[1]
+    sources = (SourceView(data[0], 1, 32, 32), SourceView(padded[:, :width], 1, 32, 32, byte_offset=8, slot_offset=3),
+               SourceView(data[2], 1, 24, 24, token_stride=width, byte_offset=4, unit=4), SourceView(data[0].reshape(-1, 2 * width), 2, width, 32))
+    assert numpy_backend._word_gather(sources[0], 16) is not None
+    assert all(numpy_backend._word_gather(s, 16) is None for s in sources[1:])
+    slots = np.array([0, 9, 3, 2, 5, 9, 1, 8], np.int64)
+    got = numpy_backend.real_kv_hashes(sources, mode, slots).tolist()
+    nbytes = [16 if mode == int(kc.RealKvHashMode.PARTIAL) else s.read_bytes for s in sources]
+
+    def strip(j, s):
+        src = sources[j]
+        pool = s - src.slot_offset
+        if pool < 0:
+            return b""
+        flat = np.ascontiguousarray(src.data).reshape(-1)[: src.data.size]
+        start = (pool // src.page_size) * src.data.shape[1] + src.byte_offset + (pool % src.page_size) * src.stride
+        return flat[start : start + nbytes[j]].tobytes()
+
+    assert got == [fold_strips([strip(j, s) for j in range(len(sources))]) for s in slots.tolist()]
+    assert numpy_backend.real_kv_hashes(sources, mode, slots[:0]).shape == (0,)
