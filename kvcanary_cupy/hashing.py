@@ -126,13 +126,16 @@ def splitmix64_xor(acc: np.ndarray, x) -> np.ndarray:
 
 def mix3_array(a, b, c) -> np.ndarray:
     """Element-wise ``mix3`` of NumPy integer arrays; returns ``uint64``."""
-    h = splitmix64_array(a)
-    if not (np.shape(b) == h.shape == np.shape(c)):
-        shape = np.broadcast_shapes(h.shape, np.shape(b), np.shape(c))
-        if shape != h.shape:  # b or c widen the result
-            h = np.broadcast_to(h, shape).copy()
-    splitmix64_xor(h, b)
-    return splitmix64_xor(h, c)
+    a, b, c = _as_u64(a), _as_u64(b), _as_u64(c)
+    shape = a.shape if a.shape == b.shape == c.shape else np.broadcast_shapes(a.shape, b.shape, c.shape)
+    h = np.empty(shape, np.uint64)
+    np.copyto(h, a)
+    scratch = np.empty_like(h)  # one scratch for the three rounds
+    splitmix64_inplace(h, scratch)
+    np.bitwise_xor(h, b, out=h)
+    splitmix64_inplace(h, scratch)
+    np.bitwise_xor(h, c, out=h)
+    return splitmix64_inplace(h, scratch)
 
 
 def splitmix64(x: int | np.ndarray) -> int | np.ndarray:

@@ -49,6 +49,9 @@ SLICE_MIN_RUN = 400
 GATHER_GROUP = 65536
 #: Entries verified per chunk: its hashes and masks stay in a 512 KiB L2 (its 32-byte records about do).
 VERIFY_CHUNK = 16384
+#: No failing entries, no rows (read-only: appending no rows writes nothing).
+_NO_HITS, _NO_ROWS = np.zeros(0, I64), np.zeros((0, ref.VIOLATION_FIELDS), I64)
+_NO_HITS.flags.writeable = _NO_ROWS.flags.writeable = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,8 +212,10 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     if prev.size and int(prev.max()) >= num_slots:
         errors += int(np.count_nonzero(prev >= num_slots))
     log.out_of_range_counters[kind] += errors
-    hole_tokens = np.asarray(a.verify_expected_tokens, I64)[holes] if a.check_expected_token else np.full(holes.size, -1, I64)
-    hole_rows = ref._hole_rows(kind, a, holes, hole_tokens)
+    hole_rows = _NO_ROWS
+    if holes.size:
+        hole_tokens = np.asarray(a.verify_expected_tokens, I64)[holes] if a.check_expected_token else np.full(holes.size, -1, I64)
+        hole_rows = ref._hole_rows(kind, a, holes, hole_tokens)
     if slot.size == 0:
         ref.append_rows(log, kind, hole_rows)
         return
@@ -294,7 +299,7 @@ def _failures(kind, canary, slot, prev, position, token, sources, mode):
                               None if token is None else token[lo:hi][at], rkv if np.isscalar(rkv) else rkv[at]))
         hashes[0] = hashes[m]
     if not hits:
-        return np.zeros(0, I64), np.zeros((0, ref.VIOLATION_FIELDS), I64)
+        return _NO_HITS, _NO_ROWS
     return np.concatenate(hits), np.concatenate(rows)
 
 
