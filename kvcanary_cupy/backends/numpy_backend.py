@@ -457,7 +457,9 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
     req = np.repeat(np.arange(num_reqs), length)
     req_first = np.cumsum(length) - length
     k = np.arange(req.shape[0], dtype=I64) - req_first[req]
-    order = np.lexsort((req, k))
+    # At most one token a request (a decode step): the walk order and the request order are the token order.
+    single = int(length.max()) <= 1
+    order = slice(None) if single else np.lexsort((req, k))
     req, idx = req[order], start[req[order]] + k[order]
     slot = loc[idx]
     oob = slot >= num_slots
@@ -466,7 +468,7 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
     req, idx, slot = req[ok], idx[ok], slot[ok]
     token = np.asarray(a.input_ids[idx], I64)
     pos = np.asarray(a.positions[idx], I64)
-    by_req = np.argsort(req, kind="stable")  # each request's tokens together, in walk order
+    by_req = slice(None) if single else np.argsort(req, kind="stable")  # each request's tokens together, in walk order
     chain = np.empty(req.shape[0], np.uint64)
     chain[by_req] = _chains(running, req[by_req], token[by_req], pos[by_req])
 
@@ -527,6 +529,8 @@ def _chains(running: np.ndarray, req: np.ndarray, token: np.ndarray, pos: np.nda
     ``mix3(chain, token, position)`` of the token before it."""
     global _last_walk
     seeds = running[req]
+    if not np.count_nonzero(req[1:] == req[:-1]):  # one token a request: each chain is its seed
+        return seeds
     last = _last_walk  # one read: another thread may replace it meanwhile
     if last and _same(last[0], seeds) and _same(last[1], req) and _same(last[2], token) and _same(last[3], pos):
         return last[4]

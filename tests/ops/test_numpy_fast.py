@@ -226,3 +226,55 @@ def test_a_clean_run_of_chains_finds_nothing_and_a_broken_link_is_found_once():
     kc.verify(rec, vp, log=log)
     assert int(log.violation_counters.sum()) == 1
     assert log.ring[0, 1:3].tolist() == [4, 3] and log.ring[0, 7] == 1  # slot 4 at 3: VERIFY_CHAIN_HASH_MISMATCH
+
+
+# ---- write: a decode step (one token a request) against the lock-step walk's general order ------------
+
+
+def _decode_write(rng, padded: bool, int32: bool):
+    """A decode write (at most one token a request) of drawn slots, seeds, tokens and positions, on
+    a chained canary; ``padded`` appends an unseeded request of two tokens at the padding slot (walked,
+    never stored: the same outputs but two more slot runs), which makes the write and its chain walk
+    take the general order."""
+    num_slots, bs = 24, int(rng.integers(1, 14))
+    canary = _chained_canary(rng, num_slots, 4)
+    lengths = rng.integers(0, 2, bs)
+    loc = rng.choice([0, 1, 5, 5, 7, 12, 23, 24, 40, -3], int(lengths.sum()))  # repeats, slot 0, past the end
+    ids, pos = rng.integers(-2, 9, loc.size), rng.integers(-1, 30, loc.size)
+    seeds = rng.choice([-1, 0, 1, 3, 9, 23, 24, 99], bs)
+    want_ids = np.where(rng.random(ids.size) < 0.8, ids, ids + 1)
+    want_pos = np.where(rng.random(pos.size) < 0.8, pos, pos - 1)
+    expected, assert_positions = rng.random() < 0.5, bool(rng.random() < 0.7)
+    log = kc.ViolationLog.allocate(int(rng.choice([1, 64])))
+    if padded:
+        lengths, seeds = np.append(lengths, 2), np.append(seeds, -1)
+        loc, ids, pos = np.append(loc, [0, 0]), np.append(ids, [4, 4]), np.append(pos, [0, 1])
+        want_ids, want_pos = np.append(want_ids, [4, 4]), np.append(want_pos, [0, 1])
+    wp = kc.WritePlan.allocate(lengths.size + 2)
+    wp.write_offsets[: lengths.size + 1] = np.concatenate([[0], np.cumsum(lengths)])
+    wp.write_seed_slot_indices[: lengths.size] = seeds
+    wp.write_num_valid_reqs[0] = lengths.size
+    cast = (lambda x: np.asarray(x, np.int32)) if int32 else (lambda x: np.asarray(x, np.int64))  # noqa: E731
+    kw = dict(expected_input_tokens=np.asarray(want_ids, np.int64),  # int64 only
+              expected_input_positions=np.asarray(want_pos, np.int64)) if expected else {}
+    kc.write(canary, wp, cast(ids), cast(pos), cast(loc), log=log, chain_position_assert=assert_positions, **kw)
+    return canary, log
+
+
+@pytest.mark.parametrize("int32", [False, True])
+def test_decode_writes_match_the_general_walk_order(int32):
+    """The write's decode shortcuts (one token a request: no walk-order sorts, each chain its seed)
+    give the bytes of the general lock-step order: canary, counters and ring rows, with repeated
+    slots (the later token wins), the padding slot, slots past the buffer, every kind of seed,
+    expected-input and position-assert failures, a ring too small for the rows, int32 inputs."""
+    rows = 0
+    for seed in range(300):
+        got_canary, got_log = _decode_write(np.random.default_rng(seed), False, int32)
+        want_canary, want_log = _decode_write(np.random.default_rng(seed), True, int32)
+        np.testing.assert_array_equal(got_canary, want_canary, err_msg=f"seed {seed}")
+        want_log.slot_run_counters[0] -= 2  # the padding request's two tokens
+        for name in ("ring", "write_index", "violation_counters", "slot_run_counters", "kernel_run_counters",
+                     "out_of_range_counters"):
+            np.testing.assert_array_equal(getattr(got_log, name), getattr(want_log, name), err_msg=f"seed {seed}: {name}")
+        rows += int(got_log.write_index[0])
+    assert rows > 100  # failures among the cases
