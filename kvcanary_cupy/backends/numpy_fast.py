@@ -27,7 +27,7 @@ import numpy as np
 from ..args import VERIFY_ENTRY_FIELDS, CanaryTarget, PlanArgs, PlanVerifyArgs, VerifyArgs
 from ..constants import SPLITMIX64_SHIFT1
 from ..constants import FailReason, RealKvHashMode
-from ..hashing import ANCHOR_HASH, mix3_array, splitmix64_inplace
+from ..hashing import ANCHOR_HASH, splitmix64_inplace
 from ..tables import TableKind
 from ..validation import I64
 from . import numpy_backend as ref
@@ -52,6 +52,8 @@ VERIFY_CHUNK = 16384
 #: No failing entries, no rows (read-only: appending no rows writes nothing).
 _NO_HITS, _NO_ROWS = np.zeros(0, I64), np.zeros((0, ref.VIOLATION_FIELDS), I64)
 _NO_HITS.flags.writeable = _NO_ROWS.flags.writeable = False
+_FIRST = np.zeros(1, I64)  # the first entry of a verify: its predecessor is never the entry before it
+_FIRST.flags.writeable = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,17 +229,15 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
 
 
 def _irregular(canary, slot, prev):
-    """The entries whose predecessor is not the entry before them, with their expected chains
-    (the anchor for prev < 0) and which of them have no reachable predecessor (0 or past the
-    buffer: the chain is not checked, as the reference's expected chain is then the stored one)."""
-    num_slots = canary.shape[0]
-    irregular = np.flatnonzero(prev[1:] != slot[:-1]) + 1
-    irregular = np.concatenate([np.zeros(1, I64), irregular])
+    """The entries whose predecessor is not the entry before them (the first entry among them), the
+    slot of each one's predecessor record (0 where there is none), which of them follow the anchor
+    (prev < 0) and which have no reachable predecessor (0 or past the buffer: the chain is not
+    checked, as the reference's expected chain is then the stored one)."""
+    irregular = np.concatenate([_FIRST, np.flatnonzero(prev[1:] != slot[:-1]) + 1])
     p = prev[irregular]
-    ok = (p > 0) & (p < num_slots)
-    rec = canary[np.where(ok, p, 0)]
-    chain = np.where(p < 0, _ANCHOR, mix3_array(rec[:, 2], rec[:, 0], rec[:, 1]))
-    return irregular, chain, ~(ok | (p < 0))
+    ok = (p > 0) & (p < canary.shape[0])
+    anchored = p < 0
+    return irregular, np.where(ok, p, 0), anchored, ~(ok | anchored)
 
 
 def record_hashes(records, h, scratch) -> None:
@@ -255,28 +255,34 @@ def _failures(kind, canary, slot, prev, position, token, sources, mode):
     """``(hit, rows)``: the indices of the failing entries among ``slot`` (all in range and not
     the padding slot) and their violation rows, as the reference computes them."""
     n = slot.shape[0]
-    irregular, irregular_chain, unreachable = _irregular(canary, slot, prev)
+    irregular, source, anchored, unreachable = _irregular(canary, slot, prev)
     size = min(n, VERIFY_CHUNK)
-    records = np.empty((size, canary.shape[1]), I64)
-    # hashes[1 + j] = mix3 of record j of the chunk; hashes[0] that of the record before the chunk.
-    hashes, scratch = np.empty(size + 1, U64), np.empty(size, U64)
+    bounds = np.searchsorted(irregular, np.arange(0, n + size, size)).tolist()  # each chunk's irregular entries
+    extra = max(j - i for i, j in zip(bounds, bounds[1:]))  # the most irregular entries a chunk has
+    # A chunk's records, then its irregular entries' predecessors' records (hashed with them);
+    # hashes[1 + j] = mix3 of record j; hashes[0] that of the record before the chunk.
+    records = np.empty((size + extra, canary.shape[1]), I64)
+    hashes, scratch = np.empty(size + extra + 1, U64), np.empty(size + extra, U64)
     bad, check = np.empty(size, bool), np.empty(size, bool)
     real_kv = mode != RealKvHashMode.NONE and bool(sources)
     hits, rows = [], []
-    bounds = np.searchsorted(irregular, np.arange(0, n + size, size)).tolist()  # each chunk's irregular entries
     any_unreachable = bool(unreachable.any())
     for k, lo in enumerate(range(0, n, size)):
         hi = min(lo + size, n)
         m = hi - lo
-        rec = records[:m]
-        np.take(canary, slot[lo:hi], axis=0, out=rec, mode="clip")  # in range: clip only skips the buffered check
-        u = rec.view(U64)
-        record_hashes(u, hashes[1 : m + 1], scratch[:m])
-        expected = hashes[:m]
         first, last = bounds[k], bounds[k + 1]
-        if first < last:
+        r = last - first
+        # in range (the predecessors are slots of the buffer or 0): clip only skips the buffered check
+        np.take(canary, slot[lo:hi], axis=0, out=records[:m], mode="clip")
+        if r:
+            np.take(canary, source[first:last], axis=0, out=records[m : m + r], mode="clip")
+        record_hashes(records[: m + r].view(U64), hashes[1 : m + r + 1], scratch[: m + r])
+        rec = records[:m]
+        u = rec.view(U64)
+        expected = hashes[:m]
+        if r:
             at = irregular[first:last] - lo
-            expected[at] = irregular_chain[first:last]
+            expected[at] = np.where(anchored[first:last], _ANCHOR, hashes[m + 1 : m + r + 1])
             if any_unreachable:
                 lost = at[unreachable[first:last]]
                 expected[lost] = u[lost, 2]
