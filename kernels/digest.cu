@@ -184,6 +184,14 @@ __device__ __forceinline__ LaneShare lane_share(int lane, int num_heads, int wor
   return LaneShare{lane / group, lane % group, group, per_pass};
 }
 
+// Blocks an SM holds of digest_accumulate: the word-pair path needs 80 registers on sm_90 (3
+// blocks); sm_80's compiler spills at that bound, so it gets 2.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kDigestMinBlocks = 2;
+#else
+constexpr int kDigestMinBlocks = 3;
+#endif
+
 // Loads in flight per lane and half before their words are hashed.
 constexpr int kDigestUnroll = 4;
 // Candidate layers whose (layer, first window word) a block derives once per request, in shared
@@ -203,12 +211,54 @@ __device__ __forceinline__ void candidate(const DigestPool& pool, const DigestRe
   }
 }
 
+// The sum of this lane's words of one head in both halves (base[c]: the head's first word of the
+// lane's first unit): units of V words, the lane's units sub, sub + group, ... below `units`;
+// k[c]: its first word's key.  V = 2 reads a unit with one 16-byte load.
+template <int V>
+__device__ __forceinline__ u64 lane_head_sum(const unsigned char* const* base, int halves, int units,
+                                             const LaneShare& share, u64 k0, u64 k1) {
+  constexpr int U = kDigestUnroll / V;  // the same bytes in flight either way
+  u64 sum = 0, k[2] = {k0, k1};
+  const u64 step = static_cast<u64>(share.group) * V * kDigestWordStride;
+  for (int j = share.sub; j < units; j += U * share.group) {
+    u64 word[2][U][V];
+    #pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      #pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int ju = j + u * share.group;
+        const bool valid = c < halves && ju < units;
+        const unsigned char* at = base[c] + static_cast<i64>(ju - share.sub) * (8 * V);
+        if (V == 2) {
+          const ulonglong2 pair = valid ? *reinterpret_cast<const ulonglong2*>(at) : make_ulonglong2(0, 0);
+          word[c][u][0] = pair.x;
+          word[c][u][V - 1] = pair.y;
+        } else {
+          word[c][u][0] = valid ? *reinterpret_cast<const u64*>(at) : 0;
+        }
+      }
+    }
+    #pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      #pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (c < halves && j + u * share.group < units) {
+          #pragma unroll
+          for (int v = 0; v < V; ++v) sum += splitmix64(word[c][u][v] ^ (k[c] + static_cast<u64>(v) * kDigestWordStride));
+        }
+        k[c] += step;
+      }
+    }
+  }
+  return sum;
+}
+
 // Grid (x: warps sharing a request, y: requests).  The warps stride over the request's positions;
 // each position's slot is looked up once, its provenance terms added (and an out-of-range slot
 // counted) once, then for each candidate layer (the local layers when every layer is sampled,
 // else the spec's rotated layers, of which those outside this pool's layers add no KV) the lanes
 // hash their words of both halves (LaneShare), the loads of a batch issued before its hashes.
-__global__ void __launch_bounds__(kDigestThreads, 4) digest_accumulate(const __grid_constant__ DigestTable t,
+__global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accumulate(const __grid_constant__ DigestTable t,
                                                                     const __grid_constant__ DigestPool pool,
                                                                     const __grid_constant__ DigestRequests q) {
   wait_for_prior_grids();
@@ -227,7 +277,8 @@ __global__ void __launch_bounds__(kDigestThreads, 4) digest_accumulate(const __g
   const int halves = pool.halves;
   // this lane's words of a head (sub, sub + group, ... below nw) and the key step between two of them
   const u64 lane_words = share.sub < nw ? static_cast<u64>((nw - share.sub + share.group - 1) / share.group) : 0;
-  const u64 key_step = static_cast<u64>(share.group) * kDigestWordStride;
+  // heads of 16 words or more whose strides keep 16-byte alignment may be read a word pair a load
+  const bool wide = nw % 2 == 0 && nw >= 16 && ((pool.head_stride | pool.page_stride | pool.token_stride) & 15) == 0;
   for (i64 b = blockIdx.y; b < q.bs; b += gridDim.y) {
     const RowInfo row = row_info(t, q, b);
     const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
@@ -276,38 +327,28 @@ __global__ void __launch_bounds__(kDigestThreads, 4) digest_accumulate(const __g
         }
         const int local = layer - pool.layer_offset;
         if (local < 0 || local >= pool.num_layers) continue;
-        const unsigned char* base[2];
+        const unsigned char* layer_base[2];
         #pragma unroll
         for (int c = 0; c < 2; ++c)
-          base[c] = reinterpret_cast<const unsigned char*>(pointers[local * halves + (c < halves ? c : 0)]) + at +
-                    static_cast<i64>(w0 + share.sub) * 8;
-        for (int h = share.head; h < pool.num_heads; h += share.per_pass) {
-          u64 k[2];  // the key of this lane's next word of head h in each half
+          layer_base[c] = reinterpret_cast<const unsigned char*>(pointers[local * halves + (c < halves ? c : 0)]) + at + w0 * 8;
+        // 16-byte loads where every word pair of the lane's heads is 16-byte aligned (uniform across the warp)
+        const bool pairs = wide && ((reinterpret_cast<unsigned long long>(layer_base[0]) |
+                                     reinterpret_cast<unsigned long long>(layer_base[halves - 1])) & 15) == 0;
+        const LaneShare s = pairs ? lane_share(lane, pool.num_heads, nw / 2) : share;
+        const u64 counted = pairs ? (s.sub < nw / 2 ? 2 * static_cast<u64>((nw / 2 - s.sub + s.group - 1) / s.group) : 0)
+                                  : lane_words;
+        for (int h = s.head; h < pool.num_heads; h += s.per_pass) {
+          const int first_word = (pairs ? 2 : 1) * s.sub;
+          const unsigned char* base[2];
+          u64 k[2];  // the key of this lane's first word of head h in each half
           #pragma unroll
-          for (int c = 0; c < 2; ++c)
+          for (int c = 0; c < 2; ++c) {
+            base[c] = layer_base[c] + h * pool.head_stride + first_word * 8;
             k[c] = digest_key(static_cast<u64>(layer), static_cast<u64>(c), static_cast<u64>(pool.head_offset + h),
-                              static_cast<u64>(p)) + static_cast<u64>(w0 + share.sub) * kDigestWordStride;
-          for (int w = share.sub; w < nw; w += kDigestUnroll * share.group) {
-            u64 word[2][kDigestUnroll];
-            #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              #pragma unroll
-              for (int u = 0; u < kDigestUnroll; ++u) {
-                const int wu = w + u * share.group;
-                word[c][u] = (c < halves && wu < nw)
-                                 ? *reinterpret_cast<const u64*>(base[c] + h * pool.head_stride + (wu - share.sub) * 8) : 0;
-              }
-            }
-            #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              #pragma unroll
-              for (int u = 0; u < kDigestUnroll; ++u) {
-                if (c < halves && w + u * share.group < nw) kv += splitmix64(word[c][u] ^ k[c]);
-                k[c] += key_step;
-              }
-            }
+                              static_cast<u64>(p)) + static_cast<u64>(w0 + first_word) * kDigestWordStride;
           }
-          words += lane_words * static_cast<u64>(halves);
+          kv += pairs ? lane_head_sum<2>(base, halves, nw / 2, s, k[0], k[1]) : lane_head_sum<1>(base, halves, nw, s, k[0], k[1]);
+          words += counted * static_cast<u64>(halves);
         }
       }
     }
