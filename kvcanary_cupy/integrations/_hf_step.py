@@ -264,12 +264,12 @@ class StepCanary:
         On a GPU the rows are kept in pinned memory and copied to the device pool behind the step's
         work; a row is rewritten only after the last step's copy out of it has run (an event)."""
         width = max(pasts, default=0)
+        if self._pool_copied is not None:  # the last step's copy out of the pinned rows (a device a step behind
+            self._pool_copied.synchronize()  # would otherwise copy this step's rows for it)
         host, fill = self._pool_host, self._pool_fill
         if width > host.shape[1] or len(requests) > host.shape[0]:
             host = self._new_pool((max(host.shape[0], len(requests)), 2 * width))
             fill = self._pool_fill = [(None, 0)] * host.shape[0]
-        if self._pool_copied is not None:  # the last step's copy out of the pinned rows (a device a step behind
-            self._pool_copied.synchronize()  # would otherwise copy this step's rows for it)
         live = {}
         for i, (fs, past) in enumerate(zip(requests, pasts)):
             state = fs.state
@@ -302,11 +302,9 @@ class StepCanary:
         return self._pool[:bs, :cols]
 
     def _new_pool(self, shape) -> np.ndarray:
-        """A host pool of ``shape`` (pinned on a GPU, its device copy beside it) and its torch view; the
-        last step's copy out of the old one is waited for first."""
+        """A host pool of ``shape`` (pinned on a GPU, its device copy beside it) and its torch view (the
+        caller has waited for the last step's copy out of the old one)."""
         torch = self.torch
-        if self._pool_copied is not None:
-            self._pool_copied.synchronize()
         if self._cpu:
             self._pool_host = np.zeros(shape, np.int32)
             self._pool_view = torch.from_numpy(self._pool_host)
