@@ -1,6 +1,6 @@
 """Canary host time per engine step inside transformers' continuous batching, and its share of the step.
 
-    python benchmarks/bench_transformers.py [--device cpu|cuda] [--repeats 3] [--coverage]
+    python benchmarks/bench_transformers.py [--device cpu|cuda] [--repeats 3] [--coverage] [--profile N]
 
 For two random-weight Llamas (the tiny one of ``kvcanary hf`` and an 8-layer, 512-hidden one) the
 same seeded workload runs through ``generate_batch`` with the canary attached (default options).
@@ -10,7 +10,9 @@ time and this thread's CPU time), medians over all steps of ``--repeats`` runs a
 then the step time of the same runs without the canary, for the ratio.  Wall time moves with the
 machine's load: compare the ratios, and the CPU time.  ``--coverage`` adds a row per model with the
 coverage ``kvcanary hf`` runs (deep fingerprints of every layer, period 2, and the lost-store check).
-The rows the README takes: ``canary us`` (host us per step) and ``share``.
+The rows the README takes: ``canary us`` (host us per step) and ``share``.  ``--profile N`` then
+runs the tiny model once more with the canary's share of each step under cProfile (the forward left
+out) and prints its N costliest functions by own and by cumulative time.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ MODELS = {
 }
 
 
-def _run(model, engine: HfEngineConfig, seed: int, options):
+def _run(model, engine: HfEngineConfig, seed: int, options, profile=None):
     """(step us, canary wall us, canary CPU us) of each step; ``options`` None: no canary."""
     cb, gen, requests, block = configs(engine, {})
     prompts = workload(np.random.default_rng(seed), requests, block, engine.vocab_size)
-    with Harness(model, None, np.random.default_rng(0)) as h:
+    with Harness(model, None, np.random.default_rng(0), profile=profile) as h:
         if options is not None:
             with attach(model, on_violation="raise", **options):
                 model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, progress_bar=False)
@@ -51,6 +53,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--coverage", action="store_true", help="add rows with kvcanary hf's coverage options")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then profile the tiny model's canary calls and print the N costliest functions")
     args = parser.parse_args(argv)
     import torch
     import transformers
@@ -74,6 +78,16 @@ def main(argv=None) -> int:
             step, cost, bare = statistics.median(steps), statistics.median(canary), statistics.median(plain)
             print(f"{name + suffix:<36} {len(steps):>6} {step:>10.0f} {cost:>10.0f} {100 * cost / step:>6.1f}% "
                   f"{statistics.median(cpu):>14.0f} {bare:>18.0f} {step / bare:>5.2f}x")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        engine = next(iter(MODELS.values()))
+        profile = cProfile.Profile()
+        steps = len(_run(tiny_llama(engine, args.device, seed=0), engine, 100, {}, profile)[0])
+        print(f"\ncProfile of the canary's share of {steps} steps of the tiny model (the forward left out):")
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(profile).sort_stats(order).print_stats(args.profile)
     return 0
 
 

@@ -11,9 +11,11 @@ per op, the share of each canary call, and with ``--top N`` the N costliest func
 canary calls (cProfile, by own time).
 
 The simulator cannot run on the fake CuPy device (its engine does CuPy math of its own: the KV
-bytes, the tables); ``kvcanary bench --sections loop`` measures the same calls on the GPU.
+bytes, the tables); ``kvcanary bench --sections loop`` measures the same calls on the GPU.  ``--device cuda`` runs
+the simulator on CuPy with the real kernels instead (no stubs; needs a GPU) and profiles only inside
+the canary calls, so the top functions are the canary's host time on the device path.
 
-    python benchmarks/sim_host_profile.py [--steps 600] [--top 0]
+    python benchmarks/sim_host_profile.py [--steps 600] [--top 0] [--device numpy|cuda]
 """
 
 from __future__ import annotations
@@ -76,61 +78,69 @@ class CallTimer:
         self.count = collections.Counter()
 
 
-def run(steps: int, top: int) -> dict:
-    from kvcanary_cupy.sim import engine as engine_mod
-    from kvcanary_cupy.sim.engine import Engine, EngineConfig
+def run(steps: int, top: int, device: str = "numpy") -> dict:
+    if device == "cuda":
+        import cupy
 
-    config = EngineConfig()
+        return _run(steps, top, cupy, cupy)
     with stubbed_numpy_backend() as stub:
         saved = stub_everything(stub)
         try:
             import numpy as np
 
-            engine = Engine(config, seed=0, addressing="sglang", xp=np)
-            per_call = collections.Counter()
-            calls = collections.Counter()
-            timer = engine.timer
-            plain = engine_mod.StepTimer.canary
-
-            def canary(self, call=("other", ())):
-                return _timed(plain(self, call), call[0])
-
-            import contextlib
-
-            @contextlib.contextmanager
-            def _timed(inner, call):
-                t0 = time.thread_time()
-                with inner:
-                    yield
-                per_call[call] += (time.thread_time() - t0) * 1e6
-                calls[call] += 1
-
-            engine_mod.StepTimer.canary = canary
-            profile = cProfile.Profile()
-            host, ops = [], []
-            try:
-                for i in range(steps + 50):
-                    if i == 50:  # warm: the first steps bind the launchers and fill the prefix cache
-                        per_call.clear()
-                        calls.clear()
-                    engine.step()
-                    t = timer.take()
-                    if i >= 50 and t["canary_ops"]:
-                        host.append(t["canary_host_us"])
-                        ops.append(t["canary_ops"])
-                measured, call_us, call_count = len(host), dict(per_call), dict(calls)  # before the profiled steps
-                profile.enable()  # then as many steps again under the profiler (it slows every call)
-                for _ in range(steps):
-                    engine.step()
-                    timer.take()
-                profile.disable()
-            finally:
-                engine_mod.StepTimer.canary = plain
+            return _run(steps, top, np, None)
         finally:
             restore(saved)
+
+
+def _run(steps: int, top: int, xp, cupy) -> dict:
+    import contextlib
+
+    from kvcanary_cupy.sim import engine as engine_mod
+    from kvcanary_cupy.sim.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(), seed=0, addressing="sglang", xp=xp, cupy=cupy)
+    per_call, calls = collections.Counter(), collections.Counter()
+    timer, plain = engine.timer, engine_mod.StepTimer.canary
+    profile, profiling = cProfile.Profile(), [False]
+
+    @contextlib.contextmanager
+    def timed(self, call=("other", ())):
+        t0 = time.thread_time()
+        if profiling[0]:
+            profile.enable()
+        try:
+            with plain(self, call):
+                yield
+        finally:
+            if profiling[0]:
+                profile.disable()
+        per_call[call[0]] += (time.thread_time() - t0) * 1e6
+        calls[call[0]] += 1
+
+    engine_mod.StepTimer.canary = timed
+    host, ops = [], []
+    try:
+        for i in range(steps + 50):
+            if i == 50:  # warm: the first steps bind the launchers and fill the prefix cache
+                per_call.clear()
+                calls.clear()
+            engine.step()
+            t = timer.take()
+            if i >= 50 and t["canary_ops"]:
+                host.append(t["canary_host_us"])
+                ops.append(t["canary_ops"])
+        measured, call_us, call_count = len(host), dict(per_call), dict(calls)  # before the profiled steps
+        profiling[0] = True  # then as many steps again, the canary calls under the profiler (it slows them)
+        for _ in range(steps):
+            engine.step()
+            timer.take()
+    finally:
+        engine_mod.StepTimer.canary = plain
     stats = pstats.Stats(profile)
     if top:
         stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
     return dict(host_us=statistics.median(host), mean_host_us=statistics.fmean(host), ops=statistics.median(ops),
                 mean_ops=statistics.fmean(ops), per_call={c: call_us[c] / measured for c in call_us},
                 calls={c: call_count[c] / measured for c in call_count}, python_calls=stats.total_calls / steps)
@@ -139,10 +149,12 @@ def run(steps: int, top: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--top", type=int, default=0, help="print the N costliest functions (own time)")
+    parser.add_argument("--top", type=int, default=0, help="print the N costliest functions (own and cumulative time)")
+    parser.add_argument("--device", choices=("numpy", "cuda"), default="numpy")
     args = parser.parse_args()
-    r = run(args.steps, args.top)
-    print(f"kvcanary sim clean run, seed 0, {args.steps} steps after 50, NumPy sessions, backend work stubbed")
+    r = run(args.steps, args.top, args.device)
+    what = "CuPy sessions, the real kernels" if args.device == "cuda" else "NumPy sessions, backend work stubbed"
+    print(f"kvcanary sim clean run, seed 0, {args.steps} steps after 50, {what}")
     print(f"canary host us per step: median {r['host_us']:.1f}, mean {r['mean_host_us']:.1f}; ops per step: median "
           f"{r['ops']:g}, mean {r['mean_ops']:.1f}; us per op (means): {r['mean_host_us'] / r['mean_ops']:.2f}; "
           f"Python-level calls per step (profiled): {r['python_calls']:.0f}")

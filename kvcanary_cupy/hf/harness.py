@@ -15,15 +15,19 @@ import time
 from ..integrations._hf_layout import FLAT_CACHE, hook_cache, layout_of, parse_version, wrap
 
 
-def timed(fn, into: list, cpu_into: list | None = None):
+def timed(fn, into: list, cpu_into: list | None = None, profile=None):
     """``fn``'s wall time in microseconds appended to ``into`` on each call (and this thread's CPU
-    time to ``cpu_into``)."""
+    time to ``cpu_into``), under ``profile`` (a ``cProfile.Profile``) where given."""
     def call(*args, **kwargs):
         c0 = time.thread_time() if cpu_into is not None else 0.0
         t0 = time.perf_counter()
+        if profile is not None:
+            profile.enable()
         try:
             return fn(*args, **kwargs)
         finally:
+            if profile is not None:
+                profile.disable()
             into.append((time.perf_counter() - t0) * 1e6)
             if cpu_into is not None:
                 cpu_into.append((time.thread_time() - c0) * 1e6)
@@ -31,7 +35,7 @@ def timed(fn, into: list, cpu_into: list | None = None):
 
 
 class Harness:
-    def __init__(self, model, fault, rng, progress=None):
+    def __init__(self, model, fault, rng, progress=None, profile=None):
         import torch
         import transformers
 
@@ -44,6 +48,7 @@ class Harness:
         self._timers = False
         self._model_undo: list = []
         self._processor = self.io = self.layout = None
+        self.profile = profile  # a cProfile.Profile of the canary's share of each step (the forward left out)
 
     def __enter__(self):
         wrap(self.model, "init_continuous_batching", self._wrap_init, self._model_undo)
@@ -119,7 +124,8 @@ class Harness:
         def prepare_next_batch():
             if not self._timers:  # the canary has hooked the processor by now: time around its wrapper
                 self._timers = True
-                wrap(self._processor.model_runner, "compute_batch", lambda fn: timed(fn, self._outer, self._outer_cpu), [])
+                wrap(self._processor.model_runner, "compute_batch",
+                     lambda fn: timed(fn, self._outer, self._outer_cpu, self.profile), [])
                 wrap(self._processor, "update_batch", lambda fn: timed(fn, self._update), [])
             t0 = time.perf_counter()
             if self.fault is not None:
@@ -137,10 +143,14 @@ class Harness:
         def compute_batch(model, batch_data):
             c0 = time.thread_time()
             t0 = time.perf_counter()
+            if self.profile is not None:
+                self.profile.disable()
             if self.fault is None:
                 original(model, batch_data)
             else:
                 self.fault.around_compute(self, lambda: original(model, batch_data))
+            if self.profile is not None:
+                self.profile.enable()
             self.step += 1
             self.steps += 1
             if self.progress is not None:
