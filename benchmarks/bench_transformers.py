@@ -1,6 +1,6 @@
 """Canary host time per engine step inside transformers' continuous batching, and its share of the step.
 
-    python benchmarks/bench_transformers.py [--device cpu|cuda] [--repeats 3] [--coverage] [--profile N]
+    python benchmarks/bench_transformers.py [--device cpu|cuda] [--repeats 3] [--coverage] [--profile N [--dump PREFIX]]
 
 For two random-weight Llamas (the tiny one of ``kvcanary hf`` and an 8-layer, 512-hidden one) the
 same seeded workload runs through ``generate_batch`` with the canary attached (default options).
@@ -11,7 +11,7 @@ then the step time of the same runs without the canary, for the ratio.  Wall tim
 machine's load: compare the ratios, and the CPU time.  ``--coverage`` adds a row per model with the
 coverage ``kvcanary hf`` runs (deep fingerprints of every layer, period 2, and the lost-store check).
 The rows the README takes: ``canary us`` (host us per step) and ``share``.  ``--profile N`` then
-runs the tiny model once more with the canary's share of each step under cProfile (the forward left
+runs each model once more with the canary's share of each step under cProfile (the forward left
 out) and prints its N costliest functions by own and by cumulative time.
 """
 
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--coverage", action="store_true", help="add rows with kvcanary hf's coverage options")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="then profile the tiny model's canary calls and print the N costliest functions")
+                        help="then profile each model's canary calls and print the N costliest functions")
+    parser.add_argument("--dump", metavar="PREFIX", help="with --profile: write each model's pstats file to PREFIX<i>.prof")
     args = parser.parse_args(argv)
     import torch
     import transformers
@@ -82,12 +83,14 @@ def main(argv=None) -> int:
         import cProfile
         import pstats
 
-        engine = next(iter(MODELS.values()))
-        profile = cProfile.Profile()
-        steps = len(_run(tiny_llama(engine, args.device, seed=0), engine, 100, {}, profile)[0])
-        print(f"\ncProfile of the canary's share of {steps} steps of the tiny model (the forward left out):")
-        for order in ("tottime", "cumulative"):
-            pstats.Stats(profile).sort_stats(order).print_stats(args.profile)
+        for i, (name, engine) in enumerate(MODELS.items()):
+            profile = cProfile.Profile()
+            steps = len(_run(tiny_llama(engine, args.device, seed=0), engine, 100, {}, profile)[0])
+            if args.dump:
+                profile.dump_stats(f"{args.dump}{i}.prof")
+            print(f"\ncProfile of the canary's share of {steps} steps, {name} (the forward left out):")
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(profile).sort_stats(order).print_stats(args.profile)
     return 0
 
 

@@ -15,7 +15,7 @@ bytes, the tables); ``kvcanary bench --sections loop`` measures the same calls o
 the simulator on CuPy with the real kernels instead (no stubs; needs a GPU) and profiles only inside
 the canary calls, so the top functions are the canary's host time on the device path.
 
-    python benchmarks/sim_host_profile.py [--steps 600] [--top 0] [--device numpy|cuda]
+    python benchmarks/sim_host_profile.py [--steps 600] [--top 0] [--device numpy|cuda] [--dump FILE]
 """
 
 from __future__ import annotations
@@ -78,22 +78,22 @@ class CallTimer:
         self.count = collections.Counter()
 
 
-def run(steps: int, top: int, device: str = "numpy") -> dict:
+def run(steps: int, top: int, device: str = "numpy", dump: str | None = None) -> dict:
     if device == "cuda":
         import cupy
 
-        return _run(steps, top, cupy, cupy)
+        return _run(steps, top, cupy, cupy, dump)
     with stubbed_numpy_backend() as stub:
         saved = stub_everything(stub)
         try:
             import numpy as np
 
-            return _run(steps, top, np, None)
+            return _run(steps, top, np, None, dump)
         finally:
             restore(saved)
 
 
-def _run(steps: int, top: int, xp, cupy) -> dict:
+def _run(steps: int, top: int, xp, cupy, dump: str | None) -> dict:
     import contextlib
 
     from kvcanary_cupy.sim import engine as engine_mod
@@ -137,6 +137,8 @@ def _run(steps: int, top: int, xp, cupy) -> dict:
             timer.take()
     finally:
         engine_mod.StepTimer.canary = plain
+    if dump:
+        profile.dump_stats(dump)
     stats = pstats.Stats(profile)
     if top:
         stats.sort_stats("tottime").print_stats(top)
@@ -151,8 +153,9 @@ def main():
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--top", type=int, default=0, help="print the N costliest functions (own and cumulative time)")
     parser.add_argument("--device", choices=("numpy", "cuda"), default="numpy")
+    parser.add_argument("--dump", metavar="FILE", help="write the profile's pstats file (for pstats' callers/callees)")
     args = parser.parse_args()
-    r = run(args.steps, args.top, args.device)
+    r = run(args.steps, args.top, args.device, args.dump)
     what = "CuPy sessions, the real kernels" if args.device == "cuda" else "NumPy sessions, backend work stubbed"
     print(f"kvcanary sim clean run, seed 0, {args.steps} steps after 50, {what}")
     print(f"canary host us per step: median {r['host_us']:.1f}, mean {r['mean_host_us']:.1f}; ops per step: median "

@@ -371,10 +371,12 @@ class StepTimer:
         """Around one canary call: ``call`` is ``(name, ops)``, its name and the library ops it makes
         (kinds of :data:`session.BOUND_HOST_US`)."""
         ops = call[1]
-        t0 = time.thread_time()
-        with self._device("canary"):
-            yield
-        self.canary_host += time.thread_time() - t0
+        with self._device("canary"):  # the events' records are the timer's, not the canary's host time
+            t0 = time.thread_time()
+            try:
+                yield
+            finally:
+                self.canary_host += time.thread_time() - t0
         self.ops += len(ops)
         self.bound_us += sum(self.figures[k] for k in ops)
 
@@ -612,11 +614,15 @@ class Engine:
         table = session_table(self.addressing, [r.blocks for r in batch.reqs], [r.tokens for r in batch.reqs],
                               batch.prefix, self.config.block_size, pool.page_map, self.dev)
         d = self.dev
+        # The step's inputs reach the device before the canary's window, as a real engine's batch
+        # tensors are there already: the canary's host time is its own.
+        prefix, extend, ids, positions, loc = map(d, (batch.prefix, batch.extend, batch.input_ids, batch.positions,
+                                                      batch.out_cache_loc))
+        labels = [r.rid for r in batch.reqs]
         with self.timer.canary(pool.ops["pre_forward"]):
-            pool.session.pre_forward(table.req_pool_indices, d(batch.prefix), d(batch.extend), table.table,
-                                     d(batch.input_ids), d(batch.positions), d(batch.out_cache_loc),
-                                     expected_tokens=table.expected_tokens, expected_tokens_valid_lens=d(batch.prefix),
-                                     row_labels=[r.rid for r in batch.reqs])
+            pool.session.pre_forward(table.req_pool_indices, prefix, extend, table.table, ids, positions, loc,
+                                     expected_tokens=table.expected_tokens, expected_tokens_valid_lens=prefix,
+                                     row_labels=labels)
         keep = batch.out_cache_loc >= 0
         keep[list(batch.kv_skip)] = False
         with self.timer.model():
@@ -760,8 +766,9 @@ class Engine:
             lens = np.array([len(p) * bs for p in chunk], np.int64)
             table = session_table(self.addressing, chunk, [np.zeros(0, np.int64)] * len(chunk),
                                   np.zeros(len(chunk), np.int64), bs, pool.page_map, self.dev)
+            lens = self.dev(lens)
             with self.timer.canary(pool.ops["sweep"]):
-                pool.session.sweep(table.req_pool_indices, self.dev(lens), table.table)
+                pool.session.sweep(table.req_pool_indices, lens, table.table)
 
     # -- helpers for faults ----------------------------------------------------------------
 
