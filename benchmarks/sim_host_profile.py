@@ -100,7 +100,7 @@ def _run(steps: int, top: int, xp, cupy, dump: str | None) -> dict:
     from kvcanary_cupy.sim.engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(), seed=0, addressing="sglang", xp=xp, cupy=cupy)
-    per_call, calls = collections.Counter(), collections.Counter()
+    per_call, calls, each = collections.Counter(), collections.Counter(), collections.defaultdict(list)
     timer, plain = engine.timer, engine_mod.StepTimer.canary
     profile, profiling = cProfile.Profile(), [False]
 
@@ -115,8 +115,10 @@ def _run(steps: int, top: int, xp, cupy, dump: str | None) -> dict:
         finally:
             if profiling[0]:
                 profile.disable()
-        per_call[call[0]] += (time.thread_time() - t0) * 1e6
+        us = (time.thread_time() - t0) * 1e6
+        per_call[call[0]] += us
         calls[call[0]] += 1
+        each[call[0]].append(us)
 
     engine_mod.StepTimer.canary = timed
     host, ops = [], []
@@ -125,12 +127,14 @@ def _run(steps: int, top: int, xp, cupy, dump: str | None) -> dict:
             if i == 50:  # warm: the first steps bind the launchers and fill the prefix cache
                 per_call.clear()
                 calls.clear()
+                each.clear()
             engine.step()
             t = timer.take()
             if i >= 50 and t["canary_ops"]:
                 host.append(t["canary_host_us"])
                 ops.append(t["canary_ops"])
         measured, call_us, call_count = len(host), dict(per_call), dict(calls)  # before the profiled steps
+        spread = {c: (statistics.median(v), max(v)) for c, v in each.items()}
         profiling[0] = True  # then as many steps again, the canary calls under the profiler (it slows them)
         for _ in range(steps):
             engine.step()
@@ -145,7 +149,8 @@ def _run(steps: int, top: int, xp, cupy, dump: str | None) -> dict:
         stats.sort_stats("cumulative").print_stats(top)
     return dict(host_us=statistics.median(host), mean_host_us=statistics.fmean(host), ops=statistics.median(ops),
                 mean_ops=statistics.fmean(ops), per_call={c: call_us[c] / measured for c in call_us},
-                calls={c: call_count[c] / measured for c in call_count}, python_calls=stats.total_calls / steps)
+                calls={c: call_count[c] / measured for c in call_count}, spread=spread,
+                python_calls=stats.total_calls / steps)
 
 
 def main():
@@ -161,11 +166,12 @@ def main():
     print(f"canary host us per step: median {r['host_us']:.1f}, mean {r['mean_host_us']:.1f}; ops per step: median "
           f"{r['ops']:g}, mean {r['mean_ops']:.1f}; us per op (means): {r['mean_host_us'] / r['mean_ops']:.2f}; "
           f"Python-level calls per step (profiled): {r['python_calls']:.0f}")
-    print(f"{'call':<14} {'per step':>9} {'us per step':>12} {'us per call':>12}")
+    print(f"{'call':<14} {'per step':>9} {'us per step':>12} {'us per call':>12} {'median us':>10} {'max us':>9}")
     for call in CALLS + ("other",):
         if r["calls"].get(call):
+            median, most = r["spread"][call]
             print(f"{call:<14} {r['calls'][call]:>9.2f} {r['per_call'][call]:>12.1f} "
-                  f"{r['per_call'][call] / r['calls'][call]:>12.1f}")
+                  f"{r['per_call'][call] / r['calls'][call]:>12.1f} {median:>10.1f} {most:>9.1f}")
 
 
 if __name__ == "__main__":

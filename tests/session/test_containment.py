@@ -159,6 +159,19 @@ def test_row_labels_are_checked(ab):
         session.pre_forward(*args, row_labels=[1.5])
     with pytest.raises(TypeError, match=r"^kv-canary: row_labels must be a sequence of int or str"):
         session.pre_forward(*args, row_labels="a")
+    with pytest.raises(TypeError, match=r"^kv-canary: row_labels must be ints or strs, got bool True$"):
+        session.pre_forward(*args, row_labels=[True])
+
+
+def test_row_labels_plain_and_numpy():
+    """Plain ints and strs are taken as they are (the first n); NumPy integers become Python ints."""
+    from kvcanary_cupy.session.sweep import _checked_labels
+
+    assert _checked_labels([3, "a", 9], 2) == (3, "a") and _checked_labels((), 0) == ()
+    got = _checked_labels([np.int64(4), 5, "x"], 3)
+    assert got == (4, 5, "x") and type(got[0]) is int
+    with pytest.raises(TypeError, match=r"got bool False$"):
+        _checked_labels([1, False], 2)
 
 
 def test_the_simulated_engine_contains_a_hole_from_the_report_alone():
