@@ -168,8 +168,8 @@ def test_bench_loop_section_on_numpy():
 
 def test_loop_section_measures_launch_and_stage_in_the_same_run():
     """The coverage launch's and the stage's per-op figures come from sessions of this run (NumPy
-    standing in for CuPy here): the launch is half of what the lost-store check adds, both sessions
-    run clean, and the staged loop ends its steps."""
+    standing in for CuPy here): three eager loops a round, each synchronised around, and the
+    sessions they step stay clean (session_op_us checks them)."""
     import types
 
     import numpy as np
@@ -182,8 +182,7 @@ def test_loop_section_measures_launch_and_stage_in_the_same_run():
     xp = types.SimpleNamespace(zeros=np.zeros, float16=np.float16, cuda=types.SimpleNamespace(Device=lambda: device))
     d = build(Workload("tiny", 6, 8, 40, 1), np)
     figures = session_op_us(xp, d, rounds=2)
-    assert set(figures) == {"launch", "stage"} and all(np.isfinite(v) for v in figures.values())
-    assert figures["launch"] > 0 and figures["stage"] > 0  # NumPy's lost-store check and staging are real work
+    assert set(figures) == {"launch", "stage"} and all(np.isfinite(v) for v in figures.values())  # differences: noise may take one below 0 here
     assert len(synced) == 2 * 3 * 2  # three eager loops a round, each synchronised before and after
 
 

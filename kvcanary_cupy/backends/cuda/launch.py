@@ -110,7 +110,8 @@ class BoundLaunch:
     before it where the device allows, else through CuPy.  ``params`` must stay alive and in place
     while this is used: the launches read the arguments at its field addresses."""
 
-    __slots__ = ("params", "arguments", "device", "_torch_stream", "_side", "_supported", "_overlapped", "_get_device")
+    __slots__ = ("params", "arguments", "device", "_torch_stream", "_side", "_supported", "_overlapped", "_get_device",
+                 "_cupy_stream")
 
     def __init__(self, params, device_id: int, torch_stream=None, side=None):
         self.params, self.device = params, device_id
@@ -118,7 +119,8 @@ class BoundLaunch:
         self._torch_stream, self._side = torch_stream, side
         self._supported = supported(device_id)  # fixed per process and device
         self._overlapped = {}  # (function, grid, block, shared_mem) -> its OverlappedLaunch
-        self._get_device = import_cupy().cuda.runtime.getDevice
+        cuda = import_cupy().cuda
+        self._get_device, self._cupy_stream = cuda.runtime.getDevice, cuda.get_current_stream
 
     def __call__(self, fn, grid: tuple, block: tuple, shared_mem: int = 0) -> None:
         """Launch the loaded kernel ``fn`` (a ``RawKernel.kernel``) with this record's arguments."""
@@ -126,19 +128,25 @@ class BoundLaunch:
             with import_cupy().cuda.Device(self.device):
                 self(fn, grid, block, shared_mem)
             return
+        if self._side is None and self._supported and not plain_depth:  # the common case: the stream's raw handle
+            overlapped = self._overlapped.get((fn, grid, block, shared_mem)) or self._overlap(fn, grid, block, shared_mem)
+            overlapped(self._cupy_stream().ptr if self._torch_stream is None else self._torch_stream())
+            return
         stream = None if self._torch_stream is None else wrapped_torch_stream(self._torch_stream())
         if self._side is not None:
-            self._side.fork(import_cupy().cuda.get_current_stream() if stream is None else stream)
+            self._side.fork(self._cupy_stream() if stream is None else stream)
             stream = self._side.stream
         if plain_depth or not self._supported:
             fn(grid, block, self.arguments, shared_mem=shared_mem, stream=stream)
             return
-        key = (fn, grid, block, shared_mem)
-        overlapped = self._overlapped.get(key)
-        if overlapped is None:
-            overlapped = self._overlapped[key] = OverlappedLaunch(fn.ptr, grid[0], block[0], shared_mem,
-                                                                  record_addresses(self.params))
-        overlapped((import_cupy().cuda.get_current_stream() if stream is None else stream).ptr)
+        overlapped = self._overlapped.get((fn, grid, block, shared_mem)) or self._overlap(fn, grid, block, shared_mem)
+        overlapped((self._cupy_stream() if stream is None else stream).ptr)
+
+    def _overlap(self, fn, grid: tuple, block: tuple, shared_mem: int) -> OverlappedLaunch:
+        """The packed launch of ``fn`` at this grid, block and shared memory, made once."""
+        launch = self._overlapped[(fn, grid, block, shared_mem)] = OverlappedLaunch(fn.ptr, grid[0], block[0], shared_mem,
+                                                                                   record_addresses(self.params))
+        return launch
 
 
 def launch_record(launch: KernelLaunch) -> None:

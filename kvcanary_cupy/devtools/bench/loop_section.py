@@ -50,6 +50,8 @@ def session_op_us(cupy, d, rounds: int = 5) -> dict:
         launch.append((eager_us(cupy, lost_step, calls=100) - base) / 2)  # the snapshot and the check
         stage.append(eager_us(cupy, staged_step, calls=100) - base)
     plain.check()
+    if plain.stats["violations"] or int(lost.log.violation_counters.sum()):
+        raise RuntimeError("the loop section's per-op sessions must run clean")
     return {"launch": statistics.median(launch), "stage": statistics.median(stage)}
 
 
