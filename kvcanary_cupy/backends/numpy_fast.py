@@ -42,6 +42,8 @@ _CHAIN_BIT = FailReason.VERIFY_CHAIN_HASH_MISMATCH.value
 _POSITION_BIT = FailReason.VERIFY_POSITION_MISMATCH.value
 _REAL_KV_BIT = FailReason.VERIFY_REAL_KV_HASH_MISMATCH.value
 _TOKEN_BIT = FailReason.VERIFY_TOKEN_MISMATCH.value
+_WRITE_TOKEN_BIT = FailReason.WRITE_TOKEN_MISMATCH.value
+_WRITE_POSITION_BIT = FailReason.WRITE_POSITION_MISMATCH.value
 #: The plan joins slices of the table's rows for runs of at least this many entries a request on
 #: average, else gathers them (a slice costs about as much as 400 entries' bytes).
 SLICE_MIN_RUN = 400
@@ -61,7 +63,14 @@ _FIRST.flags.writeable = False
 
 
 def write(a) -> None:
-    ref.write(a, real_kv_hashes)
+    """:func:`numpy_backend.write`; a decode step's (request r writes token r alone, every range valid,
+    no waves) through :func:`_write_decode`, which skips the general walk's bookkeeping."""
+    n = _decode_requests(a)
+    for target in a.targets:
+        if n:
+            _write_decode(a, target, n)
+        else:
+            ref._write_one(a, target, real_kv_hashes)
 
 
 def move(a) -> None:
@@ -319,6 +328,81 @@ def _rows(kind, slot, rec, expected_chain, position, token, rkv):
     if token is not None:
         bits |= np.where((token != -1) & (rec[:, 0] != token), _TOKEN_BIT, 0)
     return ref._rows(kind, slot, rec[:, 1], rec[:, 0], expected_token, rec[:, 2], ref._as_i64(expected_chain), bits)
+
+
+# ----------------------------------------------------------------------------------------------
+# write
+
+_ramp = np.arange(0, dtype=I64)  # 0, 1, ...: a decode step's write offsets
+
+
+def _decode_requests(a) -> int:
+    """The requests of a write whose offsets are ``0, 1, ..., n`` (n >= 1 requests of one token each,
+    all within the tokens) without write waves; else 0 (the general write)."""
+    global _ramp
+    if a.write_waves is not None:
+        return 0
+    n = min(max(int(a.write_num_valid_reqs[0]), 0), a.write_seed_slot_indices.shape[0])
+    if n == 0 or n > a.input_ids.shape[0]:
+        return 0
+    ramp = _ramp
+    if ramp.shape[0] <= n:
+        ramp = _ramp = np.arange(2 * n + 2, dtype=I64)
+    offsets = a.write_offsets[: n + 1]
+    return n if offsets.dtype == I64 and not np.count_nonzero(offsets != ramp[: n + 1]) else 0
+
+
+def _write_decode(a, target: CanaryTarget, n: int) -> None:
+    """:func:`numpy_backend._write_one` when request r writes token r alone: the walk order is the
+    token order, every request's chain is its seed's and its position follows the seed record's."""
+    log, kind, canary = a.log, target.kernel_kind, target.canary
+    num_slots = canary.shape[0]
+    log.kernel_run_counters[kind] += 1
+    seed = np.asarray(a.write_seed_slot_indices[:n], I64)
+    seed_oob = seed >= num_slots
+    errors = int(np.count_nonzero(seed_oob))
+    seed_ok = (seed > 0) & ~seed_oob  # seed 0 is the padding slot: no predecessor, like -1
+    seed_rec = canary[np.where(seed_ok, seed, 0)]
+    chain = np.where(seed_ok, ref._next_chains(seed_rec, "write"), _ANCHOR)
+    slot = np.asarray(a.out_cache_loc[:n], I64)
+    oob = slot >= num_slots
+    errors += int(np.count_nonzero(oob))
+    ok = (slot >= 0) & ~oob
+    token, pos = np.asarray(a.input_ids[:n], I64), np.asarray(a.positions[:n], I64)
+    idx = _ramp[:n]
+    assert_pos = seed_ok & ref._flag_value(a.chain_position_assert)
+    want = seed_rec[:, 1] + 1
+    if np.count_nonzero(ok) < n:
+        idx = idx[ok]
+        slot, token, pos, chain, assert_pos, want = slot[ok], token[ok], pos[ok], chain[ok], assert_pos[ok], want[ok]
+    fingerprints = real_kv_hashes(target.sources, a.real_kv_hash_mode, slot)
+    rows, row_keys = [], []
+    if a.expected_input_tokens is not None:
+        want_tok, want_pos = a.expected_input_tokens[idx], a.expected_input_positions[idx]
+        bits = np.where(token != want_tok, _WRITE_TOKEN_BIT, 0)
+        bits |= np.where(pos != want_pos, _WRITE_POSITION_BIT, 0)
+        hit = bits != 0
+        if np.count_nonzero(hit):
+            rows.append(ref._rows(kind, slot[hit], pos[hit], token[hit], want_tok[hit], ref._as_i64(chain[hit]),
+                                  want_pos[hit], bits[hit]))
+            row_keys.append(idx[hit] * 2)
+    hit = assert_pos & (pos != want)  # each token follows its seed record
+    if np.count_nonzero(hit):
+        rows.append(ref._rows(kind, slot[hit], pos[hit], token[hit], token[hit], ref._as_i64(chain[hit]), want[hit],
+                              _WRITE_POSITION_BIT))
+        row_keys.append(idx[hit] * 2 + 1)
+    stored = slot != 0  # the padding slot keeps its bytes; a later token of a repeated slot wins
+    if np.count_nonzero(stored) < stored.shape[0]:
+        slot, token, pos, chain, fingerprints = slot[stored], token[stored], pos[stored], chain[stored], fingerprints[stored]
+    canary[slot, 0] = token
+    canary[slot, 1] = pos
+    canary[slot, 2] = ref._as_i64(chain)
+    canary[slot, 3] = ref._as_i64(fingerprints)
+    if rows:
+        all_rows = np.concatenate(rows)
+        ref.append_rows(log, kind, all_rows[np.argsort(np.concatenate(row_keys), kind="stable")])
+    log.slot_run_counters[kind] += int(idx.shape[0])
+    log.out_of_range_counters[kind] += errors
 
 
 # ----------------------------------------------------------------------------------------------

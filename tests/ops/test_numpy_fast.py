@@ -15,6 +15,7 @@ from conftest import get_backend_or_skip
 from fuzz_cases import STEP_KINDS, make_case, run_case
 
 NUMPY = get_backend_or_skip("numpy")
+_WRITE_DECODE = numpy_fast._write_decode
 
 
 # The plan's two ways of laying out runs: joined slices of the rows, or gathers in groups (tiny ones here).
@@ -238,7 +239,7 @@ def _decode_write(rng, padded: bool, int32: bool):
     take the general order."""
     num_slots, bs = 24, int(rng.integers(1, 14))
     canary = _chained_canary(rng, num_slots, 4)
-    lengths = rng.integers(0, 2, bs)
+    lengths = rng.integers(0, 2, bs) if rng.random() < 0.5 else np.ones(bs, np.int64)  # all ones: the decode write
     loc = rng.choice([0, 1, 5, 5, 7, 12, 23, 24, 40, -3], int(lengths.sum()))  # repeats, slot 0, past the end
     ids, pos = rng.integers(-2, 9, loc.size), rng.integers(-1, 30, loc.size)
     seeds = rng.choice([-1, 0, 1, 3, 9, 23, 24, 99], bs)
@@ -262,11 +263,14 @@ def _decode_write(rng, padded: bool, int32: bool):
 
 
 @pytest.mark.parametrize("int32", [False, True])
-def test_decode_writes_match_the_general_walk_order(int32):
-    """The write's decode shortcuts (one token a request: no walk-order sorts, each chain its seed)
-    give the bytes of the general lock-step order: canary, counters and ring rows, with repeated
-    slots (the later token wins), the padding slot, slots past the buffer, every kind of seed,
-    expected-input and position-assert failures, a ring too small for the rows, int32 inputs."""
+def test_decode_writes_match_the_general_walk_order(int32, monkeypatch):
+    """The write's decode shortcuts (one token a request: no walk-order sorts, each chain its seed;
+    request r writing token r: the fast backend's decode write) give the bytes of the general
+    lock-step order: canary, counters and ring rows, with repeated slots (the later token wins), the
+    padding slot, slots past the buffer, every kind of seed, expected-input and position-assert
+    failures, a ring too small for the rows, int32 inputs."""
+    decodes = []
+    monkeypatch.setattr(numpy_fast, "_write_decode", lambda *a: decodes.append(a) or _WRITE_DECODE(*a))
     rows = 0
     for seed in range(300):
         got_canary, got_log = _decode_write(np.random.default_rng(seed), False, int32)
@@ -278,6 +282,7 @@ def test_decode_writes_match_the_general_walk_order(int32):
             np.testing.assert_array_equal(getattr(got_log, name), getattr(want_log, name), err_msg=f"seed {seed}: {name}")
         rows += int(got_log.write_index[0])
     assert rows > 100  # failures among the cases
+    assert len(decodes) > 100  # and the decode write took many of them
 
 
 # ---- real-KV fingerprints --------------------------------------------------------------------------
