@@ -775,6 +775,9 @@ def session_stage(a: StageArgs, stamp: int) -> None:
     for i, counters in enumerate((log.violation_counters, log.slot_run_counters, log.kernel_run_counters,
                                   log.out_of_range_counters)):
         out[layout.counters + i * kinds : layout.counters + (i + 1) * kinds] = counters
+    if n == 0:  # a clean step (most): no rows to copy, no slot to mark, nothing to attribute
+        log.write_index[:] = 0
+        return
     rows = np.concatenate([log.ring[g * share : g * share + c] for g, c in enumerate(counts)])
     out[layout.ring : layout.ring + n * VIOLATION_FIELDS] = rows.reshape(-1)
     num_slots = a.marks.shape[0]
@@ -783,7 +786,7 @@ def session_stage(a: StageArgs, stamp: int) -> None:
     named = (slots > 0) | ((slots == 0) & ((rows[:, 7] & _HOLE_BIT) != 0))
     a.marks[slots[((rows[:, 7] & _WRITE_BITS) == 0) & named & (slots < num_slots)]] = stamp
     log.write_index[:] = 0
-    if n == 0 or header["enable"] == 0:
+    if header["enable"] == 0:
         return
 
     active = min(max(header["verify_num_valid"], 0), a.verify_slot_indices.shape[0])
