@@ -405,14 +405,15 @@ def _flag_value(flag) -> bool:
     return int(np.asarray(flag).reshape(-1)[0]) != 0
 
 
-def write(a: WriteArgs, hashes=None) -> None:
-    """Each canary buffer is written as by its own launch (the kernel gives each its own warps);
-    ``hashes`` (default :func:`real_kv_hashes`): the fingerprints' function (the fast backend's)."""
+def write(a: WriteArgs) -> None:
+    """Each canary buffer is written as by its own launch (the kernel gives each its own warps)."""
     for target in a.targets:
-        _write_one(a, target, hashes or real_kv_hashes)
+        _write_one(a, target)
 
 
-def _write_one(a: WriteArgs, target: CanaryTarget, hashes) -> None:
+def _write_one(a: WriteArgs, target: CanaryTarget, hashes=None) -> None:
+    """One buffer's write; ``hashes``: the fingerprints' function (None: :func:`real_kv_hashes`; the
+    fast backend passes its own)."""
     log, kind, canary = a.log, target.kernel_kind, target.canary
     num_slots = canary.shape[0]
     cap = a.write_seed_slot_indices.shape[0]
@@ -450,7 +451,7 @@ def _write_one(a: WriteArgs, target: CanaryTarget, hashes) -> None:
         np.add.at(covered, end[end < loc.shape[0]], -1)
         in_range &= np.cumsum(covered) > 0
     fingerprints = np.zeros(loc.shape[0], np.uint64)
-    fingerprints[in_range] = hashes(target.sources, a.real_kv_hash_mode, loc[in_range])
+    fingerprints[in_range] = (hashes or real_kv_hashes)(target.sources, a.real_kv_hash_mode, loc[in_range])
     # Every token of every request, in the order the kernel's lock-step walk takes them: the k-th
     # token of each request (requests in order), k = 0, 1, ...; the serial chain walk is the only
     # part done token by token (_chains), and only over the tokens whose slot is in range.

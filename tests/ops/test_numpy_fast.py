@@ -8,7 +8,7 @@ import pytest
 
 import kvcanary_cupy as kc
 from kvcanary_cupy.args import CanaryTarget, VerifyArgs
-from kvcanary_cupy.backends import get_backend, numpy_backend, numpy_fast
+from kvcanary_cupy.backends import get_backend, numpy_backend, numpy_fast, numpy_kv
 from kvcanary_cupy.binding import log_views
 from kvcanary_cupy.hashing import mix3_array, to_signed
 from conftest import get_backend_or_skip
@@ -296,7 +296,7 @@ def test_fast_real_kv_hashes_match_the_reference(lanes, monkeypatch):
     prepared views of a sources tuple reused while it lives, rebuilt for another."""
     from kvcanary_cupy.backends import SourceView
 
-    monkeypatch.setattr(numpy_fast, "LANE_FOLD_MAX_SLOTS", lanes)
+    monkeypatch.setattr(numpy_kv, "LANE_FOLD_MAX_SLOTS", lanes)
     rng = np.random.default_rng(lanes)
     rows = 40
     data = [rng.integers(0, 256, (rows, w), dtype=np.uint8) for w in (32, 32, 48, 64)]
