@@ -290,14 +290,14 @@ def test_the_decode_path_block_table_names_the_slots_the_csr_form_does(model):
                 pre, ext = step._pre[:bs].clone(), step._ext[:bs].clone()
                 csr = kc.PagedKvIndices(batch_data["cu_seq_lens_k"][: bs + 1] if not isinstance(batch_data["cu_seq_lens_k"], dict)
                                         else batch_data["cu_seq_lens_k"]["full_attention"][: bs + 1],
-                                        step._shifted(batch_data["read_index"][layout.group], step._read).clone(), 1)
+                                        step._shifted(batch_data["read_index"][layout.group], "_read").clone(), 1)
                 vp_csr, _ = kc.plan(None, pre, ext, csr, verify_capacity=4096)
                 vp_bt, _ = kc.plan(step._rows[:bs], pre, ext, step._block_table(bt[layout.group]), verify_capacity=4096)
                 n = int(vp_csr.verify_num_valid[0])
                 assert n == int(vp_bt.verify_num_valid[0]) > 0
                 for key in ("verify_slot_indices", "verify_expected_positions", "verify_prev_slot_indices"):
                     assert getattr(vp_csr, key)[:n].tolist() == getattr(vp_bt, key)[:n].tolist()
-                loc = step._shifted(batch_data["write_index"][layout.group], step._loc)[:bs].tolist()
+                loc = step._shifted(batch_data["write_index"][layout.group], "_loc")[:bs].tolist()
                 assert step._decode_slots(fs_list, pasts, layout.block_tables()).tolist() == loc
                 checked.append(bs)
             original(model_, batch_data)

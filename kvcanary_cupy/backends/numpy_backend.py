@@ -411,7 +411,9 @@ def write(a: WriteArgs) -> None:
         _write_one(a, target)
 
 
-def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
+def _write_one(a: WriteArgs, target: CanaryTarget, hashes=None) -> None:
+    """One buffer's write; ``hashes``: the fingerprints' function (None: :func:`real_kv_hashes`; the
+    fast backend passes its own)."""
     log, kind, canary = a.log, target.kernel_kind, target.canary
     num_slots = canary.shape[0]
     cap = a.write_seed_slot_indices.shape[0]
@@ -449,7 +451,7 @@ def _write_one(a: WriteArgs, target: CanaryTarget) -> None:
         np.add.at(covered, end[end < loc.shape[0]], -1)
         in_range &= np.cumsum(covered) > 0
     fingerprints = np.zeros(loc.shape[0], np.uint64)
-    fingerprints[in_range] = real_kv_hashes(target.sources, a.real_kv_hash_mode, loc[in_range])
+    fingerprints[in_range] = (hashes or real_kv_hashes)(target.sources, a.real_kv_hash_mode, loc[in_range])
     # Every token of every request, in the order the kernel's lock-step walk takes them: the k-th
     # token of each request (requests in order), k = 0, 1, ...; the serial chain walk is the only
     # part done token by token (_chains), and only over the tokens whose slot is in range.
@@ -774,6 +776,9 @@ def session_stage(a: StageArgs, stamp: int) -> None:
     for i, counters in enumerate((log.violation_counters, log.slot_run_counters, log.kernel_run_counters,
                                   log.out_of_range_counters)):
         out[layout.counters + i * kinds : layout.counters + (i + 1) * kinds] = counters
+    if n == 0:  # a clean step (most): no rows to copy, no slot to mark, nothing to attribute
+        log.write_index[:] = 0
+        return
     rows = np.concatenate([log.ring[g * share : g * share + c] for g, c in enumerate(counts)])
     out[layout.ring : layout.ring + n * VIOLATION_FIELDS] = rows.reshape(-1)
     num_slots = a.marks.shape[0]
@@ -782,7 +787,7 @@ def session_stage(a: StageArgs, stamp: int) -> None:
     named = (slots > 0) | ((slots == 0) & ((rows[:, 7] & _HOLE_BIT) != 0))
     a.marks[slots[((rows[:, 7] & _WRITE_BITS) == 0) & named & (slots < num_slots)]] = stamp
     log.write_index[:] = 0
-    if n == 0 or header["enable"] == 0:
+    if header["enable"] == 0:
         return
 
     active = min(max(header["verify_num_valid"], 0), a.verify_slot_indices.shape[0])

@@ -16,7 +16,13 @@ whole-array fancy indexing (a dozen temporaries of the entries' length).  Here:
   each request's first, or a table that breaks the run) gather their predecessor's record.
   The checks are OR-ed into one mask; failing entries, rare, get their bits as the reference.
 
-Everything else (write, the page ops, staging, other tables) is the reference's.
+* **write**: a decode step's (request r writes token r alone) without the general walk's
+  bookkeeping; any other write is the reference's, both with this module's fingerprints.
+* **real-KV fingerprints** (PARTIAL, sources read as whole words): views prepared once a sources
+  tuple, one index for the sources read alike, and for a few slots the serial fold of the sources
+  on Python-int lanes.
+
+Everything else (the page ops, staging, other tables) is the reference's.
 ``tests/ops/test_numpy_fast.py`` compares every output with the reference on randomized inputs.
 """
 
@@ -31,6 +37,7 @@ from ..hashing import ANCHOR_HASH, splitmix64_inplace
 from ..tables import TableKind
 from ..validation import I64
 from . import numpy_backend as ref
+from .numpy_kv import _decode_requests, _write_decode, real_kv_hashes
 
 __all__ = ["copy", "move", "plan", "plan_verify", "plan_verify_stores_entries", "prepare_stage", "scatter", "verify",
            "write"]
@@ -61,7 +68,14 @@ _FIRST.flags.writeable = False
 
 
 def write(a) -> None:
-    ref.write(a)
+    """:func:`numpy_backend.write`; a decode step's (request r writes token r alone, every range valid,
+    no waves) through :func:`_write_decode`, which skips the general walk's bookkeeping."""
+    n = _decode_requests(a)
+    for target in a.targets:
+        if n:
+            _write_decode(a, target, n)
+        else:
+            ref._write_one(a, target, real_kv_hashes)
 
 
 def move(a) -> None:
@@ -290,7 +304,7 @@ def _failures(kind, canary, slot, prev, position, token, sources, mode):
         np.not_equal(u[:, 2], expected, out=b)
         np.not_equal(rec[:, 1], position[lo:hi], out=c)
         b |= c
-        rkv = ref._as_i64(ref.real_kv_hashes(sources, mode, slot[lo:hi])) if real_kv else 0
+        rkv = ref._as_i64(real_kv_hashes(sources, mode, slot[lo:hi])) if real_kv else 0
         if real_kv or rec[:, 3].any():  # without sources the expected fingerprint is 0
             np.not_equal(rec[:, 3], rkv, out=c)
             b |= c

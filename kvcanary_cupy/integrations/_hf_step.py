@@ -118,6 +118,11 @@ class StepCanary:
         self._pages = torch.zeros(tuple(io.block_table.shape[1:]), **i64)  # its block table as canary pages (5.17)
         self._read = torch.zeros(reads, **i64) if layout.slot_offset else None
         self._cpu = self.device.type == "cpu"
+        # on the CPU the step's small int arithmetic runs in NumPy on views of these buffers (a torch op
+        # costs several times a ufunc call there) and the session gets torch views made once a length
+        self._np = {name: getattr(self, name).numpy() for name in ("_ext", "_pre", "_ids", "_pos", "_loc", "_read")
+                    if getattr(self, name) is not None} if self._cpu else None
+        self._heads: dict = collections.defaultdict(dict)
         self._pool_copied = None  # on a GPU: recorded after each step's copy of the host pool to the device
         self._new_pool((max_bs, max(64, layout.block_size)))  # _pool_host, its torch view and (GPU) device copy
         self._pool_fill = [(None, 0)] * max_bs  # per pool row: (history, tokens of it the row holds)
@@ -167,26 +172,62 @@ class StepCanary:
                     self._sweep()
         return compute_batch
 
-    def _shifted(self, x, buffer):
-        """``x`` as canary slots: itself, or ``x + slot_offset`` in ``buffer`` (no allocation)."""
+    def _head(self, name: str, n: int):
+        """``getattr(self, name)[:n]``, one torch view a length (at most 256 kept a buffer)."""
+        views = self._heads[name]
+        view = views.get(n)
+        if view is None:
+            if len(views) >= 256:
+                views.clear()
+            view = views[n] = getattr(self, name)[:n]
+        return view
+
+    def _shifted(self, x, name: str):
+        """``x`` as canary slots: itself, or ``x + slot_offset`` in the buffer ``name`` (no allocation)."""
         if not self.layout.slot_offset:
             return x
-        out = buffer[: x.shape[0]]
+        n = x.shape[0]
+        if self._cpu:
+            np.add(x.numpy(), self.layout.slot_offset, out=self._np[name][:n])
+            return self._head(name, n)
+        out = getattr(self, name)[:n]
         self.torch.add(x, self.layout.slot_offset, out=out)
         return out
 
+    def _lengths(self, cu_q, cu_k, bs: int):
+        """(new tokens, past tokens) of each batch row, from the cumulative lengths, in the canary's buffers."""
+        if self._cpu:
+            q, k = cu_q.numpy(), cu_k.numpy()
+            ext, pre = self._np["_ext"][:bs], self._np["_pre"][:bs]
+            np.subtract(q[1 : bs + 1], q[:bs], out=ext)
+            np.subtract(k[1 : bs + 1], k[:bs], out=pre)
+            pre -= ext
+            return self._head("_ext", bs), self._head("_pre", bs)
+        cu_q, cu_k = cu_q[: bs + 1], cu_k[: bs + 1]
+        ext, pre = self._ext[:bs], self._pre[:bs]
+        self.torch.sub(cu_q[1:], cu_q[:-1], out=ext)
+        self.torch.sub(cu_k[1:], cu_k[:-1], out=pre)
+        pre.sub_(ext)
+        return ext, pre
+
+    def _step_tokens(self, batch_data: dict, tokens: int):
+        """The step's input ids and positions widened into the canary's int64 buffers."""
+        if self._cpu:
+            np.copyto(self._np["_ids"][:tokens], batch_data["input_ids"].numpy()[0, :tokens])
+            np.copyto(self._np["_pos"][:tokens], batch_data["position_ids"].numpy()[0, :tokens])
+            return self._head("_ids", tokens), self._head("_pos", tokens)
+        ids, pos = self._ids[:tokens], self._pos[:tokens]
+        ids.copy_(batch_data["input_ids"][0, :tokens])
+        pos.copy_(batch_data["position_ids"][0, :tokens])
+        return ids, pos
+
     def _pre_forward(self, batch_data: dict) -> None:
-        torch, layout, requests = self.torch, self.layout, self.io.requests_in_batch
+        layout, requests = self.layout, self.io.requests_in_batch
         bs = len(requests)
-        cu_q = batch_data["cu_seq_lens_q"][: bs + 1]
         cu_k = batch_data["cu_seq_lens_k"]
         if isinstance(cu_k, dict):
             cu_k = cu_k["full_attention"]
-        cu_k = cu_k[: bs + 1]
-        ext, pre = self._ext[:bs], self._pre[:bs]
-        torch.sub(cu_q[1:], cu_q[:-1], out=ext)
-        torch.sub(cu_k[1:], cu_k[:-1], out=pre)
-        pre.sub_(ext)
+        ext, pre = self._lengths(batch_data["cu_seq_lens_q"], cu_k, bs)
         block_table = batch_data.get("block_table")
         tables = layout.block_tables()
         pasts = [fs.state.position_offset - fs.query_length for fs in requests]
@@ -199,15 +240,12 @@ class StepCanary:
             if read.numel() == 0:  # fresh prefills only: nothing is read
                 table = PagedKvIndices(self._zeros[: bs + 1], read, page_size=1)
             else:
-                table = PagedKvIndices(cu_k, self._shifted(read, self._read), page_size=1)
+                table = PagedKvIndices(cu_k[: bs + 1], self._shifted(read, "_read"), page_size=1)
             rp = None
-            loc = self._shifted(batch_data["write_index"][layout.group], self._loc)
+            loc = self._shifted(batch_data["write_index"][layout.group], "_loc")
         # widened into the canary's own int64 buffers on the device: the session's bound write launchers
         # take int64 at full speed (an int32 step would go through the free write, which reads it as it is)
-        tokens = loc.shape[0]
-        ids, pos = self._ids[:tokens], self._pos[:tokens]
-        ids.copy_(batch_data["input_ids"][0, :tokens])
-        pos.copy_(batch_data["position_ids"][0, :tokens])
+        ids, pos = self._step_tokens(batch_data, loc.shape[0])
         self._note_rewrites(requests, pasts, tables)
         if self._writes is not None:
             self._writes[self.step] = [(fs.state.request_id, p, fs.query_length, tables.get(fs.state.request_id, ()))

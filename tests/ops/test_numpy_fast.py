@@ -8,13 +8,14 @@ import pytest
 
 import kvcanary_cupy as kc
 from kvcanary_cupy.args import CanaryTarget, VerifyArgs
-from kvcanary_cupy.backends import get_backend, numpy_backend, numpy_fast
+from kvcanary_cupy.backends import get_backend, numpy_backend, numpy_fast, numpy_kv
 from kvcanary_cupy.binding import log_views
 from kvcanary_cupy.hashing import mix3_array, to_signed
 from conftest import get_backend_or_skip
 from fuzz_cases import STEP_KINDS, make_case, run_case
 
 NUMPY = get_backend_or_skip("numpy")
+_WRITE_DECODE = numpy_fast._write_decode
 
 
 # The plan's two ways of laying out runs: joined slices of the rows, or gathers in groups (tiny ones here).
@@ -30,9 +31,9 @@ def plan_path(request, monkeypatch):
 
 @pytest.fixture
 def reference(monkeypatch):
-    """A context in which the NumPy backend runs its reference plan, verify and plan_verify."""
+    """A context in which the NumPy backend runs its reference plan, verify, plan_verify and write."""
     def use_reference():
-        for name in ("plan", "verify", "plan_verify"):
+        for name in ("plan", "verify", "plan_verify", "write"):
             monkeypatch.setattr(numpy_fast, name, getattr(numpy_backend, name))
     return use_reference
 
@@ -238,7 +239,7 @@ def _decode_write(rng, padded: bool, int32: bool):
     take the general order."""
     num_slots, bs = 24, int(rng.integers(1, 14))
     canary = _chained_canary(rng, num_slots, 4)
-    lengths = rng.integers(0, 2, bs)
+    lengths = rng.integers(0, 2, bs) if rng.random() < 0.5 else np.ones(bs, np.int64)  # all ones: the decode write
     loc = rng.choice([0, 1, 5, 5, 7, 12, 23, 24, 40, -3], int(lengths.sum()))  # repeats, slot 0, past the end
     ids, pos = rng.integers(-2, 9, loc.size), rng.integers(-1, 30, loc.size)
     seeds = rng.choice([-1, 0, 1, 3, 9, 23, 24, 99], bs)
@@ -262,11 +263,14 @@ def _decode_write(rng, padded: bool, int32: bool):
 
 
 @pytest.mark.parametrize("int32", [False, True])
-def test_decode_writes_match_the_general_walk_order(int32):
-    """The write's decode shortcuts (one token a request: no walk-order sorts, each chain its seed)
-    give the bytes of the general lock-step order: canary, counters and ring rows, with repeated
-    slots (the later token wins), the padding slot, slots past the buffer, every kind of seed,
-    expected-input and position-assert failures, a ring too small for the rows, int32 inputs."""
+def test_decode_writes_match_the_general_walk_order(int32, monkeypatch):
+    """The write's decode shortcuts (one token a request: no walk-order sorts, each chain its seed;
+    request r writing token r: the fast backend's decode write) give the bytes of the general
+    lock-step order: canary, counters and ring rows, with repeated slots (the later token wins), the
+    padding slot, slots past the buffer, every kind of seed, expected-input and position-assert
+    failures, a ring too small for the rows, int32 inputs."""
+    decodes = []
+    monkeypatch.setattr(numpy_fast, "_write_decode", lambda *a: decodes.append(a) or _WRITE_DECODE(*a))
     rows = 0
     for seed in range(300):
         got_canary, got_log = _decode_write(np.random.default_rng(seed), False, int32)
@@ -278,3 +282,40 @@ def test_decode_writes_match_the_general_walk_order(int32):
             np.testing.assert_array_equal(getattr(got_log, name), getattr(want_log, name), err_msg=f"seed {seed}: {name}")
         rows += int(got_log.write_index[0])
     assert rows > 100  # failures among the cases
+    assert len(decodes) > 100  # and the decode write took many of them
+
+
+# ---- real-KV fingerprints --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lanes", [0, 64, 10**6])
+def test_fast_real_kv_hashes_match_the_reference(lanes, monkeypatch):
+    """PARTIAL fingerprints of word-gathered sources (several slot offsets, slots below them, byte
+    offsets, row widths; the sources' fold on NumPy arrays or on int lanes) and of sources it leaves
+    to the reference (a paged one, a padded row copy), for 1 to 300 slots, ALL and NONE too, and the
+    prepared views of a sources tuple reused while it lives, rebuilt for another."""
+    from kvcanary_cupy.backends import SourceView
+
+    monkeypatch.setattr(numpy_kv, "LANE_FOLD_MAX_SLOTS", lanes)
+    rng = np.random.default_rng(lanes)
+    rows = 40
+    data = [rng.integers(0, 256, (rows, w), dtype=np.uint8) for w in (32, 32, 48, 64)]
+    padded = np.zeros((rows, 48), np.uint8)[:, :32]
+    words = (SourceView(data[0], 1, 32, 32), SourceView(data[1], 1, 32, 32, slot_offset=5),
+             SourceView(data[2], 1, 48, 48, byte_offset=16, slot_offset=5), SourceView(data[3], 1, 64, 64, byte_offset=8))
+    others = (SourceView(data[0].reshape(-1, 64), 2, 32, 32), SourceView(padded, 1, 32, 32))
+    cases = [words, words[:1], words[1:3], words + others[:1], others[1:] + words]
+    for sources in cases:
+        for n in (1, 3, 12, 64, 65, 300):
+            slots = rng.integers(0, rows, n).astype(np.int64)
+            for mode in kc.RealKvHashMode:
+                want = numpy_backend.real_kv_hashes(sources, int(mode), slots)
+                for _ in range(2):  # the second call through the prepared views
+                    got = numpy_fast.real_kv_hashes(sources, int(mode), slots)
+                    assert got.dtype == want.dtype and got.tolist() == want.tolist(), (len(sources), n, mode)
+    assert numpy_fast.real_kv_hashes(words, int(kc.RealKvHashMode.PARTIAL), np.zeros(0, np.int64)).shape == (0,)
+    # a new tuple of other sources at a reused id gets its own views (the cache keeps its tuple alive)
+    fresh = (SourceView(data[3], 1, 64, 64),)
+    slots = np.arange(rows, dtype=np.int64)
+    assert (numpy_fast.real_kv_hashes(fresh, int(kc.RealKvHashMode.PARTIAL), slots).tolist()
+            == numpy_backend.real_kv_hashes(fresh, int(kc.RealKvHashMode.PARTIAL), slots).tolist())
