@@ -103,10 +103,6 @@ LANE_FOLD_MAX_SLOTS = 64
 #: Slots above which the reference hashes (it bounds its gathers' memory).
 FAST_HASH_MAX_SLOTS = 4096
 _WORD_PAIR = np.arange(2, dtype=I64)[:, None]  # a slot's two PARTIAL words: its first and the next
-#: Per sources tuple (by id, the tuple kept so that the id stays its own): each source's flat word view,
-#: its words a row, its first word and its slot offset; None when one is not read as whole words.
-_prepared: dict = {}
-_PREPARED_KEPT = 4  # a few sessions' sources (every launch of a session passes the same tuple)
 _lane_masks: dict = {}  # lanes -> the mask of each 128-bit lane's low 64 bits
 _M64 = (1 << 64) - 1
 
@@ -132,25 +128,20 @@ def _splitmix64_lanes(v: int, mask: int) -> int:
 
 
 def _word_views(sources):
-    hit = _prepared.get(id(sources))
-    if hit is not None and hit[0] is sources:
-        return hit[1]
+    """Each source's flat word view, its words a row, its first word and its slot offset; None when
+    one is not read as whole words.  Made at each call (a microsecond a source): a view kept across
+    calls would keep a KV pool alive after its session."""
     views = []
     for src in sources:
         flat = ref._word_gather(src, REAL_KV_PARTIAL_BYTES)
         if flat is None:
-            views = None
-            break
+            return None
         views.append((flat[0], flat[1], src.byte_offset // 8, src.slot_offset))
-    if len(_prepared) >= _PREPARED_KEPT:
-        _prepared.clear()
-    _prepared[id(sources)] = (sources, views)
     return views
 
 
 def real_kv_hashes(sources: tuple, mode: int, slots: np.ndarray) -> np.ndarray:
-    """:func:`numpy_backend.real_kv_hashes`.  PARTIAL over sources read as whole words (their views
-    prepared once a sources tuple): each source's two words of every slot by one take through
+    """:func:`numpy_backend.real_kv_hashes`.  PARTIAL over sources read as whole words: each source's two words of every slot by one take through
     indices shared by the sources read alike, the strip folds of all sources together, and for
     a few slots the serial fold of the sources (a round a source) on Python ints holding every
     slot in a 128-bit lane, where a round is a dozen small big-int operations, not nine ufunc calls."""
