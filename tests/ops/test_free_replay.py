@@ -424,8 +424,8 @@ def test_on_the_device_replayed_steps_leave_the_bytes_of_checked_ones(gpu_ab, mo
         return [gpu_ab.to_numpy(a).tobytes() for a in arrays] + ring, s
 
     replayed, s = run()
-    assert canary._WRITE.get(*canary.call_parts(
-        (s.wp, s.log), (s.canary, s.ids, s.pos, s.loc, None, None, None, True, 0, (), kc.RealKvHashMode.NONE, 0))) is not None
+    assert canary._WRITE.recall(
+        (s.wp, s.log, s.canary, s.ids, s.pos, s.loc, None, None, None, True, 0, (), kc.RealKvHashMode.NONE, 0)) is not None
     assert checked(monkeypatch, lambda: run()[0]) == replayed
 
 
