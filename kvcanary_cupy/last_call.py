@@ -153,7 +153,7 @@ class LastOpCall:
         entry = self._entry
         if entry is None:
             return None
-        _, objects_of, ids, values_of, types, known, nested, cupy_arrays, torch_arrays, kept = entry
+        _, objects_of, ids, values_of, types, known, nested, cupy_arrays, torch_arrays, kept, _ = entry
         if tuple(map(id, objects_of(args))) != ids:
             return None
         values = values_of(args)
@@ -237,7 +237,7 @@ class LastOpCall:
         torch_arrays = tuple((refs[id(x)], (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
                              for x in arrays if is_torch_tensor(x))
         self._entry = (token, objects_of, tuple(map(id, objects_of(args))), values_of, tuple(map(type, values)), values,
-                       nested, cupy_arrays, torch_arrays, kept)
+                       nested, cupy_arrays, torch_arrays, kept, tuple(refs.values()))  # a dropped reference calls back no more
 
 
 def launch_packed(memo: LastOpCall, args: tuple, placement, launch: str, launch_args, records=(0, 1), accept=None,

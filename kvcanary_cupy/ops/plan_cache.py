@@ -185,14 +185,14 @@ def _note_gpu_overflow(vp: VerifyPlan, enable_address: int, stream, verify_capac
     if pending is not None and pending[1].done and int(pending[0][0]) == 0:
         _warn_overflow(state, verify_capacity, stacklevel + 1)
         return
-    cupy = import_cupy()
-    if pending is None:
+    if pending is None:  # the pinned buffer, its event and what each copy needs, once per record
         import cupyx
 
+        runtime = import_cupy().cuda.runtime
         host = cupyx.empty_pinned((1,), dtype=np.int32)
-        pending = state["_kvcanary_overflow_copy"] = (host, cupy.cuda.Event(disable_timing=True), host.ctypes.data)
-    runtime = cupy.cuda.runtime
-    runtime.memcpyAsync(pending[2], enable_address, 4, runtime.memcpyDeviceToHost, stream.ptr)
+        pending = state["_kvcanary_overflow_copy"] = (host, import_cupy().cuda.Event(disable_timing=True),
+                                                      host.ctypes.data, runtime.memcpyAsync, runtime.memcpyDeviceToHost)
+    pending[3](pending[2], enable_address, 4, pending[4], stream.ptr)
     pending[1].record(stream)
 
 

@@ -448,3 +448,111 @@ def test_on_the_device_replayed_plan_and_verify_steps_leave_the_bytes_of_checked
     replayed = run()
     assert plan_cache._PLAN_VERIFY._entry is not None
     assert checked(monkeypatch, run) == replayed
+
+
+def test_a_remembered_object_that_dies_drops_the_entry(dev):
+    """The memos compare objects by id; an id is reused once its object is gone, so the death of any
+    remembered object drops the entry at once (the validation cache keeps views of the long-lived
+    arrays on the plans: the records and the per-step arrays are what can die here)."""
+    s = Script(dev.asarray, dev.asarray(np.zeros(1, np.int32)))
+    s.plan()
+    s.verify()
+    s.write()
+    s.plan_and_verify()
+    assert None not in [memo._entry for memo in MEMOS]
+    s.ids = dev.asarray(dev.to_numpy(s.ids))  # the remembered per-step array is gone
+    gc.collect()
+    assert canary._WRITE._entry is None and None not in [canary._VERIFY._entry, plan_cache._PLAN._entry]
+    s.log = kc.ViolationLog(**s.log.arrays())  # another record of the same arrays: the remembered one is gone
+    gc.collect()
+    assert canary._VERIFY._entry is None and plan_cache._PLAN_VERIFY._entry is None
+    assert plan_cache._PLAN._entry is not None  # the plan never saw the log
+    table = kc.ReqToToken(s.rtt)
+    kc.plan(s.rp, s.prefix, s.extend, table, verify_capacity=64, out=(s.vp, s.wp))
+    assert plan_cache._PLAN._entry is not None
+    del table  # the remembered table record is gone
+    gc.collect()
+    assert plan_cache._PLAN._entry is None
+    s.verify()
+    assert canary._VERIFY._entry is not None
+
+
+@pytest.mark.parametrize("bad", [{"check_expected_tokens": 1}, {"check_expected_token": 1},
+                                 {"check_expected_tokens": True, "check_expected_token": False},
+                                 {"verify_plan": None}, {"verify_plan": "wp"}, {"kernel_kind": np.int64(64)}])
+def test_the_checks_skipped_by_a_replay_still_run_on_any_other_value(dev, script, monkeypatch, bad):
+    """verify (and plan_and_verify) replay before their bool-keyword and type checks: a call with
+    another value of either spelling, or another plan object, is checked and gets the checked error."""
+    kw = dict(bad)
+    plan = kw.pop("verify_plan", script.vp)
+    plan = script.wp if plan == "wp" else plan
+    call = lambda: kc.verify(script.canary, plan, log=script.log, **kw)  # noqa: E731
+    for _ in range(2):
+        script.verify()
+    got = outcome(call)
+    assert got is not None and got[0] in (TypeError, ValueError) and got == checked(monkeypatch, lambda: outcome(call))
+    if "verify_plan" not in bad:
+        fused = lambda: script.plan_and_verify(**kw)  # noqa: E731
+        for _ in range(2):
+            script.plan_and_verify()
+        got = outcome(fused)
+        assert got is not None and got == checked(monkeypatch, lambda: outcome(fused))
+
+
+def test_either_spelling_of_check_expected_tokens_replays_as_checked(dev, script, monkeypatch):
+    from kvcanary_cupy.backends.cuda import ops
+
+    packs = counting(monkeypatch, ops, "verify_launch")
+    for kw in ({"check_expected_tokens": True}, {"check_expected_token": True},
+               {"check_expected_tokens": True, "check_expected_token": True}, {}):
+        want = checked(monkeypatch, lambda: launches(dev, lambda: script.verify(**kw)))
+        before = len(packs)
+        assert launches(dev, lambda: script.verify(**kw)) == want and len(packs) == before + 1  # a new spelling: checked
+        assert launches(dev, lambda: script.verify(**kw)) == want and len(packs) == before + 1  # then replayed
+
+
+def test_a_sequence_of_buffers_replays_until_it_changes_in_place(dev, script, monkeypatch):
+    """A list of buffers (and of launch kinds) is compared item by item: the same list object with
+    another buffer or kind in it is checked again."""
+    from kvcanary_cupy.backends.cuda import ops
+
+    packs = counting(monkeypatch, ops, "verify_launch")
+    other = kc.allocate_canary_buffer(NUM_SLOTS, like=script.rp)
+    bufs, kinds = [script.canary, other], [0, 1]
+    run = lambda: launches(dev, lambda: kc.verify(bufs, script.vp, log=script.log, kernel_kind=kinds))  # noqa: E731
+    want = checked(monkeypatch, run)
+    assert run() == run() == want and len(packs) == 2
+    third = kc.allocate_canary_buffer(NUM_SLOTS, like=script.rp)
+    bufs[1] = third  # in place: the same list object
+    assert run() == checked(monkeypatch, run) and len(packs) == 4
+    assert run() != want and len(packs) == 4  # the new list content, replayed
+    kinds[1] = True  # a bool is no launch kind: the checked error
+    got = outcome(run)
+    assert got is not None and got == checked(monkeypatch, lambda: outcome(run))
+    kinds[1] = 1
+    bufs.append(other)
+    got = outcome(run)
+    assert got == checked(monkeypatch, lambda: outcome(run))
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["replayed", "checked"])
+def test_a_replayed_plan_warns_of_an_overflow_at_its_caller(dev, script, monkeypatch, full):
+    """The overflow note of a replayed plan reads the copy the last call queued, as the checked
+    path does; the warning points at the caller of kc.plan."""
+    import ctypes
+    import warnings
+
+    from kvcanary_cupy.backends.cuda import ops
+
+    packs = counting(monkeypatch, ops, "plan_params")
+    if full:
+        monkeypatch.setenv(FULL_VALIDATION_ENV, "1")
+    script.plan()  # its note queues a copy of enable (1)
+    ctypes.memmove(script.vp.enable.data.ptr, np.zeros(1, np.int32).ctypes.data, 4)  # the plan overflowed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        script.plan()  # reads 1, queues a copy of 0
+        assert caught == []
+        kc.plan(script.rp, script.prefix, script.extend, script.rtt, verify_capacity=64, out=(script.vp, script.wp))
+    assert [w.category for w in caught] == [kc.CanaryCapacityWarning] and caught[0].filename == __file__
+    assert len(packs) == (3 if full else 0)  # replayed, or checked every call
