@@ -178,7 +178,8 @@ class LastOpCall:
         that hold a record of arrays: plans, the log, a table), or None where it is never replayed:
         a NumPy array (the NumPy backend launches nothing), a non-contiguous one (the checked path
         may have launched on a copy), an argument of another kind (a real-KV source, say)."""
-        obj_pos, val_pos, nest_pos, holders, arrays = [], [], [], [], []
+        obj_pos, val_pos, nest_pos, holders = [], [], [], []
+        arrays = {"cupy": [], "torch": []}  # by kind: what is stamped, and how
         for p, a in enumerate(args):
             kind = _kind(a)
             if kind is not None:
@@ -186,7 +187,7 @@ class LastOpCall:
                     return None
                 obj_pos.append(p)
                 holders.append(a)
-                arrays.append(a)
+                arrays[kind].append(a)
             elif a is None or isinstance(a, _SCALARS) or (type(a) in (tuple, list) and not a):
                 val_pos.append(p)
             elif type(a) in (tuple, list):
@@ -194,25 +195,27 @@ class LastOpCall:
                 if parts is None:
                     return None
                 nest_pos.append(p)
-                found = [o for o in parts[0] if o is not None]
-                holders += found
-                arrays += found
+                for x in parts[0]:
+                    if x is not None:
+                        holders.append(x)
+                        arrays[_kind(x)].append(x)
             elif p in records and callable(getattr(a, "arrays", None)):
                 obj_pos.append(p)
                 holders.append(a)
-                inner = [x for x in a.arrays().values() if x is not None and _kind(x) in ("cupy", "torch")]
-                holders += inner
-                arrays += inner
+                for x in a.arrays().values():
+                    kind = _kind(x)
+                    if kind in arrays:
+                        holders.append(x)
+                        arrays[kind].append(x)
             else:
                 return None
-        for x in arrays:
-            if not (x.is_contiguous() if is_torch_tensor(x) else x.flags.c_contiguous):
-                return None
-        return args, obj_pos, val_pos, nest_pos, holders, arrays
+        if not (all(x.flags.c_contiguous for x in arrays["cupy"]) and all(x.is_contiguous() for x in arrays["torch"])):
+            return None
+        return args, obj_pos, val_pos, nest_pos, holders, arrays["cupy"], arrays["torch"]
 
     def commit(self, pending, kept) -> None:
         """Remember the call ``pending`` describes (``pending`` from :meth:`pending`), to be recalled with ``kept``."""
-        args, obj_pos, val_pos, nest_pos, holders, arrays = pending
+        args, obj_pos, val_pos, nest_pos, holders, cupy_found, torch_found = pending
         token = object()
 
         def dead(_ref, memo=self, token=token):  # one of the call's objects is gone: its id may be reused
@@ -232,10 +235,9 @@ class LastOpCall:
             nested_of = _picker(nest_pos)
             objects, nested_values = call_parts((), nested_of(args))
             nested = (nested_of, tuple(map(id, objects)), nested_values)
-        cupy_arrays = tuple((refs[id(x)], (x.data.ptr, x.shape, x.strides, x.dtype, x.data.device_id))
-                            for x in arrays if not is_torch_tensor(x))
+        cupy_arrays = tuple((refs[id(x)], (x.data.ptr, x.shape, x.strides, x.dtype, x.data.device_id)) for x in cupy_found)
         torch_arrays = tuple((refs[id(x)], (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
-                             for x in arrays if is_torch_tensor(x))
+                             for x in torch_found)
         self._entry = (token, objects_of, tuple(map(id, objects_of(args))), values_of, tuple(map(type, values)), values,
                        nested, cupy_arrays, torch_arrays, kept, tuple(refs.values()))  # a dropped reference calls back no more
 
@@ -251,7 +253,7 @@ def launch_packed(memo: LastOpCall, args: tuple, placement, launch: str, launch_
     if placement.backend != "cupy":
         return False
     pending = memo.pending(args, records)
-    if pending is None or (accept is not None and not accept(pending[5])):
+    if pending is None or (accept is not None and not accept(pending[5] + pending[6])):
         return False
     from .backends.cuda import launch as cuda_launch, ops as cuda_ops
 
