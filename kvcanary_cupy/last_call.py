@@ -22,6 +22,7 @@ argument tuple and matches it in a few C-level comparisons, for :func:`kvcanary_
 
 from __future__ import annotations
 
+import sys
 import weakref
 from enum import Enum
 from operator import itemgetter
@@ -135,10 +136,11 @@ class LastOpCall:
     arguments, always in the op's order): the ids of its objects (records and arrays, each alive
     while the entry is: a weak reference's callback drops the entry when one dies, so an equal id
     is the same object), the types and values of its scalars (None and empty sequences too), and
-    each array's stamp (a record's arrays too), read inline.  A non-empty list or tuple (several
-    buffers, one launch kind per buffer) is compared item by item as :func:`call_parts` walks it.
-    What one call compares is what :class:`LastCall` compares for the same call.  Thread-safe: the
-    entry is one tuple, read and replaced whole."""
+    each array's stamp (a record's arrays too), read inline: a torch tensor's address, shape,
+    strides, dtype, device and requires_grad, a cupy.ndarray's shape and strides (its memory and
+    dtype are fixed for its life; a subclass's are stamped too).  A non-empty list or tuple
+    (several buffers, one launch kind per buffer) is compared item by item as :func:`call_parts`
+    walks it.  Thread-safe: the entry is one tuple, read and replaced whole."""
 
     __slots__ = ("_entry",)
 
@@ -153,7 +155,7 @@ class LastOpCall:
         entry = self._entry
         if entry is None:
             return None
-        _, objects_of, ids, values_of, types, known, nested, cupy_arrays, torch_arrays, kept, _ = entry
+        _, objects_of, ids, values_of, types, known, nested, cupy_arrays, other_arrays, torch_arrays, kept, _ = entry
         if tuple(map(id, objects_of(args))) != ids:
             return None
         values = values_of(args)
@@ -163,11 +165,15 @@ class LastOpCall:
             parts = call_parts((), nested[0](args))
             if parts is None or tuple(map(id, parts[0])) != nested[1] or parts[1] != nested[2]:
                 return None
-        for ref, stamp in cupy_arrays:
+        for ref, shape, strides in cupy_arrays:  # a cupy.ndarray's memory and dtype are its own for life
+            x = ref()
+            if x is None or x.shape != shape or x.strides != strides:
+                return None
+        for ref, stamp in other_arrays:
             x = ref()
             if x is None or (x.data.ptr, x.shape, x.strides, x.dtype, x.data.device_id) != stamp:
                 return None
-        for ref, stamp in torch_arrays:
+        for ref, stamp in torch_arrays:  # any of these can change in place (.data =, set_, resize_, requires_grad_)
             x = ref()
             if x is None or (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x.requires_grad) != stamp:
                 return None
@@ -235,11 +241,17 @@ class LastOpCall:
             nested_of = _picker(nest_pos)
             objects, nested_values = call_parts((), nested_of(args))
             nested = (nested_of, tuple(map(id, objects)), nested_values)
-        cupy_arrays = tuple((refs[id(x)], (x.data.ptr, x.shape, x.strides, x.dtype, x.data.device_id)) for x in cupy_found)
+        # A cupy.ndarray's data (its MemoryPointer: address and device) and dtype cannot be assigned and
+        # __init__ does not redo them: only its shape and strides change in place (a shape assignment).
+        # Subclasses, which could make them properties, are stamped whole.
+        exact = sys.modules["cupy"].ndarray if cupy_found else None
+        cupy_arrays = tuple((refs[id(x)], x.shape, x.strides) for x in cupy_found if type(x) is exact)
+        other_arrays = tuple((refs[id(x)], (x.data.ptr, x.shape, x.strides, x.dtype, x.data.device_id))
+                             for x in cupy_found if type(x) is not exact)
         torch_arrays = tuple((refs[id(x)], (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
                              for x in torch_found)
         self._entry = (token, objects_of, tuple(map(id, objects_of(args))), values_of, tuple(map(type, values)), values,
-                       nested, cupy_arrays, torch_arrays, kept, tuple(refs.values()))  # a dropped reference calls back no more
+                       nested, cupy_arrays, other_arrays, torch_arrays, kept, tuple(refs.values()))  # a dropped reference calls back no more
 
 
 def launch_packed(memo: LastOpCall, args: tuple, placement, launch: str, launch_args, records=(0, 1), accept=None,

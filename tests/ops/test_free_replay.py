@@ -556,3 +556,24 @@ def test_a_replayed_plan_warns_of_an_overflow_at_its_caller(dev, script, monkeyp
         kc.plan(script.rp, script.prefix, script.extend, script.rtt, verify_capacity=64, out=(script.vp, script.wp))
     assert [w.category for w in caught] == [kc.CanaryCapacityWarning] and caught[0].filename == __file__
     assert len(packs) == (3 if full else 0)  # replayed, or checked every call
+
+
+def test_a_cupy_arrays_memory_and_dtype_are_its_own_for_life(dev):
+    """Why the memos re-read only a cupy.ndarray's shape and strides at each call: its data (address
+    and device) and dtype cannot be assigned, and calling __init__ again does not redo them.  Should
+    a CuPy release change that, this fails, and last_call.LastOpCall must stamp them again."""
+    x = dev.asarray(np.zeros((4, 4), np.int64))
+    other = dev.asarray(np.zeros(8, np.int32))
+    data, dtype, ptr = x.data, x.dtype, x.data.ptr
+    for name, value in (("data", other.data), ("dtype", np.dtype(np.int32)), ("strides", (4,))):
+        with pytest.raises(AttributeError):
+            setattr(x, name, value)
+    with pytest.raises(AttributeError):
+        x.data.ptr = other.data.ptr
+    try:
+        x.__init__((8,), np.int32, memptr=other.data)
+    except Exception:  # noqa: BLE001 - refused is as good as ignored
+        pass
+    assert x.data is data and x.dtype == dtype and x.data.ptr == ptr and x.shape == (4, 4)
+    x.shape = (16,)  # what can change in place, and what the memos compare
+    assert x.data.ptr == ptr and x.strides == (8,)
