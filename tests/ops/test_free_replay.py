@@ -577,3 +577,39 @@ def test_a_cupy_arrays_memory_and_dtype_are_its_own_for_life(dev):
     assert x.data is data and x.dtype == dtype and x.data.ptr == ptr and x.shape == (4, 4)
     x.shape = (16,)  # what can change in place, and what the memos compare
     assert x.data.ptr == ptr and x.strides == (8,)
+
+
+def test_the_op_memo_stamps_a_torch_tensor_whole_and_scalars_by_type():
+    """LastOpCall on its own (CPU tensors: the memo reads metadata only): any in-place change of a
+    tensor's address, shape, strides, dtype or requires_grad misses, as does an equal scalar of
+    another type; putting the tensor back as it was hits again; its death drops the entry."""
+    torch = pytest.importorskip("torch")
+    from kvcanary_cupy.last_call import LastOpCall
+
+    memo = LastOpCall()
+    t = torch.zeros(8, dtype=torch.float32)
+    args = lambda *extra: (None, None, t, 0, (), *extra)  # noqa: E731 - no records: two None record positions
+    memo.commit(memo.pending(args()), "kept")
+    assert memo.recall(args()) == "kept"
+    assert memo.recall((None, None, t, False, ())) is None and memo.recall((None, None, t, 0, [])) is None
+    assert memo.recall((None, None, t.clone(), 0, ())) is None
+    changes = [lambda: t.resize_(16), lambda: t.unsqueeze_(0), lambda: t.requires_grad_(),
+               lambda: setattr(t, "data", torch.zeros(8, dtype=torch.float32)),
+               lambda: setattr(t, "data", torch.zeros(8, dtype=torch.int32)),
+               lambda: t.set_(torch.zeros(8, dtype=torch.float32))]
+    for change in changes:
+        t = torch.zeros(8, dtype=torch.float32)
+        memo.commit(memo.pending(args()), "kept")
+        change()
+        assert memo.recall(args()) is None, change
+    t = torch.zeros(8, dtype=torch.float32)
+    memo.commit(memo.pending(args()), "kept")
+    t.unsqueeze_(0)
+    assert memo.recall(args()) is None
+    t.squeeze_(0)  # back in place: the same storage, address and strides
+    assert memo.recall(args()) == "kept"
+    t = None
+    gc.collect()
+    assert memo._entry is None
+    assert memo.pending((None, None, np.zeros(3), 0)) is None  # a NumPy array launches nothing: never remembered
+    assert memo.pending((None, None, torch.zeros(4, 2).t(), 0)) is None  # not contiguous: launched on a copy
