@@ -250,8 +250,9 @@ class LastOpCall:
                              for x in cupy_found if type(x) is not exact)
         torch_arrays = tuple((refs[id(x)], (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
                              for x in torch_found)
+        # the weak references last: kept with the entry (a dropped reference calls back no more)
         self._entry = (token, objects_of, tuple(map(id, objects_of(args))), values_of, tuple(map(type, values)), values,
-                       nested, cupy_arrays, other_arrays, torch_arrays, kept, tuple(refs.values()))  # a dropped reference calls back no more
+                       nested, cupy_arrays, other_arrays, torch_arrays, kept, tuple(refs.values()))
 
 
 def launch_packed(memo: LastOpCall, args: tuple, placement, launch: str, launch_args, records=(0, 1), accept=None,

@@ -254,8 +254,8 @@ def verify(
     memo_args = None
     if not strict and not full_validation_forced():
         # both spellings as given: a replayed call is one whose checks (bool_keyword's too) passed with these values
-        memo_args = (verify_plan, log, canary_buf, kernel_kind, real_kv_sources, real_kv_hash_mode, check_expected_tokens,
-                     check_expected_token, check_holes)
+        memo_args = (verify_plan, log, canary_buf, kernel_kind, real_kv_sources, real_kv_hash_mode,
+                     check_expected_tokens, check_expected_token, check_holes)
         replay = _VERIFY.recall(memo_args)
         if replay is not None:  # the last call's arguments, unchanged: its checked launches
             replay()

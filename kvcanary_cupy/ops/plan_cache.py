@@ -90,8 +90,9 @@ _PLAN, _PLAN_VERIFY = LastOpCall(), LastOpCall()
 def plan_memo_args(arguments: tuple, out, strict: bool):
     """A free plan's argument tuple for its memo (``arguments``: plan's, in order, the table fourth,
     then plan_and_verify's own; the log last), or None: never replayed (strict,
-    KVCANARY_FULL_VALIDATION=1, out no plan pair; a PagedKvIndices table is refused when remembered).  The WritePlan's scan state and cleanliness (which
-    the launch's clear_whole_capacity reads) are part of it."""
+    KVCANARY_FULL_VALIDATION=1, out no plan pair; a PagedKvIndices table is refused when
+    remembered).  The WritePlan's scan state and cleanliness (which the launch's
+    clear_whole_capacity reads) are part of it."""
     if strict or type(out) is not tuple or len(out) != 2 or full_validation_forced():
         return None
     vp, wp = out
@@ -179,7 +180,7 @@ def _note_gpu_overflow(vp: VerifyPlan, enable_address: int, stream, verify_capac
     stream, a CuPy stream: torch's current one wrapped when the plan's arrays are torch tensors);
     ``stacklevel`` counted from here."""
     state = vp.__dict__
-    if state.get("_kvcanary_overflow_warned") or stream_is_capturing(stream):  # an event query would invalidate the capture
+    if state.get("_kvcanary_overflow_warned") or stream_is_capturing(stream):  # a query would invalidate a capture
         return
     pending = state.get("_kvcanary_overflow_copy")
     if pending is not None and pending[1].done and int(pending[0][0]) == 0:
