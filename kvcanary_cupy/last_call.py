@@ -235,7 +235,8 @@ class LastOpCall:
             self._entry = None
             return
         objects_of, values_of = _picker(obj_pos), _picker(val_pos)
-        values = values_of(args)
+        # an empty list kept as a fresh one: the caller's, filled in place, would still compare equal to itself
+        values = tuple([] if type(v) is list else v for v in values_of(args))
         nested = None
         if nest_pos:
             nested_of = _picker(nest_pos)

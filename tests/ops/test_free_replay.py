@@ -593,6 +593,11 @@ def test_the_op_memo_stamps_a_torch_tensor_whole_and_scalars_by_type():
     assert memo.recall(args()) == "kept"
     assert memo.recall((None, None, t, False, ())) is None and memo.recall((None, None, t, 0, [])) is None
     assert memo.recall((None, None, t.clone(), 0, ())) is None
+    sources = []  # an empty list, filled in place after the call
+    memo.commit(memo.pending((None, None, t, 0, sources)), "kept")
+    assert memo.recall((None, None, t, 0, sources)) == "kept" and memo.recall((None, None, t, 0, [])) == "kept"
+    sources.append(1)
+    assert memo.recall((None, None, t, 0, sources)) is None
     changes = [lambda: t.resize_(16), lambda: t.unsqueeze_(0), lambda: t.requires_grad_(),
                lambda: setattr(t, "data", torch.zeros(8, dtype=torch.float32)),
                lambda: setattr(t, "data", torch.zeros(8, dtype=torch.int32)),
