@@ -124,6 +124,10 @@ def _add(a, objects: list, values: list) -> bool:
     return False
 
 
+#: The most checked calls in a row that launch plainly while remembered calls go unreplayed (LastOpCall.packing).
+MAX_PLAIN_RUN = 64
+
+
 def _picker(positions: list):
     """A C-level function of an argument tuple returning the items at ``positions`` as a tuple."""
     if len(positions) >= 2:
@@ -142,13 +146,26 @@ class LastOpCall:
     (several buffers, one launch kind per buffer) is compared item by item as :func:`call_parts`
     walks it.  Thread-safe: the entry is one tuple, read and replaced whole."""
 
-    __slots__ = ("_entry",)
+    __slots__ = ("_entry", "_hit", "_committed", "_wasted", "_skip")
 
     def __init__(self):
-        self._entry = None
+        self.clear()
 
     def clear(self) -> None:
         self._entry = None
+        self._hit = self._committed = False
+        self._wasted = self._skip = 0
+
+    def packing(self) -> bool:
+        """Whether a checked call should pack its launches and remember them.  Not always: where
+        the remembered calls are never replayed (a caller whose per-step arrays are new objects
+        each step), packing and remembering cost a checked call more than its launch, so after two
+        such calls in a row the next few launch plainly (the same launches), twice as many after
+        each further one, at most :data:`MAX_PLAIN_RUN`; a replay starts over."""
+        if self._skip:
+            self._skip -= 1
+            return False
+        return True
 
     def recall(self, args: tuple):
         """What :meth:`commit` kept for the last call if ``args`` are its own and unchanged, else None."""
@@ -177,6 +194,7 @@ class LastOpCall:
             x = ref()
             if x is None or (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x.requires_grad) != stamp:
                 return None
+        self._hit = True
         return kept
 
     def pending(self, args: tuple, records=(0, 1)):
@@ -222,6 +240,9 @@ class LastOpCall:
     def commit(self, pending, kept) -> None:
         """Remember the call ``pending`` describes (``pending`` from :meth:`pending`), to be recalled with ``kept``."""
         args, obj_pos, val_pos, nest_pos, holders, cupy_found, torch_found = pending
+        self._wasted = self._wasted + 1 if self._committed and not self._hit else 0  # the last commit never replayed
+        self._skip = min(1 << (self._wasted - 1), MAX_PLAIN_RUN) if self._wasted >= 2 else 0
+        self._hit, self._committed = False, True
         token = object()
 
         def dead(_ref, memo=self, token=token):  # one of the call's objects is gone: its id may be reused
@@ -260,11 +281,12 @@ def launch_packed(memo: LastOpCall, args: tuple, placement, launch: str, launch_
                   extra: tuple | None = None) -> bool:
     """On the GPU, a checked call's launches packed, launched and remembered in ``memo`` under the
     op's ``args`` (with ``extra`` after the packed launches, when given); False where the call launches
-    the usual way: NumPy, an argument never replayed (:meth:`LastOpCall.pending`), one the checks
+    the usual way: NumPy, a run of unreplayed calls (:meth:`LastOpCall.packing`), an argument never
+    replayed (:meth:`LastOpCall.pending`), one the checks
     viewed through a copy (a non-contiguous array, or arrays ``accept(arrays)`` refuses).
     ``launch``: the function of ``backends.cuda.ops`` that makes the call's :class:`KernelLaunch`
     records (one or a list) from ``launch_args``."""
-    if placement.backend != "cupy":
+    if placement.backend != "cupy" or not memo.packing():
         return False
     pending = memo.pending(args, records)
     if pending is None or (accept is not None and not accept(pending[5] + pending[6])):

@@ -618,3 +618,31 @@ def test_the_op_memo_stamps_a_torch_tensor_whole_and_scalars_by_type():
     assert memo._entry is None
     assert memo.pending((None, None, np.zeros(3), 0)) is None  # a NumPy array launches nothing: never remembered
     assert memo.pending((None, None, torch.zeros(4, 2).t(), 0)) is None  # not contiguous: launched on a copy
+
+
+def test_per_step_arrays_new_at_each_call_launch_plainly_after_a_while(dev, script, monkeypatch):
+    """An engine's batch tensors are new objects each step: no call is ever replayed, so after two
+    remembered calls go unreplayed the checked calls stop packing for runs that double up to
+    MAX_PLAIN_RUN (the same launches, byte for byte); once the arrays come back unchanged, the
+    memo packs again within one run and replays."""
+    from kvcanary_cupy.backends.cuda import launch as cuda_launch, ops
+    from kvcanary_cupy.last_call import MAX_PLAIN_RUN
+
+    packed = counting(monkeypatch, cuda_launch, "PackedLaunches")
+    checks = counting(monkeypatch, ops, "write_launch")
+    host = [dev.to_numpy(a) for a in (script.ids, script.pos, script.loc)]
+    for step in range(40):
+        script.ids, script.pos, script.loc = (dev.asarray(a) for a in host)
+        if step % 9 == 0:  # a plain or a packed call, both the checked call's launches
+            assert launches(dev, script.write) == checked(monkeypatch, lambda: launches(dev, script.write))
+        else:
+            script.write()
+    assert 40 <= len(checks) and 5 <= len(packed) <= 8  # packed at steps 0, 1, 2, 5, 10, 19, 36: 7
+    before = len(checks)
+    for _ in range(MAX_PLAIN_RUN + 3):
+        script.write()
+    assert len(checks) - before <= MAX_PLAIN_RUN + 1  # one run at most, then packed once and replayed
+    now = len(checks)
+    script.write()
+    script.write()
+    assert len(checks) == now
