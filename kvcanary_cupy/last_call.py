@@ -280,12 +280,12 @@ class LastOpCall:
 def launch_packed(memo: LastOpCall, args: tuple, placement, launch: str, launch_args, records=(0, 1), accept=None,
                   extra: tuple | None = None) -> bool:
     """On the GPU, a checked call's launches packed, launched and remembered in ``memo`` under the
-    op's ``args`` (with ``extra`` after the packed launches, when given); False where the call launches
-    the usual way: NumPy, a run of unreplayed calls (:meth:`LastOpCall.packing`), an argument never
-    replayed (:meth:`LastOpCall.pending`), one the checks
-    viewed through a copy (a non-contiguous array, or arrays ``accept(arrays)`` refuses).
-    ``launch``: the function of ``backends.cuda.ops`` that makes the call's :class:`KernelLaunch`
-    records (one or a list) from ``launch_args``."""
+    op's ``args`` (with ``extra`` after the packed launches, when given); False where the call
+    launches the usual way: NumPy, a run of unreplayed calls (:meth:`LastOpCall.packing`), an
+    argument never replayed (:meth:`LastOpCall.pending`), one the checks viewed through a copy (a
+    non-contiguous array, or arrays ``accept(arrays)`` refuses).  ``launch``: the function of
+    ``backends.cuda.ops`` that makes the call's :class:`KernelLaunch` records (one or a list) from
+    ``launch_args``."""
     if placement.backend != "cupy" or not memo.packing():
         return False
     pending = memo.pending(args, records)
