@@ -37,9 +37,21 @@ _MAX_KEYS = 4  # per record: a few canary buffers or launch kinds per plan, not 
 _SCALARS = (bool, int, float, str, np.integer, np.bool_, Enum)
 
 
+try:  # the variable's key in CPython's os.environ store (bytes on POSIX): read at each call, so read cheaply
+    _ENV_KEY = os.environ.encodekey(FULL_VALIDATION_ENV)
+except AttributeError:  # pragma: no cover - not CPython's os._Environ
+    _ENV_KEY = None
+_UNSET = (None, "", "0", b"", b"0")
+
+
 def full_validation_forced() -> bool:
     """Whether the environment asks every call to take every check."""
-    return os.environ.get(FULL_VALIDATION_ENV, "") not in ("", "0")
+    try:
+        # os.environ's own dict, which its setters keep in step: one lookup, not Mapping.get's four calls
+        value = os.environ._data.get(_ENV_KEY) if _ENV_KEY is not None else os.environ.get(FULL_VALIDATION_ENV)
+    except AttributeError:  # os.environ replaced by another mapping
+        value = os.environ.get(FULL_VALIDATION_ENV)
+    return value not in _UNSET
 
 
 def enabled() -> bool:

@@ -11,18 +11,18 @@ from ..binding import check_type, verify_args, verify_setup, write_bound_args, w
 from ..constants import RealKvHashMode
 from ..errors import fail, public_api
 from ..interop import Array, array_module, backend_view, common_placement
-from ..last_call import LastCall, call_parts, launch_packed, replay_allowed
+from ..last_call import LastOpCall, launch_packed
 from ..log import ViolationLog
 from ..plans import VerifyPlan, WritePlan
 from ..runtime import launch_stream, side_stream
 from ..validation import I64, bool_keyword, check_1d, check_integer_dtype, contiguous_input, require
-from ..validation_cache import CachedCall, call_key
+from ..validation_cache import CachedCall, Stamps, call_key, full_validation_forced
 
 #: The per-token inputs of a write that may be int32 as well as int64 (each its own dtype).
 TOKEN_INPUTS = ("input_ids", "positions", "out_cache_loc")
 
 # Each op's last CUDA call, replayed while the same arguments come back unchanged (last_call.py).
-_WRITE, _VERIFY = LastCall(), LastCall()
+_WRITE, _VERIFY = LastOpCall(), LastOpCall()
 
 
 @public_api
@@ -116,12 +116,12 @@ def write(
     >>> canary[17, :2].tolist()  # (token, position)
     [6, 1]
     """
-    parts = None
-    if stream is None and replay_allowed(strict):  # a side stream forks per call: always the checked path
-        parts = call_parts((write_plan, log), (canary_buf, input_ids, positions, out_cache_loc, expected_input_tokens,
-                                               expected_input_positions, write_waves, chain_position_assert, kernel_kind,
-                                               real_kv_sources, real_kv_hash_mode, wave))
-        replay = None if parts is None else _WRITE.get(*parts)
+    memo_args = None
+    if stream is None and not strict and not full_validation_forced():  # a side stream forks per call: always checked
+        memo_args = (write_plan, log, canary_buf, input_ids, positions, out_cache_loc, expected_input_tokens,
+                     expected_input_positions, write_waves, chain_position_assert, kernel_kind, real_kv_sources,
+                     real_kv_hash_mode, wave)
+        replay = _WRITE.recall(memo_args)
         if replay is not None:  # the last call's arguments, unchanged: its checked launches
             replay()
             return
@@ -167,7 +167,7 @@ def write(
             args = args._replace(**{key: contiguous_input(view, key, xp) for key, view in views.items()})
             if strict:
                 strict_checks.check_write(args)
-            if not _launched(_WRITE, parts, placement, "write_launch", args):
+            if memo_args is None or not launch_packed(_WRITE, memo_args, placement, "write_launch", args):
                 get_backend(placement.backend).write(args)
 
 
@@ -251,17 +251,18 @@ def verify(
     >>> log.read().total_violations
     2
     """
-    check_type(verify_plan, "verify_plan", VerifyPlan)  # None would mean plan_and_verify's call below
-    check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
-                                        "check_expected_token")
-    parts = None
-    if replay_allowed(strict):
-        parts = call_parts((verify_plan, log), (canary_buf, kernel_kind, real_kv_sources, real_kv_hash_mode,
-                                                check_expected_token, check_holes))
-        replay = None if parts is None else _VERIFY.get(*parts)
+    memo_args = None
+    if not strict and not full_validation_forced():
+        # both spellings as given: a replayed call is one whose checks (bool_keyword's too) passed with these values
+        memo_args = (verify_plan, log, canary_buf, kernel_kind, real_kv_sources, real_kv_hash_mode,
+                     check_expected_tokens, check_expected_token, check_holes)
+        replay = _VERIFY.recall(memo_args)
         if replay is not None:  # the last call's arguments, unchanged: its checked launches
             replay()
             return
+    check_type(verify_plan, "verify_plan", VerifyPlan)  # None would mean plan_and_verify's call below
+    check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
+                                        "check_expected_token")
     call = CachedCall()
     key = call_key(*_long_lived_stamps(call, canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode),
                    call.record(verify_plan), call.value(check_expected_token), call.value(check_holes))
@@ -277,16 +278,8 @@ def verify(
             args = call.hit[1]
         if strict:
             strict_checks.check_verify(args)
-        if not _launched(_VERIFY, parts, placement, "verify_launch", args):
+        if memo_args is None or not launch_packed(_VERIFY, memo_args, placement, "verify_launch", args):
             get_backend(placement.backend).verify(args)
-
-
-def _launched(memo: LastCall, parts, placement, launch: str, args) -> bool:
-    """Whether the call launched packed (and is remembered in ``memo`` to be replayed); False: launch it the usual way."""
-    got = launch_packed(parts, placement, launch, args)
-    if got is not None:
-        memo.put(*parts, got[1], got[0])
-    return got is not None
 
 
 def _long_lived_stamps(stamps: Stamps, canary_buf, log, kernel_kind, real_kv_sources, real_kv_hash_mode) -> tuple:

@@ -13,12 +13,12 @@ import numpy as np
 from ..args import PlanArgs
 from ..errors import CanaryCapacityWarning, fail
 from ..interop import backend_view, common_placement, import_cupy, is_torch_tensor
-from ..last_call import LastCall, call_parts, launch_packed, replay_allowed
+from ..last_call import LastOpCall, launch_packed
 from ..plans import VerifyPlan, WritePlan, is_clean, mark_clean, scan_state
-from ..runtime import is_capturing, launch_stream
+from ..runtime import launch_stream, stream_is_capturing
 from ..tables import BlockTable, PagedKvIndices, ReqToToken
 from ..validation import I64, check_1d, contiguous_input
-from ..validation_cache import CachedCall, Stamps, call_key
+from ..validation_cache import CachedCall, Stamps, call_key, full_validation_forced
 
 
 def remembered_plan(table, out, step: dict, *scalars) -> tuple:
@@ -84,53 +84,64 @@ def replan(args: PlanArgs, step: dict, wp: WritePlan, xp) -> PlanArgs:
 
 # The last CUDA call of the free plan and of plan_and_verify, each replayed while the same
 # arguments come back unchanged.
-_PLAN, _PLAN_VERIFY = LastCall(), LastCall()
+_PLAN, _PLAN_VERIFY = LastOpCall(), LastOpCall()
 
 
-def plan_parts(arguments: tuple, out, strict: bool, records: tuple = ()):
-    """A free plan's ``(objects, values)`` for its memo (``arguments``: plan's, in order, the table
-    fourth, then plan_and_verify's own; ``records``: its other records, the log), or None: never
-    replayed (strict, KVCANARY_FULL_VALIDATION=1, out no plan pair, a PagedKvIndices table, NumPy
-    arrays, ...).  The WritePlan's scan state and cleanliness (which the launch's
+def plan_memo_args(arguments: tuple, out, strict: bool):
+    """A free plan's argument tuple for its memo (``arguments``: plan's, in order, the table fourth,
+    then plan_and_verify's own; the log last), or None: never replayed (strict,
+    KVCANARY_FULL_VALIDATION=1, out no plan pair; a PagedKvIndices table is refused when
+    remembered).  The WritePlan's scan state and cleanliness (which the launch's
     clear_whole_capacity reads) are part of it."""
-    if not (replay_allowed(strict) and type(out) is tuple and len(out) == 2 and type(out[0]) is VerifyPlan
-            and type(out[1]) is WritePlan):
+    if strict or type(out) is not tuple or len(out) != 2 or full_validation_forced():
         return None
-    table = arguments[3]
-    if isinstance(table, (ReqToToken, BlockTable)):
-        records, arguments = (*out, *records, table), arguments[:3] + (None,) + arguments[4:]
-    else:
-        records = (*out, *records)
-    return call_parts(records, (*arguments, scan_state(out[1]), is_clean(out[1])))
+    vp, wp = out
+    if type(vp) is not VerifyPlan or type(wp) is not WritePlan:
+        return None
+    state = wp.__dict__
+    return (vp, wp, *arguments, state.get("_kvcanary_scan_state"), state.get("_kvcanary_clean", False))
 
 
-def replay_plan(parts, out, fused: bool = False) -> bool:
-    """Replay the memo's launches (plan's, or plan_and_verify's when ``fused``) if ``parts`` are its
-    call's, then what every such call does after them (mark the WritePlan clean; the free plan's
+def replay_plan(memo_args, out, fused: bool = False) -> bool:
+    """Replay the memo's launches (plan's, or plan_and_verify's when ``fused``) if ``memo_args`` are
+    its call's, then what every such call does after them (mark the WritePlan clean; the free plan's
     overflow note); False where the checked path must run."""
-    hit = (_PLAN_VERIFY if fused else _PLAN).get(*parts)
+    hit = (_PLAN_VERIFY if fused else _PLAN).recall(memo_args)
     if hit is None:
         return False
-    packed, placement, capacity = hit
-    with launch_stream(placement):
+    packed, placement, capacity, enable_address = hit
+    if fused:  # plan_and_verify leaves no note: its launches read the stream themselves
         packed()
-        mark_clean(out[1])
-        if not fused:  # plan_and_verify leaves no note
+        out[1].__dict__["_kvcanary_clean"] = True  # mark_clean
+        return True
+    stream = packed.current_stream()
+    if stream is None:  # another device is current: the launch stream's way
+        with launch_stream(placement):
+            packed()
+            mark_clean(out[1])
             note_overflow(out[0], out[0].enable, placement, capacity, stacklevel=5)
+        return True
+    packed(stream)
+    out[1].__dict__["_kvcanary_clean"] = True  # mark_clean
+    _note_gpu_overflow(out[0], enable_address, stream, capacity, 5)
     return True
 
 
-def packed_plan(parts, placement, args, capacity: int, fused: bool = False) -> bool:
+def packed_plan(memo_args, placement, args, capacity: int, fused: bool = False) -> bool:
     """On the GPU, launch a checked plan's kernels packed and remember them to be replayed (where
     every view it launches with is one of the caller's arrays: nothing copied); False: the usual
     launch.  ``args``: the PlanArgs, or with ``fused`` plan_and_verify's PlanVerifyArgs;
     ``capacity``: what the replay's overflow note names."""
+    if memo_args is None or placement.backend != "cupy":
+        return False
     launch, memo = ("plan_verify_launches", _PLAN_VERIFY) if fused else ("plan_launches", _PLAN)
-    got = launch_packed(parts, placement, launch, args,
-                        accept=lambda arrays: _views_of(args, {_address(x) for x in arrays}))
-    if got is not None:
-        memo.put(*parts, got[1], (got[0], placement, capacity))
-    return got is not None
+    table = memo_args[5]
+    records = (0, 1, 5) if isinstance(table, (ReqToToken, BlockTable)) else (0, 1)
+    if fused:
+        records += (len(memo_args) - 3,)  # the log, after it the scan state and cleanliness
+    return launch_packed(memo, memo_args, placement, launch, args, records,
+                         accept=lambda arrays: _views_of(args, {_address(x) for x in arrays}),
+                         extra=(placement, capacity, _address(memo_args[0].enable)))
 
 
 def _address(x) -> int:
@@ -157,24 +168,38 @@ def note_overflow(vp: VerifyPlan, enable, placement, verify_capacity: int, stack
     if state.get("_kvcanary_overflow_warned"):
         return
     if placement.backend == "numpy":
-        overflowed = int(enable[0]) == 0
-    else:
-        if is_capturing(placement):  # an event query would invalidate the capture
-            return
-        pending = state.get("_kvcanary_overflow_copy")
-        overflowed = pending is not None and pending[1].done and int(pending[0][0]) == 0
-        if not overflowed:
-            cupy = import_cupy()
-            if pending is None:
-                import cupyx
+        if int(enable[0]) == 0:
+            _warn_overflow(state, verify_capacity, stacklevel + 1)
+        return
+    cupy = import_cupy()
+    _note_gpu_overflow(vp, _address(enable), cupy.cuda.get_current_stream(), verify_capacity, stacklevel + 1)
 
-                pending = (cupyx.empty_pinned((1,), dtype=np.int32), cupy.cuda.Event(disable_timing=True))
-                state["_kvcanary_overflow_copy"] = pending
-            stream, runtime = cupy.cuda.get_current_stream(), cupy.cuda.runtime
-            runtime.memcpyAsync(pending[0].ctypes.data, _address(enable), 4, runtime.memcpyDeviceToHost, stream.ptr)
-            pending[1].record(stream)
-    if overflowed:
-        state["_kvcanary_overflow_warned"] = True
-        warnings.warn(f"kv-canary: a free plan overflowed verify_capacity={verify_capacity}: its verify is skipped "
-                      "(enable == 0); WritePlan.verify_entries_needed() says how many entries it asked for",
-                      CanaryCapacityWarning, stacklevel=stacklevel)  # the caller of plan, past public_api's wrapper
+
+def _note_gpu_overflow(vp: VerifyPlan, enable_address: int, stream, verify_capacity: int, stacklevel: int) -> None:
+    """:func:`note_overflow` on the GPU, ``enable`` at ``enable_address``, on ``stream`` (the launch
+    stream, a CuPy stream: torch's current one wrapped when the plan's arrays are torch tensors);
+    ``stacklevel`` counted from here."""
+    state = vp.__dict__
+    if state.get("_kvcanary_overflow_warned") or stream_is_capturing(stream):  # a query would invalidate a capture
+        return
+    pending = state.get("_kvcanary_overflow_copy")
+    if pending is not None and pending[1].done and int(pending[0][0]) == 0:
+        _warn_overflow(state, verify_capacity, stacklevel + 1)
+        return
+    if pending is None:  # the pinned buffer, its event and what each copy needs, once per record
+        import cupyx
+
+        runtime = import_cupy().cuda.runtime
+        host = cupyx.empty_pinned((1,), dtype=np.int32)
+        pending = state["_kvcanary_overflow_copy"] = (host, import_cupy().cuda.Event(disable_timing=True),
+                                                      host.ctypes.data, runtime.memcpyAsync, runtime.memcpyDeviceToHost)
+    pending[3](pending[2], enable_address, 4, pending[4], stream.ptr)
+    pending[1].record(stream)
+
+
+def _warn_overflow(state: dict, verify_capacity: int, stacklevel: int) -> None:
+    """The overflow warning, once per record; ``stacklevel`` counted from here."""
+    state["_kvcanary_overflow_warned"] = True
+    warnings.warn(f"kv-canary: a free plan overflowed verify_capacity={verify_capacity}: its verify is skipped "
+                  "(enable == 0); WritePlan.verify_entries_needed() says how many entries it asked for",
+                  CanaryCapacityWarning, stacklevel=stacklevel)  # the caller of plan, past public_api's wrapper

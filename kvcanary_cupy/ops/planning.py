@@ -20,7 +20,7 @@ from ..runtime import launch_stream, refuse_during_capture
 from ..tables import ReqToToken, TableKind, as_table, table_view
 from ..validation import (I32, I64, bool_keyword, check_1d, check_2d_rows, check_count, check_int64, contiguous_input,
                           require)
-from .plan_cache import note_overflow, packed_plan, plan_parts, remember_plan, remembered_plan, replan, replay_plan
+from .plan_cache import note_overflow, packed_plan, plan_memo_args, remember_plan, remembered_plan, replan, replay_plan
 
 
 class _PlanCall(NamedTuple):
@@ -235,10 +235,11 @@ def plan(
     >>> int(vp.verify_num_valid[0]), vp.verify_slot_indices[:3].tolist(), wp.write_seed_slot_indices.tolist()
     (7, [32, 33, 34], [38])
     """
-    parts = plan_parts((req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, write_req_capacity,
-                        swa_window_size, full_to_swa_index_mapping, req_to_verify_expected_tokens,
-                        req_to_verify_expected_tokens_valid_lens, kv_token_id_vs_position_offset), out, strict)
-    if parts is not None and replay_plan(parts, out):  # the last call's arguments, unchanged: its launches
+    memo_args = plan_memo_args((req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity,
+                                write_req_capacity, swa_window_size, full_to_swa_index_mapping,
+                                req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+                                kv_token_id_vs_position_offset), out, strict)
+    if memo_args is not None and replay_plan(memo_args, out):  # the last call's arguments, unchanged: its launches
         return out
     step = {"req_pool_indices": req_pool_indices, "prefix_lens": prefix_lens, "extend_seq_lens": extend_seq_lens,
             "req_to_verify_expected_tokens_valid_lens": req_to_verify_expected_tokens_valid_lens}
@@ -261,7 +262,7 @@ def plan(
         if strict:
             strict_checks.check_plan(args)
         capacity = c.verify_capacity if call.hit is None else call.hit[2]
-        if not packed_plan(parts, placement, args, capacity):
+        if not packed_plan(memo_args, placement, args, capacity):
             get_backend(placement.backend).plan(args)
         mark_clean(wp)
         note_overflow(vp, args.out.enable, placement, capacity)
@@ -372,14 +373,17 @@ def plan_and_verify(
     ...                             log=log, verify_capacity=0)
     >>> kc.write(canary, wp, np.array([5, 6, 7]), np.arange(3), np.array([16, 17, 18]), log=log)
     """
+    # both spellings as given: a replayed call is one whose checks (bool_keyword's too) passed with these values
+    memo_args = plan_memo_args((req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity,
+                                write_req_capacity, swa_window_size, full_to_swa_index_mapping,
+                                req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
+                                kv_token_id_vs_position_offset, canary_buf, kernel_kind, real_kv_sources,
+                                real_kv_hash_mode, check_expected_tokens, check_expected_token, check_holes, log),
+                               out, strict)
+    if memo_args is not None and replay_plan(memo_args, out, fused=True):  # the last call's arguments, unchanged: its launches
+        return out
     check_expected_token = bool_keyword(check_expected_tokens, "check_expected_tokens", check_expected_token,
                                         "check_expected_token")
-    parts = plan_parts((req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, write_req_capacity,
-                        swa_window_size, full_to_swa_index_mapping, req_to_verify_expected_tokens,
-                        req_to_verify_expected_tokens_valid_lens, kv_token_id_vs_position_offset, canary_buf, kernel_kind,
-                        real_kv_sources, real_kv_hash_mode, check_expected_token, check_holes), out, strict, (log,))
-    if parts is not None and replay_plan(parts, out, fused=True):  # the last call's arguments, unchanged: its launches
-        return out
     c = _plan_call(req_pool_indices, prefix_lens, extend_seq_lens, table, verify_capacity, swa_window_size,
                    full_to_swa_index_mapping, req_to_verify_expected_tokens, req_to_verify_expected_tokens_valid_lens,
                    kv_token_id_vs_position_offset, out, "plan_and_verify")
@@ -405,7 +409,7 @@ def plan_and_verify(
         if strict:
             strict_checks.check_plan(args, verify_capacity=c.verify_capacity)
         step_args = PlanVerifyArgs(args, fused_verify, c.verify_capacity)
-        if not packed_plan(parts, placement, step_args, c.verify_capacity, fused=True):
+        if not packed_plan(memo_args, placement, step_args, c.verify_capacity, fused=True):
             backend.plan_verify(step_args)
         mark_clean(wp)
     return vp, wp

@@ -424,8 +424,8 @@ def test_on_the_device_replayed_steps_leave_the_bytes_of_checked_ones(gpu_ab, mo
         return [gpu_ab.to_numpy(a).tobytes() for a in arrays] + ring, s
 
     replayed, s = run()
-    assert canary._WRITE.get(*canary.call_parts(
-        (s.wp, s.log), (s.canary, s.ids, s.pos, s.loc, None, None, None, True, 0, (), kc.RealKvHashMode.NONE, 0))) is not None
+    assert canary._WRITE.recall(
+        (s.wp, s.log, s.canary, s.ids, s.pos, s.loc, None, None, None, True, 0, (), kc.RealKvHashMode.NONE, 0)) is not None
     assert checked(monkeypatch, lambda: run()[0]) == replayed
 
 
@@ -448,3 +448,201 @@ def test_on_the_device_replayed_plan_and_verify_steps_leave_the_bytes_of_checked
     replayed = run()
     assert plan_cache._PLAN_VERIFY._entry is not None
     assert checked(monkeypatch, run) == replayed
+
+
+def test_a_remembered_object_that_dies_drops_the_entry(dev):
+    """The memos compare objects by id; an id is reused once its object is gone, so the death of any
+    remembered object drops the entry at once (the validation cache keeps views of the long-lived
+    arrays on the plans: the records and the per-step arrays are what can die here)."""
+    s = Script(dev.asarray, dev.asarray(np.zeros(1, np.int32)))
+    s.plan()
+    s.verify()
+    s.write()
+    s.plan_and_verify()
+    assert None not in [memo._entry for memo in MEMOS]
+    s.ids = dev.asarray(dev.to_numpy(s.ids))  # the remembered per-step array is gone
+    gc.collect()
+    assert canary._WRITE._entry is None and None not in [canary._VERIFY._entry, plan_cache._PLAN._entry]
+    s.log = kc.ViolationLog(**s.log.arrays())  # another record of the same arrays: the remembered one is gone
+    gc.collect()
+    assert canary._VERIFY._entry is None and plan_cache._PLAN_VERIFY._entry is None
+    assert plan_cache._PLAN._entry is not None  # the plan never saw the log
+    table = kc.ReqToToken(s.rtt)
+    kc.plan(s.rp, s.prefix, s.extend, table, verify_capacity=64, out=(s.vp, s.wp))
+    assert plan_cache._PLAN._entry is not None
+    del table  # the remembered table record is gone
+    gc.collect()
+    assert plan_cache._PLAN._entry is None
+    s.verify()
+    assert canary._VERIFY._entry is not None
+
+
+@pytest.mark.parametrize("bad", [{"check_expected_tokens": 1}, {"check_expected_token": 1},
+                                 {"check_expected_tokens": True, "check_expected_token": False},
+                                 {"verify_plan": None}, {"verify_plan": "wp"}, {"kernel_kind": np.int64(64)}])
+def test_the_checks_skipped_by_a_replay_still_run_on_any_other_value(dev, script, monkeypatch, bad):
+    """verify (and plan_and_verify) replay before their bool-keyword and type checks: a call with
+    another value of either spelling, or another plan object, is checked and gets the checked error."""
+    kw = dict(bad)
+    plan = kw.pop("verify_plan", script.vp)
+    plan = script.wp if plan == "wp" else plan
+    call = lambda: kc.verify(script.canary, plan, log=script.log, **kw)  # noqa: E731
+    for _ in range(2):
+        script.verify()
+    got = outcome(call)
+    assert got is not None and got[0] in (TypeError, ValueError) and got == checked(monkeypatch, lambda: outcome(call))
+    if "verify_plan" not in bad:
+        fused = lambda: script.plan_and_verify(**kw)  # noqa: E731
+        for _ in range(2):
+            script.plan_and_verify()
+        got = outcome(fused)
+        assert got is not None and got == checked(monkeypatch, lambda: outcome(fused))
+
+
+def test_either_spelling_of_check_expected_tokens_replays_as_checked(dev, script, monkeypatch):
+    from kvcanary_cupy.backends.cuda import ops
+
+    packs = counting(monkeypatch, ops, "verify_launch")
+    for kw in ({"check_expected_tokens": True}, {"check_expected_token": True},
+               {"check_expected_tokens": True, "check_expected_token": True}, {}):
+        want = checked(monkeypatch, lambda: launches(dev, lambda: script.verify(**kw)))
+        before = len(packs)
+        assert launches(dev, lambda: script.verify(**kw)) == want and len(packs) == before + 1  # a new spelling: checked
+        assert launches(dev, lambda: script.verify(**kw)) == want and len(packs) == before + 1  # then replayed
+
+
+def test_a_sequence_of_buffers_replays_until_it_changes_in_place(dev, script, monkeypatch):
+    """A list of buffers (and of launch kinds) is compared item by item: the same list object with
+    another buffer or kind in it is checked again."""
+    from kvcanary_cupy.backends.cuda import ops
+
+    packs = counting(monkeypatch, ops, "verify_launch")
+    other = kc.allocate_canary_buffer(NUM_SLOTS, like=script.rp)
+    bufs, kinds = [script.canary, other], [0, 1]
+    run = lambda: launches(dev, lambda: kc.verify(bufs, script.vp, log=script.log, kernel_kind=kinds))  # noqa: E731
+    want = checked(monkeypatch, run)
+    assert run() == run() == want and len(packs) == 2
+    third = kc.allocate_canary_buffer(NUM_SLOTS, like=script.rp)
+    bufs[1] = third  # in place: the same list object
+    assert run() == checked(monkeypatch, run) and len(packs) == 4
+    assert run() != want and len(packs) == 4  # the new list content, replayed
+    kinds[1] = True  # a bool is no launch kind: the checked error
+    got = outcome(run)
+    assert got is not None and got == checked(monkeypatch, lambda: outcome(run))
+    kinds[1] = 1
+    bufs.append(other)
+    got = outcome(run)
+    assert got == checked(monkeypatch, lambda: outcome(run))
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["replayed", "checked"])
+def test_a_replayed_plan_warns_of_an_overflow_at_its_caller(dev, script, monkeypatch, full):
+    """The overflow note of a replayed plan reads the copy the last call queued, as the checked
+    path does; the warning points at the caller of kc.plan."""
+    import ctypes
+    import warnings
+
+    from kvcanary_cupy.backends.cuda import ops
+
+    packs = counting(monkeypatch, ops, "plan_params")
+    if full:
+        monkeypatch.setenv(FULL_VALIDATION_ENV, "1")
+    script.plan()  # its note queues a copy of enable (1)
+    ctypes.memmove(script.vp.enable.data.ptr, np.zeros(1, np.int32).ctypes.data, 4)  # the plan overflowed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        script.plan()  # reads 1, queues a copy of 0
+        assert caught == []
+        kc.plan(script.rp, script.prefix, script.extend, script.rtt, verify_capacity=64, out=(script.vp, script.wp))
+    assert [w.category for w in caught] == [kc.CanaryCapacityWarning] and caught[0].filename == __file__
+    assert len(packs) == (3 if full else 0)  # replayed, or checked every call
+
+
+def test_a_cupy_arrays_memory_and_dtype_are_its_own_for_life(dev):
+    """Why the memos re-read only a cupy.ndarray's shape and strides at each call: its data (address
+    and device) and dtype cannot be assigned, and calling __init__ again does not redo them.  Should
+    a CuPy release change that, this fails, and last_call.LastOpCall must stamp them again."""
+    x = dev.asarray(np.zeros((4, 4), np.int64))
+    other = dev.asarray(np.zeros(8, np.int32))
+    data, dtype, ptr = x.data, x.dtype, x.data.ptr
+    for name, value in (("data", other.data), ("dtype", np.dtype(np.int32)), ("strides", (4,))):
+        with pytest.raises(AttributeError):
+            setattr(x, name, value)
+    with pytest.raises(AttributeError):
+        x.data.ptr = other.data.ptr
+    try:
+        x.__init__((8,), np.int32, memptr=other.data)
+    except Exception:  # noqa: BLE001 - refused is as good as ignored
+        pass
+    assert x.data is data and x.dtype == dtype and x.data.ptr == ptr and x.shape == (4, 4)
+    x.shape = (16,)  # what can change in place, and what the memos compare
+    assert x.data.ptr == ptr and x.strides == (8,)
+
+
+def test_the_op_memo_stamps_a_torch_tensor_whole_and_scalars_by_type():
+    """LastOpCall on its own (CPU tensors: the memo reads metadata only): any in-place change of a
+    tensor's address, shape, strides, dtype or requires_grad misses, as does an equal scalar of
+    another type; putting the tensor back as it was hits again; its death drops the entry."""
+    torch = pytest.importorskip("torch")
+    from kvcanary_cupy.last_call import LastOpCall
+
+    memo = LastOpCall()
+    t = torch.zeros(8, dtype=torch.float32)
+    args = lambda *extra: (None, None, t, 0, (), *extra)  # noqa: E731 - no records: two None record positions
+    memo.commit(memo.pending(args()), "kept")
+    assert memo.recall(args()) == "kept"
+    assert memo.recall((None, None, t, False, ())) is None and memo.recall((None, None, t, 0, [])) is None
+    assert memo.recall((None, None, t.clone(), 0, ())) is None
+    sources = []  # an empty list, filled in place after the call
+    memo.commit(memo.pending((None, None, t, 0, sources)), "kept")
+    assert memo.recall((None, None, t, 0, sources)) == "kept" and memo.recall((None, None, t, 0, [])) == "kept"
+    sources.append(1)
+    assert memo.recall((None, None, t, 0, sources)) is None
+    changes = [lambda: t.resize_(16), lambda: t.unsqueeze_(0), lambda: t.requires_grad_(),
+               lambda: setattr(t, "data", torch.zeros(8, dtype=torch.float32)),
+               lambda: setattr(t, "data", torch.zeros(8, dtype=torch.int32)),
+               lambda: t.set_(torch.zeros(8, dtype=torch.float32))]
+    for change in changes:
+        t = torch.zeros(8, dtype=torch.float32)
+        memo.commit(memo.pending(args()), "kept")
+        change()
+        assert memo.recall(args()) is None, change
+    t = torch.zeros(8, dtype=torch.float32)
+    memo.commit(memo.pending(args()), "kept")
+    t.unsqueeze_(0)
+    assert memo.recall(args()) is None
+    t.squeeze_(0)  # back in place: the same storage, address and strides
+    assert memo.recall(args()) == "kept"
+    t = None
+    gc.collect()
+    assert memo._entry is None
+    assert memo.pending((None, None, np.zeros(3), 0)) is None  # a NumPy array launches nothing: never remembered
+    assert memo.pending((None, None, torch.zeros(4, 2).t(), 0)) is None  # not contiguous: launched on a copy
+
+
+def test_per_step_arrays_new_at_each_call_launch_plainly_after_a_while(dev, script, monkeypatch):
+    """An engine's batch tensors are new objects each step: no call is ever replayed, so after two
+    remembered calls go unreplayed the checked calls stop packing for runs that double up to
+    MAX_PLAIN_RUN (the same launches, byte for byte); once the arrays come back unchanged, the
+    memo packs again within one run and replays."""
+    from kvcanary_cupy.backends.cuda import launch as cuda_launch, ops
+    from kvcanary_cupy.last_call import MAX_PLAIN_RUN
+
+    packed = counting(monkeypatch, cuda_launch, "PackedLaunches")
+    checks = counting(monkeypatch, ops, "write_launch")
+    host = [dev.to_numpy(a) for a in (script.ids, script.pos, script.loc)]
+    for step in range(40):
+        script.ids, script.pos, script.loc = (dev.asarray(a) for a in host)
+        if step % 9 == 0:  # a plain or a packed call, both the checked call's launches
+            assert launches(dev, script.write) == checked(monkeypatch, lambda: launches(dev, script.write))
+        else:
+            script.write()
+    assert 40 <= len(checks) and 5 <= len(packed) <= 8  # packed at steps 0, 1, 2, 5, 10, 19, 36: 7
+    before = len(checks)
+    for _ in range(MAX_PLAIN_RUN + 3):
+        script.write()
+    assert len(checks) - before <= MAX_PLAIN_RUN + 1  # one run at most, then packed once and replayed
+    now = len(checks)
+    script.write()
+    script.write()
+    assert len(checks) == now

@@ -254,3 +254,19 @@ def _numpy_backend():
     from conftest import get_backend_or_skip
 
     return get_backend_or_skip("numpy")
+
+
+def test_full_validation_is_read_from_the_environment_at_each_call(monkeypatch):
+    import os
+
+    from kvcanary_cupy.validation_cache import FULL_VALIDATION_ENV, full_validation_forced
+
+    monkeypatch.delenv(FULL_VALIDATION_ENV, raising=False)
+    assert not full_validation_forced()
+    for value, forced in (("1", True), ("0", False), ("", False), ("yes", True)):
+        monkeypatch.setenv(FULL_VALIDATION_ENV, value)
+        assert full_validation_forced() is forced, value
+    monkeypatch.delenv(FULL_VALIDATION_ENV)
+    assert not full_validation_forced()
+    monkeypatch.setattr(os, "environ", {FULL_VALIDATION_ENV: "1"})  # another mapping in its place
+    assert full_validation_forced()

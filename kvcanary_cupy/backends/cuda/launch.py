@@ -160,9 +160,12 @@ class PackedLaunches:
     """A free call's record launches packed once, to be replayed while its arguments come back
     unchanged (:mod:`kvcanary_cupy.last_call`): each record's :class:`BoundLaunch` with its kernel,
     grid, block and shared memory, on the caller's stream read at each call (torch's current one
-    for torch tensors, else CuPy's on the record's device), as :func:`launch_record` launches them."""
+    for torch tensors, else CuPy's on the record's device), as :func:`launch_record` launches them.
+    Where the launches overlap and the record's device is current, each call reads the stream once
+    and hands its handle to the packed :class:`OverlappedLaunch` records (what the BoundLaunch
+    would do per launch); otherwise each goes through its BoundLaunch."""
 
-    __slots__ = ("calls", "_lock")
+    __slots__ = ("calls", "_lock", "_device", "_torch_stream", "_overlapped", "_get_device", "_cupy_stream")
 
     def __init__(self, launches, placement):
         """``launches``: :class:`KernelLaunch` records, launched in order, on the current device."""
@@ -171,8 +174,30 @@ class PackedLaunches:
         self.calls = tuple((BoundLaunch(x.params, device_id, torch_stream), get_function(x.family, x.name).kernel,
                             (x.config.grid,), (x.config.block,), x.config.shared_mem) for x in launches)
         self._lock = threading.Lock()  # an overlapped launch sets its stream then launches: one thread at a time
+        self._device, self._torch_stream = device_id, torch_stream
+        cuda = import_cupy().cuda
+        self._get_device, self._cupy_stream = cuda.runtime.getDevice, cuda.get_current_stream
+        self._overlapped = tuple(OverlappedLaunch(fn.ptr, grid[0], block[0], shared_mem, record_addresses(bound.params))
+                                 for bound, fn, grid, block, shared_mem in self.calls) if supported(device_id) else None
 
-    def __call__(self) -> None:
+    def current_stream(self):
+        """The stream the launches go on now, as a CuPy stream; None where another device is current."""
+        if self._get_device() != self._device:
+            return None
+        return self._cupy_stream() if self._torch_stream is None else wrapped_torch_stream(self._torch_stream())
+
+    def __call__(self, stream=None) -> None:
+        """Launch; ``stream``: :meth:`current_stream`'s answer when the caller has just asked it."""
+        overlapped = self._overlapped
+        if overlapped is None or plain_depth or (stream is None and self._get_device() != self._device):
+            with self._lock:
+                for bound, fn, grid, block, shared_mem in self.calls:
+                    bound(fn, grid, block, shared_mem)
+            return
+        if stream is not None:
+            handle = stream.ptr
+        else:
+            handle = self._cupy_stream().ptr if self._torch_stream is None else self._torch_stream()
         with self._lock:
-            for bound, fn, grid, block, shared_mem in self.calls:
-                bound(fn, grid, block, shared_mem)
+            for launch in overlapped:
+                launch(handle)
