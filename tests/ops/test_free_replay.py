@@ -432,6 +432,8 @@ def test_on_the_device_replayed_steps_leave_the_bytes_of_checked_ones(gpu_ab, mo
 def test_on_the_device_replayed_plan_and_verify_steps_leave_the_bytes_of_checked_ones(gpu_ab, monkeypatch):
     """The fused step (plan_and_verify + write) in a loop on a GPU: replayed, the bytes of checked calls."""
 
+    remembered = []
+
     def run():
         s = Script(gpu_ab.asarray, gpu_ab.like)
         for seed in range(4):
@@ -439,6 +441,7 @@ def test_on_the_device_replayed_plan_and_verify_steps_leave_the_bytes_of_checked
             s.prefix[...] = gpu_ab.asarray(PREFIX + seed)
             s.plan_and_verify(check_expected_tokens=False)
             s.write()
+        remembered.append(plan_cache._PLAN_VERIFY._entry is not None)  # while its objects live (their death drops it)
         gpu_ab.synchronize()
         ring = sorted(map(bytes, gpu_ab.to_numpy(s.log.ring)))
         arrays = [s.canary, *s.wp.arrays().values(), s.vp.verify_num_valid, s.vp.enable, s.vp.out_of_range_count,
@@ -446,8 +449,8 @@ def test_on_the_device_replayed_plan_and_verify_steps_leave_the_bytes_of_checked
         return [gpu_ab.to_numpy(a).tobytes() for a in arrays] + ring
 
     replayed = run()
-    assert plan_cache._PLAN_VERIFY._entry is not None
     assert checked(monkeypatch, run) == replayed
+    assert remembered[0]  # the first run's calls were remembered (so replayed) while its objects lived
 
 
 def test_a_remembered_object_that_dies_drops_the_entry(dev):
