@@ -6,8 +6,8 @@
 #
 #   bash scripts/gpu_check.sh [all|tests|sanitizer|bench] [pytest args...]
 #
-# Stage limits (seconds) can be changed with TESTS_S (default 450: each of the 4 slices took over 330 s
-# on the H200 on 2026-12-03), SANITIZER_S, BENCH_S; JOBS (default 4) pytest
+# Stage limits (seconds) can be changed with TESTS_S (default 450: the suite outgrew 330 s a slice),
+# SANITIZER_S, BENCH_S; JOBS (default 4) pytest
 # processes share the GPU, each with every JOBS-th test id, and the sanitizer runs beside them;
 # the benchmarks run alone afterwards.  Installs nothing from
 # the network: the package itself is installed in editable mode without dependencies (CuPy, torch,
