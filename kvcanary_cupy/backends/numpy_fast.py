@@ -18,9 +18,8 @@ whole-array fancy indexing (a dozen temporaries of the entries' length).  Here:
 
 * **write**: a decode step's (request r writes token r alone) without the general walk's
   bookkeeping; any other write is the reference's, both with this module's fingerprints.
-* **real-KV fingerprints** (PARTIAL, sources read as whole words): views prepared once a sources
-  tuple, one index for the sources read alike, and for a few slots the serial fold of the sources
-  on Python-int lanes.
+* **real-KV fingerprints** (PARTIAL, sources read as whole words): one index for the sources read
+  alike, and for a few slots the serial fold of the sources on Python-int lanes.
 
 Everything else (the page ops, staging, other tables) is the reference's.
 ``tests/ops/test_numpy_fast.py`` compares every output with the reference on randomized inputs.

@@ -11,12 +11,12 @@ from ..binding import check_type, verify_args, verify_setup, write_bound_args, w
 from ..constants import RealKvHashMode
 from ..errors import fail, public_api
 from ..interop import Array, array_module, backend_view, common_placement
-from ..last_call import LastOpCall, launch_packed
+from ..last_call import LastOpCall, launch_packed, replay_allowed
 from ..log import ViolationLog
 from ..plans import VerifyPlan, WritePlan
 from ..runtime import launch_stream, side_stream
 from ..validation import I64, bool_keyword, check_1d, check_integer_dtype, contiguous_input, require
-from ..validation_cache import CachedCall, Stamps, call_key, full_validation_forced
+from ..validation_cache import CachedCall, Stamps, call_key
 
 #: The per-token inputs of a write that may be int32 as well as int64 (each its own dtype).
 TOKEN_INPUTS = ("input_ids", "positions", "out_cache_loc")
@@ -117,7 +117,7 @@ def write(
     [6, 1]
     """
     memo_args = None
-    if stream is None and not strict and not full_validation_forced():  # a side stream forks per call: always checked
+    if stream is None and replay_allowed(strict):  # a side stream forks per call: always checked
         memo_args = (write_plan, log, canary_buf, input_ids, positions, out_cache_loc, expected_input_tokens,
                      expected_input_positions, write_waves, chain_position_assert, kernel_kind, real_kv_sources,
                      real_kv_hash_mode, wave)
@@ -252,7 +252,7 @@ def verify(
     2
     """
     memo_args = None
-    if not strict and not full_validation_forced():
+    if replay_allowed(strict):
         # both spellings as given: a replayed call is one whose checks (bool_keyword's too) passed with these values
         memo_args = (verify_plan, log, canary_buf, kernel_kind, real_kv_sources, real_kv_hash_mode,
                      check_expected_tokens, check_expected_token, check_holes)

@@ -13,12 +13,12 @@ import numpy as np
 from ..args import PlanArgs
 from ..errors import CanaryCapacityWarning, fail
 from ..interop import backend_view, common_placement, import_cupy, is_torch_tensor
-from ..last_call import LastOpCall, launch_packed
+from ..last_call import LastOpCall, launch_packed, replay_allowed
 from ..plans import VerifyPlan, WritePlan, is_clean, mark_clean, scan_state
 from ..runtime import launch_stream, stream_is_capturing
 from ..tables import BlockTable, PagedKvIndices, ReqToToken
 from ..validation import I64, check_1d, contiguous_input
-from ..validation_cache import CachedCall, Stamps, call_key, full_validation_forced
+from ..validation_cache import CachedCall, Stamps, call_key
 
 
 def remembered_plan(table, out, step: dict, *scalars) -> tuple:
@@ -93,7 +93,7 @@ def plan_memo_args(arguments: tuple, out, strict: bool):
     KVCANARY_FULL_VALIDATION=1, out no plan pair; a PagedKvIndices table is refused when
     remembered).  The WritePlan's scan state and cleanliness (which the launch's
     clear_whole_capacity reads) are part of it."""
-    if strict or type(out) is not tuple or len(out) != 2 or full_validation_forced():
+    if not replay_allowed(strict) or type(out) is not tuple or len(out) != 2:
         return None
     vp, wp = out
     if type(vp) is not VerifyPlan or type(wp) is not WritePlan:
