@@ -117,4 +117,12 @@ def loop_rows(rows: list, *, cupy=None, steps: int = LOOP_STEPS) -> list:
     if figures:
         lines.append("(bound per-op host us measured here at W3: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
                      + ")")
+    if row["bound_host_us"] and row["kernel_us_per_step"]:
+        # Eager calls finish no earlier than the host has launched them: with launches slower than
+        # the kernels the GPU waits on the host, so the event window is at least the launch span.
+        floor = row["launch_floor_x_kernel"] = round(row["bound_host_us"] / row["kernel_us_per_step"], 3)
+        lines.append(f"(event floor of eager calls: the step's ops launched at the bound per-op host figures take "
+                     f"{row['bound_host_us']:.1f} us = {floor:.2f}x the kernel time, the GPU waiting on the host between "
+                     "kernels; event / kernel <= 2 needs the step's launches cheaper than the bound path's, as a "
+                     "replayed graph of the step)")
     return lines

@@ -150,13 +150,29 @@ def _legacy_grids():
     return configs.overridden(resident_blocks=LEGACY_BLOCKS_PER_SM)
 
 
+def reference_module(cupy):
+    """The floors' kernels (REFERENCE_KERNELS) beside the canary's common header."""
+    from ...backends.cuda import compile as cuda_compile
+
+    return cupy.RawModule(code=cuda_compile._read("canary_common.cuh") + REFERENCE_KERNELS, options=cuda_compile.NVRTC_OPTIONS)
+
+
+def gather_floor_call(cupy, module, d, vp, out):
+    """The verify's loads alone over the stored plan ``vp`` of workload ``d`` (its records, predecessors
+    and positions read, nothing hashed or compared)."""
+    gather = module.get_function("gather_floor")
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return lambda: gather((sms * 8,), (256,), (d["canary"], vp.verify_slot_indices, vp.verify_expected_positions,
+                                               vp.verify_prev_slot_indices, np.int64(d["total_verify"]), out))
+
+
 def detail_rows(cupy, names, rows: list):
     """verify and write in detail: grids sized by occupancy against 8 blocks per SM, a verify in
     which every entry fails, two buffers in one launch, and the floors of the gather and the chain."""
-    from ...backends.cuda import compile as cuda_compile, configs
+    from ...backends.cuda import configs
 
-    module = cupy.RawModule(code=cuda_compile._read("canary_common.cuh") + REFERENCE_KERNELS, options=cuda_compile.NVRTC_OPTIONS)
-    gather, chain = module.get_function("gather_floor"), module.get_function("chain_floor")
+    module = reference_module(cupy)
+    chain = module.get_function("chain_floor")
     two_chains, lane_chain = module.get_function("two_chain_floor"), module.get_function("lane_chain_floor")
     out = cupy.zeros(2, cupy.int64)
     lines = [
@@ -174,16 +190,12 @@ def detail_rows(cupy, names, rows: list):
         bad = d["canary"].copy()
         bad[:, 1] += 1  # every record's position is wrong: every entry fails
         second = d["canary"].copy()
-        n = d["total_verify"]
-        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         timed = {
             "verify": ops["verify"],
             "verify[grid 8/SM]": ("legacy", ops["verify"]),
             "verify[all entries fail]": lambda: kc.verify(bad, vp, log=log),
             "verify[2 buffers]": lambda: kc.verify([d["canary"], second], vp, log=log, kernel_kind=[0, 1]),
-            "verify[gather floor]": lambda: gather((sms * 8,), (256,), (d["canary"], vp.verify_slot_indices,
-                                                                     vp.verify_expected_positions,
-                                                                     vp.verify_prev_slot_indices, np.int64(n), out)),
+            "verify[gather floor]": gather_floor_call(cupy, module, d, vp, out),
             "write": ops["write"],
             "write[grid 8/SM]": ("legacy", ops["write"]),
             "write[2 buffers]": lambda: kc.write([d["canary"], second], wp, d["ids"], d["pos"], d["loc"], log=log,

@@ -8,7 +8,7 @@ import kvcanary_cupy as kc
 from .workloads import (BLOCK_SIZE, SGLANG_US, TABLE_REPEAT, WORKLOADS, build, build_paged, check_tables_agree,
                         materialise_block_table, materialise_paged_kv, table_plans)
 from .timing import time_eager, time_graph, time_graphs_interleaved
-from .ops_sections import cell, baseline_plan, gpu_ops
+from .ops_sections import baseline_plan, cell, gather_floor_call, gpu_ops, reference_module
 
 
 def run_tables(cupy, names, rows: list):
@@ -145,7 +145,32 @@ def step_rows(cupy, names, rows: list):
                          f"{cell(target and us / target, '9.2f')} {cell(theirs, '10.1f')}{' (stored)' if stored else ''}")
     lines.append("(unfused: plan + verify + write, resp. plan + verify; SGLang: its plan + verify + write; stored: past "
                  f"{configs.policy().plan_fused_max_rows:,} requests plan_and_verify stores the entries and takes plan + verify)")
+    for key in names:
+        if key in STEP_TARGET_US:
+            lines += step_parts(cupy, key, rows)
     return lines
+
+
+def step_parts(cupy, key, rows: list):
+    """How close the fused step can come: the parts it cannot do without, each timed alone (graph
+    replays in turn): the plan with its expansion cut out (launch, batch scan, per-request outputs),
+    the verify's loads alone over the stored entries (gather floor) and the write (its own launch).
+    Their sum, before any table lookup, hash or compare of the check, against the target."""
+    d = build(WORKLOADS[key], cupy)
+    ops = gpu_ops(cupy, d)
+    vp = kc.VerifyPlan.allocate(d["total_verify"], like=d["rp"])
+    kc.plan(d["rp"], d["prefix"], d["extend"], d["rtt"], verify_capacity=vp.capacity,
+            out=(vp, kc.WritePlan.allocate(d["bs"], like=d["rp"])))
+    gather = gather_floor_call(cupy, reference_module(cupy), d, vp, cupy.zeros(2, cupy.int64))
+    parts = time_graphs_interleaved(cupy, {"plan[offsets]": ops["plan[offsets]"], "verify[gather floor]": gather,
+                                           "write": ops["write"]})
+    total, target = sum(parts.values()), STEP_TARGET_US[key]
+    rows.append({"workload": key, "op": "step[parts]", **{f"{k}_us": round(v, 3) for k, v in parts.items()},
+                 "sum_us": round(total, 3), "target_us": target})
+    return [f"{WORKLOADS[key].name}: the fused step's parts alone: plan[offsets] {parts['plan[offsets]']:.2f} + verify[gather floor] "
+            f"{parts['verify[gather floor]']:.2f} + write {parts['write']:.2f} = {total:.2f} us = {total / target:.2f}x the "
+            f"{target:.0f} us target before the check's table lookups, hashes and compares (plan[offsets]: the plan without "
+            "its expansion; gather floor: the verify's loads alone over stored entries)"]
 
 
 def overlap_rows(cupy, names, rows: list):
