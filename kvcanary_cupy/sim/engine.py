@@ -353,7 +353,7 @@ class StepTimer:
         self.sample_every = sample_every if cupy is not None else 0
         self.canary_host = 0.0
         self.ops = 0
-        self.bound_us = 0.0
+        self.op_counts = Counter()  # the step's library ops by kind
         self.figures = BOUND_HOST_US  # host us per op kind that the ops are held against
         self._events = {"canary": [], "model": []}
         self._spare = []  # events reused across steps: creating two per call would cost host time inside the window
@@ -378,7 +378,7 @@ class StepTimer:
             finally:
                 self.canary_host += time.thread_time() - t0
         self.ops += len(ops)
-        self.bound_us += sum(self.figures[k] for k in ops)
+        self.op_counts.update(ops)
 
     @contextmanager
     def model(self):
@@ -428,7 +428,9 @@ class StepTimer:
     def take(self) -> dict:
         """This step's figures in microseconds (device ones None on the CPU; on a sampled step the
         canary's events are its kernel time, ``kernel_sample`` says whether the sample holds); resets."""
-        out = {"canary_host_us": self.canary_host * 1e6, "canary_ops": self.ops, "canary_bound_us": self.bound_us,
+        out = {"canary_host_us": self.canary_host * 1e6, "canary_ops": self.ops,
+               "canary_bound_us": sum(self.figures[k] * n for k, n in self.op_counts.items()),
+               "canary_op_counts": self.op_counts,
                "canary_device_us": None, "model_device_us": None, "canary_kernel_us": None,
                "kernel_sample": None}
         if self.cupy is not None:
@@ -446,7 +448,7 @@ class StepTimer:
                 out["kernel_sample"] = "spoiled" if self._spoiled else "ok"
                 if not self._spoiled:
                     out["canary_kernel_us"] = device["canary"]
-        self.canary_host, self.ops, self.bound_us = 0.0, 0, 0.0
+        self.canary_host, self.ops, self.op_counts = 0.0, 0, Counter()
         self._sampled = False
         return out
 

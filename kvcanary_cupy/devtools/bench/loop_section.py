@@ -19,6 +19,7 @@ With ``--backend numpy`` the same loop on NumPy sessions: host time and ops only
 from __future__ import annotations
 
 import statistics
+import time
 
 import numpy as np
 
@@ -55,13 +56,38 @@ def session_op_us(cupy, d, rounds: int = 5) -> dict:
     return {"launch": statistics.median(launch), "stage": statistics.median(stage)}
 
 
+COLD_SWEEP_BYTES = 256 << 20  # more than a server CPU's last-level cache
+
+
+def idle_us(cupy, fn, calls: int = 200, cold: bool = False) -> float:
+    """Host CPU us of one call of ``fn`` launched onto an idle GPU (a device sync before each call,
+    left out), as the simulator's calls meet it: its engine reads results back every step.  With
+    ``cold``, each call also follows a copy of COLD_SWEEP_BYTES (left out), so that it runs on caches
+    holding other work, as between an engine's steps.  CPU time of the thread, as the simulator's
+    timer counts it; median of the calls."""
+    src = np.ones(COLD_SWEEP_BYTES // 8) if cold else None
+    dst = np.empty_like(src) if cold else None
+    fn()
+    times = []
+    for _ in range(calls):
+        cupy.cuda.Device().synchronize()
+        if cold:
+            np.copyto(dst, src)
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    cupy.cuda.Device().synchronize()
+    return statistics.median(times) * 1e6
+
+
 def run_loop(xp, cupy=None, *, steps: int = LOOP_STEPS, warmup: int = LOOP_WARMUP, figures=None) -> dict:
     """The clean simulated loop on ``xp`` (NumPy, or CuPy with ``cupy``): its :func:`cost_summary`,
-    with ``figures`` (op kind -> host us) in place of :data:`BOUND_HOST_US` where given."""
+    with ``figures`` (op kind -> host us) in place of :data:`BOUND_HOST_US` where given, and
+    ``op_counts``: each measured step's library ops by kind."""
     engine = Engine(EngineConfig(), seed=0, addressing="sglang", xp=xp, cupy=cupy)
     if figures:
         engine.timer.figures = {**BOUND_HOST_US, **figures}
-    stats = RunStats()
+    stats, op_counts = RunStats(), []
     for i in range(warmup + steps):
         engine.step()
         t = engine.timer.take()
@@ -76,11 +102,12 @@ def run_loop(xp, cupy=None, *, steps: int = LOOP_STEPS, warmup: int = LOOP_WARMU
         if t["canary_ops"]:
             stats.canary_ops.append(t["canary_ops"])
             stats.canary_bound_us.append(t["canary_bound_us"])
+            op_counts.append(t["canary_op_counts"])
     stats.session_stats = {name: dict(pool.session.stats) for name, pool in engine.pools.items()}
     violations = sum(s["violations"] for s in stats.session_stats.values())
     if violations:
         raise RuntimeError(f"the clean simulated loop must verify clean, got {violations} violations")
-    return cost_summary(stats)
+    return {**cost_summary(stats), "op_counts": op_counts}
 
 
 def loop_rows(rows: list, *, cupy=None, steps: int = LOOP_STEPS) -> list:
@@ -91,7 +118,10 @@ def loop_rows(rows: list, *, cupy=None, steps: int = LOOP_STEPS) -> list:
         from .workloads import WORKLOADS, build
 
         d = build(WORKLOADS["W3"], cupy)
-        figures = {op: eager_us(cupy, fn) for op, fn in bound_ops(d).items()}
+        ops = bound_ops(d)
+        figures = {op: eager_us(cupy, fn) for op, fn in ops.items()}
+        idle = {op: idle_us(cupy, fn) for op, fn in ops.items()}
+        cold = {op: idle_us(cupy, fn, calls=50, cold=True) for op, fn in ops.items()}
         figures.update(session_op_us(cupy, d))
     c = run_loop(cupy if cupy is not None else np, cupy, steps=steps, figures=figures)
     backend = "cupy" if cupy is not None else "numpy"
@@ -117,6 +147,16 @@ def loop_rows(rows: list, *, cupy=None, steps: int = LOOP_STEPS) -> list:
     if figures:
         lines.append("(bound per-op host us measured here at W3: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
                      + ")")
+        # The same ops each launched onto an idle GPU: the step's ops at these figures (the coverage
+        # launches and the stage kept at their back-to-back ones) bound what eager launches can reach.
+        for name, measured, how in (("idle", idle, "each launched onto an idle GPU (a device sync before each)"),
+                                    ("cold", cold, f"each after a sync and a {COLD_SWEEP_BYTES >> 20} MiB copy (cold caches)")):
+            at = {**figures, **measured}
+            bound = statistics.median(sum(at[k] * n for k, n in counts.items()) for counts in c["op_counts"])
+            row[f"{name}_op_host_us"] = {k: round(v, 2) for k, v in measured.items()}
+            row[f"{name}_bound_host_us"], row[f"host_x_{name}_bound"] = round(bound, 1), round(row["host_us_per_step"] / bound, 3)
+            lines.append(f"(plan, verify and write {how}, CPU us: " + ", ".join(f"{k} {v:.1f}" for k, v in measured.items())
+                         + f"; the step's ops at these figures {bound:.1f} us, host x that {row[f'host_x_{name}_bound']:.2f})")
     if row["bound_host_us"] and row["kernel_us_per_step"]:
         # Eager calls finish no earlier than the host has launched them: with launches slower than
         # the kernels the GPU waits on the host, so the event window is at least the launch span.
