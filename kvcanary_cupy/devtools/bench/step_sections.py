@@ -210,6 +210,7 @@ SGLANG_EAGER_US = {
     "W1": {"plan": 63, "write": 19, "verify": 23},
     "W2": {"plan": 59, "write": 1192, "verify": 18},
     "W3": {"plan": 62, "write": 19, "verify": 18},
+    "W5": {"plan": 61, "write": 19, "verify": 26},
 }
 
 
