@@ -271,7 +271,6 @@ __device__ __forceinline__ u64 lane_head_sum(const unsigned char* const* base, i
 // put them in local memory), and the slot's page divided in 32 bits where it fits.
 template <bool kHoisted>
 __device__ __forceinline__ void accumulate(const DigestTable& t, const DigestPool& pool, const DigestRequests& q) {
-  wait_for_prior_grids();
   __shared__ int table_layer[kDigestTableLayers], table_w0[kDigestTableLayers];
   const int lane = threadIdx.x & 31;
   const i64 warps = static_cast<i64>(gridDim.x) * (kDigestThreads / 32);
@@ -391,12 +390,14 @@ __device__ __forceinline__ void accumulate(const DigestTable& t, const DigestPoo
 __global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accumulate(const __grid_constant__ DigestTable t,
                                                                     const __grid_constant__ DigestPool pool,
                                                                     const __grid_constant__ DigestRequests q) {
+  wait_for_prior_grids();
   accumulate<false>(t, pool, q);
 }
 
 __global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accumulate_hoisted(const __grid_constant__ DigestTable t,
                                                                             const __grid_constant__ DigestPool pool,
                                                                             const __grid_constant__ DigestRequests q) {
+  wait_for_prior_grids();
   accumulate<true>(t, pool, q);
 }
 
