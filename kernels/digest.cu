@@ -55,6 +55,14 @@ __device__ __forceinline__ i64 page_slot_of(i64 id, i64 page_size, i64 pos) {
   return (id >= 0 && id < kSlotLimit / page_size) ? id * page_size + pos % page_size : -1;
 }
 
+// The page of slot (slot >= 0): a 32-bit division where both fit, the same
+// quotient as the 64-bit one, which is a long subroutine call on the GPU.
+__device__ __forceinline__ i64 page_of(i64 slot, i64 page_size) {
+  if (((static_cast<u64>(slot) | static_cast<u64>(page_size)) >> 32) == 0)
+    return static_cast<i64>(static_cast<unsigned>(slot) / static_cast<unsigned>(page_size));
+  return slot / page_size;
+}
+
 struct RowInfo {
   bool ok;
   i64 base, length, pool_row;
@@ -258,10 +266,11 @@ __device__ __forceinline__ u64 lane_head_sum(const unsigned char* const* base, i
 // counted) once, then for each candidate layer (the local layers when every layer is sampled,
 // else the spec's rotated layers, of which those outside this pool's layers add no KV) the lanes
 // hash their words of both halves (LaneShare), the loads of a batch issued before its hashes.
-__global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accumulate(const __grid_constant__ DigestTable t,
-                                                                    const __grid_constant__ DigestPool pool,
-                                                                    const __grid_constant__ DigestRequests q) {
-  wait_for_prior_grids();
+// kHoisted (issue 24's A/B, digest_accumulate_hoisted): the word-pair LaneShare derived once, not
+// at every layer of every position, the two halves' bases kept in registers (an index by `halves`
+// put them in local memory), and the slot's page divided in 32 bits where it fits.
+template <bool kHoisted>
+__device__ __forceinline__ void accumulate(const DigestTable& t, const DigestPool& pool, const DigestRequests& q) {
   __shared__ int table_layer[kDigestTableLayers], table_w0[kDigestTableLayers];
   const int lane = threadIdx.x & 31;
   const i64 warps = static_cast<i64>(gridDim.x) * (kDigestThreads / 32);
@@ -279,6 +288,8 @@ __global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accum
   const u64 lane_words = share.sub < nw ? static_cast<u64>((nw - share.sub + share.group - 1) / share.group) : 0;
   // heads of 16 words or more whose strides keep 16-byte alignment may be read a word pair a load
   const bool wide = nw % 2 == 0 && nw >= 16 && ((pool.head_stride | pool.page_stride | pool.token_stride) & 15) == 0;
+  const LaneShare pair_share = kHoisted ? lane_share(lane, pool.num_heads, nw / 2) : share;
+  const u64 pair_words = pair_share.sub < nw / 2 ? 2 * static_cast<u64>((nw / 2 - pair_share.sub + pair_share.group - 1) / pair_share.group) : 0;
   for (i64 b = blockIdx.y; b < q.bs; b += gridDim.y) {
     const RowInfo row = row_info(t, q, b);
     const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
@@ -295,9 +306,19 @@ __global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accum
     i64 skipped = 0;
     for (i64 p = start + warp; p < end; p += warps) {
       const i64 slot = table_slot_of(t, row.base, p);
-      if (!slot_ok(pool, q, slot)) {
-        skipped += lane == 0;
-        continue;
+      i64 page;
+      if constexpr (kHoisted) {
+        page = slot >= 0 ? page_of(slot, pool.page_size) : 0;
+        if (!(slot >= 0 && page < pool.num_pages && (q.records == 0 || slot < q.rec_num_slots))) {  // slot_ok
+          skipped += lane == 0;
+          continue;
+        }
+      } else {
+        if (!slot_ok(pool, q, slot)) {
+          skipped += lane == 0;
+          continue;
+        }
+        page = slot / pool.page_size;
       }
       if (lane < 2 && q.mode != kRecNone) {  // lane 0 the token's term, lane 1 the position's
         i64 value = p;
@@ -315,7 +336,7 @@ __global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accum
         }
         rec += splitmix64(static_cast<u64>(value) ^ digest_key(kDigestRecLayer, static_cast<u64>(lane), 0, static_cast<u64>(p)));
       }
-      const i64 page = slot / pool.page_size, tok = slot - page * pool.page_size;
+      const i64 tok = slot - page * pool.page_size;
       const i64 at = page * pool.page_stride + tok * pool.token_stride;
       for (unsigned ci = 0; ci < candidates; ++ci) {
         int layer, w0;
@@ -332,10 +353,11 @@ __global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accum
         for (int c = 0; c < 2; ++c)
           layer_base[c] = reinterpret_cast<const unsigned char*>(pointers[local * halves + (c < halves ? c : 0)]) + at + w0 * 8;
         // 16-byte loads where every word pair of the lane's heads is 16-byte aligned (uniform across the warp)
+        const unsigned char* last_base = kHoisted ? (halves > 1 ? layer_base[1] : layer_base[0]) : layer_base[halves - 1];
         const bool pairs = wide && ((reinterpret_cast<unsigned long long>(layer_base[0]) |
-                                     reinterpret_cast<unsigned long long>(layer_base[halves - 1])) & 15) == 0;
-        const LaneShare s = pairs ? lane_share(lane, pool.num_heads, nw / 2) : share;
-        const u64 counted = pairs ? (s.sub < nw / 2 ? 2 * static_cast<u64>((nw / 2 - s.sub + s.group - 1) / s.group) : 0)
+                                     reinterpret_cast<unsigned long long>(last_base)) & 15) == 0;
+        const LaneShare s = pairs ? (kHoisted ? pair_share : lane_share(lane, pool.num_heads, nw / 2)) : share;
+        const u64 counted = pairs ? (kHoisted ? pair_words : s.sub < nw / 2 ? 2 * static_cast<u64>((nw / 2 - s.sub + s.group - 1) / s.group) : 0)
                                   : lane_words;
         for (int h = s.head; h < pool.num_heads; h += s.per_pass) {
           const int first_word = (pairs ? 2 : 1) * s.sub;
@@ -361,6 +383,229 @@ __global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accum
       if (rec) atomicAdd(out + 6, rec);
       if (words) atomicAdd(out + 7, words);
     }
+    warp_add(reinterpret_cast<unsigned long long*>(q.out_of_range), skipped);
+  }
+}
+
+__global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accumulate(const __grid_constant__ DigestTable t,
+                                                                    const __grid_constant__ DigestPool pool,
+                                                                    const __grid_constant__ DigestRequests q) {
+  wait_for_prior_grids();
+  accumulate<false>(t, pool, q);
+}
+
+__global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accumulate_hoisted(const __grid_constant__ DigestTable t,
+                                                                            const __grid_constant__ DigestPool pool,
+                                                                            const __grid_constant__ DigestRequests q) {
+  wait_for_prior_grids();
+  accumulate<true>(t, pool, q);
+}
+
+// ---- The unit kernel (issue 24: a candidate for the sampled digest, timed against digest_accumulate) ----
+//
+// digest_accumulate gives each (position, layer) to a warp whose lanes share heads: for the default
+// spec (2 layers, 32-byte windows, 8 heads) every lane derives two keys (four splitmix64) to hash two
+// words, and every lane repeats the position's slot lookup (a 64-bit division) and the per-layer
+// address work.  Here a *unit* is one (candidate layer, half, head) of a position: its window's words
+// (at most kUnitMaxWords) are read and hashed by one lane, which derives the unit's key once: for the
+// default 1.5 splitmix64 a word instead of 3.  A warp takes a chunk of up to 32 positions: lane j
+// resolves position j's slot, address and provenance terms, then the lanes walk the chunk's
+// (position, unit) items, each taking the position's address from lane j by a shuffle.  The units'
+// addresses (less the position's) and key coordinates are derived once per request into shared
+// memory; each block adds its sums with one atomic per field.
+constexpr int kUnitMaxUnits = 512;  // candidate layers x halves x heads a block tables
+constexpr int kUnitMaxWords = 8;    // window words a lane reads and hashes for one unit
+
+// One unit's nw words at `at` into word[] (zeros where !valid); kWords: nw fixed at compile time
+// (0: any nw up to kUnitMaxWords), V: words a load (2: 16-byte loads).
+template <int kWords, int V>
+__device__ __forceinline__ void unit_load(const unsigned char* at, int nw, bool valid, u64* word) {
+  constexpr int W = kWords ? kWords : kUnitMaxWords;
+  #pragma unroll
+  for (int w = 0; w < W; w += V) {
+    const bool load = valid && (kWords || w < nw);
+    if (V == 2) {
+      const ulonglong2 pair = load ? *reinterpret_cast<const ulonglong2*>(at + 8 * w) : make_ulonglong2(0, 0);
+      word[w] = pair.x;
+      word[w + V - 1] = pair.y;
+    } else {
+      word[w] = load ? *reinterpret_cast<const u64*>(at + 8 * w) : 0;
+    }
+  }
+}
+
+// The sum of the hashes of a unit's nw words, its first word's key k.
+template <int kWords>
+__device__ __forceinline__ u64 unit_hash(const u64* word, int nw, u64 k) {
+  constexpr int W = kWords ? kWords : kUnitMaxWords;
+  u64 sum = 0;
+  #pragma unroll
+  for (int w = 0; w < W; ++w)
+    if (kWords || w < nw) sum += splitmix64(word[w] ^ (k + static_cast<u64>(w) * kDigestWordStride));
+  return sum;
+}
+
+// Adds each of the block's three sums to out[5 + i] with one atomic (all threads call).
+__device__ __forceinline__ void block_add(u64 kv, u64 rec, u64 words, unsigned long long* out, u64 (*scratch)[kDigestThreads / 32]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  kv = warp_sum(kv);
+  rec = warp_sum(rec);
+  words = warp_sum(words);
+  if (lane == 0) {
+    scratch[0][warp] = kv;
+    scratch[1][warp] = rec;
+    scratch[2][warp] = words;
+  }
+  __syncthreads();
+  if (threadIdx.x < 3) {
+    u64 total = 0;
+    #pragma unroll
+    for (int w = 0; w < kDigestThreads / 32; ++w) total += scratch[threadIdx.x][w];
+    if (total) atomicAdd(out + 5 + (threadIdx.x == 0 ? 0 : threadIdx.x == 1 ? 1 : 2), total);
+  }
+  __syncthreads();  // scratch is read before the next request writes it
+}
+
+// Grid (x: blocks sharing a request, y: requests), one wave (digest/cuda.py).  kWords: the units'
+// word count when fixed (4: the default 32-byte window), else 0; kChunk: positions a warp takes at a
+// time (0: as many as spread the request over the grid's warps, at most 32).  The host launches it
+// only where candidates x halves x heads <= kUnitMaxUnits and the window (or strip) has at most
+// kUnitMaxWords words.
+template <int kWords, int kChunk>
+__global__ void __launch_bounds__(kDigestThreads) digest_units(const __grid_constant__ DigestTable t,
+                                                               const __grid_constant__ DigestPool pool,
+                                                               const __grid_constant__ DigestRequests q) {
+  wait_for_prior_grids();
+  __shared__ u64 unit_at[kUnitMaxUnits];     // the unit's first word's address less the position's offset; 0: outside this pool
+  __shared__ u64 unit_coord[kUnitMaxUnits];  // layer << 48 | half << 47 | head << 32 | first window word
+  __shared__ u64 scratch[3][kDigestThreads / 32];
+  __shared__ int aligned;
+  const int lane = threadIdx.x & 31;
+  const i64 warps = static_cast<i64>(gridDim.x) * (kDigestThreads / 32);
+  const i64 warp = static_cast<i64>(blockIdx.x) * (kDigestThreads / 32) + (threadIdx.x >> 5);
+  const u64* pointers = reinterpret_cast<const u64*>(pool.pointers);
+  const unsigned L = static_cast<unsigned>(q.num_layers_total);
+  const bool all_layers = q.sample_layers == 0 || static_cast<unsigned>(q.sample_layers) >= L;
+  const int candidates = all_layers ? pool.num_layers : q.sample_layers;
+  const bool windowed = q.window_words > 0 && q.window_words < pool.strip_words;
+  const int nw = kWords ? kWords : (windowed ? q.window_words : pool.strip_words);
+  const int halves = pool.halves, per_layer = halves * pool.num_heads;
+  const int units = candidates * per_layer;
+  // lane's first item (position j0, unit u0) of a chunk, and the step to its next (32 items on)
+  const int dj = 32 / units, du = 32 % units;
+  const int j0 = lane / units, u0 = lane % units;
+  for (i64 b = blockIdx.y; b < q.bs; b += gridDim.y) {
+    const RowInfo row = row_info(t, q, b);
+    const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
+    if (!range_ok(row, start, end)) continue;  // uniform across the block: counted by digest_init
+    const u64 key = static_cast<u64>(reinterpret_cast<const i64*>(q.sample_keys)[b]);
+    const unsigned first = all_layers ? 0u : static_cast<unsigned>(splitmix64(key ^ kDigestLayerRotation) % L);
+    if (threadIdx.x == 0) aligned = ((pool.page_stride | pool.token_stride) & 15) == 0 && nw % 2 == 0;
+    __syncthreads();  // the previous request's table is read no more; `aligned` is set
+    int misaligned = 0;
+    for (int u = threadIdx.x; u < units; u += kDigestThreads) {
+      const int ci = u / per_layer, c = (u % per_layer) / pool.num_heads, h = u % pool.num_heads;
+      int layer, w0;
+      candidate(pool, q, all_layers, windowed, first, key, static_cast<unsigned>(ci), &layer, &w0);
+      const int local = layer - pool.layer_offset;
+      u64 at = 0;
+      if (local >= 0 && local < pool.num_layers)
+        at = pointers[local * halves + c] + static_cast<u64>(h * pool.head_stride + w0 * 8);
+      misaligned |= static_cast<int>(at & 15);
+      unit_at[u] = at;
+      unit_coord[u] = static_cast<u64>(layer) << 48 | static_cast<u64>(c) << 47 |
+                      static_cast<u64>(pool.head_offset + h) << 32 | static_cast<u64>(w0);
+    }
+    if (misaligned) aligned = 0;
+    __syncthreads();
+    const bool pairs = aligned != 0;  // 16-byte loads: every unit's words and every position's offset 16-byte aligned
+    const i64 n = end - start;
+    const i64 per_chunk = kChunk ? kChunk : (n + warps - 1) / warps < 32 ? (n + warps - 1) / warps : 32;
+    const int P = static_cast<int>(per_chunk < 1 ? 1 : per_chunk);
+    u64 kv = 0, words = 0, rec = 0;
+    i64 skipped = 0;
+    for (i64 c0 = start + warp * P; c0 < end; c0 += warps * P) {
+      const int np = static_cast<int>(end - c0 < P ? end - c0 : P);
+      // lane j < np: position c0 + j's slot, offset in the pool and provenance terms
+      i64 off = 0;
+      bool ok = false;
+      if (lane < np) {
+        const i64 p = c0 + lane;
+        const i64 slot = table_slot_of(t, row.base, p);
+        const i64 page = slot >= 0 ? page_of(slot, pool.page_size) : 0;
+        ok = slot >= 0 && page < pool.num_pages && (q.records == 0 || slot < q.rec_num_slots);
+        if (!ok) {
+          skipped += 1;
+        } else {
+          off = page * pool.page_stride + (slot - page * pool.page_size) * pool.token_stride;
+          if (q.mode != kRecNone) {
+            i64 token = -1, position = p;
+            if (q.mode == kRecSender) {
+              token = record_row(q, slot)[0];
+              position = record_row(q, slot)[1];
+            } else {
+              const i64 idx = p + q.token_offset;
+              i64 limit = q.exp_cols;
+              if (q.valid_lens) {
+                const i64 v = reinterpret_cast<const i64*>(q.valid_lens)[b];
+                limit = v < 0 ? 0 : (v < limit ? v : limit);
+              }
+              if (idx >= 0 && idx < limit && row.pool_row >= 0 && row.pool_row < q.exp_rows)
+                token = load_index(reinterpret_cast<const void*>(q.expected), q.exp_i64, row.pool_row * q.exp_row_stride + idx);
+            }
+            rec += splitmix64(static_cast<u64>(token) ^ digest_key(kDigestRecLayer, 0, 0, static_cast<u64>(p)));
+            rec += splitmix64(static_cast<u64>(position) ^ digest_key(kDigestRecLayer, 1, 0, static_cast<u64>(p)));
+          }
+        }
+      }
+      const unsigned ok_mask = __ballot_sync(kFullMask, ok);
+      // the chunk's items (position j, unit u), 32 at a time, lane l taking item l of each 32; I
+      // items a lane per pass, all loaded before any is hashed (one of up to kUnitMaxWords words:
+      // two would spill on sm_80)
+      constexpr int I = kWords ? 2 : 1;
+      int j = j0, u = u0;
+      while (__any_sync(kFullMask, j < np)) {
+        int jj[I], uu[I];
+        #pragma unroll
+        for (int i = 0; i < I; ++i) {
+          jj[i] = j;
+          uu[i] = u;
+          j += dj;
+          u += du;
+          if (u >= units) {
+            u -= units;
+            ++j;
+          }
+        }
+        constexpr int W = kWords ? kWords : kUnitMaxWords;
+        u64 word[I][W], coord[I];
+        bool valid[I];
+        #pragma unroll
+        for (int i = 0; i < I; ++i) {
+          const bool in = jj[i] < np;
+          const i64 at_off = __shfl_sync(kFullMask, off, in ? jj[i] : 0);
+          const u64 base = in ? unit_at[uu[i]] : 0;
+          valid[i] = in && (ok_mask >> jj[i] & 1) && base != 0;
+          coord[i] = valid[i] ? unit_coord[uu[i]] : 0;
+          const unsigned char* at = reinterpret_cast<const unsigned char*>(base) + at_off;
+          if (pairs) {
+            unit_load<kWords, 2>(at, nw, valid[i], word[i]);
+          } else {
+            unit_load<kWords, 1>(at, nw, valid[i], word[i]);
+          }
+        }
+        #pragma unroll
+        for (int i = 0; i < I; ++i) {
+          if (valid[i]) {
+            const u64 pk = (coord[i] & ~0xFFFFFFFFULL) | static_cast<u64>(c0 + jj[i]);
+            const u64 k = splitmix64(kDigestSeed ^ splitmix64(pk)) + (coord[i] & 0xFFFFFFFFULL) * kDigestWordStride;
+            kv += unit_hash<kWords>(word[i], nw, k);
+            words += static_cast<u64>(nw);
+          }
+        }
+      }
+    }
+    block_add(kv, rec, words, reinterpret_cast<unsigned long long*>(q.out) + b * 8, scratch);
     warp_add(reinterpret_cast<unsigned long long*>(q.out_of_range), skipped);
   }
 }
