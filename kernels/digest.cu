@@ -266,11 +266,13 @@ __device__ __forceinline__ u64 lane_head_sum(const unsigned char* const* base, i
 // counted) once, then for each candidate layer (the local layers when every layer is sampled,
 // else the spec's rotated layers, of which those outside this pool's layers add no KV) the lanes
 // hash their words of both halves (LaneShare), the loads of a batch issued before its hashes.
-// kHoisted (issue 24's A/B, digest_accumulate_hoisted): the word-pair LaneShare derived once, not
-// at every layer of every position, the two halves' bases kept in registers (an index by `halves`
-// put them in local memory), and the slot's page divided in 32 bits where it fits.
-template <bool kHoisted>
-__device__ __forceinline__ void accumulate(const DigestTable& t, const DigestPool& pool, const DigestRequests& q) {
+// The word-pair LaneShare is derived once, not at every layer of every position, the two halves'
+// bases stay in registers (an index by `halves` put them in local memory), and the slot's page is
+// divided in 32 bits where it fits.
+__global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accumulate(const __grid_constant__ DigestTable t,
+                                                                    const __grid_constant__ DigestPool pool,
+                                                                    const __grid_constant__ DigestRequests q) {
+  wait_for_prior_grids();
   __shared__ int table_layer[kDigestTableLayers], table_w0[kDigestTableLayers];
   const int lane = threadIdx.x & 31;
   const i64 warps = static_cast<i64>(gridDim.x) * (kDigestThreads / 32);
@@ -288,7 +290,7 @@ __device__ __forceinline__ void accumulate(const DigestTable& t, const DigestPoo
   const u64 lane_words = share.sub < nw ? static_cast<u64>((nw - share.sub + share.group - 1) / share.group) : 0;
   // heads of 16 words or more whose strides keep 16-byte alignment may be read a word pair a load
   const bool wide = nw % 2 == 0 && nw >= 16 && ((pool.head_stride | pool.page_stride | pool.token_stride) & 15) == 0;
-  const LaneShare pair_share = kHoisted ? lane_share(lane, pool.num_heads, nw / 2) : share;
+  const LaneShare pair_share = lane_share(lane, pool.num_heads, nw / 2);
   const u64 pair_words = pair_share.sub < nw / 2 ? 2 * static_cast<u64>((nw / 2 - pair_share.sub + pair_share.group - 1) / pair_share.group) : 0;
   for (i64 b = blockIdx.y; b < q.bs; b += gridDim.y) {
     const RowInfo row = row_info(t, q, b);
@@ -306,19 +308,10 @@ __device__ __forceinline__ void accumulate(const DigestTable& t, const DigestPoo
     i64 skipped = 0;
     for (i64 p = start + warp; p < end; p += warps) {
       const i64 slot = table_slot_of(t, row.base, p);
-      i64 page;
-      if constexpr (kHoisted) {
-        page = slot >= 0 ? page_of(slot, pool.page_size) : 0;
-        if (!(slot >= 0 && page < pool.num_pages && (q.records == 0 || slot < q.rec_num_slots))) {  // slot_ok
-          skipped += lane == 0;
-          continue;
-        }
-      } else {
-        if (!slot_ok(pool, q, slot)) {
-          skipped += lane == 0;
-          continue;
-        }
-        page = slot / pool.page_size;
+      const i64 page = slot >= 0 ? page_of(slot, pool.page_size) : 0;
+      if (!(slot >= 0 && page < pool.num_pages && (q.records == 0 || slot < q.rec_num_slots))) {  // slot_ok
+        skipped += lane == 0;
+        continue;
       }
       if (lane < 2 && q.mode != kRecNone) {  // lane 0 the token's term, lane 1 the position's
         i64 value = p;
@@ -353,12 +346,11 @@ __device__ __forceinline__ void accumulate(const DigestTable& t, const DigestPoo
         for (int c = 0; c < 2; ++c)
           layer_base[c] = reinterpret_cast<const unsigned char*>(pointers[local * halves + (c < halves ? c : 0)]) + at + w0 * 8;
         // 16-byte loads where every word pair of the lane's heads is 16-byte aligned (uniform across the warp)
-        const unsigned char* last_base = kHoisted ? (halves > 1 ? layer_base[1] : layer_base[0]) : layer_base[halves - 1];
+        const unsigned char* last_base = halves > 1 ? layer_base[1] : layer_base[0];
         const bool pairs = wide && ((reinterpret_cast<unsigned long long>(layer_base[0]) |
                                      reinterpret_cast<unsigned long long>(last_base)) & 15) == 0;
-        const LaneShare s = pairs ? (kHoisted ? pair_share : lane_share(lane, pool.num_heads, nw / 2)) : share;
-        const u64 counted = pairs ? (kHoisted ? pair_words : s.sub < nw / 2 ? 2 * static_cast<u64>((nw / 2 - s.sub + s.group - 1) / s.group) : 0)
-                                  : lane_words;
+        const LaneShare s = pairs ? pair_share : share;
+        const u64 counted = pairs ? pair_words : lane_words;
         for (int h = s.head; h < pool.num_heads; h += s.per_pass) {
           const int first_word = (pairs ? 2 : 1) * s.sub;
           const unsigned char* base[2];
@@ -387,21 +379,7 @@ __device__ __forceinline__ void accumulate(const DigestTable& t, const DigestPoo
   }
 }
 
-__global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accumulate(const __grid_constant__ DigestTable t,
-                                                                    const __grid_constant__ DigestPool pool,
-                                                                    const __grid_constant__ DigestRequests q) {
-  wait_for_prior_grids();
-  accumulate<false>(t, pool, q);
-}
-
-__global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accumulate_hoisted(const __grid_constant__ DigestTable t,
-                                                                            const __grid_constant__ DigestPool pool,
-                                                                            const __grid_constant__ DigestRequests q) {
-  wait_for_prior_grids();
-  accumulate<true>(t, pool, q);
-}
-
-// ---- The unit kernel (issue 24: a candidate for the sampled digest, timed against digest_accumulate) ----
+// ---- The unit kernel: the sampled specs it takes (digest/cuda.py unit_words) ----
 //
 // digest_accumulate gives each (position, layer) to a warp whose lanes share heads: for the default
 // spec (2 layers, 32-byte windows, 8 heads) every lane derives two keys (four splitmix64) to hash two
@@ -467,11 +445,11 @@ __device__ __forceinline__ void block_add(u64 kv, u64 rec, u64 words, unsigned l
 }
 
 // Grid (x: blocks sharing a request, y: requests), one wave (digest/cuda.py).  kWords: the units'
-// word count when fixed (4: the default 32-byte window), else 0; kChunk: positions a warp takes at a
-// time (0: as many as spread the request over the grid's warps, at most 32).  The host launches it
+// word count when fixed (4: the default 32-byte window), else 0.  A warp takes as many positions at a
+// time as spread the request over the grid's warps, at most 32.  The host launches it
 // only where candidates x halves x heads <= kUnitMaxUnits and the window (or strip) has at most
 // kUnitMaxWords words.
-template <int kWords, int kChunk>
+template <int kWords>
 __global__ void __launch_bounds__(kDigestThreads) digest_units(const __grid_constant__ DigestTable t,
                                                                const __grid_constant__ DigestPool pool,
                                                                const __grid_constant__ DigestRequests q) {
@@ -520,7 +498,7 @@ __global__ void __launch_bounds__(kDigestThreads) digest_units(const __grid_cons
     __syncthreads();
     const bool pairs = aligned != 0;  // 16-byte loads: every unit's words and every position's offset 16-byte aligned
     const i64 n = end - start;
-    const i64 per_chunk = kChunk ? kChunk : (n + warps - 1) / warps < 32 ? (n + warps - 1) / warps : 32;
+    const i64 per_chunk = (n + warps - 1) / warps < 32 ? (n + warps - 1) / warps : 32;
     const int P = static_cast<int>(per_chunk < 1 ? 1 : per_chunk);
     u64 kv = 0, words = 0, rec = 0;
     i64 skipped = 0;

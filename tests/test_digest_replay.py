@@ -70,7 +70,9 @@ def test_the_launches_carry_the_structs_of_the_call(dev, monkeypatch):
     (init, acc) = launches(dev, run)
     (args,) = seen
     structs = (cuda.table_struct(args.table), cuda.pool_struct(args.layout), cuda.requests_struct(args))
-    assert init[0] == "kvcanary::digest_init" and acc[0] == "kvcanary::digest_accumulate"
+    nw = cuda.unit_words(args.layout, args.num_layers_total, args.sample_layers, args.window_bytes)
+    assert nw == 2  # this small pool's 16-byte strips, whole: a lane a (layer, half, head) strip
+    assert init[0] == "kvcanary::digest_init" and acc[0] == "kvcanary::digest_units<0>"
     assert init[3] == acc[3] == tuple(s.tobytes() for s in structs)
     assert init[1] == (1,) and acc[1][1] == 2  # one block of 256 for the headers; y walks the 2 requests
 

@@ -296,7 +296,6 @@ def _parameter_record(name: str):
     return {"canary_write": abi.WRITE_PARAMS, "canary_verify": abi.VERIFY_PARAMS, "session_stage": abi.STAGE_PARAMS,
             "session_attribute": abi.STAGE_PARAMS, "digest_init": digest_cuda.DIGEST_PARAMS,
             "digest_accumulate": digest_cuda.DIGEST_PARAMS, "digest_units": digest_cuda.DIGEST_PARAMS,
-            "digest_accumulate_hoisted": digest_cuda.DIGEST_PARAMS,
             "digest_verify": digest_cuda.VERIFY_PARAMS,
             }.get(kernel, abi.PLAN_PARAMS if kernel.startswith("plan_") else None)
 

@@ -5,8 +5,6 @@ stream for torch tensors)."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from ..backends.cuda import device as cuda_device
@@ -38,41 +36,8 @@ VERIFY_PARAMS = np.dtype([("expected", "u8"), ("actual", "u8"), ("n", "i8"), ("o
                           ("kind", "i4")], align=True)
 
 THREADS = 256  # kDigestThreads
-WARPS_PER_SM = 64  # resident warps aimed at per SM, spread over the batch's requests
 MAX_GRID_Y = 65535
 UNIT_MAX_UNITS, UNIT_MAX_WORDS = 512, 8  # kUnitMaxUnits, kUnitMaxWords
-
-# Issue 24's A/B of the accumulating kernel (benchmarks/bench_digest_variants.py times them side by
-# side; every one gives the same bytes).  A variant is "base" (the kernel as it ships) or features
-# joined by "+": "grid" a grid of one wave (the blocks its registers let the SMs hold at once: "base"
-# asks for 64 warps an SM, a third of which are resident, so its grid runs in three waves); "hoist"
-# digest_accumulate_hoisted (the per-layer lane split and local-memory bases taken out of the
-# position loop); "units" the sampled specs through digest_units (a lane a (layer, half, head)
-# window, one wave), the specs it does not take as without it; "units8" the same with chunks of 8
-# positions a warp.
-DIGEST_FEATURES = ("grid", "hoist", "units", "units8")
-DIGEST_VARIANTS = ("base", "grid", "hoist", "hoist+grid", "units", "units8", "units+hoist")  # the bench's default set
-VARIANT_ENV = "KVCANARY_DIGEST_VARIANT"
-
-
-def variant_features(name: str) -> frozenset:
-    """The features of variant ``name`` ("base" or features joined by "+"); ValueError otherwise."""
-    features = frozenset() if name == "base" else frozenset(name.split("+"))
-    if not features <= set(DIGEST_FEATURES) or {"units", "units8"} <= features or (name != "base" and not features):
-        raise ValueError(f"digest variant {name!r}: expected 'base' or features joined by '+' from "
-                         f"{', '.join(DIGEST_FEATURES)} (at most one of units, units8)")
-    return features
-
-
-def default_variant() -> str:
-    """The variant ``KVCANARY_DIGEST_VARIANT`` names (unset: "base"); read at each checked call."""
-    name = os.environ.get(VARIANT_ENV) or "base"
-    try:
-        variant_features(name)
-    except ValueError as exc:
-        raise ValueError(f"{VARIANT_ENV}: {exc}") from None
-    return name
-
 
 def _ptr(x) -> int:
     return 0 if x is None else data_ptr(x)
@@ -166,11 +131,10 @@ def unit_words(layout, num_layers_total: int, sample_layers: int, window_bytes: 
     return nw if 0 < units <= UNIT_MAX_UNITS and 0 < nw <= UNIT_MAX_WORDS else 0
 
 
-def digest(a, placement, variant: str | None = None) -> Launches:
-    """digest_init (each request's header and zero sums) then digest_accumulate (a 2-D grid: x
-    spreads a request's positions over the SMs, y walks the requests); ``variant``: one of
-    DIGEST_VARIANTS (default: default_variant())."""
-    features = variant_features(default_variant() if variant is None else variant)
+def digest(a, placement) -> Launches:
+    """digest_init (each request's header and zero sums) then the accumulating kernel on a grid of
+    one wave (x spreads a request's positions over the SMs, y walks the requests): digest_units
+    where it takes the spec (a lane a sampled window), else digest_accumulate."""
     bs = a.starts.shape[0]
     if bs == 0:
         return Launches(placement, ())
@@ -178,16 +142,11 @@ def digest(a, placement, variant: str | None = None) -> Launches:
     record["table"], record["pool"], record["requests"] = table_struct(a.table), pool_struct(a.layout), requests_struct(a)
     sms = cuda_device.sm_count(cuda_device.current_id())
     grid_y = min(bs, MAX_GRID_Y)
-    units = features & {"units", "units8"}
-    nw = unit_words(a.layout, a.num_layers_total, a.sample_layers, a.window_bytes) if units else 0
-    if nw:
-        name = kernel_name("digest_units", 4 if nw == 4 else 0, 8 if "units8" in units else 0)
-    else:
-        name = "kvcanary::digest_accumulate_hoisted" if "hoist" in features else "kvcanary::digest_accumulate"
-    if nw or "grid" in features:
-        grid_x = max(1, sms * resident_blocks_per_sm("digest", name, THREADS) // grid_y)
-    else:
-        grid_x = max(1, min(1024, -(-sms * WARPS_PER_SM // (THREADS // 32) // grid_y)))
+    nw = unit_words(a.layout, a.num_layers_total, a.sample_layers, a.window_bytes)
+    name = kernel_name("digest_units", 4 if nw == 4 else 0) if nw else "kvcanary::digest_accumulate"
+    # One wave: the blocks its registers let the SMs hold at once (a larger grid ran in waves,
+    # each warp paying its block's set-up and atomics for a position or two).
+    grid_x = max(1, sms * resident_blocks_per_sm("digest", name, THREADS) // grid_y)
     return Launches(placement, (("kvcanary::digest_init", (-(-bs // THREADS),), (THREADS,), record),
                                 (name, (grid_x, grid_y), (THREADS,), record)))
 

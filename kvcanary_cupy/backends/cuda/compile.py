@@ -86,8 +86,7 @@ FAMILIES = {
         (k, ()) for k in ("same_step_begin", "same_step_mark", "same_step_entries", "same_step_seeds"))),
     "coverage": KernelFamily("coverage.cu", tuple((k, ()) for k in ("deep_write", "deep_check", "lost_snapshot", "lost_check"))),
     "digest": KernelFamily("digest.cu", tuple((k, ()) for k in ("digest_init", "digest_accumulate", "digest_verify")) + (
-        # issue 24's candidates (digest/cuda.py DIGEST_VARIANTS), timed against digest_accumulate
-        ("digest_accumulate_hoisted", ()), ("digest_units", (("kWords", (0, 4)), ("kChunk", (0, 8)))),)),
+        ("digest_units", (("kWords", (0, 4)),)),)),
 }
 
 
