@@ -137,6 +137,86 @@ def test_req_to_token_plans_match_the_reference(first, reference, plan_path):
     assert sum(int(f["verify_num_valid"][0]) > 0 for f in fast) > 100  # most plans expand entries
 
 
+def _draw_paged_plan(rng):
+    """A page-size-1 kv_indices plan as transformers builds them (each row's reads are its prefix then
+    its new tokens), mostly in range; now and then a value out of range, a window, a LUT, a page size."""
+    bs = int(rng.integers(0, 14))
+    lengths = rng.integers(0, 30, bs)
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    indices = rng.integers(-2, 200, int(indptr[-1]) + int(rng.integers(0, 3)))
+    if rng.random() < 0.2:
+        indices[rng.integers(0, indices.shape[0], 2) if indices.size else []] = -(2**63)  # clamped to -(2**63 - 1)
+    extend = rng.integers(0, 3, bs)
+    prefix = np.maximum(lengths - extend, 0)
+    if rng.random() < 0.15:  # a prefix, extend or row past its bounds
+        r = int(rng.integers(0, bs)) if bs else 0
+        if bs:
+            which = rng.integers(0, 4)
+            if which == 0:
+                prefix[r] = lengths[r] + 1
+            elif which == 1:
+                prefix[r] = -1
+            elif which == 2:
+                extend[r] = rng.choice([-1, 2**62])
+            else:
+                indptr[r + 1 :] += 10**6
+    kw = dict(kv_token_id_vs_position_offset=int(rng.choice([0, 0, 1, -2, 2**62, -(2**63), 2**63 - 1])))
+    if rng.random() < 0.1:
+        kw["swa_window_size"] = int(rng.choice([1, 5]))
+        kw["full_to_swa_index_mapping"] = rng.integers(-2, 300, int(rng.integers(1, 300)))
+    if rng.random() < 0.6:
+        kw["req_to_verify_expected_tokens"] = rng.integers(0, 9, (bs + int(rng.integers(0, 2)), int(rng.integers(1, 40)))).astype(np.int32)
+        columns = kw["req_to_verify_expected_tokens"].shape[1]
+        kw["req_to_verify_expected_tokens_valid_lens"] = (rng.choice([-1, 0, columns, columns + 1], bs) if rng.random() < 0.2
+                                                          else rng.integers(0, columns + 1, bs))
+    narrow = rng.random() < 0.4
+    table = kc.PagedKvIndices(indptr.astype(np.int32) if narrow else indptr,
+                              indices.astype(np.int32) if narrow and rng.random() < 0.8 else indices,
+                              page_size=1 if rng.random() < 0.9 else 2)
+    return (None, prefix.astype(np.int64), extend.astype(np.int64), table), kw, bs
+
+
+@pytest.mark.parametrize("first", range(0, 900, 300))
+def test_paged_kv_plans_match_the_reference(first, reference):
+    """Transformers' page-size-1 kv_indices plans (numpy_fast.plan_paged_rows), in range and not:
+    rows, prefixes and extends past their bounds, INT64_MIN entries, int32 tables, pools with bad
+    valid lengths, token offsets at the ends of int64, tight and overflowing capacities, stale rows
+    of an earlier plan; the windows, LUTs and page sizes it leaves to the reference too."""
+    drawn = []
+    for seed in range(first, first + 300):
+        rng = np.random.default_rng(seed)
+        args, kw, bs = _draw_paged_plan(rng)
+        cap = int(rng.integers(0, 300)) if rng.random() < 0.3 else 400
+        drawn.append((seed, args, kw, bs, cap, int(rng.integers(0, bs + 4))))
+    taken = []
+    original = numpy_fast.plan_paged_rows
+
+    def counted(a, vcap):
+        done = original(a, vcap)
+        taken.append(done)
+        return done
+
+    def run_all():
+        out = []
+        for _, args, kw, bs, cap, previous in drawn:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", kc.CanaryCapacityWarning)  # the overflowing plans warn
+                out.append(_plan_outputs(lambda **o: kc.plan(*args, **kw, **o), bs, cap, previous))
+        return out
+
+    numpy_fast.plan_paged_rows = counted
+    try:
+        fast = run_all()
+    finally:
+        numpy_fast.plan_paged_rows = original
+    reference()
+    for (seed, *_), want, got in zip(drawn, run_all(), fast):
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"seed {seed}: {key}")
+            assert got[key].dtype == want[key].dtype
+    assert sum(taken) > 150 and len(taken) - sum(taken) > 40  # both the fast path and the reference ran
+
+
 # ---- verify: drawn entries straight to the backend ---------------------------------------------------
 
 
