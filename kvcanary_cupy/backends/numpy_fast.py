@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..args import VERIFY_ENTRY_FIELDS, CanaryTarget, PlanArgs, PlanVerifyArgs, VerifyArgs
+from ..args import STAGE_HEADER, STAGE_HEADER_FIELDS, VERIFY_ENTRY_FIELDS, CanaryTarget, PlanArgs, PlanVerifyArgs, VerifyArgs
 from ..constants import SPLITMIX64_SHIFT1
 from ..constants import FailReason, RealKvHashMode
 from ..hashing import ANCHOR_HASH, splitmix64_inplace
@@ -90,7 +90,28 @@ def scatter(a) -> None:
 
 
 def prepare_stage(a):
-    return ref.prepare_stage(a)
+    """:func:`numpy_backend.prepare_stage`; a clean staging (no ring rows: most steps) writes the
+    header and the counters through a few fixed views, anything else is the reference's."""
+    stage = ref.prepare_stage(a)  # refuses what the reference refuses
+    layout, log = a.layout, a.log
+    counters = (log.violation_counters, log.slot_run_counters, log.kernel_run_counters, log.out_of_range_counters)
+    lo = layout.counters
+    hi = lo + sum(c.shape[0] for c in counters)
+    contiguous = all(c.shape[0] == layout.num_kinds for c in counters)
+    pad = [0] * (STAGE_HEADER_FIELDS - len(STAGE_HEADER))
+    enable, num_valid, bs, plan_oor = a.enable, a.verify_num_valid, a.write_num_valid_reqs, a.plan_out_of_range_count
+    write_index = log.write_index
+
+    def staged(stamp, stream=None, staging=None):
+        out = a.staging if staging is None else staging
+        if not contiguous or max(write_index.tolist()) > 0:  # rows to copy, mark and attribute
+            return stage(stamp, stream, staging)
+        # the header in STAGE_HEADER's order: rows, stamp, matches, enable, verify_num_valid, batch_size, plan_out_of_range
+        out[:STAGE_HEADER_FIELDS] = [0, stamp, 0, int(enable[0]), int(num_valid[0]), int(bs[0]), int(plan_oor[0]), *pad]
+        np.concatenate(counters, out=out[lo:hi])
+        write_index[:] = 0
+
+    return staged
 
 
 def plan_verify_stores_entries(bs: int) -> bool:

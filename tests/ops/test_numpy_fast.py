@@ -399,3 +399,46 @@ def test_fast_real_kv_hashes_match_the_reference(lanes, monkeypatch):
     slots = np.arange(rows, dtype=np.int64)
     assert (numpy_fast.real_kv_hashes(fresh, int(kc.RealKvHashMode.PARTIAL), slots).tolist()
             == numpy_backend.real_kv_hashes(fresh, int(kc.RealKvHashMode.PARTIAL), slots).tolist())
+
+
+# ---- staging: the clean step's header and counters -----------------------------------------------
+
+
+def _staged_records(corrupt_steps):
+    """Every record a session's steps stage (a copy as staged), a few of them with corrupted slots."""
+    session = kc.CanarySession(64, max_batch_size=4, on_violation="ignore", check_expected_tokens=True)
+    req_to_token = np.arange(64, dtype=np.int32).reshape(4, 16)
+    staged, stager = [], session._step_stager
+
+    def snapshot(stamp, stream=None, staging=None):
+        stager(stamp, stream, staging)
+        staged.append(staging.copy())
+
+    session._step_stager = snapshot
+    pool = np.arange(64, dtype=np.int32).reshape(4, 16) + 5
+    for step in range(5):
+        prefix = np.array([3 * step, 3 * step])
+        if step in corrupt_steps:
+            session.head_canary[16 + max(3 * step - 1, 0), 0] ^= 1
+        session.pre_forward(np.array([1, 2]), prefix, np.array([3, 3]), req_to_token,
+                            np.concatenate([pool[1, 3 * step : 3 * step + 3], pool[2, 3 * step : 3 * step + 3]]).astype(np.int64),
+                            np.concatenate([np.arange(3 * step, 3 * step + 3)] * 2),
+                            np.concatenate([16 + np.arange(3 * step, 3 * step + 3), 32 + np.arange(3 * step, 3 * step + 3)]),
+                            expected_tokens=pool, expected_tokens_valid_lens=prefix)
+        session.post_forward()
+        session.end_step()
+    return staged, session.stats
+
+
+@pytest.mark.parametrize("corrupt_steps", [(), (2,), (1, 4)])
+def test_staged_records_match_the_reference(corrupt_steps, monkeypatch):
+    """A clean staging (numpy_fast.prepare_stage) writes the bytes the reference's does, before and
+    after steps whose rows it leaves to the reference."""
+    fast, fast_stats = _staged_records(corrupt_steps)
+    monkeypatch.setattr(numpy_fast, "prepare_stage", numpy_backend.prepare_stage)
+    want, want_stats = _staged_records(corrupt_steps)
+    assert len(fast) == len(want) == 5
+    for step, (w, g) in enumerate(zip(want, fast)):
+        np.testing.assert_array_equal(g, w, err_msg=f"step {step}")
+    assert fast_stats == want_stats
+    assert (fast_stats["rows_read"] > 0) == bool(corrupt_steps)
