@@ -323,8 +323,9 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     prev = np.asarray(a.verify_prev_slot_indices[:active], I64)
     position = np.asarray(a.verify_expected_positions[:active], I64)
     token = np.asarray(a.verify_expected_tokens[:active], I64) if a.check_expected_token else None
-    errors, keep, holes = 0, None, np.zeros(0, I64)
-    if int(slot.min()) <= 0 or int(slot.max()) >= num_slots:  # padding or out-of-range slots: the reference's masks
+    errors, keep, holes = 0, None, _NO_HITS
+    facts = _clean_entries(slot, prev, num_slots)
+    if facts is None:  # padding or out-of-range slots: the reference's masks
         slot_oob = (slot < 0) | (slot >= num_slots)
         errors = int(np.count_nonzero(slot_oob))
         padding = ref.is_padding_slot(slot)
@@ -332,8 +333,12 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
         keep = np.flatnonzero(~padding & ~slot_oob)
         slot, prev, position = slot[keep], prev[keep], position[keep]
         token = None if token is None else token[keep]
-    if prev.size and int(prev.max()) >= num_slots:
-        errors += int(np.count_nonzero(prev >= num_slots))
+        if prev.size and int(prev.max()) >= num_slots:
+            errors += int(np.count_nonzero(prev >= num_slots))
+        links = None
+    else:
+        prev_errors, links = facts
+        errors += prev_errors
     log.out_of_range_counters[kind] += errors
     hole_rows = _NO_ROWS
     if holes.size:
@@ -342,21 +347,53 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     if slot.size == 0:
         ref.append_rows(log, kind, hole_rows)
         return
-    hit, rows = _failures(kind, canary, slot, prev, position, token, target.sources, a.real_kv_hash_mode)
+    hit, rows = _failures(kind, canary, slot, prev, position, token, target.sources, a.real_kv_hash_mode, links)
     if holes.size:  # entry order, holes among the checked entries' rows
         entries = hit if keep is None else keep[hit]
         rows = np.concatenate([rows, hole_rows])[np.argsort(np.concatenate([entries, holes]), kind="stable")]
     ref.append_rows(log, kind, rows)
 
 
-def _irregular(canary, slot, prev):
+#: The last verify's entries (slots and predecessors, copies) and what :func:`_clean_entries` derived
+#: from them: a step's HEAD and TAIL verifies read one plan, so the second finds its entries here
+#: (compared, never assumed).  One read of the dict: another thread may replace the entry meanwhile.
+_last_entries: dict = {}
+
+
+def _clean_entries(slot, prev, num_slots):
+    """None when a slot is the padding slot or out of range; else ``(prev_errors, links)``: the
+    predecessors past the buffer, and :func:`_links` of the entries."""
+    size = min(slot.shape[0], VERIFY_CHUNK)
+    last = _last_entries.get("verify")
+    if last is not None and last[0] == (num_slots, size) and ref._same(last[1], slot) and ref._same(last[2], prev):
+        return last[3]
+    if int(slot.min()) <= 0 or int(slot.max()) >= num_slots:
+        return None
+    prev_errors = int(np.count_nonzero(prev >= num_slots)) if prev.size and int(prev.max()) >= num_slots else 0
+    facts = prev_errors, _links(num_slots, slot, prev, size)
+    _last_entries["verify"] = ((num_slots, size), slot.copy(), prev.copy(), facts)
+    return facts
+
+
+def _links(num_slots, slot, prev, size):
+    """How the entries chain, for :func:`_failures` in chunks of ``size``: :func:`_irregular`'s four
+    arrays, each chunk's first irregular entry (and the end), the most a chunk has, and whether any
+    predecessor is unreachable."""
+    irregular, source, anchored, unreachable = _irregular(num_slots, slot, prev)
+    n = slot.shape[0]
+    bounds = np.searchsorted(irregular, np.arange(0, n + size, size)).tolist()  # each chunk's irregular entries
+    extra = max(j - i for i, j in zip(bounds, bounds[1:]))  # the most irregular entries a chunk has
+    return irregular, source, anchored, unreachable, bounds, extra, bool(unreachable.any())
+
+
+def _irregular(num_slots, slot, prev):
     """The entries whose predecessor is not the entry before them (the first entry among them), the
     slot of each one's predecessor record (0 where there is none), which of them follow the anchor
     (prev < 0) and which have no reachable predecessor (0 or past the buffer: the chain is not
     checked, as the reference's expected chain is then the stored one)."""
     irregular = np.concatenate([_FIRST, np.flatnonzero(prev[1:] != slot[:-1]) + 1])
     p = prev[irregular]
-    ok = (p > 0) & (p < canary.shape[0])
+    ok = (p > 0) & (p < num_slots)
     anchored = p < 0
     return irregular, np.where(ok, p, 0), anchored, ~(ok | anchored)
 
@@ -372,14 +409,32 @@ def record_hashes(records, h, scratch) -> None:
     splitmix64_inplace(h, scratch)
 
 
-def _failures(kind, canary, slot, prev, position, token, sources, mode):
+#: The records the last verify chunk hashed (token, position, chain: a copy) and their hashes: a
+#: step's TAIL verify gathers the records its HEAD verify did, equal in both buffers when they agree.
+_last_hashed: dict = {}
+
+
+def _hashed_records(records, h, scratch) -> None:
+    """:func:`record_hashes` of ``records`` (int64 rows) into ``h``, or the last call's hashes when
+    its records held the same three hashed fields (compared)."""
+    key = records[:, :3]
+    last = _last_hashed.get("verify")  # one read: another thread may replace it meanwhile
+    if last is not None and ref._same(last[0], key):
+        h[...] = last[1]
+        return
+    record_hashes(records.view(U64), h, scratch)
+    _last_hashed["verify"] = (key.copy(), h.copy())
+
+
+def _failures(kind, canary, slot, prev, position, token, sources, mode, links=None):
     """``(hit, rows)``: the indices of the failing entries among ``slot`` (all in range and not
-    the padding slot) and their violation rows, as the reference computes them."""
+    the padding slot) and their violation rows, as the reference computes them; ``links``: the
+    entries' :func:`_links` (None: derived here)."""
     n = slot.shape[0]
-    irregular, source, anchored, unreachable = _irregular(canary, slot, prev)
     size = min(n, VERIFY_CHUNK)
-    bounds = np.searchsorted(irregular, np.arange(0, n + size, size)).tolist()  # each chunk's irregular entries
-    extra = max(j - i for i, j in zip(bounds, bounds[1:]))  # the most irregular entries a chunk has
+    if links is None:
+        links = _links(canary.shape[0], slot, prev, size)
+    irregular, source, anchored, unreachable, bounds, extra, any_unreachable = links
     # A chunk's records, then its irregular entries' predecessors' records (hashed with them);
     # hashes[1 + j] = mix3 of record j; hashes[0] that of the record before the chunk.
     records = np.empty((size + extra, canary.shape[1]), I64)
@@ -387,7 +442,6 @@ def _failures(kind, canary, slot, prev, position, token, sources, mode):
     bad, check = np.empty(size, bool), np.empty(size, bool)
     real_kv = mode != RealKvHashMode.NONE and bool(sources)
     hits, rows = [], []
-    any_unreachable = bool(unreachable.any())
     for k, lo in enumerate(range(0, n, size)):
         hi = min(lo + size, n)
         m = hi - lo
@@ -397,7 +451,7 @@ def _failures(kind, canary, slot, prev, position, token, sources, mode):
         np.take(canary, slot[lo:hi], axis=0, out=records[:m], mode="clip")
         if r:
             np.take(canary, source[first:last], axis=0, out=records[m : m + r], mode="clip")
-        record_hashes(records[: m + r].view(U64), hashes[1 : m + r + 1], scratch[: m + r])
+        _hashed_records(records[: m + r], hashes[1 : m + r + 1], scratch[: m + r])
         rec = records[:m]
         u = rec.view(U64)
         expected = hashes[:m]

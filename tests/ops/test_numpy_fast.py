@@ -287,6 +287,41 @@ def test_drawn_verifies_match_the_reference(chunk, monkeypatch):
             np.testing.assert_array_equal(g, w, err_msg=f"seed {seed}: {name}")
 
 
+@pytest.mark.parametrize("change", ["none", "token", "position", "chain", "prev", "slot", "num_slots"])
+def test_a_second_verify_of_one_plan_matches_the_reference(change, monkeypatch):
+    """A step's HEAD and TAIL verifies read one plan (numpy_fast keeps the entries' links and the
+    records' hashes of the last verify): the second verify, of another buffer that differs in one
+    hashed field, or of entries that differ in one predecessor or slot, or of a longer buffer,
+    logs what the reference logs."""
+    monkeypatch.setattr(numpy_fast, "VERIFY_CHUNK", 16)
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        canary = _chained_canary(rng, int(rng.integers(8, 90)), 4)
+        args = _verify_args(rng, canary, int(rng.integers(1, 60)), True, False)
+        other = canary.copy()
+        second = args
+        n = int(args.verify_num_valid[0])
+        i = int(rng.integers(0, max(n, 1)))
+        if change in ("token", "position", "chain"):
+            other[int(args.verify_slot_indices[i]) % other.shape[0], ("token", "position", "chain").index(change)] ^= 1
+        elif change == "prev":
+            second = args._replace(verify_prev_slot_indices=args.verify_prev_slot_indices.copy())
+            second.verify_prev_slot_indices[i] = rng.choice([-1, 1, 2])
+        elif change == "slot":
+            second = args._replace(verify_slot_indices=args.verify_slot_indices.copy())
+            second.verify_slot_indices[i] = second.verify_slot_indices[i] % (canary.shape[0] - 1) + 1
+        elif change == "num_slots":
+            other = np.concatenate([canary, canary[-1:]])
+        second = second._replace(targets=(CanaryTarget(other, 2, ()),))
+        for verify in (numpy_backend.verify, numpy_fast.verify):  # the fast one: after a verify of the first args
+            numpy_fast.verify(args._replace(log=_log_after(numpy_fast.verify, args)))
+            got = _log_after(verify, second)
+            if verify is numpy_backend.verify:
+                want = got
+        for name, w, g in zip(want._fields, want, got):
+            np.testing.assert_array_equal(g, w, err_msg=f"seed {seed} {change}: {name}")
+
+
 def test_a_clean_run_of_chains_finds_nothing_and_a_broken_link_is_found_once():
     """Hand-made: slots 1..5 chained from the anchor; breaking slot 3's token fails slot 4's chain."""
     rec = np.zeros((6, 4), np.int64)
