@@ -409,6 +409,7 @@ def test_fast_real_kv_hashes_match_the_reference(lanes, monkeypatch):
     offsets, row widths; the sources' fold on NumPy arrays or on int lanes) and of sources it leaves
     to the reference (a paged one, a padded row copy), for 1 to 300 slots, ALL and NONE too, and the
     prepared views of a sources tuple reused while it lives, rebuilt for another."""
+    from kvcanary_cupy.args import SourceViews
     from kvcanary_cupy.backends import SourceView
 
     monkeypatch.setattr(numpy_kv, "LANE_FOLD_MAX_SLOTS", lanes)
@@ -420,6 +421,7 @@ def test_fast_real_kv_hashes_match_the_reference(lanes, monkeypatch):
              SourceView(data[2], 1, 48, 48, byte_offset=16, slot_offset=5), SourceView(data[3], 1, 64, 64, byte_offset=8))
     others = (SourceView(data[0].reshape(-1, 64), 2, 32, 32), SourceView(padded, 1, 32, 32))
     cases = [words, words[:1], words[1:3], words + others[:1], others[1:] + words]
+    cases += [SourceViews(c) for c in cases]  # a bound launcher's: views kept on it
     for sources in cases:
         for n in (1, 3, 12, 64, 65, 300):
             slots = rng.integers(0, rows, n).astype(np.int64)
@@ -429,6 +431,14 @@ def test_fast_real_kv_hashes_match_the_reference(lanes, monkeypatch):
                     got = numpy_fast.real_kv_hashes(sources, int(mode), slots)
                     assert got.dtype == want.dtype and got.tolist() == want.tolist(), (len(sources), n, mode)
     assert numpy_fast.real_kv_hashes(words, int(kc.RealKvHashMode.PARTIAL), np.zeros(0, np.int64)).shape == (0,)
+    kept = cases[len(cases) // 2]  # SourceViews(words), its views kept by the calls above
+    assert len(kept.words) == len(words)
+    for data_row in range(3):  # the kept views read the pools' bytes as they are now
+        data[0][data_row + 1] ^= 0x5A
+        data[2][data_row + 7, 16:] += 1
+        slots = np.arange(rows, dtype=np.int64)
+        assert (numpy_fast.real_kv_hashes(kept, int(kc.RealKvHashMode.PARTIAL), slots).tolist()
+                == numpy_backend.real_kv_hashes(words, int(kc.RealKvHashMode.PARTIAL), slots).tolist())
     # a new tuple of other sources at a reused id gets its own views (the cache keeps its tuple alive)
     fresh = (SourceView(data[3], 1, 64, 64),)
     slots = np.arange(rows, dtype=np.int64)
