@@ -98,6 +98,12 @@ class SourceView(NamedTuple):
         return i0 * s0 + i1 * s1 + within
 
 
+class SourceViews(tuple):
+    """The :class:`SourceView` tuple of a canary buffer, as :func:`~kvcanary_cupy.binding.source_views`
+    makes it: a tuple that the NumPy backend may keep derived views of the same arrays on (``words``),
+    so a bound launcher's sources are viewed once, and live no longer than the views they hold."""
+
+
 class CanaryTarget(NamedTuple):
     """One canary buffer of a write or verify launch, the kind its rows and counters go to, and
     its real-KV sources (several buffers of one launch share the plan and have equal num_slots)."""

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .args import CanaryTarget, LogViews, SourceView, VerifyArgs, WriteArgs
+from .args import CanaryTarget, LogViews, SourceView, SourceViews, VerifyArgs, WriteArgs
 from .constants import CANARY_FIELDS_PER_SLOT, CANARY_SLOT_BYTES, MAX_CANARY_BUFFERS, RealKvHashMode
 from .errors import fail
 from .interop import backend_view, byte_rows_view, check_aligned, common_placement, is_torch_tensor
@@ -231,7 +231,7 @@ def source_views(buffer: CanaryBuffer, mode: int, num_slots: int) -> tuple:
         token_stride = src.num_bytes_per_token if src.token_stride is None else src.token_stride
         views.append(SourceView(data, src.page_size, src.num_bytes_per_token, src.read_bytes, token_stride,
                                 src.byte_offset, src.stream_piece, src.levels, unit, src.slot_offset))
-    return tuple(views)
+    return SourceViews(views)
 
 
 def lut_view(view, xp):

@@ -168,7 +168,7 @@ LAYERS = {
     "gpu params": ("backends.cuda.params",),
     "gpu launch": ("backends.cuda.launch",),
     "backends": ("backends.cuda.ops", "backends.cuda.same_step", "backends.cuda.coverage", "backends.numpy_backend",
-                 "backends.numpy_fast", "backends.numpy_kv", "backends.numpy_coverage", "backends"),
+                 "backends.numpy_fast", "backends.numpy_kv", "backends.numpy_paged", "backends.numpy_coverage", "backends"),
     "front door": ("strict", "validation_cache", "last_call", "binding", "ops", "ops.canary", "ops.plan_cache", "ops.planning", "ops.pool", "digest", "same_step"),
     "bound": ("bound", "launchers", "plan_launcher", "planner", "coverage"),
     "engine": ("rank_exchange", "rank_worker", "rank_verdict", "distributed", "session", "session.loop", "session.staging", "session.sweep",

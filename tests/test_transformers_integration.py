@@ -4,6 +4,7 @@ the same tokens as without the canary; every fault class is caught, or missed wh
 blind; the engine is left as it was; unsupported modes and versions are refused by name.  Runs on
 CPU torch here and in CI, on CUDA torch in the GPU run (``device`` parameter)."""
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -327,3 +328,51 @@ def test_the_decode_path_block_table_names_the_slots_the_csr_form_does(model):
         u()
     manager.destroy()
     assert len(checked) >= 3  # several decode-only steps compared
+
+
+@pytest.mark.parametrize("fault", [None, "write_index_off_by_one", "read_index_other_request", "sampled_tokens_swapped"])
+def test_the_gpu_path_torch_ops_on_cpu_tensors_do_what_the_cpu_path_does(model, fault, monkeypatch):
+    """The step's torch ops of a GPU processor (lengths, shifted indices, widened tokens, the pool's
+    copy out of its host rows, the views kept a shape), run on CPU tensors: the same tokens,
+    findings and counts as the CPU path's NumPy views, clean and with faults."""
+    from kvcanary_cupy.integrations import _hf_step
+
+    if model.device.type != "cpu":
+        pytest.skip("the CPU path's run to compare with")
+    overrides = CLEAN_CONFIGS["prefix_sharing_chunked_prefill"]
+    # without the lost-store check, whose first stores compare with whatever the allocator recycled
+    engine = dataclasses.replace(ENGINE, check_lost_stores=False)
+
+    def run():
+        f = None if fault is None else FAULTS[fault]()
+        outcome = run_engine(model, engine, f.overrides if f else overrides, seed=11, fault=f)
+        return _tokens(outcome.outputs), [v.format() for v in outcome.violations], outcome.stats
+
+    want = run()
+
+    class Event:  # what the pool uses of torch.cuda.Event: on CPU tensors a copy has run when it returns
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+    init = _hf_step.StepCanary.__init__
+
+    def torch_path(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._cpu = False
+
+    def new_pool(self, shape):  # the GPU layout (host rows and a device pool beside them), without pinned memory
+        self._pool_view = torch.zeros(shape, dtype=torch.int32)
+        self._pool_host = self._pool_view.numpy()
+        self._pool = torch.zeros(shape, dtype=torch.int32)
+        self._heads["_pool"].clear()
+        return self._pool_host
+
+    monkeypatch.setattr(_hf_step.StepCanary, "__init__", torch_path)
+    monkeypatch.setattr(_hf_step.StepCanary, "_new_pool", new_pool)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    got = run()
+    assert got == want
+    assert want[2]["verified_entries"] > 0 and (want[1] == []) == (fault is None)

@@ -37,6 +37,7 @@ from ..tables import TableKind
 from ..validation import I64
 from . import numpy_backend as ref
 from .numpy_kv import _decode_requests, _write_decode, real_kv_hashes
+from .numpy_paged import _pool_runs, plan_paged_rows, prepare_stage
 
 __all__ = ["copy", "move", "plan", "plan_verify", "plan_verify_stores_entries", "prepare_stage", "scatter", "verify",
            "write"]
@@ -89,10 +90,6 @@ def scatter(a) -> None:
     ref.scatter(a)
 
 
-def prepare_stage(a):
-    return ref.prepare_stage(a)
-
-
 def plan_verify_stores_entries(bs: int) -> bool:
     return ref.plan_verify_stores_entries(bs)
 
@@ -102,9 +99,12 @@ def plan_verify_stores_entries(bs: int) -> bool:
 
 
 def plan(a: PlanArgs, verify_capacity: int | None = None) -> None:
-    """:func:`numpy_backend.plan`; through a plain req_to_token its entries are expanded by runs."""
-    fast = a.table.kind == TableKind.REQ_TO_TOKEN
-    ref.plan(a, verify_capacity, expand=expand_runs if fast else None)
+    """:func:`numpy_backend.plan`; through a plain req_to_token its entries are expanded by runs; a
+    small batch through a page-size-1 kv_indices whose every row is in range, by :func:`plan_paged_rows`."""
+    kind = a.table.kind
+    if kind == TableKind.PAGED_KV and plan_paged_rows(a, verify_capacity):
+        return
+    ref.plan(a, verify_capacity, expand=expand_runs if kind == TableKind.REQ_TO_TOKEN else None)
 
 
 def expand_runs(a: PlanArgs, rows, verify_start, verify_len, voff, total: int) -> int:
@@ -177,24 +177,6 @@ def _gather_runs(flat, base, start, length, first, slots, positions) -> None:
         np.copyto(slots[lo:hi], values[:m], casting="same_kind")
 
 
-def _pool_runs(a: PlanArgs, live, pool_rows, starts, lengths, tokens) -> None:
-    """Expected tokens: position p reads ``pool[row, p + token_offset]`` where that column is below
-    ``min(valid_len, pool columns)`` and not negative, else -1 (exact arithmetic: an offset that
-    would wrap in int64 lands outside ``[0, limit)`` either way)."""
-    pool, off = a.expected_token_pool, a.token_offset
-    limits = np.minimum(np.asarray(a.expected_token_valid_lens, I64)[live], pool.shape[1]).tolist()
-    filler = np.full(max(lengths), -1, pool.dtype)
-    pieces = []
-    for row, s, n, limit in zip(pool_rows.tolist(), starts, lengths, limits):
-        e = s + n
-        lo, hi = max(s, -off), min(e, limit - off)
-        if lo >= hi:
-            pieces.append(filler[:n])
-        else:
-            pieces += [filler[: lo - s], pool[row, lo + off : hi + off], filler[: e - hi]]
-    np.concatenate(pieces, out=tokens, casting="same_kind")
-
-
 # ----------------------------------------------------------------------------------------------
 # verify
 
@@ -215,8 +197,9 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     prev = np.asarray(a.verify_prev_slot_indices[:active], I64)
     position = np.asarray(a.verify_expected_positions[:active], I64)
     token = np.asarray(a.verify_expected_tokens[:active], I64) if a.check_expected_token else None
-    errors, keep, holes = 0, None, np.zeros(0, I64)
-    if int(slot.min()) <= 0 or int(slot.max()) >= num_slots:  # padding or out-of-range slots: the reference's masks
+    errors, keep, holes = 0, None, _NO_HITS
+    facts = _clean_entries(slot, prev, num_slots)
+    if facts is None:  # padding or out-of-range slots: the reference's masks
         slot_oob = (slot < 0) | (slot >= num_slots)
         errors = int(np.count_nonzero(slot_oob))
         padding = ref.is_padding_slot(slot)
@@ -224,8 +207,12 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
         keep = np.flatnonzero(~padding & ~slot_oob)
         slot, prev, position = slot[keep], prev[keep], position[keep]
         token = None if token is None else token[keep]
-    if prev.size and int(prev.max()) >= num_slots:
-        errors += int(np.count_nonzero(prev >= num_slots))
+        if prev.size and int(prev.max()) >= num_slots:
+            errors += int(np.count_nonzero(prev >= num_slots))
+        links = None
+    else:
+        prev_errors, links = facts
+        errors += prev_errors
     log.out_of_range_counters[kind] += errors
     hole_rows = _NO_ROWS
     if holes.size:
@@ -234,21 +221,52 @@ def _verify_one(a: VerifyArgs, target: CanaryTarget) -> None:
     if slot.size == 0:
         ref.append_rows(log, kind, hole_rows)
         return
-    hit, rows = _failures(kind, canary, slot, prev, position, token, target.sources, a.real_kv_hash_mode)
+    hit, rows = _failures(kind, canary, slot, prev, position, token, target.sources, a.real_kv_hash_mode, links)
     if holes.size:  # entry order, holes among the checked entries' rows
         entries = hit if keep is None else keep[hit]
         rows = np.concatenate([rows, hole_rows])[np.argsort(np.concatenate([entries, holes]), kind="stable")]
     ref.append_rows(log, kind, rows)
 
 
-def _irregular(canary, slot, prev):
+#: The last verify's entries (copies) and what :func:`_clean_entries` derived from them: a step's TAIL
+#: verify reads its HEAD verify's plan (compared, never assumed; one read: threads may replace it).
+_last_entries: dict = {}
+
+
+def _clean_entries(slot, prev, num_slots):
+    """None when a slot is the padding slot or out of range; else ``(prev_errors, links)``: the
+    predecessors past the buffer, and :func:`_links` of the entries."""
+    size = min(slot.shape[0], VERIFY_CHUNK)
+    last = _last_entries.get("verify")
+    if last is not None and last[0] == (num_slots, size) and ref._same(last[1], slot) and ref._same(last[2], prev):
+        return last[3]
+    if int(slot.min()) <= 0 or int(slot.max()) >= num_slots:
+        return None
+    prev_errors = int(np.count_nonzero(prev >= num_slots)) if prev.size and int(prev.max()) >= num_slots else 0
+    facts = prev_errors, _links(num_slots, slot, prev, size)
+    _last_entries["verify"] = ((num_slots, size), slot.copy(), prev.copy(), facts)
+    return facts
+
+
+def _links(num_slots, slot, prev, size):
+    """How the entries chain, for :func:`_failures` in chunks of ``size``: :func:`_irregular`'s four
+    arrays, each chunk's first irregular entry (and the end), the most a chunk has, and whether any
+    predecessor is unreachable."""
+    irregular, source, anchored, unreachable = _irregular(num_slots, slot, prev)
+    n = slot.shape[0]
+    bounds = np.searchsorted(irregular, np.arange(0, n + size, size)).tolist()  # each chunk's irregular entries
+    extra = max(j - i for i, j in zip(bounds, bounds[1:]))  # the most irregular entries a chunk has
+    return irregular, source, anchored, unreachable, bounds, extra, bool(unreachable.any())
+
+
+def _irregular(num_slots, slot, prev):
     """The entries whose predecessor is not the entry before them (the first entry among them), the
     slot of each one's predecessor record (0 where there is none), which of them follow the anchor
     (prev < 0) and which have no reachable predecessor (0 or past the buffer: the chain is not
     checked, as the reference's expected chain is then the stored one)."""
     irregular = np.concatenate([_FIRST, np.flatnonzero(prev[1:] != slot[:-1]) + 1])
     p = prev[irregular]
-    ok = (p > 0) & (p < canary.shape[0])
+    ok = (p > 0) & (p < num_slots)
     anchored = p < 0
     return irregular, np.where(ok, p, 0), anchored, ~(ok | anchored)
 
@@ -264,14 +282,32 @@ def record_hashes(records, h, scratch) -> None:
     splitmix64_inplace(h, scratch)
 
 
-def _failures(kind, canary, slot, prev, position, token, sources, mode):
+#: The records the last verify chunk hashed (their hashed fields, a copy) and their hashes: a step's
+#: TAIL verify gathers its HEAD verify's records, equal in both buffers when they agree.
+_last_hashed: dict = {}
+
+
+def _hashed_records(records, h, scratch) -> None:
+    """:func:`record_hashes` of ``records`` (int64 rows) into ``h``, or the last call's hashes when
+    its records held the same three hashed fields (compared)."""
+    key = records[:, :3]
+    last = _last_hashed.get("verify")  # one read: another thread may replace it meanwhile
+    if last is not None and ref._same(last[0], key):
+        h[...] = last[1]
+        return
+    record_hashes(records.view(U64), h, scratch)
+    _last_hashed["verify"] = (key.copy(), h.copy())
+
+
+def _failures(kind, canary, slot, prev, position, token, sources, mode, links=None):
     """``(hit, rows)``: the indices of the failing entries among ``slot`` (all in range and not
-    the padding slot) and their violation rows, as the reference computes them."""
+    the padding slot) and their violation rows, as the reference computes them; ``links``: the
+    entries' :func:`_links` (None: derived here)."""
     n = slot.shape[0]
-    irregular, source, anchored, unreachable = _irregular(canary, slot, prev)
     size = min(n, VERIFY_CHUNK)
-    bounds = np.searchsorted(irregular, np.arange(0, n + size, size)).tolist()  # each chunk's irregular entries
-    extra = max(j - i for i, j in zip(bounds, bounds[1:]))  # the most irregular entries a chunk has
+    if links is None:
+        links = _links(canary.shape[0], slot, prev, size)
+    irregular, source, anchored, unreachable, bounds, extra, any_unreachable = links
     # A chunk's records, then its irregular entries' predecessors' records (hashed with them);
     # hashes[1 + j] = mix3 of record j; hashes[0] that of the record before the chunk.
     records = np.empty((size + extra, canary.shape[1]), I64)
@@ -279,7 +315,6 @@ def _failures(kind, canary, slot, prev, position, token, sources, mode):
     bad, check = np.empty(size, bool), np.empty(size, bool)
     real_kv = mode != RealKvHashMode.NONE and bool(sources)
     hits, rows = [], []
-    any_unreachable = bool(unreachable.any())
     for k, lo in enumerate(range(0, n, size)):
         hi = min(lo + size, n)
         m = hi - lo
@@ -289,7 +324,7 @@ def _failures(kind, canary, slot, prev, position, token, sources, mode):
         np.take(canary, slot[lo:hi], axis=0, out=records[:m], mode="clip")
         if r:
             np.take(canary, source[first:last], axis=0, out=records[m : m + r], mode="clip")
-        record_hashes(records[: m + r].view(U64), hashes[1 : m + r + 1], scratch[: m + r])
+        _hashed_records(records[: m + r], hashes[1 : m + r + 1], scratch[: m + r])
         rec = records[:m]
         u = rec.view(U64)
         expected = hashes[:m]

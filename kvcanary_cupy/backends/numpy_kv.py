@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..args import CanaryTarget
+from ..args import CanaryTarget, SourceViews
 from ..constants import (REAL_KV_PARTIAL_BYTES, SPLITMIX64_MUL1, SPLITMIX64_MUL2, SPLITMIX64_SHIFT1, SPLITMIX64_SHIFT2,
                          SPLITMIX64_SHIFT3, FailReason, RealKvHashMode)
 from ..hashing import ANCHOR_HASH, splitmix64_inplace
@@ -129,15 +129,24 @@ def _splitmix64_lanes(v: int, mask: int) -> int:
 
 def _word_views(sources):
     """Each source's flat word view, its words a row, its first word and its slot offset; None when
-    one is not read as whole words.  Made at each call (a microsecond a source): a view kept across
-    calls would keep a KV pool alive after its session."""
+    one is not read as whole words.  Kept on a bound launcher's sources (a :class:`SourceViews`,
+    which lives as long as the arrays it views), else made at each call (a microsecond a source)."""
+    views = getattr(sources, "words", _UNVIEWED)
+    if views is not _UNVIEWED:
+        return views
     views = []
     for src in sources:
         flat = ref._word_gather(src, REAL_KV_PARTIAL_BYTES)
         if flat is None:
-            return None
+            views = None
+            break
         views.append((flat[0], flat[1], src.byte_offset // 8, src.slot_offset))
+    if type(sources) is SourceViews:
+        sources.words = views
     return views
+
+
+_UNVIEWED = object()
 
 
 def real_kv_hashes(sources: tuple, mode: int, slots: np.ndarray) -> np.ndarray:

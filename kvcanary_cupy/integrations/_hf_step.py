@@ -182,6 +182,29 @@ class StepCanary:
             view = views[n] = getattr(self, name)[:n]
         return view
 
+    def _pages_view(self, rows: int, cols: int):
+        """``self._pages[:rows, :cols]``, one torch view a shape (at most 256 kept)."""
+        views = self._heads["_pages"]
+        view = views.get((rows, cols))
+        if view is None:
+            if len(views) >= 256:
+                views.clear()
+            view = views[(rows, cols)] = self._pages[:rows, :cols]
+        return view
+
+    def _pool_views(self, bs: int, width: int):
+        """(pool rows to fill, host rows they come from, the pool handed to the session) of a step of
+        ``bs`` rows and ``width`` columns (on the CPU the pool is the host one): torch views kept a
+        shape, dropped with the pool."""
+        views = self._heads["_pool"]
+        found = views.get((bs, width))
+        if found is None:
+            if len(views) >= 256:
+                views.clear()
+            pool = self._pool_view if self._cpu else self._pool
+            found = views[(bs, width)] = (pool[:bs, :width], self._pool_view[:bs, :width], pool[:bs, : max(width, 1)])
+        return found
+
     def _shifted(self, x, name: str):
         """``x`` as canary slots: itself, or ``x + slot_offset`` in the buffer ``name`` (no allocation)."""
         if not self.layout.slot_offset:
@@ -190,7 +213,7 @@ class StepCanary:
         if self._cpu:
             np.add(x.numpy(), self.layout.slot_offset, out=self._np[name][:n])
             return self._head(name, n)
-        out = getattr(self, name)[:n]
+        out = self._head(name, n)
         self.torch.add(x, self.layout.slot_offset, out=out)
         return out
 
@@ -203,10 +226,10 @@ class StepCanary:
             np.subtract(k[1 : bs + 1], k[:bs], out=pre)
             pre -= ext
             return self._head("_ext", bs), self._head("_pre", bs)
-        cu_q, cu_k = cu_q[: bs + 1], cu_k[: bs + 1]
-        ext, pre = self._ext[:bs], self._pre[:bs]
-        self.torch.sub(cu_q[1:], cu_q[:-1], out=ext)
-        self.torch.sub(cu_k[1:], cu_k[:-1], out=pre)
+        ext, pre = self._head("_ext", bs), self._head("_pre", bs)
+        sub = self.torch.sub
+        sub(cu_q[1 : bs + 1], cu_q[:bs], out=ext)
+        sub(cu_k[1 : bs + 1], cu_k[:bs], out=pre)
         pre.sub_(ext)
         return ext, pre
 
@@ -216,7 +239,7 @@ class StepCanary:
             np.copyto(self._np["_ids"][:tokens], batch_data["input_ids"].numpy()[0, :tokens])
             np.copyto(self._np["_pos"][:tokens], batch_data["position_ids"].numpy()[0, :tokens])
             return self._head("_ids", tokens), self._head("_pos", tokens)
-        ids, pos = self._ids[:tokens], self._pos[:tokens]
+        ids, pos = self._head("_ids", tokens), self._head("_pos", tokens)
         ids.copy_(batch_data["input_ids"][0, :tokens])
         pos.copy_(batch_data["position_ids"][0, :tokens])
         return ids, pos
@@ -261,7 +284,7 @@ class StepCanary:
         """The decode path's block table as canary pages (5.17: block + page_base; 5.23: already in pages)."""
         base = self.layout.page_base
         if base:
-            out = self._pages[: rows.shape[0], : rows.shape[1]]
+            out = self._pages_view(rows.shape[0], rows.shape[1])
             self.torch.add(rows, base, out=out)
             rows = out
         return BlockTable(rows, self.layout.block_size, null_block=base - 1)
@@ -271,7 +294,7 @@ class StepCanary:
         layout = self.layout
         slots = [layout.canary_page(tables[fs.state.request_id][p // layout.block_size]) * layout.block_size
                  + p % layout.block_size for fs, p in zip(requests, pasts)]
-        out = self._slots[: len(slots)]
+        out = self._head("_slots", len(slots))
         out.copy_(self.torch.tensor(slots, dtype=self.torch.int64))
         return out
 
@@ -330,14 +353,14 @@ class StepCanary:
             self._histories = live
         else:
             self._histories.update(live)
-        bs, cols = len(requests), max(width, 1)
-        if self._cpu:
-            return self._pool_view[:bs, :cols]
-        self._pool[:bs, :width].copy_(self._pool_view[:bs, :width], non_blocking=True)
+        rows, source, pool = self._pool_views(len(requests), width)
+        if self._cpu:  # the host pool is the session's
+            return pool
+        rows.copy_(source, non_blocking=True)
         if self._pool_copied is None:
             self._pool_copied = self.torch.cuda.Event()
         self._pool_copied.record(self.stream)
-        return self._pool[:bs, :cols]
+        return pool
 
     def _new_pool(self, shape) -> np.ndarray:
         """A host pool of ``shape`` (pinned on a GPU, its device copy beside it) and its torch view (the
@@ -350,6 +373,7 @@ class StepCanary:
             self._pool_view = torch.zeros(shape, dtype=torch.int32, pin_memory=True)
             self._pool_host = self._pool_view.numpy()
             self._pool = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self._heads["_pool"].clear()  # views of the old pool
         return self._pool_host
 
     # -- forks and the prefix cache -----------------------------------------------------------------

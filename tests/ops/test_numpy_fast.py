@@ -137,6 +137,86 @@ def test_req_to_token_plans_match_the_reference(first, reference, plan_path):
     assert sum(int(f["verify_num_valid"][0]) > 0 for f in fast) > 100  # most plans expand entries
 
 
+def _draw_paged_plan(rng):
+    """A page-size-1 kv_indices plan as transformers builds them (each row's reads are its prefix then
+    its new tokens), mostly in range; now and then a value out of range, a window, a LUT, a page size."""
+    bs = int(rng.integers(0, 14))
+    lengths = rng.integers(0, 30, bs)
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    indices = rng.integers(-2, 200, int(indptr[-1]) + int(rng.integers(0, 3)))
+    if rng.random() < 0.2:
+        indices[rng.integers(0, indices.shape[0], 2) if indices.size else []] = -(2**63)  # clamped to -(2**63 - 1)
+    extend = rng.integers(0, 3, bs)
+    prefix = np.maximum(lengths - extend, 0)
+    if rng.random() < 0.15:  # a prefix, extend or row past its bounds
+        r = int(rng.integers(0, bs)) if bs else 0
+        if bs:
+            which = rng.integers(0, 4)
+            if which == 0:
+                prefix[r] = lengths[r] + 1
+            elif which == 1:
+                prefix[r] = -1
+            elif which == 2:
+                extend[r] = rng.choice([-1, 2**62])
+            else:
+                indptr[r + 1 :] += 10**6
+    kw = dict(kv_token_id_vs_position_offset=int(rng.choice([0, 0, 1, -2, 2**62, -(2**63), 2**63 - 1])))
+    if rng.random() < 0.1:
+        kw["swa_window_size"] = int(rng.choice([1, 5]))
+        kw["full_to_swa_index_mapping"] = rng.integers(-2, 300, int(rng.integers(1, 300)))
+    if rng.random() < 0.6:
+        kw["req_to_verify_expected_tokens"] = rng.integers(0, 9, (bs + int(rng.integers(0, 2)), int(rng.integers(1, 40)))).astype(np.int32)
+        columns = kw["req_to_verify_expected_tokens"].shape[1]
+        kw["req_to_verify_expected_tokens_valid_lens"] = (rng.choice([-1, 0, columns, columns + 1], bs) if rng.random() < 0.2
+                                                          else rng.integers(0, columns + 1, bs))
+    narrow = rng.random() < 0.4
+    table = kc.PagedKvIndices(indptr.astype(np.int32) if narrow else indptr,
+                              indices.astype(np.int32) if narrow and rng.random() < 0.8 else indices,
+                              page_size=1 if rng.random() < 0.9 else 2)
+    return (None, prefix.astype(np.int64), extend.astype(np.int64), table), kw, bs
+
+
+@pytest.mark.parametrize("first", range(0, 900, 300))
+def test_paged_kv_plans_match_the_reference(first, reference):
+    """Transformers' page-size-1 kv_indices plans (numpy_fast.plan_paged_rows), in range and not:
+    rows, prefixes and extends past their bounds, INT64_MIN entries, int32 tables, pools with bad
+    valid lengths, token offsets at the ends of int64, tight and overflowing capacities, stale rows
+    of an earlier plan; the windows, LUTs and page sizes it leaves to the reference too."""
+    drawn = []
+    for seed in range(first, first + 300):
+        rng = np.random.default_rng(seed)
+        args, kw, bs = _draw_paged_plan(rng)
+        cap = int(rng.integers(0, 300)) if rng.random() < 0.3 else 400
+        drawn.append((seed, args, kw, bs, cap, int(rng.integers(0, bs + 4))))
+    taken = []
+    original = numpy_fast.plan_paged_rows
+
+    def counted(a, vcap):
+        done = original(a, vcap)
+        taken.append(done)
+        return done
+
+    def run_all():
+        out = []
+        for _, args, kw, bs, cap, previous in drawn:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", kc.CanaryCapacityWarning)  # the overflowing plans warn
+                out.append(_plan_outputs(lambda **o: kc.plan(*args, **kw, **o), bs, cap, previous))
+        return out
+
+    numpy_fast.plan_paged_rows = counted
+    try:
+        fast = run_all()
+    finally:
+        numpy_fast.plan_paged_rows = original
+    reference()
+    for (seed, *_), want, got in zip(drawn, run_all(), fast):
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=f"seed {seed}: {key}")
+            assert got[key].dtype == want[key].dtype
+    assert sum(taken) > 150 and len(taken) - sum(taken) > 40  # both the fast path and the reference ran
+
+
 # ---- verify: drawn entries straight to the backend ---------------------------------------------------
 
 
@@ -205,6 +285,41 @@ def test_drawn_verifies_match_the_reference(chunk, monkeypatch):
         want, got = _log_after(numpy_backend.verify, args), _log_after(numpy_fast.verify, args)
         for name, w, g in zip(want._fields, want, got):
             np.testing.assert_array_equal(g, w, err_msg=f"seed {seed}: {name}")
+
+
+@pytest.mark.parametrize("change", ["none", "token", "position", "chain", "prev", "slot", "num_slots"])
+def test_a_second_verify_of_one_plan_matches_the_reference(change, monkeypatch):
+    """A step's HEAD and TAIL verifies read one plan (numpy_fast keeps the entries' links and the
+    records' hashes of the last verify): the second verify, of another buffer that differs in one
+    hashed field, or of entries that differ in one predecessor or slot, or of a longer buffer,
+    logs what the reference logs."""
+    monkeypatch.setattr(numpy_fast, "VERIFY_CHUNK", 16)
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        canary = _chained_canary(rng, int(rng.integers(8, 90)), 4)
+        args = _verify_args(rng, canary, int(rng.integers(1, 60)), True, False)
+        other = canary.copy()
+        second = args
+        n = int(args.verify_num_valid[0])
+        i = int(rng.integers(0, max(n, 1)))
+        if change in ("token", "position", "chain"):
+            other[int(args.verify_slot_indices[i]) % other.shape[0], ("token", "position", "chain").index(change)] ^= 1
+        elif change == "prev":
+            second = args._replace(verify_prev_slot_indices=args.verify_prev_slot_indices.copy())
+            second.verify_prev_slot_indices[i] = rng.choice([-1, 1, 2])
+        elif change == "slot":
+            second = args._replace(verify_slot_indices=args.verify_slot_indices.copy())
+            second.verify_slot_indices[i] = second.verify_slot_indices[i] % (canary.shape[0] - 1) + 1
+        elif change == "num_slots":
+            other = np.concatenate([canary, canary[-1:]])
+        second = second._replace(targets=(CanaryTarget(other, 2, ()),))
+        for verify in (numpy_backend.verify, numpy_fast.verify):  # the fast one: after a verify of the first args
+            numpy_fast.verify(args._replace(log=_log_after(numpy_fast.verify, args)))
+            got = _log_after(verify, second)
+            if verify is numpy_backend.verify:
+                want = got
+        for name, w, g in zip(want._fields, want, got):
+            np.testing.assert_array_equal(g, w, err_msg=f"seed {seed} {change}: {name}")
 
 
 def test_a_clean_run_of_chains_finds_nothing_and_a_broken_link_is_found_once():
@@ -294,6 +409,7 @@ def test_fast_real_kv_hashes_match_the_reference(lanes, monkeypatch):
     offsets, row widths; the sources' fold on NumPy arrays or on int lanes) and of sources it leaves
     to the reference (a paged one, a padded row copy), for 1 to 300 slots, ALL and NONE too, and the
     prepared views of a sources tuple reused while it lives, rebuilt for another."""
+    from kvcanary_cupy.args import SourceViews
     from kvcanary_cupy.backends import SourceView
 
     monkeypatch.setattr(numpy_kv, "LANE_FOLD_MAX_SLOTS", lanes)
@@ -305,6 +421,7 @@ def test_fast_real_kv_hashes_match_the_reference(lanes, monkeypatch):
              SourceView(data[2], 1, 48, 48, byte_offset=16, slot_offset=5), SourceView(data[3], 1, 64, 64, byte_offset=8))
     others = (SourceView(data[0].reshape(-1, 64), 2, 32, 32), SourceView(padded, 1, 32, 32))
     cases = [words, words[:1], words[1:3], words + others[:1], others[1:] + words]
+    cases += [SourceViews(c) for c in cases]  # a bound launcher's: views kept on it
     for sources in cases:
         for n in (1, 3, 12, 64, 65, 300):
             slots = rng.integers(0, rows, n).astype(np.int64)
@@ -314,8 +431,59 @@ def test_fast_real_kv_hashes_match_the_reference(lanes, monkeypatch):
                     got = numpy_fast.real_kv_hashes(sources, int(mode), slots)
                     assert got.dtype == want.dtype and got.tolist() == want.tolist(), (len(sources), n, mode)
     assert numpy_fast.real_kv_hashes(words, int(kc.RealKvHashMode.PARTIAL), np.zeros(0, np.int64)).shape == (0,)
+    kept = cases[len(cases) // 2]  # SourceViews(words), its views kept by the calls above
+    assert len(kept.words) == len(words)
+    for data_row in range(3):  # the kept views read the pools' bytes as they are now
+        data[0][data_row + 1] ^= 0x5A
+        data[2][data_row + 7, 16:] += 1
+        slots = np.arange(rows, dtype=np.int64)
+        assert (numpy_fast.real_kv_hashes(kept, int(kc.RealKvHashMode.PARTIAL), slots).tolist()
+                == numpy_backend.real_kv_hashes(words, int(kc.RealKvHashMode.PARTIAL), slots).tolist())
     # a new tuple of other sources at a reused id gets its own views (the cache keeps its tuple alive)
     fresh = (SourceView(data[3], 1, 64, 64),)
     slots = np.arange(rows, dtype=np.int64)
     assert (numpy_fast.real_kv_hashes(fresh, int(kc.RealKvHashMode.PARTIAL), slots).tolist()
             == numpy_backend.real_kv_hashes(fresh, int(kc.RealKvHashMode.PARTIAL), slots).tolist())
+
+
+# ---- staging: the clean step's header and counters -----------------------------------------------
+
+
+def _staged_records(corrupt_steps):
+    """Every record a session's steps stage (a copy as staged), a few of them with corrupted slots."""
+    session = kc.CanarySession(64, max_batch_size=4, on_violation="ignore", check_expected_tokens=True)
+    req_to_token = np.arange(64, dtype=np.int32).reshape(4, 16)
+    staged, stager = [], session._step_stager
+
+    def snapshot(stamp, stream=None, staging=None):
+        stager(stamp, stream, staging)
+        staged.append(staging.copy())
+
+    session._step_stager = snapshot
+    pool = np.arange(64, dtype=np.int32).reshape(4, 16) + 5
+    for step in range(5):
+        prefix = np.array([3 * step, 3 * step])
+        if step in corrupt_steps:
+            session.head_canary[16 + max(3 * step - 1, 0), 0] ^= 1
+        session.pre_forward(np.array([1, 2]), prefix, np.array([3, 3]), req_to_token,
+                            np.concatenate([pool[1, 3 * step : 3 * step + 3], pool[2, 3 * step : 3 * step + 3]]).astype(np.int64),
+                            np.concatenate([np.arange(3 * step, 3 * step + 3)] * 2),
+                            np.concatenate([16 + np.arange(3 * step, 3 * step + 3), 32 + np.arange(3 * step, 3 * step + 3)]),
+                            expected_tokens=pool, expected_tokens_valid_lens=prefix)
+        session.post_forward()
+        session.end_step()
+    return staged, session.stats
+
+
+@pytest.mark.parametrize("corrupt_steps", [(), (2,), (1, 4)])
+def test_staged_records_match_the_reference(corrupt_steps, monkeypatch):
+    """A clean staging (numpy_fast.prepare_stage) writes the bytes the reference's does, before and
+    after steps whose rows it leaves to the reference."""
+    fast, fast_stats = _staged_records(corrupt_steps)
+    monkeypatch.setattr(numpy_fast, "prepare_stage", numpy_backend.prepare_stage)
+    want, want_stats = _staged_records(corrupt_steps)
+    assert len(fast) == len(want) == 5
+    for step, (w, g) in enumerate(zip(want, fast)):
+        np.testing.assert_array_equal(g, w, err_msg=f"step {step}")
+    assert fast_stats == want_stats
+    assert (fast_stats["rows_read"] > 0) == bool(corrupt_steps)
