@@ -89,6 +89,16 @@ def _plan_outputs(run, bs, cap, previous_bs):
     return {k: v.copy() for k, v in {**vp.arrays(), **wp.arrays()}.items()}
 
 
+def _plan_drawn(drawn) -> list:
+    """:func:`_plan_outputs` of each drawn ``(seed, args, kw, bs, cap, previous)`` plan, in order."""
+    out = []
+    for _, args, kw, bs, cap, previous in drawn:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", kc.CanaryCapacityWarning)  # the overflowing plans warn
+            out.append(_plan_outputs(lambda **o: kc.plan(*args, **kw, **o), bs, cap, previous))
+    return out
+
+
 def _draw_plan(rng):
     bs, rows, cols = int(rng.integers(0, 12)), int(rng.integers(1, 9)), int(rng.integers(1, 40))
     rtt = rng.integers(-3, 60, (rows, cols)).astype(np.int32)
@@ -121,17 +131,9 @@ def test_req_to_token_plans_match_the_reference(first, reference, plan_path):
         cap = int(rng.integers(0, 60))
         drawn.append((seed, args, kw, bs, cap, int(rng.integers(0, bs + 4))))
 
-    def run_all():
-        out = []
-        for _, args, kw, bs, cap, previous in drawn:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", kc.CanaryCapacityWarning)  # the overflowing plans warn
-                out.append(_plan_outputs(lambda **o: kc.plan(*args, **kw, **o), bs, cap, previous))
-        return out
-
-    fast = run_all()
+    fast = _plan_drawn(drawn)
     reference()
-    for (seed, *_), want, got in zip(drawn, run_all(), fast):
+    for (seed, *_), want, got in zip(drawn, _plan_drawn(drawn), fast):
         for key in want:
             np.testing.assert_array_equal(got[key], want[key], err_msg=f"seed {seed}: {key}")
     assert sum(int(f["verify_num_valid"][0]) > 0 for f in fast) > 100  # most plans expand entries
@@ -196,21 +198,13 @@ def test_paged_kv_plans_match_the_reference(first, reference):
         taken.append(done)
         return done
 
-    def run_all():
-        out = []
-        for _, args, kw, bs, cap, previous in drawn:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", kc.CanaryCapacityWarning)  # the overflowing plans warn
-                out.append(_plan_outputs(lambda **o: kc.plan(*args, **kw, **o), bs, cap, previous))
-        return out
-
     numpy_fast.plan_paged_rows = counted
     try:
-        fast = run_all()
+        fast = _plan_drawn(drawn)
     finally:
         numpy_fast.plan_paged_rows = original
     reference()
-    for (seed, *_), want, got in zip(drawn, run_all(), fast):
+    for (seed, *_), want, got in zip(drawn, _plan_drawn(drawn), fast):
         for key in want:
             np.testing.assert_array_equal(got[key], want[key], err_msg=f"seed {seed}: {key}")
             assert got[key].dtype == want[key].dtype
