@@ -206,13 +206,35 @@ constexpr int kDigestUnroll = 4;
 // memory; a spec sampling more derives them at each position.
 constexpr int kDigestTableLayers = 128;
 
+// What a spec samples of this pool, read once by either sampling kernel: the candidate layers (all
+// of the pool's or sample_layers of the model's L) and the words of a head read (a window or the strip).
+struct Sampling {
+  unsigned L;
+  bool all_layers, windowed;
+  int candidates, nw;
+};
+
+__device__ __forceinline__ Sampling sampling(const DigestPool& pool, const DigestRequests& q) {
+  Sampling s;
+  s.L = static_cast<unsigned>(q.num_layers_total);
+  s.all_layers = q.sample_layers == 0 || static_cast<unsigned>(q.sample_layers) >= s.L;
+  s.candidates = s.all_layers ? pool.num_layers : q.sample_layers;
+  s.windowed = q.window_words > 0 && q.window_words < pool.strip_words;
+  s.nw = s.windowed ? q.window_words : pool.strip_words;
+  return s;
+}
+
+// The request's first candidate layer (the sampled layers rotate with its key).
+__device__ __forceinline__ unsigned first_layer(const Sampling& s, u64 key) {
+  return s.all_layers ? 0u : static_cast<unsigned>(splitmix64(key ^ kDigestLayerRotation) % s.L);
+}
+
 // Candidate ci's global layer and first window word (w0: 0 unwindowed).
-__device__ __forceinline__ void candidate(const DigestPool& pool, const DigestRequests& q, bool all_layers, bool windowed,
+__device__ __forceinline__ void candidate(const DigestPool& pool, const DigestRequests& q, const Sampling& s,
                                           unsigned first, u64 key, unsigned ci, int* layer, int* w0) {
-  const unsigned L = static_cast<unsigned>(q.num_layers_total);
-  *layer = static_cast<int>(all_layers ? pool.layer_offset + ci : (first + ci * L / q.sample_layers) % L);
+  *layer = static_cast<int>(s.all_layers ? pool.layer_offset + ci : (first + ci * s.L / q.sample_layers) % s.L);
   *w0 = 0;
-  if (windowed) {
+  if (s.windowed) {
     const u64 pick = splitmix64(key ^ (static_cast<u64>(*layer + 1) * kDigestWordStride)) %
                      static_cast<u64>(pool.strip_words / q.window_words);
     *w0 = static_cast<int>(pick) * q.window_words;
@@ -278,12 +300,10 @@ __global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accum
   const i64 warps = static_cast<i64>(gridDim.x) * (kDigestThreads / 32);
   const i64 warp = static_cast<i64>(blockIdx.x) * (kDigestThreads / 32) + (threadIdx.x >> 5);
   const u64* pointers = reinterpret_cast<const u64*>(pool.pointers);
-  const unsigned L = static_cast<unsigned>(q.num_layers_total);
-  const bool all_layers = q.sample_layers == 0 || static_cast<unsigned>(q.sample_layers) >= L;
-  const unsigned candidates = all_layers ? static_cast<unsigned>(pool.num_layers) : static_cast<unsigned>(q.sample_layers);
-  const bool windowed = q.window_words > 0 && q.window_words < pool.strip_words;
+  const Sampling smp = sampling(pool, q);
+  const unsigned candidates = static_cast<unsigned>(smp.candidates);
   const bool tabled = candidates <= kDigestTableLayers;
-  const int nw = windowed ? q.window_words : pool.strip_words;
+  const int nw = smp.nw;
   const LaneShare share = lane_share(lane, pool.num_heads, nw);
   const int halves = pool.halves;
   // this lane's words of a head (sub, sub + group, ... below nw) and the key step between two of them
@@ -297,11 +317,11 @@ __global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accum
     const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
     if (!range_ok(row, start, end)) continue;  // uniform across the block: counted by digest_init
     const u64 key = static_cast<u64>(reinterpret_cast<const i64*>(q.sample_keys)[b]);
-    const unsigned first = all_layers ? 0u : static_cast<unsigned>(splitmix64(key ^ kDigestLayerRotation) % L);
+    const unsigned first = first_layer(smp, key);
     if (tabled) {
       __syncthreads();  // the previous request's table is read no more
       for (unsigned ci = threadIdx.x; ci < candidates; ci += kDigestThreads)
-        candidate(pool, q, all_layers, windowed, first, key, ci, &table_layer[ci], &table_w0[ci]);
+        candidate(pool, q, smp, first, key, ci, &table_layer[ci], &table_w0[ci]);
       __syncthreads();
     }
     u64 kv = 0, words = 0, rec = 0;
@@ -337,7 +357,7 @@ __global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accum
           layer = table_layer[ci];
           w0 = table_w0[ci];
         } else {
-          candidate(pool, q, all_layers, windowed, first, key, ci, &layer, &w0);
+          candidate(pool, q, smp, first, key, ci, &layer, &w0);
         }
         const int local = layer - pool.layer_offset;
         if (local < 0 || local >= pool.num_layers) continue;
@@ -462,13 +482,10 @@ __global__ void __launch_bounds__(kDigestThreads) digest_units(const __grid_cons
   const i64 warps = static_cast<i64>(gridDim.x) * (kDigestThreads / 32);
   const i64 warp = static_cast<i64>(blockIdx.x) * (kDigestThreads / 32) + (threadIdx.x >> 5);
   const u64* pointers = reinterpret_cast<const u64*>(pool.pointers);
-  const unsigned L = static_cast<unsigned>(q.num_layers_total);
-  const bool all_layers = q.sample_layers == 0 || static_cast<unsigned>(q.sample_layers) >= L;
-  const int candidates = all_layers ? pool.num_layers : q.sample_layers;
-  const bool windowed = q.window_words > 0 && q.window_words < pool.strip_words;
-  const int nw = kWords ? kWords : (windowed ? q.window_words : pool.strip_words);
+  const Sampling smp = sampling(pool, q);
+  const int nw = kWords ? kWords : smp.nw;
   const int halves = pool.halves, per_layer = halves * pool.num_heads;
-  const int units = candidates * per_layer;
+  const int units = smp.candidates * per_layer;
   // lane's first item (position j0, unit u0) of a chunk, and the step to its next (32 items on)
   const int dj = 32 / units, du = 32 % units;
   const int j0 = lane / units, u0 = lane % units;
@@ -477,14 +494,14 @@ __global__ void __launch_bounds__(kDigestThreads) digest_units(const __grid_cons
     const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
     if (!range_ok(row, start, end)) continue;  // uniform across the block: counted by digest_init
     const u64 key = static_cast<u64>(reinterpret_cast<const i64*>(q.sample_keys)[b]);
-    const unsigned first = all_layers ? 0u : static_cast<unsigned>(splitmix64(key ^ kDigestLayerRotation) % L);
+    const unsigned first = first_layer(smp, key);
     if (threadIdx.x == 0) aligned = ((pool.page_stride | pool.token_stride) & 15) == 0 && nw % 2 == 0;
     __syncthreads();  // the previous request's table is read no more; `aligned` is set
     int misaligned = 0;
     for (int u = threadIdx.x; u < units; u += kDigestThreads) {
       const int ci = u / per_layer, c = (u % per_layer) / pool.num_heads, h = u % pool.num_heads;
       int layer, w0;
-      candidate(pool, q, all_layers, windowed, first, key, static_cast<unsigned>(ci), &layer, &w0);
+      candidate(pool, q, smp, first, key, static_cast<unsigned>(ci), &layer, &w0);
       const int local = layer - pool.layer_offset;
       u64 at = 0;
       if (local >= 0 && local < pool.num_layers)
