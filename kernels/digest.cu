@@ -605,8 +605,8 @@ __global__ void __launch_bounds__(kDigestThreads) digest_units(const __grid_cons
   }
 }
 
-__device__ __forceinline__ bool record_present(const i64* r) {
-  const u64 h = static_cast<u64>(r[0]);
+__device__ __forceinline__ bool record_present(i64 header) {
+  const u64 h = static_cast<u64>(header);
   return (h & 0xFFFFFFFFULL) == kDigestMagic && ((h >> 48) & kFlagPresent) != 0;
 }
 
@@ -617,13 +617,19 @@ __global__ void digest_verify(const i64* __restrict__ expected, const i64* __res
   wait_for_prior_grids();
   const i64 b = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool valid = b < n;
+  // both rows loaded before any test: the tests below short-circuit, and loads behind them would
+  // each wait for the one before
+  i64 e[8], x[8];
+  #pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    e[i] = valid ? expected[b * 8 + i] : 0;
+    x[i] = valid ? actual[b * 8 + i] : 0;
+  }
   int code = 0;
   i64 bits = 0;
-  const i64* e = expected + (valid ? b : 0) * 8;
-  const i64* x = actual + (valid ? b : 0) * 8;
   if (valid) {
     const u64 good = kDigestMagic | kDigestVersion << 32, mask = (1ULL << 48) - 1;
-    const bool missing = !record_present(e) || !record_present(x) || e[7] == 0 || x[7] == 0;
+    const bool missing = !record_present(e[0]) || !record_present(x[0]) || e[7] == 0 || x[7] == 0;
     const bool version = (static_cast<u64>(e[0]) & mask) != good || (static_cast<u64>(x[0]) & mask) != good || e[1] != x[1];
     const bool range = e[2] != x[2] || e[3] != x[3] || e[4] != x[4];
     const bool kv = e[5] != x[5] || e[7] != x[7], rec = e[6] != x[6];

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import kvcanary_cupy as kc
@@ -230,22 +231,26 @@ def bound_ops(d):
     return ops
 
 
-def eager_us(cupy, fn, calls=200) -> float:
-    """Host microseconds per eager call: ``calls`` back-to-back calls, one sync at the end (a call
-    whose device time is longer than its host time shows its device time)."""
+def eager_us(cupy, fn, calls=200, runs=5) -> float:
+    """Host microseconds per eager call: the median over ``runs`` of ``calls`` back-to-back calls with
+    one sync at the end (a call whose device time is longer than its host time shows its device
+    time; the median: one run that an interrupt or a busy neighbour slowed moved a row by 50%)."""
     fn()
     cupy.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    cupy.cuda.Device().synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        cupy.cuda.Device().synchronize()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
 
 
 def host_times(cupy, names, rows: list):
     """Host us per eager op: free function vs planner / bound launcher, CuPy arrays vs CUDA torch tensors."""
     lines = [
-        "host us per eager call (200 back-to-back calls / 200, one sync at the end; target: bound <= "
+        "host us per eager call (median of 5 runs of 200 back-to-back calls / 200, one sync at the end of each; target: bound <= "
         f"{HOST_TARGET_US['cupy']:.0f} us with CuPy arrays, <= {HOST_TARGET_US['torch']:.0f} us with CUDA torch tensors)",
         "(a call whose device time exceeds its host time shows its device time: W2 write, W4 plan and verify)",
         "(plan_and_verify: a free call only, no bound launcher; its free call replays the last one's packed launch)",
