@@ -35,7 +35,12 @@ from .validation_cache import _kind, full_validation_forced
 
 def _stamp(x) -> tuple:
     """What the checks and the parameter records read of an array: its address, shape, strides,
-    dtype and device (and a torch tensor's requires_grad, which the checks refuse for written arrays)."""
+    dtype and device (and a torch tensor's requires_grad, which the checks refuse for written arrays);
+    of a cupy.ndarray of the exact class its shape and strides, the rest being its own for life
+    (:meth:`LastOpCall.commit` says why)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and type(x) is cupy.ndarray:
+        return x.shape, x.strides
     if is_torch_tensor(x):
         return x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, x.requires_grad
     return x.data.ptr, x.shape, x.strides, x.dtype, x.data.device_id

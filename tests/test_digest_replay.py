@@ -20,9 +20,9 @@ from kvcanary_cupy.devtools.fake_cupy import fake_device
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture
-def dev(monkeypatch):
-    with fake_device() as d:
+@pytest.fixture(params=[False, True], ids=["cupy-launch", "overlapped"])
+def dev(monkeypatch, request):
+    with fake_device(overlap=request.param) as d:
         import cupy
 
         real = cupy.asarray  # KvLayout places its pointer array with cupy.asarray: onto the fake device too
@@ -67,7 +67,9 @@ def test_the_launches_carry_the_structs_of_the_call(dev, monkeypatch):
     seen = []
     real = cuda.digest
     monkeypatch.setattr(cuda, "digest", lambda args, placement: (seen.append(args), real(args, placement))[1])
+    overlapped = len(dev.overlapped)
     (init, acc) = launches(dev, run)
+    assert len(dev.overlapped) == overlapped + 2 * dev.overlap  # on sm_90 through cuLaunchKernelEx, as every canary op
     (args,) = seen
     structs = (cuda.table_struct(args.table), cuda.pool_struct(args.layout), cuda.requests_struct(args))
     nw = cuda.unit_words(args.layout, args.num_layers_total, args.sample_layers, args.window_bytes)

@@ -249,12 +249,13 @@ class FakeDevice:
             """cuLaunchKernelEx: recorded like a CuPy launch (each argument's bytes read at its address)."""
             c = config.contents
             assert c.numAttrs == 1 and c.attrs[0].id == abi.PROGRAMMATIC_STREAM_SERIALIZATION and c.attrs[0].value == 1
-            assert (c.gridDimY, c.gridDimZ, c.blockDimY, c.blockDimZ, extra) == (1, 1, 1, 1, None)
+            assert (c.gridDimZ, c.blockDimY, c.blockDimZ, extra) == (1, 1, 1, None)
             addresses = tuple(arguments)
             self.overlapped.append(addresses)
             name = self.kernels[function.value]
             args = self.argument_bytes(name, addresses) if self.record_bytes else ()
-            self.record_launch(name, (c.gridDimX,), (c.blockDimX,), self.streams[c.hStream], args, c.sharedMemBytes)
+            grid = (c.gridDimX,) if c.gridDimY == 1 else (c.gridDimX, c.gridDimY)  # as a CuPy launch gives it
+            self.record_launch(name, grid, (c.blockDimX,), self.streams[c.hStream], args, c.sharedMemBytes)
             return 0
 
         # The library's own seam (backends/cuda/device.py): a cache of this device's answers and

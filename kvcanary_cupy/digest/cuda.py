@@ -1,19 +1,21 @@
 """The CUDA backend of the digest: fills the kernels' parameter structs (NumPy mirrors of the
 structs of ``kernels/digest.cu``; ``devtools/abi_check.py`` pins their layout) into the kernels'
-parameter records, packed once into :class:`Launches` run on the caller's stream (torch's current
-stream for torch tensors)."""
+parameter records, launched as every canary op's are: packed once (``backends/cuda/launch.py``'s
+:class:`PackedLaunches`, overlapping the work before them where the device allows) on the caller's
+stream (torch's current stream for torch tensors).  The records hold addresses, never an array:
+they stay valid while the caller's arrays live (:mod:`.memo` checks that)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ..backends.cuda import device as cuda_device
-from ..backends.cuda.compile import get_function, kernel_name
-from ..backends.cuda.configs import resident_blocks_per_sm
+from ..backends.cuda.compile import kernel_name
+from ..backends.cuda.configs import LaunchConfig, resident_blocks_per_sm
 from ..backends.cuda.abi import LAUNCH_LOG
-from ..backends.cuda.params import kernel_arguments, log_struct
+from ..backends.cuda.launch import PackedLaunches
+from ..backends.cuda.params import KernelLaunch, log_struct
 from ..interop import data_ptr
-from ..runtime import launch_stream
 from ..tables import TableKind
 
 DIGEST_TABLE = np.dtype([("entries", "u8"), ("indptr", "u8"), ("v2p", "u8"), ("rows", "i8"), ("cols", "i8"),
@@ -92,32 +94,6 @@ def requests_struct(a) -> np.ndarray:
     return np.array([tuple(v[k] for k in DIGEST_REQUESTS.names)], DIGEST_REQUESTS)
 
 
-class Launches:
-    """An eager call's kernel launches, packed once: each kernel with the addresses of its
-    parameter record's fields (CuPy reads each argument there at every launch), launched on the
-    caller's stream (torch's current one for torch tensors).  Holds no array: the records hold
-    addresses, which stay valid while the caller's arrays live (:mod:`.memo` checks that)."""
-
-    __slots__ = ("placement", "calls", "records")
-
-    def __init__(self, placement, launches):
-        """``launches``: (kernel name, grid, block, parameter record) tuples, on the current device."""
-        self.placement = placement
-        self.records = tuple({id(r): r for *_, r in launches}.values())  # what the argument addresses point into
-        arguments = {id(r): kernel_arguments(r) for r in self.records}  # digest_init and digest_accumulate share one
-        self.calls = tuple((get_function("digest", name).kernel, grid, block, arguments[id(record)])
-                           for name, grid, block, record in launches)
-
-    def launch(self) -> None:
-        """Launch on CuPy's current stream and device (inside the caller's :func:`launch_stream`)."""
-        for fn, grid, block, args in self.calls:
-            fn(grid, block, args)
-
-    def __call__(self) -> None:
-        with launch_stream(self.placement):
-            self.launch()
-
-
 def unit_words(layout, num_layers_total: int, sample_layers: int, window_bytes: int) -> int:
     """The words digest_units hashes per (layer, half, head) of a position under this spec, or 0
     where it does not take the spec (more units than its table holds, or a window past
@@ -131,13 +107,19 @@ def unit_words(layout, num_layers_total: int, sample_layers: int, window_bytes: 
     return nw if 0 < units <= UNIT_MAX_UNITS and 0 < nw <= UNIT_MAX_WORDS else 0
 
 
-def digest(a, placement) -> Launches:
+def _packed(placement, launches) -> PackedLaunches:
+    """``launches``: (kernel name, grid, parameter record) of the family's kernels, in order."""
+    return PackedLaunches([KernelLaunch("digest", name, LaunchConfig(grid[0], THREADS, 0, *grid[1:]), record)
+                           for name, grid, record in launches], placement)
+
+
+def digest(a, placement) -> PackedLaunches:
     """digest_init (each request's header and zero sums) then the accumulating kernel on a grid of
     one wave (x spreads a request's positions over the SMs, y walks the requests): digest_units
     where it takes the spec (a lane a sampled window), else digest_accumulate."""
     bs = a.starts.shape[0]
     if bs == 0:
-        return Launches(placement, ())
+        return _packed(placement, ())
     record = np.zeros(1, DIGEST_PARAMS)
     record["table"], record["pool"], record["requests"] = table_struct(a.table), pool_struct(a.layout), requests_struct(a)
     sms = cuda_device.sm_count(cuda_device.current_id())
@@ -147,13 +129,12 @@ def digest(a, placement) -> Launches:
     # One wave: the blocks its registers let the SMs hold at once (a larger grid ran in waves,
     # each warp paying its block's set-up and atomics for a position or two).
     grid_x = max(1, sms * resident_blocks_per_sm("digest", name, THREADS) // grid_y)
-    return Launches(placement, (("kvcanary::digest_init", (-(-bs // THREADS),), (THREADS,), record),
-                                (name, (grid_x, grid_y), (THREADS,), record)))
+    return _packed(placement, (("kvcanary::digest_init", (-(-bs // THREADS),), record), (name, (grid_x, grid_y), record)))
 
 
-def verify(expected, actual, out, log, kind: int, placement) -> Launches:
+def verify(expected, actual, out, log, kind: int, placement) -> PackedLaunches:
     n = expected.shape[0]
     record = np.zeros(1, VERIFY_PARAMS)
     record["expected"], record["actual"], record["n"], record["out"] = data_ptr(expected), data_ptr(actual), n, data_ptr(out)
     record["log"], record["kind"] = log_struct(log), kind
-    return Launches(placement, (("kvcanary::digest_verify", (max(1, -(-n // THREADS)),), (THREADS,), record),))
+    return _packed(placement, (("kvcanary::digest_verify", (max(1, -(-n // THREADS)),), record),))

@@ -280,7 +280,7 @@ def digest_pages(layout: KvLayout, table: Any, req_pool_indices: Array | None, s
             from . import cuda
 
             launches = cuda.digest(args, placement)
-            launches.launch()
+            launches()
             if replayable:
                 _LAST_CALL.put(objects, (), [a for k, a in named.items() if k != "layout" and a is not None], launches)
     return out

@@ -109,7 +109,7 @@ def verify_digest(expected: DigestBatch, actual: DigestBatch, *, log: ViolationL
             from . import cuda
 
             launches = cuda.verify(e, a, ov, lv, kind, placement)
-            launches.launch()
+            launches()
             if replayable:
                 arrays = [expected.records, expected.out_of_range_count, actual.records, actual.out_of_range_count, out,
                           *log.arrays().values()]

@@ -27,11 +27,16 @@ from .compile import get_function, kernel_name, plan_family, step_family
 
 
 class LaunchConfig(NamedTuple):
-    """A kernel launch's shape: a 1-D grid of 1-D blocks."""
+    """A kernel launch's shape: a 1-D grid (2-D where ``grid_y > 1``) of 1-D blocks."""
 
     grid: int
     block: int
     shared_mem: int = 0  # dynamic shared memory, bytes
+    grid_y: int = 1
+
+    def grid_dims(self) -> tuple:
+        """The grid as a CuPy launch takes it."""
+        return (self.grid,) if self.grid_y == 1 else (self.grid, self.grid_y)
 
 
 @dataclasses.dataclass(frozen=True)

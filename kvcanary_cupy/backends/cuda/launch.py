@@ -83,13 +83,14 @@ def _error_name(status: int) -> str:
 class OverlappedLaunch:
     """One kernel's launch, packed once: its function, grid, block, dynamic shared memory and the
     addresses of its argument values (which must stay valid and in place for as long as it is
-    used; the driver reads them at each call).  Calling it launches on a stream (a raw handle)."""
+    used; the driver reads them at each call).  Calling it launches on a stream (a raw handle).
+    ``grid_y``: the grid's second dimension (the digest walks its requests along it)."""
 
     __slots__ = ("_attribute", "_config", "_config_ref", "_function", "_arguments", "_launch")
 
-    def __init__(self, function_ptr: int, grid: int, block: int, shared_mem: int, argument_addresses):
+    def __init__(self, function_ptr: int, grid: int, block: int, shared_mem: int, argument_addresses, grid_y: int = 1):
         self._attribute = CuLaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        self._config = CuLaunchConfig(grid, 1, 1, block, 1, 1, shared_mem, None, ctypes.pointer(self._attribute), 1)
+        self._config = CuLaunchConfig(grid, grid_y, 1, block, 1, 1, shared_mem, None, ctypes.pointer(self._attribute), 1)
         self._config_ref = ctypes.pointer(self._config)
         self._function = ctypes.c_void_p(function_ptr)
         self._arguments = (ctypes.c_void_p * len(argument_addresses))(*argument_addresses)
@@ -145,15 +146,15 @@ class BoundLaunch:
     def _overlap(self, fn, grid: tuple, block: tuple, shared_mem: int) -> OverlappedLaunch:
         """The packed launch of ``fn`` at this grid, block and shared memory, made once."""
         launch = self._overlapped[(fn, grid, block, shared_mem)] = OverlappedLaunch(fn.ptr, grid[0], block[0], shared_mem,
-                                                                                   record_addresses(self.params))
+                                                                                   record_addresses(self.params), *grid[1:2])
         return launch
 
 
 def launch_record(launch: KernelLaunch) -> None:
     """A free function's launch of one parameter record, on CuPy's current stream and device."""
     c = launch.config
-    BoundLaunch(launch.params, device.current_id())(get_function(launch.family, launch.name).kernel, (c.grid,), (c.block,),
-                                                   c.shared_mem)
+    BoundLaunch(launch.params, device.current_id())(get_function(launch.family, launch.name).kernel, c.grid_dims(),
+                                                   (c.block,), c.shared_mem)
 
 
 class PackedLaunches:
@@ -172,12 +173,13 @@ class PackedLaunches:
         torch_stream = torch_stream_handle(placement.device) if placement.framework == "torch" else None
         device_id = device.current_id()
         self.calls = tuple((BoundLaunch(x.params, device_id, torch_stream), get_function(x.family, x.name).kernel,
-                            (x.config.grid,), (x.config.block,), x.config.shared_mem) for x in launches)
+                            x.config.grid_dims(), (x.config.block,), x.config.shared_mem) for x in launches)
         self._lock = threading.Lock()  # an overlapped launch sets its stream then launches: one thread at a time
         self._device, self._torch_stream = device_id, torch_stream
         cuda = import_cupy().cuda
         self._get_device, self._cupy_stream = cuda.runtime.getDevice, cuda.get_current_stream
-        self._overlapped = tuple(OverlappedLaunch(fn.ptr, grid[0], block[0], shared_mem, record_addresses(bound.params))
+        self._overlapped = tuple(OverlappedLaunch(fn.ptr, grid[0], block[0], shared_mem, record_addresses(bound.params),
+                                                  *grid[1:2])
                                  for bound, fn, grid, block, shared_mem in self.calls) if supported(device_id) else None
 
     def current_stream(self):
