@@ -132,6 +132,9 @@ extern "C" int kv_emulate_verify(unsigned gx, unsigned threads, const void* expe
 """
 
 
+_BUILD_DIR = None
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL:
     """digest.cu built for the CPU once a process (g++ -O2); a RuntimeError naming what failed."""
@@ -141,8 +144,9 @@ def _library() -> ctypes.CDLL:
         raise RuntimeError("the digest emulator needs g++ (C++20), which is not on PATH")
     kernels = ", ".join(f"kvcanary::{k}" for k in RECORD_KERNELS)
     source = SHIM + cuda_compile.family_source("digest") + LAUNCHER.replace("KERNEL_LIST", kernels)
-    folder = tempfile.mkdtemp(prefix="kvcanary-digest-emu-")
-    src, lib = os.path.join(folder, "digest_emu.cpp"), os.path.join(folder, "digest_emu.so")
+    global _BUILD_DIR
+    _BUILD_DIR = tempfile.TemporaryDirectory(prefix="kvcanary-digest-emu-")  # removed at exit, the library loaded till then
+    src, lib = os.path.join(_BUILD_DIR.name, "digest_emu.cpp"), os.path.join(_BUILD_DIR.name, "digest_emu.so")
     with open(src, "w", encoding="utf-8") as f:
         f.write(source)
     built = subprocess.run(["g++", "-O2", "-std=c++20", "-pthread", "-shared", "-fPIC", "-w", "-o", lib, src],
