@@ -2,9 +2,10 @@
 checked by digests (issue 24): the fault matrix, each with its verdict, in FULL and sampled
 modes; hundreds of clean transfers all MATCH; restamp after a verified receive.
 
-:func:`transfer` takes the sender's and the receiver's backends, so the same code runs with two
-pools on one device (here) and on two devices (issue 26's NCCL run passes each rank's backend).
-The "link" is a host copy of the sent positions, where the faults are injected.
+:func:`transfer` takes the sender's and the receiver's backends; its sides (:func:`setup`,
+:func:`send`, :func:`receive`) also run in two processes over torch.distributed
+(tests/transfer_harness.py: gloo on the host, NCCL between two GPUs).  Here the "link" is a host
+copy of the sent positions; the faults are injected where it lands.
 """
 
 import numpy as np
@@ -61,9 +62,10 @@ def sampled_byte(spec, key, strip, hit: bool):
     return layer, outside[0]
 
 
-def transfer(send_ab, recv_ab, fault="clean", spec=FULL, *, seed=0, lengths=(37, 37, 53), log=None):
-    """Send every request of a random model from a vLLM-NHD pool to a FlashInfer-HND pool (other
-    page size, unrelated pages, noise where nothing landed); return the receiver's verdicts and log."""
+def setup(seed: int, lengths):
+    """A random model of requests of ``lengths`` and both pools: the sender's (vLLM-NHD, its KV and
+    records written) and the receiver's (FlashInfer-HND, another page size, unrelated pages, a
+    previous owner's noise).  Both ranks of a two-process transfer build the same from the seed."""
     rng = np.random.default_rng(seed)
     model = Model.random(rng, list(lengths), head_dim=32)  # 64-byte strips: two 32-byte windows
     n = len(lengths)
@@ -74,30 +76,48 @@ def transfer(send_ab, recv_ab, fault="clean", spec=FULL, *, seed=0, lengths=(37,
     for r in range(n):
         src.write(r, model)
         src.stamp(r, model)
-    send_table = src.table.copy()
-    sent = model
+    return model, keys, starts, ends, src, dst
+
+
+def agreed_ranges(fault: str, starts, ends) -> None:
+    """The ranges both sides agree on for ``fault`` (in place): a suffix transfer for "seam", an
+    empty one for "empty"."""
+    if fault == "seam":
+        starts[0] = 10
+    if fault == "empty":
+        starts[0] = ends[0]
+
+
+def send(send_ab, fault, spec, model, keys, starts, ends, src):
+    """What the sender puts on the link: each request's KV ``[L, 2, n, H, strip]`` (what its table
+    maps) and its 64-byte record (None: not sent)."""
+    send_table, sent = src.table.copy(), model
     if fault == "wrong_owner":  # the sender maps request 0 onto request 1's pages and digests what it sends
         send_table[src.rows[0]] = src.table[src.rows[1]]
         sent = Model(model.num_layers, 2, model.num_heads, model.strip, model.dtype, [model.kv[1]] + model.kv[1:], model.tokens)
-    if fault == "seam":  # a suffix transfer onto a cached prefix that belongs to other tokens
-        starts[0] = 10
-        other = model.tokens[0].copy()
-        other[4] += 1
-        dst.stamp(0, Model(3, 2, 2, model.strip, model.dtype, model.kv, [other]), upto=10)
-    if fault == "empty":
-        starts[0] = ends[0]
+    n = len(model.tokens)
     wire = [bytes(b) for b in np.frombuffer(sender_digest(send_ab, src, model, spec, starts, ends, keys, send_table),
                                             np.uint8).reshape(n, 64)]
     if fault == "missing":
         wire[0] = None
-    for r in range(n):  # the link: positions [start, end) of what the sender sent
+    return [np.ascontiguousarray(sent.kv[r][:, :, : len(model.tokens[r])]) for r in range(n)], wire
+
+
+def receive(recv_ab, fault, spec, model, keys, starts, ends, dst, payload, wire, log=None):
+    """The receiver: lands what the link delivers (the faults of the link and of the receiver's
+    own pool injected here), digests its own memory and compares; returns its verdicts and log."""
+    if fault == "seam":  # a suffix transfer onto a cached prefix that belongs to other tokens
+        other = model.tokens[0].copy()
+        other[4] += 1
+        dst.stamp(0, Model(3, 2, 2, model.strip, model.dtype, model.kv, [other]), upto=10)
+    for r in range(len(model.tokens)):  # the link: positions [start, end) of what the sender sent
         pos = np.arange(starts[r], ends[r])
         if fault == "never_landed" and r == 0:
             continue
         if fault == "partial" and r == 0:
             pos = pos[: len(pos) // 2]
         if fault == "layout" and r == 0:  # NHD page bytes written as they are into HND pages
-            nhd = sent.kv[0].transpose(0, 1, 2, 3, 4)  # [L, 2, n, H, strip]
+            nhd = payload[0]  # [L, 2, n, H, strip]
             for p0 in range(0, len(pos), dst.page_size):
                 chunk = nhd[:, :, p0:p0 + dst.page_size]
                 page = int(dst.table[dst.rows[0], p0]) // dst.page_size
@@ -107,7 +127,7 @@ def transfer(send_ab, recv_ab, fault="clean", spec=FULL, *, seed=0, lengths=(37,
                         raw[: chunk.shape[2]] = chunk[l, c]
                         dst.physical[l][page, c] = raw.reshape(model.num_heads, dst.page_size, model.strip)
             continue
-        dst.write(r, model, pos, source=sent.kv[r][:, :, : len(model.tokens[r])])
+        dst.write(r, model, pos, source=payload[r])
     if fault == "seam":
         dst.write(0, model, np.arange(10))  # the cached prefix's KV is right; its records are not
     if fault == "reordered":  # two of request 0's receiver pages swapped
@@ -124,7 +144,16 @@ def transfer(send_ab, recv_ab, fault="clean", spec=FULL, *, seed=0, lengths=(37,
         dst.views[layer][1][slot // dst.page_size, slot % dst.page_size, 1, byte] ^= 0x10
     recv_spec = kc.DigestSpec(3, window_bytes=16) if fault == "incomparable" else spec
     log = log or kc.ViolationLog.allocate(32, num_kinds=kc.DIGEST_NUM_KINDS, like=recv_ab.like)
-    verdicts = receiver_verdicts(recv_ab, dst, model, recv_spec, starts, ends, keys, wire, log)
+    return receiver_verdicts(recv_ab, dst, model, recv_spec, starts, ends, keys, wire, log), log
+
+
+def transfer(send_ab, recv_ab, fault="clean", spec=FULL, *, seed=0, lengths=(37, 37, 53), log=None):
+    """Send every request of a random model from the sender's pool to the receiver's (:func:`setup`),
+    the link a host copy; return the receiver's verdicts and log."""
+    model, keys, starts, ends, src, dst = setup(seed, lengths)
+    agreed_ranges(fault, starts, ends)
+    payload, wire = send(send_ab, fault, spec, model, keys, starts, ends, src)
+    verdicts, log = receive(recv_ab, fault, spec, model, keys, starts, ends, dst, payload, wire, log)
     return verdicts, log, (dst, model, starts, ends, keys, wire)
 
 
