@@ -63,3 +63,17 @@ def test_each_fault_gives_its_verdict_across_the_processes(verdicts, fault, full
 def test_hundreds_of_clean_transfers_all_match(verdicts):
     clean = [v for (fault, _, seed), v in verdicts.items() if fault == "clean" and seed >= 1000]
     assert len(clean) == CLEAN_ROUNDS and all(v == ["MATCH"] * 3 for v in clean)
+
+
+def test_the_transfer_benchmark_runs_and_lands_a_match_on_gloo():
+    """benchmarks/bench_transfer.py (the 2-GPU run's figure) on the host: its decode rank raises
+    unless the received request's digest MATCHes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_transfer.py"), "--tokens", "64", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "digest / send" in run.stdout and "gloo, one 70B-shaped request of 64 tokens" in run.stdout
