@@ -17,7 +17,9 @@ calling thread's CPU time, which leaves out the time a loaded machine (or a wait
 thread off the CPU; then the median wall and CPU time of the group's own part of ``end_step``
 (``session.distributed.end_step``, on the step's thread: the critical path the group adds,
 without the other variants' noise); then the reduction worker thread's CPU time per reduction
-(off the critical path: the collective's issue, its wait, the decode).  ``--profile`` adds, for the "group"
+(off the critical path: the collective's issue, its wait, the decode); with NCCL, the step's device
+time (CUDA events around pre_forward .. end_step on the step's stream) and what the group adds to
+it (issue 26's figure).  ``--profile`` adds, for the "group"
 variant of the first workload, rank 0's cProfile of ``end_step`` on the step's thread (top 25
 cumulative lines).
 
@@ -122,10 +124,13 @@ def _rank(rank, world, backend, port, workloads, forwards, steps, profile):
                                        like=d["rp"], on_violation="raise", **options)
             session.head_canary[...] = d["canary"]
             session.tail_canary[...] = d["canary"]
-            times, cpu, worker_cpu, part = [], [], 0.0, []
+            times, cpu, worker_cpu, part, device = [], [], 0.0, [], []
+            events = (cupy.cuda.Event(), cupy.cuda.Event()) if gpu else None
             if session.distributed is not None:
                 session.distributed.end_step = _timed(session.distributed.end_step, part)
             for i in range(steps + 20):
+                if events:
+                    events[0].record()
                 session.pre_forward(d["rp"], d["prefix"], d["extend"], d["rtt"], d["ids"], d["pos"], d["loc"])
                 forward()
                 session.post_forward()
@@ -138,6 +143,11 @@ def _rank(rank, world, backend, port, workloads, forwards, steps, profile):
                 if i >= 20:
                     times.append(time.perf_counter() - t0)
                     cpu.append(time.thread_time() - c0)
+                if events:  # the step's device time, pre_forward to end_step's work on the step's stream
+                    events[1].record()
+                    events[1].synchronize()
+                    if i >= 20:
+                        device.append(cupy.cuda.get_elapsed_time(*events) * 1e3)
             if session.distributed is not None:
                 sync()
                 dist.barrier()  # the last reduction done on the worker
@@ -148,23 +158,27 @@ def _rank(rank, world, backend, port, workloads, forwards, steps, profile):
             session.close()
             us = sorted(t * 1e6 for t in times)
             median, p90, cpu_us = statistics.median(us), us[int(0.9 * (len(us) - 1))], statistics.median(cpu) * 1e6
-            base = (median, cpu_us) if base is None else base
+            device_us = statistics.median(device) if device else None
+            base = (median, cpu_us, device_us) if base is None else base
             waits = session.distributed.stats["reduce_waits"] if session.distributed is not None else 0
             part = part[20:] or [(0.0, 0.0)]
             rows.append((WORKLOADS[name].name, forward_us, label, median, p90, median - base[0], cpu_us, cpu_us - base[1], waits,
                          statistics.median(w for w, _ in part) * 1e6, statistics.median(c for _, c in part) * 1e6,
-                         worker_cpu / steps * 1e6))
+                         worker_cpu / steps * 1e6, device_us, None if device_us is None else device_us - base[2]))
     if rank == 0:
         load = os.getloadavg()[0]
         print(f"{backend}, {world} ranks, {steps} steps, load average {load:.1f} on {os.cpu_count()} CPUs; end_step us: "
               f"wall median, p90, added over no group, x target ({ADDED_TARGET_US:.0f} us); thread CPU median, added, "
               "x target; reduce waits; the group's part on the step's thread, wall and CPU median; the worker "
-              "thread's CPU us per reduction (off the critical path); fwd: the stand-in forward's us per step")
-        for workload, forward_us, label, median, p90, added, cpu_us, cpu_added, waits, part_wall, part_cpu, worker_us in rows:
+              "thread's CPU us per reduction (off the critical path); the step's device us (events around pre_forward .. "
+              "end_step on the step's stream, NCCL only), added over no group; fwd: the stand-in forward's us per step")
+        for (workload, forward_us, label, median, p90, added, cpu_us, cpu_added, waits, part_wall, part_cpu, worker_us,
+             device_us, device_added) in rows:
             ratio = (lambda x: "" if label == "no group" else f"{x / ADDED_TARGET_US:.2f}x")
             print(f"  {workload:<16} fwd {forward_us:>5} {label:<22} wall {median:7.1f} {p90:7.1f} +{added:6.1f} {ratio(added):>6}   "
                   f"cpu {cpu_us:6.1f} +{cpu_added:6.1f} {ratio(cpu_added):>6}   waits {waits:3d}   "
-                  f"group part {part_wall:5.1f} {part_cpu:5.1f}   worker {worker_us:6.1f}")
+                  f"group part {part_wall:5.1f} {part_cpu:5.1f}   worker {worker_us:6.1f}   "
+                  + ("device -" if device_us is None else f"device {device_us:8.1f} +{device_added:6.1f}"))
     dist.destroy_process_group()
 
 
