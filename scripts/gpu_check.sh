@@ -61,7 +61,7 @@ pytest_slice() {  # pytest_slice I JOBS [pytest args...]: every JOBS-th test id,
   local ids=()
   mapfile -t ids < <(python3 -m pytest -q --collect-only -p no:cacheprovider "$@" tests | grep '^tests/.*::' | awk -v i="$i" -v n="$jobs" 'NR % n == i')
   [ "${#ids[@]}" -gt 0 ] || { echo "slice $i: no tests"; return 0; }
-  python3 -m pytest -q -rs -p no:cacheprovider "$@" "${ids[@]}"
+  python3 -m pytest -q -rfEs -p no:cacheprovider "$@" "${ids[@]}"
 }
 sanitizer() {
   compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitizer_fuzz.py --cases "${SANITIZER_CASES:-16}" &&
