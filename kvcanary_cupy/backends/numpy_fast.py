@@ -287,9 +287,13 @@ def record_hashes(records, h, scratch) -> None:
 _last_hashed: dict = {}
 
 
-def _hashed_records(records, h, scratch) -> None:
+def _hashed_records(records, h, scratch, remember: bool) -> None:
     """:func:`record_hashes` of ``records`` (int64 rows) into ``h``, or the last call's hashes when
-    its records held the same three hashed fields (compared)."""
+    its records held the same three hashed fields (compared); ``remember``: whether this call may
+    take or leave them (a verify of one chunk: only such a verify's records come back whole)."""
+    if not remember:
+        record_hashes(records.view(U64), h, scratch)
+        return
     key = records[:, :3]
     last = _last_hashed.get("verify")  # one read: another thread may replace it meanwhile
     if last is not None and ref._same(last[0], key):
@@ -324,7 +328,7 @@ def _failures(kind, canary, slot, prev, position, token, sources, mode, links=No
         np.take(canary, slot[lo:hi], axis=0, out=records[:m], mode="clip")
         if r:
             np.take(canary, source[first:last], axis=0, out=records[m : m + r], mode="clip")
-        _hashed_records(records[: m + r], hashes[1 : m + r + 1], scratch[: m + r])
+        _hashed_records(records[: m + r], hashes[1 : m + r + 1], scratch[: m + r], n <= size)
         rec = records[:m]
         u = rec.view(U64)
         expected = hashes[:m]
