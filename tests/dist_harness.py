@@ -41,19 +41,24 @@ def run_ranks(world_size: int, array: str, out_dir: str, *, scenarios=SCENARIOS,
     Raises TimeoutError when a rank is still running then (the ranks are killed first) and
     RuntimeError naming the rank when one failed.
     """
+    spawn(_entry, (world_size, array, free_port(), out_dir, tuple(scenarios)), world_size, timeout,
+          f"{world_size} {array} ranks")
+    return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world_size)]
+
+
+def spawn(entry, args: tuple, nprocs: int, timeout: float, what: str) -> None:
+    """Run ``entry(rank, *args)`` in ``nprocs`` spawned processes and wait for them; a TimeoutError
+    naming ``what`` when one still runs at ``timeout`` (every one is killed first)."""
     import torch.multiprocessing as mp
 
-    port = free_port()
-    ctx = mp.start_processes(_entry, args=(world_size, array, port, out_dir, tuple(scenarios)), nprocs=world_size,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(entry, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
         if time.monotonic() >= deadline:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-            raise TimeoutError(f"{world_size} {array} ranks did not finish within {timeout} s (a hang)")
-    return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world_size)]
+            raise TimeoutError(f"{what} did not finish within {timeout} s (a hang)")
 
 
 def _entry(rank: int, world_size: int, array: str, port: int, out_dir: str, scenarios) -> None:

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import traceback
 from datetime import timedelta
 
 import numpy as np
 
-from dist_harness import free_port
+from dist_harness import free_port, spawn
 
 GPU_ARRAYS = ("torch_cuda",)
 
@@ -34,17 +33,7 @@ def run_transfers(array: str, out_dir: str, cases: list, *, timeout: float = 240
 
     Raises TimeoutError when a rank is still running at ``timeout`` (both are killed first) and
     RuntimeError with the rank's traceback when one failed."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_entry, args=(array, free_port(), out_dir, [tuple(c) for c in cases]), nprocs=2,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() >= deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"the {array} transfer ranks did not finish within {timeout} s (a hang)")
+    spawn(_entry, (array, free_port(), out_dir, [tuple(c) for c in cases]), 2, timeout, f"the {array} transfer ranks")
     results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(2)]
     for r, result in enumerate(results):
         if "crashed" in result:
