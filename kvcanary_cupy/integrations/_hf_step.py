@@ -172,38 +172,33 @@ class StepCanary:
                     self._sweep()
         return compute_batch
 
-    def _head(self, name: str, n: int):
-        """``getattr(self, name)[:n]``, one torch view a length (at most 256 kept a buffer)."""
-        views = self._heads[name]
-        view = views.get(n)
-        if view is None:
+    def _kept(self, kind: str, key, make):
+        """``make()`` (torch views of the canary's buffers), kept per ``key`` among the ``kind`` ones
+        (at most 256 kept a kind): a view costs a microsecond, a lookup a few dozen nanoseconds."""
+        views = self._heads[kind]
+        found = views.get(key)
+        if found is None:
             if len(views) >= 256:
                 views.clear()
-            view = views[n] = getattr(self, name)[:n]
-        return view
+            found = views[key] = make()
+        return found
+
+    def _head(self, name: str, n: int):
+        """``getattr(self, name)[:n]``, one torch view a length."""
+        return self._kept(name, n, lambda: getattr(self, name)[:n])
 
     def _pages_view(self, rows: int, cols: int):
-        """``self._pages[:rows, :cols]``, one torch view a shape (at most 256 kept)."""
-        views = self._heads["_pages"]
-        view = views.get((rows, cols))
-        if view is None:
-            if len(views) >= 256:
-                views.clear()
-            view = views[(rows, cols)] = self._pages[:rows, :cols]
-        return view
+        """``self._pages[:rows, :cols]``, one torch view a shape."""
+        return self._kept("_pages", (rows, cols), lambda: self._pages[:rows, :cols])
 
     def _pool_views(self, bs: int, width: int):
         """(pool rows to fill, host rows they come from, the pool handed to the session) of a step of
         ``bs`` rows and ``width`` columns (on the CPU the pool is the host one): torch views kept a
         shape, dropped with the pool."""
-        views = self._heads["_pool"]
-        found = views.get((bs, width))
-        if found is None:
-            if len(views) >= 256:
-                views.clear()
+        def make():
             pool = self._pool_view if self._cpu else self._pool
-            found = views[(bs, width)] = (pool[:bs, :width], self._pool_view[:bs, :width], pool[:bs, : max(width, 1)])
-        return found
+            return pool[:bs, :width], self._pool_view[:bs, :width], pool[:bs, : max(width, 1)]
+        return self._kept("_pool", (bs, width), make)
 
     def _shifted(self, x, name: str):
         """``x`` as canary slots: itself, or ``x + slot_offset`` in the buffer ``name`` (no allocation)."""
