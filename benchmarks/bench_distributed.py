@@ -46,6 +46,13 @@ ADDED_TARGET_US = 30.0  # issue 25: end_step's added host time with a group, per
 VARIANTS = (("no group", {}), ("group", {"group": True}), ("group + replicated_kv", {"group": True, "replicated_kv": True}))
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for the ranks' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _thread_cpu(thread) -> float:
     """The CPU seconds ``thread`` has used (0 without a thread or a per-thread clock)."""
     if thread is None or not hasattr(time, "pthread_getcpuclockid"):
@@ -194,9 +201,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     forwards = [int(f) for f in args.forward_us.split(",")]
     mp.start_processes(_rank, args=(args.world, args.backend, port, args.workloads.split(","), forwards, args.steps,
                                     args.profile),

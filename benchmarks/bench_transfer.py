@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,12 +32,6 @@ sys.path.insert(0, os.path.dirname(HERE))  # the checkout's package, installed o
 sys.path.insert(0, HERE)
 
 TARGET = 0.01  # issue 26: the default sampled digest <= 1% of the send of the same request
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pool(xp, tokens: int, seed: int):
@@ -140,6 +133,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
+
+    from bench_distributed import free_port
 
     tokens = args.tokens or (4096 if args.backend == "nccl" else 512)
     mp.start_processes(_rank, args=(args.backend, free_port(), tokens, args.repeats), nprocs=2, start_method="spawn")
