@@ -132,6 +132,10 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=None, help="default: 4096 with nccl, 512 with gloo")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    if args.tokens is not None and args.tokens < 1:
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     import torch.multiprocessing as mp
 
     from bench_distributed import free_port
