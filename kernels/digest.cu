@@ -113,9 +113,24 @@ __device__ __forceinline__ const i64* record_row(const DigestRequests& q, i64 sl
   return reinterpret_cast<const i64*>(q.records) + slot * q.rec_fields;
 }
 
-__device__ __forceinline__ bool range_ok(const RowInfo& row, i64 start, i64 end) {
-  const i64 limit = row.length < kDigestMaxPosition ? row.length : kDigestMaxPosition;
-  return row.ok && start >= 0 && start <= end && end <= limit;
+// Request b of a digest: its table row, its positions [start, end), its sampling key, and whether
+// the row and range are valid (a request that is not is skipped by every kernel, counted by digest_init).
+struct DigestRun {
+  RowInfo row;
+  i64 start, end;
+  u64 key;
+  bool ok;
+};
+
+__device__ __forceinline__ DigestRun digest_run(const DigestTable& t, const DigestRequests& q, i64 b) {
+  DigestRun r;
+  r.row = row_info(t, q, b);
+  r.start = reinterpret_cast<const i64*>(q.starts)[b];
+  r.end = reinterpret_cast<const i64*>(q.ends)[b];
+  r.key = static_cast<u64>(reinterpret_cast<const i64*>(q.sample_keys)[b]);
+  const i64 limit = r.row.length < kDigestMaxPosition ? r.row.length : kDigestMaxPosition;
+  r.ok = r.row.ok && r.start >= 0 && r.start <= r.end && r.end <= limit;
+  return r;
 }
 
 // The chain hash at start the provenance sum carries, and whether its lookup was out of range.
@@ -146,10 +161,9 @@ __global__ void digest_init(const __grid_constant__ DigestTable t, const __grid_
   const i64 b = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
   i64 skipped = 0;
   if (b < q.bs) {
-    const RowInfo row = row_info(t, q, b);
-    const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
+    const auto [row, start, end, key, ok] = digest_run(t, q, b);
     u64 rec = 0;
-    if (!range_ok(row, start, end)) {
+    if (!ok) {
       skipped = 1;
     } else if (start < end && q.mode != kRecNone) {
       const u64 prev = seam_hash(t, pool, q, b, row, start, &skipped);
@@ -158,7 +172,7 @@ __global__ void digest_init(const __grid_constant__ DigestTable t, const __grid_
     i64* out = reinterpret_cast<i64*>(q.out) + b * 8;
     out[0] = static_cast<i64>(q.header);
     out[1] = static_cast<i64>(q.signature);
-    out[2] = reinterpret_cast<const i64*>(q.sample_keys)[b];
+    out[2] = static_cast<i64>(key);
     out[3] = start;
     out[4] = end;
     out[5] = 0;
@@ -313,10 +327,8 @@ __global__ void __launch_bounds__(kDigestThreads, kDigestMinBlocks) digest_accum
   const LaneShare pair_share = lane_share(lane, pool.num_heads, nw / 2);
   const u64 pair_words = pair_share.sub < nw / 2 ? 2 * static_cast<u64>((nw / 2 - pair_share.sub + pair_share.group - 1) / pair_share.group) : 0;
   for (i64 b = blockIdx.y; b < q.bs; b += gridDim.y) {
-    const RowInfo row = row_info(t, q, b);
-    const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
-    if (!range_ok(row, start, end)) continue;  // uniform across the block: counted by digest_init
-    const u64 key = static_cast<u64>(reinterpret_cast<const i64*>(q.sample_keys)[b]);
+    const auto [row, start, end, key, ok] = digest_run(t, q, b);
+    if (!ok) continue;  // uniform across the block
     const unsigned first = first_layer(smp, key);
     if (tabled) {
       __syncthreads();  // the previous request's table is read no more
@@ -490,10 +502,8 @@ __global__ void __launch_bounds__(kDigestThreads) digest_units(const __grid_cons
   const int dj = 32 / units, du = 32 % units;
   const int j0 = lane / units, u0 = lane % units;
   for (i64 b = blockIdx.y; b < q.bs; b += gridDim.y) {
-    const RowInfo row = row_info(t, q, b);
-    const i64 start = reinterpret_cast<const i64*>(q.starts)[b], end = reinterpret_cast<const i64*>(q.ends)[b];
-    if (!range_ok(row, start, end)) continue;  // uniform across the block: counted by digest_init
-    const u64 key = static_cast<u64>(reinterpret_cast<const i64*>(q.sample_keys)[b]);
+    const auto [row, start, end, key, ok] = digest_run(t, q, b);
+    if (!ok) continue;  // uniform across the block
     const unsigned first = first_layer(smp, key);
     if (threadIdx.x == 0) aligned = ((pool.page_stride | pool.token_stride) & 15) == 0 && nw % 2 == 0;
     __syncthreads();  // the previous request's table is read no more; `aligned` is set
