@@ -75,6 +75,7 @@ def _profile(session, d, forward, sync, barrier, steps: int, show: bool) -> None
     """``steps`` more steps on every rank (the same collectives), ``end_step`` under cProfile; printed if ``show``."""
     import cProfile
     import pstats
+    from kvcanary_cupy.devtools.bench.host_setup import print_profile
 
     profiler = cProfile.Profile()
     for _ in range(steps):
@@ -88,8 +89,8 @@ def _profile(session, d, forward, sync, barrier, steps: int, show: bool) -> None
         profiler.disable()
     if show:
         print(f"cProfile of end_step with a group on the step's thread, {steps} steps (the worker thread is not "
-              "profiled); cumulative:")
-        pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
+              "profiled):")
+        print_profile(pstats.Stats(profiler), steps, 25)
 
 
 def _rank(rank, world, backend, port, workloads, forwards, steps, profile):

@@ -26,6 +26,7 @@ import numpy as np
 from kvcanary_cupy.hf.config import HfEngineConfig
 from kvcanary_cupy.hf.harness import Harness
 from kvcanary_cupy.hf.runner import configs, tiny_llama, workload
+from kvcanary_cupy.devtools.bench.host_setup import print_profile
 from kvcanary_cupy.integrations.transformers import attach
 
 MODELS = {
@@ -89,8 +90,7 @@ def main(argv=None) -> int:
             if args.dump:
                 profile.dump_stats(f"{args.dump}{i}.prof")
             print(f"\ncProfile of the canary's share of {steps} steps, {name} (the forward left out):")
-            for order in ("tottime", "cumulative"):
-                pstats.Stats(profile).sort_stats(order).print_stats(args.profile)
+            print_profile(pstats.Stats(profile), steps, args.profile)
     return 0
 
 

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # the checkout's package, installed o
 
 from kvcanary_cupy.args import STAGE_HEADER  # noqa: E402
 from kvcanary_cupy.constants import CanaryLaunchTag  # noqa: E402
-from kvcanary_cupy.devtools.bench.host_setup import stubbed_numpy_backend  # noqa: E402
+from kvcanary_cupy.devtools.bench.host_setup import print_profile, quiet_staging, stubbed_numpy_backend  # noqa: E402
 
 COVERAGE_OPS = ("deep_write", "deep_check", "lost_snapshot", "lost_check")
 CALLS = ("pre_forward", "post_forward", "end_step", "sweep", "move", "copy")
@@ -51,15 +51,14 @@ def stub_everything(stub) -> None:
         setattr(numpy_coverage, name, lambda *a, **k: None)
     enable, runs = STAGE_HEADER.index("enable"), [0]
 
-    def quiet_stage(a, stamp):
+    def quiet_stage(out, layout):
         runs[0] += 1
-        layout, out = a.layout, a.staging
-        out[:] = 0
+        out[: layout.ring] = 0  # the header and the counters, as a clean staging writes them
         out[enable] = 1
         for tag in (CanaryLaunchTag.HEAD_K_FULL, CanaryLaunchTag.TAIL_K_FULL):
             out[layout.counters + 2 * layout.num_kinds + int(tag)] = runs[0]
 
-    stub("session_stage", quiet_stage)
+    quiet_staging(stub, quiet_stage)
     return saved
 
 
@@ -145,8 +144,7 @@ def _run(steps: int, top: int, xp, cupy, dump: str | None) -> dict:
         profile.dump_stats(dump)
     stats = pstats.Stats(profile)
     if top:
-        stats.sort_stats("tottime").print_stats(top)
-        stats.sort_stats("cumulative").print_stats(top)
+        print_profile(stats, steps, top)
     return dict(host_us=statistics.median(host), mean_host_us=statistics.fmean(host), ops=statistics.median(ops),
                 mean_ops=statistics.fmean(ops), per_call={c: call_us[c] / measured for c in call_us},
                 calls={c: call_count[c] / measured for c in call_count}, spread=spread,

@@ -69,8 +69,29 @@ def measure(fn, calls: int, top: int) -> tuple[float, float]:
     profile.disable()
     stats = pstats.Stats(profile)
     if top:
-        stats.sort_stats("tottime").print_stats(top)
+        print_profile(stats, 100, top, "call")
     return us, stats.total_calls / 100
+
+
+def print_profile(stats: pstats.Stats, per: int, top: int, unit: str = "step") -> None:
+    """The ``top`` costliest functions of ``stats`` by own and by cumulative time, in us and calls
+    per ``unit`` (``per`` of them profiled): pstats prints seconds to the millisecond, too coarse
+    for a call of a few hundred microseconds."""
+    rows = [(tt, ct, nc, f"{func} ({file.rsplit('/', 1)[-1]}:{line})" if line else func)
+            for (file, line, func), (_, nc, tt, ct, _) in stats.stats.items()]
+    print(f"  {sum(r[2] for r in rows) / per:.0f} Python-level calls a {unit}")
+    for title, key in (("own", 0), ("cumulative", 1)):
+        print(f"  {'calls':>8} {'own us':>8} {'cum us':>8}  a {unit}, by {title} time")
+        for tt, ct, nc, where in sorted(rows, key=lambda r: r[key], reverse=True)[:top]:
+            print(f"  {nc / per:>8.1f} {1e6 * tt / per:>8.1f} {1e6 * ct / per:>8.1f}  {where}")
+
+
+def quiet_staging(stub, mark) -> None:
+    """The NumPy staging stood in for by ``mark(record, layout)`` on each staged record (a step in
+    which nothing happened; ``layout``: the record's), through ``stub`` of :func:`stubbed_numpy_backend`.  It replaces the
+    backend's ``prepare_stage``, which a session binds when it is built: call this before."""
+    stub("prepare_stage", lambda a: lambda stamp, stream=None, staging=None: mark(
+        a.staging if staging is None else staging, a.layout))
 
 
 @contextlib.contextmanager
