@@ -330,6 +330,30 @@ class Pool:
         return held
 
 
+class _CanaryWindow:
+    """One canary call's window: host CPU time from the timer's last act on entry to its first on
+    exit (its events and bookkeeping outside, as a generator-based context's resumption was not)."""
+
+    __slots__ = ("timer", "ops", "start", "t0")
+
+    def __init__(self, timer: "StepTimer", ops):
+        self.timer, self.ops = timer, ops
+
+    def __enter__(self):
+        self.start = self.timer._start()
+        self.t0 = time.thread_time()
+
+    def __exit__(self, kind, value, traceback):
+        t = time.thread_time()
+        timer = self.timer
+        timer.canary_host += t - self.t0
+        timer._stop("canary", self.start)
+        if kind is None:
+            timer.ops += len(self.ops)
+            timer.op_counts.update(self.ops)
+        return False
+
+
 class StepTimer:
     """Host CPU time of the canary calls per step (this thread's: other processes sharing the
     cores do not inflate it), the library ops they make (:func:`session.call_ops`) and, under
@@ -366,38 +390,33 @@ class StepTimer:
         self._spoiled = False
         self._cycles_per_s = None
 
-    @contextmanager
-    def canary(self, call=("other", ())):
-        """Around one canary call: ``call`` is ``(name, ops)``, its name and the library ops it makes
-        (kinds of :data:`session.BOUND_HOST_US`)."""
-        ops = call[1]
-        with self._device("canary"):  # the events' records are the timer's, not the canary's host time
-            t0 = time.thread_time()
-            try:
-                yield
-            finally:
-                self.canary_host += time.thread_time() - t0
-        self.ops += len(ops)
-        self.op_counts.update(ops)
+    def canary(self, call=("other", ())) -> "_CanaryWindow":
+        """Around one canary call (a context): ``call`` is ``(name, ops)``, its name and the library
+        ops it makes (kinds of :data:`session.BOUND_HOST_US`)."""
+        return _CanaryWindow(self, call[1])
 
     @contextmanager
     def model(self):
-        with self._device("model"):
-            yield
+        start = self._start()
+        yield
+        self._stop("model", start)
 
     def _event(self):
         return self._spare.pop() if self._spare else self.cupy.cuda.Event()
 
-    @contextmanager
-    def _device(self, what):
+    def _start(self):
+        """The start event of a device window, recorded (None without CUDA)."""
         if self.cupy is None:
-            yield
-            return
-        start, stop = self._event(), self._event()
+            return None
+        start = self._event()
         start.record()
-        yield
-        stop.record()
-        self._events[what].append((start, stop))
+        return start
+
+    def _stop(self, what: str, start) -> None:
+        if start is not None:
+            stop = self._event()
+            stop.record()
+            self._events[what].append((start, stop))
 
     def begin_step(self) -> None:
         """At a step's start: on a sampled step, hold the stream with the spin kernel."""

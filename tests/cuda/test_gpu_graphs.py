@@ -392,6 +392,25 @@ def _move_inputs(num_pages, n, steps):
     return out
 
 
+@contextlib.contextmanager
+def _capture_context():
+    """A failed capture's error with what else ran meanwhile: the threads alive and the garbage
+    collections inside the capture (a global-mode capture fails on another thread's unsafe call)."""
+    import gc
+    import threading
+
+    collections = []
+    record = lambda phase, info: phase == "start" and collections.append(info["generation"])
+    gc.callbacks.append(record)
+    try:
+        yield
+    except RuntimeError as e:
+        raise AssertionError(f"capture failed: {e}; threads alive: {[t.name for t in threading.enumerate()]}; "
+                             f"garbage collections during the capture (generations): {collections}") from e
+    finally:
+        gc.callbacks.remove(record)
+
+
 @pytest.mark.parametrize("warmed", [False, True], ids=["first-call-captured", "after-an-eager-call"])
 @pytest.mark.parametrize("framework", ["cupy", "torch_cuda"])
 def test_move_pages_capture_and_replay(framework, warmed):
@@ -428,8 +447,9 @@ def test_move_pages_capture_and_replay(framework, warmed):
 
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            move()
+        with _capture_context():
+            with torch.cuda.graph(graph):
+                move()
         inputs_stream = contextlib.nullcontext()  # torch's current stream, which the graph replays on
         replay = lambda: (graph.replay(), torch.cuda.synchronize())
     expected = buf
