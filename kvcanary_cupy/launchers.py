@@ -64,7 +64,8 @@ class WriteLauncher:
     input_ids, ..., **options)`` writes, for the options given here: several canary buffers in one
     launch, and ``stream=`` (the write on a side stream; :meth:`join` or
     :func:`kvcanary_cupy.join_stream` joins it).  A call whose per-step arrays are contiguous
-    int64 arrays of the buffers' framework and device checks only those arrays; any other call
+    arrays of the buffers' framework and device (the tokens, positions and slots int32 or int64
+    each, the write-input assert's int64) checks only those arrays; any other call
     takes :func:`kvcanary_cupy.write` (the same bytes, the same errors).  Capture-safe.
 
     Parameters
@@ -144,7 +145,8 @@ class WriteLauncher:
                 gpu = b.gpu
                 launch = gpu.write_launch(args)
                 b.pack(launch.params)
-                b.set_tokens = b.setter("inputs.input_ids", "inputs.positions", "inputs.out_cache_loc", "inputs.num_tokens")
+                b.set_tokens = b.setter("inputs.input_ids", "inputs.positions", "inputs.out_cache_loc", "inputs.num_tokens",
+                                        "inputs.input_widths")
                 b.set_expected = b.optional_setter("inputs.expected_tokens", "inputs.expected_positions")
                 b.grid, b.block = (launch.config.grid,), (launch.config.block,)
                 real_kv = gpu.has_real_kv(args.targets, args.real_kv_hash_mode)
@@ -159,24 +161,25 @@ class WriteLauncher:
             if b is not None and b.tensors and b.moved():
                 self._bind()
                 b = self._bound
-            leading = None if b is None else b.arrays.leading(input_ids)
-            if leading is not None:
-                vector = b.arrays.vector
-                ids, n = leading
-                pos, loc = vector(positions, n), vector(out_cache_loc, n)
+            # the step's tokens, positions and slots int32 or int64, each its own (transformers builds int32 ones)
+            first = None if b is None else b.arrays.indices(input_ids, -1)
+            if first is not None:
+                arrays = b.arrays
+                ids, n, ids64 = first
+                pos, loc = arrays.indices(positions, n), arrays.indices(out_cache_loc, n)
                 if expected_input_tokens is None:
                     et = ep = None
                     ok = expected_input_positions is None
                 else:
-                    et, ep = vector(expected_input_tokens, n), vector(expected_input_positions, n)
+                    et, ep = arrays.vector(expected_input_tokens, n), arrays.vector(expected_input_positions, n)
                     ok = et is not None and ep is not None
                 if ok and pos is not None and loc is not None:
                     if b.numpy:
                         get_backend("numpy").write(b.args._replace(
-                            input_ids=ids, positions=pos, out_cache_loc=loc, expected_input_tokens=et,
+                            input_ids=ids, positions=pos[0], out_cache_loc=loc[0], expected_input_tokens=et,
                             expected_input_positions=ep))
                     else:
-                        b.set_tokens((ids, pos, loc, n))
+                        b.set_tokens((ids, pos[0], loc[0], n, ids64 | pos[2] << 1 | loc[2] << 2))
                         b.set_expected(None if et is None else (et, ep))
                         b.launch(b.kernels[et is not None], b.grid, b.block)
                     return

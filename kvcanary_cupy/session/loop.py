@@ -301,8 +301,10 @@ class CanarySession(StagingMixin, ViolationsMixin, SweepMixin):
         req_pool_indices, prefix_lens, extend_seq_lens, table
             As for :func:`plan`; ``len(prefix_lens)`` at most ``max_batch_size``.
         input_ids, positions, out_cache_loc : int64 or int32 arrays [T]
-            As for :func:`write` (int32 ones, as transformers builds them, are read as they are;
-            the bound launchers' fastest path takes int64).
+            As for :func:`write`: int32 ones, as transformers builds them, are read as they are,
+            each of the three its own dtype.  With the lost-store check or deep fingerprints, an
+            int32 ``out_cache_loc`` is widened into a copy each step (refused in a capture): pass
+            that one as int64 there.
         expected_tokens, expected_tokens_valid_lens : optional
             The expected-token pool and its valid lengths, checked when the session was built
             with ``check_expected_tokens``.

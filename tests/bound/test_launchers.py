@@ -53,7 +53,7 @@ def _rows_of_wider_table(asarray, table):
 
 def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device(monkeypatch):
     """Same kernels, grids, blocks, stream and argument bytes as the free functions, for the same
-    arrays, and all of it on the bound path (empty batches included)."""
+    arrays, and all of it on the bound path (empty batches and int32 tokens included)."""
     pytest.importorskip("cupy")
     from kvcanary_cupy.devtools.fake_cupy import fake_device
 
@@ -81,7 +81,9 @@ def test_bound_kernel_launches_equal_the_free_ones_on_a_fake_device(monkeypatch)
                 prefix, extend = a(s.prefix_lens), a(s.extend_seq_lens)
                 expected = dict(req_to_verify_expected_tokens=pool,
                                 req_to_verify_expected_tokens_valid_lens=None if pool is None else a(s.valid_lens))
-                tokens = (a(s.input_ids), a(s.positions), a(s.out_cache_loc))
+                # seeds 1-7 mod 8 make some of the three int32 (each its own dtype: input_widths)
+                tokens = tuple(a(x.astype(np.int32) if (seed >> k) & 1 else x)
+                               for k, x in enumerate((s.input_ids, s.positions, s.out_cache_loc)))
                 checks = {} if s.expected_tokens is None else dict(
                     expected_input_tokens=a(s.expected_tokens), expected_input_positions=a(s.expected_positions))
                 flag = s.chain_flag if isinstance(s.chain_flag, bool) else a(s.chain_flag)
@@ -447,14 +449,24 @@ def test_side_stream_write_forks_and_join_joins_with_one_event_each(monkeypatch,
         assert (forks[0] == forks[1]) != full_validation  # the bound path reuses its fork event
 
 
-def test_write_launcher_takes_int32_tokens_like_the_free_function(ab):
-    """int32 input_ids / positions / out_cache_loc leave the bound fast path (int64 only) for the free
-    write, which reads them as they are: the same bytes as the free function."""
+@pytest.mark.parametrize("widths", ["32,32,32", "32,64,64", "64,32,64", "64,64,32", "64,32,32"])
+def test_write_launcher_takes_int32_tokens_on_its_bound_path(ab, widths, monkeypatch):
+    """int32 input_ids / positions / out_cache_loc, each its own dtype, stay on the bound path (the
+    free write refused) and give the free function's bytes (which reads them as they are too)."""
+    values = ([7, 8, 9], [0, 1, 0], [3, 4, 60])  # slot 60 is past the buffer: counted, skipped
+    dtypes = [np.int32 if w == "32" else np.int64 for w in widths.split(",")]
     out = []
     for launch in (False, True):
         buf, wp, log = _write_setup(ab)
-        tokens = [ab.asarray(np.array(v, np.int32)) for v in ([7, 8, 9], [0, 1, 0], [3, 4, 5])]
-        (kc.WriteLauncher(buf, wp, log=log) if launch else lambda *t: kc.write(buf, wp, *t, log=log))(*tokens)
+        tokens = [ab.asarray(np.array(v, t)) for v, t in zip(values, dtypes)]
+        if launch:
+            write = kc.WriteLauncher(buf, wp, log=log)
+            _free_functions_refused(monkeypatch)
+            write(*tokens)
+            write(*tokens)  # twice: the second reads the first's records back
+        else:
+            for _ in range(2):
+                kc.write(buf, wp, *tokens, log=log)
         out.append((ab.to_numpy(buf).tobytes(), log.read().to_json()))
     assert out[0] == out[1]
 
