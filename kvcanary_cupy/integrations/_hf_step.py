@@ -113,11 +113,13 @@ class StepCanary:
         self._sweep_every = options.sweep_every
         self._ext, self._pre = torch.zeros(max_bs, **i64), torch.zeros(max_bs, **i64)
         self._zeros, self._rows = torch.zeros(max_bs + 1, **i64), torch.arange(max_bs, **i64)
-        self._ids, self._pos, self._loc = (torch.zeros(max_tokens, **i64) for _ in range(3))
+        self._cpu = self.device.type == "cpu"
+        self._loc = torch.zeros(max_tokens, **i64)
+        # the step's ids and positions widened on the CPU only (on a GPU the writes read the engine's int32 rows)
+        self._ids, self._pos = (torch.zeros(max_tokens, **i64) for _ in range(2)) if self._cpu else (None, None)
         self._slots = torch.zeros(max_bs, **i64)  # the decode path's write slots
         self._pages = torch.zeros(tuple(io.block_table.shape[1:]), **i64)  # its block table as canary pages (5.17)
         self._read = torch.zeros(reads, **i64) if layout.slot_offset else None
-        self._cpu = self.device.type == "cpu"
         # on the CPU the step's small int arithmetic runs in NumPy on views of these buffers (a torch op
         # costs several times a ufunc call there) and the session gets torch views made once a length
         self._np = {name: getattr(self, name).numpy() for name in ("_ext", "_pre", "_ids", "_pos", "_loc", "_read")
@@ -229,15 +231,14 @@ class StepCanary:
         return ext, pre
 
     def _step_tokens(self, batch_data: dict, tokens: int):
-        """The step's input ids and positions widened into the canary's int64 buffers."""
+        """The step's input ids and positions: on a GPU the engine's own int32 rows (the session's
+        bound writes read int32 as it is: a copy would cost a launch each), on the CPU widened into
+        the canary's int64 buffers (NumPy's decode write is quickest on int64)."""
         if self._cpu:
             np.copyto(self._np["_ids"][:tokens], batch_data["input_ids"].numpy()[0, :tokens])
             np.copyto(self._np["_pos"][:tokens], batch_data["position_ids"].numpy()[0, :tokens])
             return self._head("_ids", tokens), self._head("_pos", tokens)
-        ids, pos = self._head("_ids", tokens), self._head("_pos", tokens)
-        ids.copy_(batch_data["input_ids"][0, :tokens])
-        pos.copy_(batch_data["position_ids"][0, :tokens])
-        return ids, pos
+        return batch_data["input_ids"][0, :tokens], batch_data["position_ids"][0, :tokens]
 
     def _pre_forward(self, batch_data: dict) -> None:
         layout, requests = self.layout, self.io.requests_in_batch
@@ -261,8 +262,6 @@ class StepCanary:
                 table = PagedKvIndices(cu_k[: bs + 1], self._shifted(read, "_read"), page_size=1)
             rp = None
             loc = self._shifted(batch_data["write_index"][layout.group], "_loc")
-        # widened into the canary's own int64 buffers on the device: the session's bound write launchers
-        # take int64 at full speed (an int32 step would go through the free write, which reads it as it is)
         ids, pos = self._step_tokens(batch_data, loc.shape[0])
         self._note_rewrites(requests, pasts, tables)
         if self._writes is not None:
