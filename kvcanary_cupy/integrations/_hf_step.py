@@ -30,6 +30,10 @@ SHARED_BLOCK_REWRITE = "engine_rewrote_shared_block"
 FIRST_STORE_UNCHANGED = "first_store_unchanged_bytes"
 
 
+#: The expected-token pool handed to the session is a multiple of this many columns wide (_pool_views).
+POOL_COLUMN_STEP = 64
+
+
 class _History:
     """The engine's token history of one request (``initial_tokens + generated_tokens``), int32, grown in place."""
 
@@ -195,11 +199,15 @@ class StepCanary:
 
     def _pool_views(self, bs: int, width: int):
         """(pool rows to fill, host rows they come from, the pool handed to the session) of a step of
-        ``bs`` rows and ``width`` columns (on the CPU the pool is the host one): torch views kept a
-        shape, dropped with the pool."""
+        ``bs`` rows and at least ``width`` columns (on the CPU the pool is the host one): torch views
+        kept a shape, dropped with the pool.  The width is rounded up to POOL_COLUMN_STEP columns (the
+        session reads a row only below its valid length, the row's past tokens), so that a decode
+        run, one column wider each step, keeps its views for that many steps."""
+        width = min(-(-max(width, 1) // POOL_COLUMN_STEP) * POOL_COLUMN_STEP, self._pool_host.shape[1])
+
         def make():
             pool = self._pool_view if self._cpu else self._pool
-            return pool[:bs, :width], self._pool_view[:bs, :width], pool[:bs, : max(width, 1)]
+            return pool[:bs, :width], self._pool_view[:bs, :width], pool[:bs, :width]
         return self._kept("_pool", (bs, width), make)
 
     def _shifted(self, x, name: str):
