@@ -173,6 +173,30 @@ class _TorchArrays:
 
 
 
+class _TorchCpuArrays(_TorchArrays):
+    """CPU torch tensors as NumPy views, and NumPy arrays as they are: the free functions take
+    both among CPU tensors, so the bound path does too (an engine's own NumPy buffers need no
+    torch view, which costs a microsecond to make and another to view back)."""
+
+    def __init__(self):
+        super().__init__(None)
+
+    def vector(self, x, n):
+        return _NUMPY.vector(x, n) if type(x) is np.ndarray else _TorchArrays.vector(self, x, n)
+
+    def leading(self, x):
+        return _NUMPY.leading(x) if type(x) is np.ndarray else _TorchArrays.leading(self, x)
+
+    def indices(self, x, n):
+        return _NUMPY.indices(x, n) if type(x) is np.ndarray else _TorchArrays.indices(self, x, n)
+
+    def table(self, x, wide=False):
+        return _NUMPY.table(x, wide) if type(x) is np.ndarray else _TorchArrays.table(self, x, wide)
+
+
+_NUMPY = _NumpyArrays()
+
+
 def _stamp(tensors) -> list:
     """The bound tensors' addresses: a reallocation always changes one (old and new memory coexist
     while torch copies), so comparing them keeps every launch inside live memory."""
@@ -209,7 +233,7 @@ class BoundState:
         self.stamp = _stamp(self.tensors)
         torch = placement.framework == "torch"
         if self.numpy:
-            self.arrays = _TorchArrays(None) if torch else _NumpyArrays()
+            self.arrays = _TorchCpuArrays() if torch else _NUMPY
             return
         from .backends.cuda import ops as cuda_ops
 

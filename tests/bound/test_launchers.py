@@ -470,3 +470,33 @@ def test_write_launcher_takes_int32_tokens_on_its_bound_path(ab, widths, monkeyp
         out.append((ab.to_numpy(buf).tobytes(), log.read().to_json()))
     assert out[0] == out[1]
 
+
+
+def test_a_cpu_torch_session_takes_numpy_step_arrays_on_its_bound_path(monkeypatch):
+    """On the CPU, NumPy per-step arrays among a torch session's tensors stay on the bound path (the
+    free functions refused; they take both too) and give the bytes of the same steps in torch."""
+    torch = pytest.importorskip("torch")
+    rtt = np.arange(1, 1 + 3 * 16, dtype=np.int32).reshape(3, 16)
+    steps = [([1, 2], [0, 0], [3, 2], [5, 6, 7, 8, 9], [0, 1, 2, 0, 1], [17, 18, 19, 33, 34]),  # table row 0: padding
+             ([1, 2], [3, 2], [1, 1], [10, 11], [3, 2], [20, 35])]
+    out = {}
+    for framework in ("torch", "numpy"):
+        like = torch.zeros(1, dtype=torch.int64)
+        session = kc.CanarySession(64, max_batch_size=2, verify_capacity=64, like=like)
+        table = torch.from_numpy(rtt)
+        with monkeypatch.context() as mp:
+            if framework == "numpy":
+                _free_functions_refused(mp)
+            for step in steps:
+                arrays = [np.array(v, np.int64) for v in step]
+                if framework == "torch":
+                    arrays = [torch.from_numpy(a) for a in arrays]
+                rp, prefix, extend, ids, pos, loc = arrays
+                session.pre_forward(rp, prefix, extend, table, ids, pos, loc)
+                session.post_forward()
+                session.end_step()
+        session.check()
+        out[framework] = (session.head_canary.numpy().tobytes(), session.tail_canary.numpy().tobytes(),
+                          session.stats["violations"])
+    assert out["numpy"] == out["torch"]
+    assert out["torch"][2] == 0 and out["torch"][0] != bytes(len(out["torch"][0]))
