@@ -291,7 +291,7 @@ def test_the_decode_path_block_table_names_the_slots_the_csr_form_does(model):
                 pre, ext = step._pre[:bs].clone(), step._ext[:bs].clone()
                 csr = kc.PagedKvIndices(batch_data["cu_seq_lens_k"][: bs + 1] if not isinstance(batch_data["cu_seq_lens_k"], dict)
                                         else batch_data["cu_seq_lens_k"]["full_attention"][: bs + 1],
-                                        step._shifted(batch_data["read_index"][layout.group], "_read").clone(), 1)
+                                        torch.as_tensor(step._shifted(batch_data["read_index"][layout.group], "_read")).clone(), 1)
                 vp_csr, _ = kc.plan(None, pre, ext, csr, verify_capacity=4096)
                 vp_bt, _ = kc.plan(step._rows[:bs], pre, ext, step._block_table(bt[layout.group]), verify_capacity=4096)
                 n = int(vp_csr.verify_num_valid[0])

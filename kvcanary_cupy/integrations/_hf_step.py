@@ -125,7 +125,7 @@ class StepCanary:
         self._pages = torch.zeros(tuple(io.block_table.shape[1:]), **i64)  # its block table as canary pages (5.17)
         self._read = torch.zeros(reads, **i64) if layout.slot_offset else None
         # on the CPU the step's small int arithmetic runs in NumPy on views of these buffers (a torch op
-        # costs several times a ufunc call there) and the session gets torch views made once a length
+        # costs several times a ufunc call there), and the session takes those NumPy views as they are
         self._np = {name: getattr(self, name).numpy() for name in ("_ext", "_pre", "_ids", "_pos", "_loc", "_read")
                     if getattr(self, name) is not None} if self._cpu else None
         self._heads: dict = collections.defaultdict(dict)
@@ -206,8 +206,10 @@ class StepCanary:
         width = min(-(-max(width, 1) // POOL_COLUMN_STEP) * POOL_COLUMN_STEP, self._pool_host.shape[1])
 
         def make():
-            pool = self._pool_view if self._cpu else self._pool
-            return pool[:bs, :width], self._pool_view[:bs, :width], pool[:bs, :width]
+            if self._cpu:  # the host pool itself, a NumPy view
+                pool = self._pool_host[:bs, :width]
+                return pool, pool, pool
+            return self._pool[:bs, :width], self._pool_view[:bs, :width], self._pool[:bs, :width]
         return self._kept("_pool", (bs, width), make)
 
     def _shifted(self, x, name: str):
@@ -216,8 +218,9 @@ class StepCanary:
             return x
         n = x.shape[0]
         if self._cpu:
-            np.add(x.numpy(), self.layout.slot_offset, out=self._np[name][:n])
-            return self._head(name, n)
+            out = self._np[name][:n]
+            np.add(x.numpy(), self.layout.slot_offset, out=out)
+            return out
         out = self._head(name, n)
         self.torch.add(x, self.layout.slot_offset, out=out)
         return out
@@ -230,7 +233,7 @@ class StepCanary:
             np.subtract(q[1 : bs + 1], q[:bs], out=ext)
             np.subtract(k[1 : bs + 1], k[:bs], out=pre)
             pre -= ext
-            return self._head("_ext", bs), self._head("_pre", bs)
+            return ext, pre
         ext, pre = self._head("_ext", bs), self._head("_pre", bs)
         sub = self.torch.sub
         sub(cu_q[1 : bs + 1], cu_q[:bs], out=ext)
@@ -243,9 +246,10 @@ class StepCanary:
         bound writes read int32 as it is: a copy would cost a launch each), on the CPU widened into
         the canary's int64 buffers (NumPy's decode write is quickest on int64)."""
         if self._cpu:
-            np.copyto(self._np["_ids"][:tokens], batch_data["input_ids"].numpy()[0, :tokens])
-            np.copyto(self._np["_pos"][:tokens], batch_data["position_ids"].numpy()[0, :tokens])
-            return self._head("_ids", tokens), self._head("_pos", tokens)
+            ids, pos = self._np["_ids"][:tokens], self._np["_pos"][:tokens]
+            np.copyto(ids, batch_data["input_ids"].numpy()[0, :tokens])
+            np.copyto(pos, batch_data["position_ids"].numpy()[0, :tokens])
+            return ids, pos
         return batch_data["input_ids"][0, :tokens], batch_data["position_ids"][0, :tokens]
 
     def _pre_forward(self, batch_data: dict) -> None:
