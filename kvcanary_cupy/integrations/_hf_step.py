@@ -242,9 +242,8 @@ class StepCanary:
         return ext, pre
 
     def _step_tokens(self, batch_data: dict, tokens: int):
-        """The step's input ids and positions: on a GPU the engine's own int32 rows (the session's
-        bound writes read int32 as it is: a copy would cost a launch each), on the CPU widened into
-        the canary's int64 buffers (NumPy's decode write is quickest on int64)."""
+        """The step's input ids and positions: on a GPU the engine's int32 rows as they are (a copy
+        costs a launch), on the CPU widened into int64 buffers (NumPy's decode write is quickest so)."""
         if self._cpu:
             ids, pos = self._np["_ids"][:tokens], self._np["_pos"][:tokens]
             np.copyto(ids, batch_data["input_ids"].numpy()[0, :tokens])
