@@ -20,8 +20,8 @@ without the other variants' noise); then the reduction worker thread's CPU time 
 (off the critical path: the collective's issue, its wait, the decode); with NCCL, the step's device
 time (CUDA events around pre_forward .. end_step on the step's stream) and what the group adds to
 it (issue 26's figure).  ``--profile`` adds, for the "group"
-variant of the first workload, rank 0's cProfile of ``end_step`` on the step's thread (top 25
-cumulative lines).
+variant of the first workload, rank 0's cProfile of ``end_step`` on the step's thread (its 12
+costliest functions by own and by cumulative time, us and calls per step).
 
     python benchmarks/bench_distributed.py [--backend gloo|nccl] [--world 2] [--workloads W3] [--steps 300]
                                            [--forward-us 0,1000] [--profile]
@@ -43,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the checkout's package, installed or not
 
 ADDED_TARGET_US = 30.0  # issue 25: end_step's added host time with a group, per end_step
+PROFILE_TOP = 12  # functions a --profile list prints: both lists and the table fit gpu_check's TAIL=50
 VARIANTS = (("no group", {}), ("group", {"group": True}), ("group + replicated_kv", {"group": True, "replicated_kv": True}))
 
 
@@ -90,7 +91,7 @@ def _profile(session, d, forward, sync, barrier, steps: int, show: bool) -> None
     if show:
         print(f"cProfile of end_step with a group on the step's thread, {steps} steps (the worker thread is not "
               "profiled):")
-        print_profile(pstats.Stats(profiler), steps, 25)
+        print_profile(pstats.Stats(profiler), steps, PROFILE_TOP)
 
 
 def _rank(rank, world, backend, port, workloads, forwards, steps, profile):

@@ -96,7 +96,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   stage bench-session 60 python3 benchmarks/bench_session.py --out "$OUT/bench-session.txt"
   stage bench-digest 120 python3 benchmarks/bench_digest.py --out "$OUT/bench-digest.txt"
   ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 1)
-  # --profile: rank 0's cProfile of the NCCL end_step on the step's thread (top 25 cumulative lines, shown by TAIL=50)
+  # --profile: rank 0's cProfile of the NCCL end_step on the step's thread (12 functions by own and by cumulative time, shown by TAIL=50)
   TAIL=50 stage bench-distributed 120 python3 benchmarks/bench_distributed.py --backend nccl --world "$(( ngpu >= 2 ? 2 : 1 ))" --workloads W3,W1 --profile
   if [ "$ngpu" -ge 2 ]; then  # issue 26: the digest's share of a GPU -> GPU send of the same request
     stage bench-transfer 120 python3 benchmarks/bench_transfer.py --backend nccl

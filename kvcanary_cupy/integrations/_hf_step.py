@@ -199,8 +199,8 @@ class StepCanary:
 
     def _pool_views(self, bs: int, width: int):
         """(pool rows to fill, host rows they come from, the pool handed to the session) of a step of
-        ``bs`` rows and at least ``width`` columns (on the CPU the pool is the host one): torch views
-        kept a shape, dropped with the pool.  The width is rounded up to POOL_COLUMN_STEP columns (the
+        ``bs`` rows and at least ``width`` columns (on the CPU all three the host pool's NumPy view):
+        views kept a shape, dropped with the pool.  The width is rounded up to POOL_COLUMN_STEP columns (the
         session reads a row only below its valid length, the row's past tokens), so that a decode
         run, one column wider each step, keeps its views for that many steps."""
         width = min(-(-max(width, 1) // POOL_COLUMN_STEP) * POOL_COLUMN_STEP, self._pool_host.shape[1])
